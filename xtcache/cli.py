@@ -46,25 +46,14 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug log
 
 
 def main() -> None:
-    """Entry point that turns an XtcacheError into a one-line message and exit code 2."""
+    """Entry point: usage errors are printed by click; an XtcacheError becomes one line and exit 2."""
     from xtcache.errors import XtcacheError
 
     try:
-        app(standalone_mode=False)
+        app()
     except XtcacheError as e:
         typer.echo(f"error: {e}", err=True)
         raise SystemExit(2) from None
-    except typer.Exit as e:
-        raise SystemExit(e.exit_code) from None
-    except click_exceptions() as e:  # usage errors: let click print them
-        e.show()
-        raise SystemExit(e.exit_code) from None
-
-
-def click_exceptions():
-    import click
-
-    return click.ClickException
 
 
 if __name__ == "__main__":

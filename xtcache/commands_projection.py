@@ -1,10 +1,121 @@
-"""Placeholder: replaced by the module owner."""
+"""`xtcache projection build|import|inspect`: make, convert and look at student->teacher maps.
+
+    xtcache projection build --student-tokenizer S --teacher-tokenizer T --out w.safetensors --top-k 4
+    xtcache projection import nemo_map.pt --student-tokenizer S --teacher-tokenizer T --out w.safetensors
+    xtcache projection inspect w.safetensors [--student-tokenizer S --teacher-tokenizer T]
+
+Tokenizers are local directories (or hub-cache names) loaded with `AutoTokenizer` as fast
+tokenizers, never with remote code. The map itself is in `xtcache.projection`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
 import typer
 
-app = typer.Typer(help="Student->teacher projection maps.", no_args_is_help=True)
+app = typer.Typer(help="Student->teacher projection maps for cross-tokenizer distillation.", no_args_is_help=True)
+
+
+@dataclass(kw_only=True)
+class ProjectionBuildConfig:
+    """Settings of `xtcache projection build`."""
+
+    student_tokenizer: str
+    """Student tokenizer directory (fast tokenizer with tokenizer.json)."""
+    teacher_tokenizer: str
+    """Teacher tokenizer directory (fast tokenizer with tokenizer.json)."""
+    out: Path
+    """Output safetensors file."""
+    top_k: int = 4
+    """Teacher entries kept per student token (default 4)."""
+    decay: float = 0.5
+    """Weight ratio between consecutive pieces of a decomposed token (first piece dominant; default 0.5)."""
+    reverse_scale: float = 0.5
+    """Weight of teacher->student decompositions credited back, relative to forward ones (default 0.5)."""
+
+    def __post_init__(self):
+        if self.top_k < 1:
+            raise ValueError(f"--top-k {self.top_k}: must be at least 1")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"--decay {self.decay}: must be in (0, 1]")
+        if self.reverse_scale < 0:
+            raise ValueError(f"--reverse-scale {self.reverse_scale}: must be at least 0")
+
+
+def load_tokenizer(name: str, side: str):
+    """A fast tokenizer from a local directory; a clear error for missing or slow tokenizers."""
+    from transformers import AutoTokenizer
+
+    from xtcache.align import require_fast
+    from xtcache.errors import ProjectionError
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name, use_fast=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ProjectionError(f"cannot load the {side} tokenizer from {name!r}: {e}") from None
+    require_fast(tok, f"{side} tokenizer")
+    return tok
 
 
 @app.command("build")
-def build() -> None:
-    """Not built yet."""
-    print("not built yet")
+def build(
+    student_tokenizer: str = typer.Option(..., help="Student tokenizer directory (fast tokenizer with tokenizer.json)."),
+    teacher_tokenizer: str = typer.Option(..., help="Teacher tokenizer directory (fast tokenizer with tokenizer.json)."),
+    out: Path = typer.Option(..., help="Output safetensors file."),
+    top_k: int = typer.Option(4, help="Teacher entries kept per student token (default 4)."),
+    decay: float = typer.Option(0.5, help="Weight ratio between consecutive pieces of a decomposed token."),
+    reverse_scale: float = typer.Option(0.5, help="Weight of teacher->student decompositions credited back."),
+) -> None:
+    """Build the student->teacher map from the two tokenizers and print its coverage."""
+    from xtcache.projection import build_projection, format_report
+
+    try:
+        cfg = ProjectionBuildConfig(student_tokenizer=student_tokenizer, teacher_tokenizer=teacher_tokenizer,
+                                    out=out, top_k=top_k, decay=decay, reverse_scale=reverse_scale)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    s_tok = load_tokenizer(cfg.student_tokenizer, "student")
+    t_tok = load_tokenizer(cfg.teacher_tokenizer, "teacher")
+    pm = build_projection(s_tok, t_tok, top_k=cfg.top_k, decay=cfg.decay, reverse_scale=cfg.reverse_scale)
+    pm.save(cfg.out)
+    typer.echo(format_report(pm, s_tok, t_tok))
+    missing = pm.notes.get("specials_without_counterpart") or []
+    if missing:
+        typer.echo(f"  student special tokens without a teacher counterpart: {missing}")
+    typer.echo(f"wrote {cfg.out}")
+
+
+@app.command("import")
+def import_(
+    source: Path = typer.Argument(..., help="NeMo-RL projection file (.pt with 'indices' and 'likelihoods')."),
+    student_tokenizer: str = typer.Option(..., help="Student tokenizer the map was built for."),
+    teacher_tokenizer: str = typer.Option(..., help="Teacher tokenizer the map was built for."),
+    out: Path = typer.Option(..., help="Output safetensors file."),
+) -> None:
+    """Convert a NeMo-RL projection map (.pt) into an xtcache map, checking shapes and ids."""
+    from xtcache.projection import format_report, import_nemo
+
+    s_tok = load_tokenizer(student_tokenizer, "student")
+    t_tok = load_tokenizer(teacher_tokenizer, "teacher")
+    pm = import_nemo(source, s_tok, t_tok)
+    pm.save(out)
+    typer.echo(format_report(pm, s_tok, t_tok))
+    typer.echo(f"wrote {out}")
+
+
+@app.command("inspect")
+def inspect(
+    path: Path = typer.Argument(..., help="Projection map (.safetensors) to describe."),
+    student_tokenizer: str = typer.Option(None, help="Student tokenizer, to show rows as token strings."),
+    teacher_tokenizer: str = typer.Option(None, help="Teacher tokenizer, to show rows as token strings."),
+) -> None:
+    """Print coverage: exact-match share, rows with a mapping, entries per row, example rows."""
+    from xtcache.projection import ProjectionMap, format_report
+
+    pm = ProjectionMap.load(path)
+    s_tok = load_tokenizer(student_tokenizer, "student") if student_tokenizer else None
+    t_tok = load_tokenizer(teacher_tokenizer, "teacher") if teacher_tokenizer else None
+    typer.echo(format_report(pm, s_tok, t_tok))
+    typer.echo(f"  student fingerprint {pm.student_fingerprint[:16]}  teacher fingerprint {pm.teacher_fingerprint[:16]}")

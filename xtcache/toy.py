@@ -107,17 +107,20 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int, style: str, out_dir: 
 
 
 def build_tiny_model(arch: str, tokenizer_dir: str | Path, out_dir: str | Path, *, hidden: int = 64,
-                     layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 192,
+                     layers: int = 2, heads: int | None = None, kv_heads: int | None = None, intermediate: int = 192,
                      max_positions: int = 2048, seed: int = 0, vocab_pad: int = 0):
     """A randomly initialised tiny causal LM saved with its tokenizer (safetensors weights).
 
     arch "qwen2" (the teacher family) or "llama" (the student family). `vocab_pad` adds unused
     lm_head columns beyond the tokenizer, as real checkpoints do (Qwen3: 151,936 vs 151,669).
+    Heads default to a head size of 32: vLLM's CPU attention has no kernel for smaller heads.
     """
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    heads = heads or max(1, hidden // 32)
+    kv_heads = kv_heads or max(1, heads // 2)
     common = dict(
         vocab_size=len(tok) + vocab_pad, hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
@@ -191,6 +194,7 @@ class ToySpec:
     teacher_layers: int = 2
     student_hidden: int = 64
     student_layers: int = 2
+    teacher_vocab_pad: int = 16
     teacher_steps: int = 300
     teacher_seq_len: int = 128
     heldout_fraction: float = 0.1
@@ -239,7 +243,8 @@ def build_toy_setup(cache_dir: str | Path, spec: ToySpec = ToySpec(), *, train_t
     train_bpe_tokenizer(train, spec.teacher_vocab, "teacher", setup.teacher_tokenizer)
     train_bpe_tokenizer(train, spec.student_vocab, "student", setup.student_tokenizer)
     build_tiny_model("qwen2", setup.teacher_tokenizer, setup.teacher_model, hidden=spec.teacher_hidden,
-                     layers=spec.teacher_layers, intermediate=spec.teacher_hidden * 3, seed=spec.seed)
+                     layers=spec.teacher_layers, intermediate=spec.teacher_hidden * 3, seed=spec.seed,
+                     vocab_pad=spec.teacher_vocab_pad)
     build_tiny_model("llama", setup.student_tokenizer, setup.student_model, hidden=spec.student_hidden,
                      layers=spec.student_layers, intermediate=spec.student_hidden * 3, seed=spec.seed + 1)
     if train_teacher and spec.teacher_steps > 0:
@@ -247,3 +252,40 @@ def build_toy_setup(cache_dir: str | Path, spec: ToySpec = ToySpec(), *, train_t
                       seed=spec.seed)
     (root / "DONE").write_text(json.dumps(asdict(spec)))
     return setup
+
+
+def train_sentencepiece_style_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path):
+    """Train a SentencePiece-style fast tokenizer (Llama-2 family) and save it as a transformers directory.
+
+    Metaspace pre-tokenization (`▁` for spaces, one prepended to the text), BPE with byte fallback
+    (the 256 `<0xNN>` pieces are ordinary vocabulary entries, so no text is ever unknown), `<s>`
+    prepended as BOS, `</s>` EOS, `<unk>`. Returns the loaded `PreTrainedTokenizerFast`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    draft = Tokenizer(models.BPE(unk_token="<unk>"))
+    draft.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=max(vocab_size - len(byte_pieces), len(specials) + 64),
+                                  special_tokens=specials, show_progress=False)
+    draft.train_from_iterator(texts, trainer=trainer)
+    learned = json.loads(draft.to_str())["model"]
+    vocab = {tok: i for i, tok in enumerate(specials + byte_pieces)}
+    for tok, _ in sorted(learned["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(tok, len(vocab))
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tok.add_special_tokens(specials)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Metaspace(replacement="▁", prepend_scheme="first"),
+                                     decoders.ByteFallback(), decoders.Fuse()])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="</s>")
+    fast.save_pretrained(str(out_dir))
+    return fast

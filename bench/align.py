@@ -1,0 +1,110 @@
+"""Benchmark: chunk alignment speed against tokenization of the same text, side by side.
+
+For each tokenizer pair (byte-level BPE student vs byte-level BPE teacher, SentencePiece-style
+student vs the same teacher) and the same documents, it times in one run:
+
+- tokenize: both fast tokenizers encode the batch (`encode_batch`) and their ids and character
+  offsets are read out into numpy arrays (what any aligner needs as input);
+- align (batch): `xtcache.align` on the whole batch in one vectorized walk, with the byte check
+  of every token against the text;
+- align (per doc): a loop of `align_offsets`, one call per document, for comparison;
+
+and prints a table with the ratio align / tokenize (target: at most 10%). Timings are the best of
+`--repeat` interleaved runs.
+
+    python bench/align.py [--docs 400] [--doc-chars 2000] [--repeat 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from xtcache import toy
+from xtcache.align import _align_flat, _encode_flat, align_offsets, alignment_stats, tokenizer_info
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def bench_pair(name: str, s_tok, t_tok, docs: list[str], repeat: int) -> dict:
+    """Tokenize, batch-align and per-document-align the same documents, interleaved `repeat`
+    times (so load changes on a shared machine hit all three alike); keeps each one's best time."""
+    s_info, t_info = tokenizer_info(s_tok), tokenizer_info(t_tok)
+
+    def tokenize():
+        return (_encode_flat(s_tok, docs, add_special_tokens=True, side="student"),
+                _encode_flat(t_tok, docs, add_special_tokens=True, side="teacher"))
+
+    _, (s_flat, t_flat) = timed(tokenize)  # warm-up
+    split = lambda flat, k: np.split(flat[k], np.cumsum(flat[2])[:-1])  # noqa: E731
+    s_split, s_offs, t_split, t_offs = split(s_flat, 0), split(s_flat, 1), split(t_flat, 0), split(t_flat, 1)
+
+    def batch():
+        return _align_flat(docs, (*s_flat, None), (*t_flat, None), s_info, t_info)
+
+    def per_doc():
+        return [align_offsets(d, a, ao, b, bo, student_info=s_info, teacher_info=t_info)
+                for d, a, ao, b, bo in zip(docs, s_split, s_offs, t_split, t_offs)]
+
+    best = {"tokenize": float("inf"), "batch": float("inf"), "loop": float("inf")}
+    for _ in range(repeat):
+        for key, fn in (("tokenize", tokenize), ("batch", batch), ("loop", per_doc)):
+            dt, out = timed(fn)
+            best[key] = min(best[key], dt)
+            if key == "batch":
+                aligns = out
+            elif key == "loop":
+                loop_aligns = out
+    assert all(x == y for x, y in zip(aligns, loop_aligns)), "batch and per-document alignments differ"
+    tokens = int(s_flat[0].shape[0] + t_flat[0].shape[0])
+    return {"pair": name, "tokens": tokens, "tokenize_s": best["tokenize"], "batch_s": best["batch"],
+            "loop_s": best["loop"], "stats": alignment_stats(aligns)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--docs", type=int, default=400)
+    ap.add_argument("--doc-chars", type=int, default=2000)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--work", default=None, help="directory for the trained tokenizers (default: a temp dir)")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    docs = toy.stdlib_corpus(args.docs, doc_chars=args.doc_chars)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp)
+        train = docs[: max(50, len(docs) // 2)]
+        toy.train_bpe_tokenizer(train, 2048, "teacher", work / "teacher")
+        toy.train_bpe_tokenizer(train, 1536, "student", work / "student")
+        toy.train_sentencepiece_style_tokenizer(train, 1536, work / "sp")
+        teacher = AutoTokenizer.from_pretrained(str(work / "teacher"))
+        student = AutoTokenizer.from_pretrained(str(work / "student"))
+        sp = AutoTokenizer.from_pretrained(str(work / "sp"))
+        rows = [bench_pair("byte-BPE -> byte-BPE", student, teacher, docs, args.repeat),
+                bench_pair("SentencePiece -> byte-BPE", sp, teacher, docs, args.repeat)]
+    chars = sum(len(d) for d in docs)
+    print(f"\n{len(docs)} documents, {chars:,} characters; best of {args.repeat}\n")
+    head = (f"| pair | tokens (both) | tokenize s | align batch s | align/tokenize | aligned tok/s | "
+            f"align per-doc s | per-doc/tokenize | exact chars |")
+    print(head)
+    print("|" + "---|" * 9)
+    for r in rows:
+        print(f"| {r['pair']} | {r['tokens']:,} | {r['tokenize_s']:.3f} | {r['batch_s']:.3f} | "
+              f"{r['batch_s'] / r['tokenize_s']:.1%} | {r['tokens'] / r['batch_s']:,.0f} | {r['loop_s']:.3f} | "
+              f"{r['loop_s'] / r['tokenize_s']:.1%} | {r['stats']['exact_char_share']:.1%} |")
+    for r in rows:
+        s = r["stats"]
+        print(f"{r['pair']}: chunks {s['chunks']:,}  1:1 {s['1:1']:,}  1:n {s['1:n']:,}  n:1 {s['n:1']:,}  "
+              f"n:m {s['n:m']:,}  one side empty {s['empty_student'] + s['empty_teacher']:,}")
+
+
+if __name__ == "__main__":
+    main()

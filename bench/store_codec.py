@@ -1,0 +1,313 @@
+"""Bytes per position, fidelity and speed of the teacher-cache codecs on a real (tiny) teacher.
+
+    .venv/bin/python bench/store_codec.py [--minutes 4] [--positions 20000]
+
+Builds once (cached in .xtcache_bench_cache/): a byte-level BPE tokenizer with a vocabulary above
+65,536 (ids need 17 bits, as for Qwen3 or Llama-3) trained on the standard library's source plus
+30 MB of installed site-packages source (the stdlib alone stops near 61k BPE tokens), and a
+tiny Qwen2 teacher trained on that text for a few minutes. Then takes the teacher's real T=1
+distributions on held-out documents and, for k in {8, 64, 256}, prints for each codec variant:
+bytes/position (ids, values, total with residual + realized log-prob), mean KL(original top-k+rest ||
+decoded), encode/decode positions/s on one core, and the ratio against raw fp32 values + int32 ids.
+The process pins itself to one CPU core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from xtcache import codecs, toy  # noqa: E402
+
+CACHE = REPO / ".xtcache_bench_cache"
+TARGET_VOCAB = 80_000
+CHUNK_BYTES = 1 << 20
+log = logging.getLogger("bench.store_codec")
+
+
+def corpus(extra_mb: float = 30.0) -> list[str]:
+    """The standard library's source plus `extra_mb` of installed site-packages source, ~2,000 chars each.
+
+    BPE on the stdlib alone stops near 61k tokens (every word already one token), short of the
+    17-bit ids this bench is about; the site-packages sources (numpy, torch, transformers, ...)
+    are more real Python text of the same kind.
+    """
+    import random
+    import sysconfig
+
+    docs = toy.stdlib_corpus(max_docs=100_000, doc_chars=2000, seed=0)
+    site = Path(sysconfig.get_paths()["purelib"])
+    budget = int(extra_mb * 1e6)
+    extra: list[str] = []
+    for path in sorted(site.rglob("*.py")):
+        if budget <= 0:
+            break
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        budget -= len(text)
+        piece, size = [], 0
+        for line in text.splitlines(keepends=True):
+            piece.append(line)
+            size += len(line)
+            if size >= 2000:
+                extra.append("".join(piece))
+                piece, size = [], 0
+    random.Random(0).shuffle(extra)
+    return docs + extra
+
+
+def build_teacher(minutes: float) -> tuple[Path, list[str]]:
+    """Tokenizer (vocab > 65,536) and a tiny teacher trained on it; cached between runs."""
+    docs = corpus()
+    held, train = docs[:200], docs[200:]  # held-out: stdlib documents never seen in training
+    root = CACHE / f"teacher-v{TARGET_VOCAB}-m{minutes:g}"
+    if (root / "DONE").exists():
+        return root / "model", held
+    tok_dir = root / "tokenizer"
+    tok = toy.train_bpe_tokenizer(train, TARGET_VOCAB, "teacher", tok_dir)
+    vocab = len(tok)
+    log.info("BPE tokenizer: %d tokens from %d documents (%.1f MB)", vocab, len(train),
+             sum(map(len, train)) / 1e6)
+    if vocab <= 65_536:
+        raise SystemExit(f"BPE reached only {vocab} tokens on the stdlib text; ids would fit 16 bits. "
+                         "Add more text (e.g. site-packages sources) before trusting this bench.")
+    toy.build_tiny_model("qwen2", tok_dir, root / "model", hidden=128, layers=2, heads=4, kv_heads=2,
+                         intermediate=384, seed=0)
+    # train for about `minutes`: time a few steps first, then run the step count that fits
+    t0 = time.perf_counter()
+    toy.train_tiny_lm(root / "model", train[:400], steps=3, seq_len=128, batch_size=8, log_every=0)
+    per_step = (time.perf_counter() - t0) / 3
+    steps = max(20, int(minutes * 60 / per_step))
+    log.info("training the teacher for %d steps (%.2f s/step)", steps, per_step)
+    losses = toy.train_tiny_lm(root / "model", train, steps=steps, seq_len=128, batch_size=8, lr=3e-3)
+    (root / "DONE").write_text(json.dumps({"vocab": vocab, "steps": steps, "first_loss": losses[0],
+                                           "last_loss": float(np.mean(losses[-20:]))}))
+    return root / "model", held
+
+
+def teacher_documents(model_dir: Path, held: list[str], positions: int, k_max: int) -> list[dict]:
+    """Held-out documents with the teacher's real T=1 top-k_max distributions (cached as .npz).
+
+    Each dict: text, ids int32 [T], offsets int32 [T, 2], topk_ids int32 [T, k_max],
+    topk_logprobs float32 [T, k_max], realized float32 [T]; row 0 has no prediction (zeros / NaN).
+    """
+    cache = model_dir.parent / f"dists-{positions}-{k_max}.npz"
+    if not cache.exists():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        arrays: dict[str, np.ndarray] = {}
+        texts, total = [], 0
+        with torch.inference_mode():
+            for text in held:
+                enc = tok(text, return_offsets_mapping=True)
+                ids, offs = enc["input_ids"][:256], enc["offset_mapping"][:256]
+                if len(ids) < 2:
+                    continue
+                text = text[: offs[-1][1]]
+                logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, V]
+                top = torch.topk(logp[:-1], k_max, dim=-1)  # row t predicts token t+1
+                T = len(ids)
+                top_ids = np.zeros((T, k_max), np.int32)
+                top_lp = np.zeros((T, k_max), np.float32)
+                top_ids[1:], top_lp[1:] = top.indices.numpy(), top.values.numpy()
+                realized = np.full(T, np.nan, np.float32)
+                realized[1:] = logp[torch.arange(T - 1), torch.tensor(ids[1:])].numpy()
+                n = len(texts)
+                arrays.update({f"ids{n}": np.array(ids, np.int32), f"offsets{n}": np.array(offs, np.int32),
+                               f"topk_ids{n}": top_ids, f"topk_logprobs{n}": top_lp, f"realized{n}": realized})
+                texts.append(text)
+                total += T - 1
+                if total >= positions:
+                    break
+        arrays["texts"] = np.array(texts)
+        np.savez(cache, **arrays)
+    data = np.load(cache, allow_pickle=False)
+    return [{"text": str(t), "ids": data[f"ids{n}"], "offsets": data[f"offsets{n}"],
+             "topk_ids": data[f"topk_ids{n}"], "topk_logprobs": data[f"topk_logprobs{n}"],
+             "realized": data[f"realized{n}"]} for n, t in enumerate(data["texts"])]
+
+
+def kl_error(lp: np.ndarray, decoded: np.ndarray) -> float:
+    """Mean over rows of KL(p || q): p = top-k probs + rest, q = decoded probs + the same rest, renormalized."""
+    p = np.exp(lp.astype(np.float64))
+    rest = np.clip(1 - p.sum(1, keepdims=True), 0, None)
+    q = np.exp(decoded.astype(np.float64))
+    pf = np.concatenate([p, rest], 1)
+    qf = np.concatenate([q, rest], 1)
+    qf /= qf.sum(1, keepdims=True)
+    pf /= pf.sum(1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(pf > 0, pf * (np.log(pf) - np.log(np.maximum(qf, 1e-300))), 0.0)
+    return float(terms.sum(1).mean())
+
+
+def _compress(values: np.ndarray, comp: codecs.Compression) -> list[bytes]:
+    """Compress with the same numcodecs compressor the Zarr codec uses, in inner-chunk row blocks."""
+    import numcodecs
+
+    codec = (numcodecs.Zstd(level=comp.level) if comp.shuffle == "none" else
+             numcodecs.Blosc(cname="zstd", clevel=comp.level,
+                             shuffle=numcodecs.Blosc.SHUFFLE if comp.shuffle == "byte" else numcodecs.Blosc.BITSHUFFLE))
+    rows = max(1, CHUNK_BYTES // (values.dtype.itemsize * values.shape[1]))
+    return [codec.encode(np.ascontiguousarray(values[i:i + rows])) for i in range(0, len(values), rows)], codec
+
+
+def measure(ids, lp, ids_codec, lp_codec, comp_ids, comp_lp, repeat: int = 3) -> dict:
+    P = len(ids)
+    best_enc = best_dec = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        deltas, order = ids_codec.encode(ids)
+        vals = lp_codec.encode(np.take_along_axis(lp, order, 1))
+        id_blobs, id_c = _compress(deltas, comp_ids)
+        lp_blobs, lp_c = _compress(vals, comp_lp)
+        best_enc = min(best_enc, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        d2 = np.concatenate([np.frombuffer(id_c.decode(b), dtype=deltas.dtype) for b in id_blobs]).reshape(deltas.shape)
+        v2 = np.concatenate([np.frombuffer(lp_c.decode(b), dtype=vals.dtype) for b in lp_blobs]).reshape(vals.shape)
+        dec_ids = ids_codec.decode(d2)
+        dec_lp = lp_codec.decode(v2)
+        best_dec = min(best_dec, time.perf_counter() - t0)
+    sorted_ids = np.take_along_axis(ids, order, 1)
+    if not np.array_equal(dec_ids, sorted_ids):
+        raise SystemExit("id round trip failed")
+    return {
+        "ids_B": sum(map(len, id_blobs)) / P, "vals_B": sum(map(len, lp_blobs)) / P,
+        "kl": kl_error(np.take_along_axis(lp, order, 1), dec_lp),
+        "enc": P / best_enc, "dec": P / best_dec,
+        "max_err": float(np.abs(dec_lp - np.maximum(np.take_along_axis(lp, order, 1), -1e9)).max()),
+    }
+
+
+def side_bytes(lp: np.ndarray, realized: np.ndarray) -> float:
+    """Bytes/position of residual + realized log-prob (float32, zstd level 3) as the store writes them."""
+    import numcodecs
+
+    rest = np.clip(1 - np.exp(lp.astype(np.float64)).sum(1), 0, None).astype(np.float32)
+    z = numcodecs.Zstd(level=3)
+    return (len(z.encode(rest)) + len(z.encode(np.ascontiguousarray(realized)))) / len(lp)
+
+
+def store_round_trip(docs: list[dict], k: int, vocab: int) -> dict:
+    """Write the documents through CacheWriter (default codecs), read them back; sizes and read speed."""
+    import tempfile
+
+    from schemas.models import Manifest
+    from xtcache.commands_store import store_summary
+    from xtcache.store import CacheReader, CacheWriter, DocRecord
+
+    records = []
+    for n, d in enumerate(docs):
+        T = len(d["ids"])
+        lp = d["topk_logprobs"][:, :k]
+        rest = np.clip(1 - np.exp(lp.astype(np.float64)).sum(1), 0, None).astype(np.float32)
+        rest[0] = 0
+        records.append(DocRecord(
+            source="heldout", row=n, text=d["text"], teacher_ids=d["ids"], char_offsets=d["offsets"],
+            has_pred=np.arange(T) > 0, topk_ids=d["topk_ids"][:, :k], topk_logprobs=lp, topk_counts=None,
+            residual=rest, realized_logprob=d["realized"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"{tmp}/store"
+        t0 = time.perf_counter()
+        with CacheWriter(url, Manifest(cache_key="bench", mode="topk", k=k, teacher_vocab_size=vocab)) as w:
+            w.write_part(0, records)
+        write_s = time.perf_counter() - t0
+        reader = CacheReader(url)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            reader.read_shard(reader.shards[0].shard_id)
+            best = min(best, time.perf_counter() - t0)
+        summary = store_summary(url)
+    P = summary["positions"]
+    return {"positions": P, "write": P / write_s, "read": P / best,
+            "bytes": {n: b / P for n, b in summary["bytes_by_array"].items()},
+            "total": summary["total_array_bytes"] / P}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=4.0, help="teacher training time on first run")
+    ap.add_argument("--positions", type=int, default=20_000, help="held-out teacher positions to encode")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    model_dir, held = build_teacher(args.minutes)
+    ks = (8, 64, 256)
+    docs = teacher_documents(model_dir, held, args.positions, max(ks))
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    import numcodecs
+
+    numcodecs.blosc.set_nthreads(1)
+    numcodecs.blosc.use_threads = False
+    ids = np.concatenate([d["topk_ids"][1:] for d in docs])
+    lp = np.concatenate([d["topk_logprobs"][1:] for d in docs])
+    realized = np.concatenate([d["realized"][1:] for d in docs])
+    info = json.loads((model_dir.parent / "DONE").read_text())
+    print(f"teacher: vocab {vocab}, {info['steps']} training steps, loss {info['first_loss']:.2f} -> "
+          f"{info['last_loss']:.2f}; {len(ids)} held-out positions in {len(docs)} documents; "
+          f"largest top-{max(ks)} id {int(ids.max())} ({int((ids >= 65536).sum())} ids >= 65536); one core")
+    id_dtype = "uint16" if vocab <= 65536 else "uint32"
+    permuted = np.random.default_rng(0).permutation(vocab).astype(np.int32)[ids]
+    q8 = codecs.QuantizedLogProbs(8, -24.0)
+    zstd3, byte3 = codecs.Compression(3, "none"), codecs.Compression(3, "byte")
+    variants = [
+        ("q8 zstd3", q8, zstd3, zstd3),
+        ("q8 shuf3", q8, byte3, zstd3),
+        ("q8 shuf7", q8, codecs.Compression(7, "byte"), codecs.Compression(7, "none")),
+        ("q8 bitshuf5", q8, codecs.Compression(5, "bit"), codecs.Compression(5, "bit")),
+        ("q8 zstd9", q8, codecs.Compression(9, "none"), codecs.Compression(9, "none")),
+        ("q8/L38 shuf3", codecs.QuantizedLogProbs(8, -38.25), byte3, zstd3),
+        ("q16 shuf3", codecs.QuantizedLogProbs(16, -24.0), byte3, byte3),
+        ("f16 shuf3", codecs.FloatLogProbs("float16"), byte3, byte3),
+        ("f32 shuf3", codecs.FloatLogProbs("float32"), byte3, byte3),
+    ]
+    hdr = (f"{'k':>4} {'variant':<13} {'ids B':>6} {'vals B':>7} {'side B':>6} {'total B':>7} {'vs raw':>6} "
+           f"{'mean KL':>9} {'max|err|':>8} {'enc pos/s':>10} {'dec pos/s':>11}")
+    print(hdr)
+    print("-" * len(hdr))
+    for k in ks:
+        ids_k, lp_k = ids[:, :k], lp[:, :k]
+        side = side_bytes(lp_k, realized)
+        raw = k * 8 + 8
+        for name, lp_codec, c_ids, c_lp in variants:
+            r = measure(ids_k, lp_k, codecs.SortedDeltaIds(id_dtype), lp_codec, c_ids, c_lp)
+            total = r["ids_B"] + r["vals_B"] + side
+            print(f"{k:>4} {name:<13} {r['ids_B']:>6.1f} {r['vals_B']:>7.1f} {side:>6.1f} {total:>7.1f} "
+                  f"{raw / total:>5.1f}x {r['kl']:>9.2e} {r['max_err']:>8.4f} {r['enc']:>10,.0f} {r['dec']:>11,.0f}")
+        # worst case for delta coding: a vocabulary whose id order says nothing about frequency
+        r = measure(permuted[:, :k], lp_k, codecs.SortedDeltaIds(id_dtype), q8, byte3, zstd3)
+        total = r["ids_B"] + r["vals_B"] + side
+        print(f"{k:>4} {'q8 shuf3 perm':<13} {r['ids_B']:>6.1f} {r['vals_B']:>7.1f} {side:>6.1f} {total:>7.1f} "
+              f"{raw / total:>5.1f}x {r['kl']:>9.2e} {r['max_err']:>8.4f} {r['enc']:>10,.0f} {r['dec']:>11,.0f}")
+    print("perm: the same distributions with teacher ids relabelled by a fixed random permutation of "
+          f"[0, {vocab}) (ids spread over all 17 bits, id order unrelated to frequency)")
+    print("vs raw: k x (4 B int32 id + 4 B fp32 log-prob) + 8 B fp32 residual and realized log-prob "
+          "(520 B at k=64) over total; side B: residual + realized log-prob")
+    print()
+    print("whole store (default codecs, CacheWriter -> CacheReader.read_shard, one core):")
+    for k in ks:
+        r = store_round_trip(docs, k, vocab)
+        parts = ", ".join(f"{n} {b:.1f}" for n, b in sorted(r["bytes"].items(), key=lambda kv: -kv[1]))
+        print(f"  k={k:<3} {r['total']:6.1f} B/position ({parts}); write {r['write']:,.0f} pos/s, "
+              f"read+decode {r['read']:,.0f} pos/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Teacher capture throughput, side by side in one run: where does `xtcache teacher-dump` stand?
+
+On one teacher and one corpus (the same windows for every path) it measures positions/s of
+
+  (a) vLLM forward only           generate(max_tokens=1), no log-probs: the engine's ceiling
+  (b) vLLM prompt log-probs       prompt_logprobs=k with vLLM's default flags (Logprob objects, detokenized)
+  (c) transformers forward+top-k  batched HF forward, log_softmax, topk(k)
+  (d) xtcache teacher-dump        end to end: corpus -> tokenize/align -> teacher -> targets -> store
+
+and prints a table with the ratios (d)/(a) and (d)/(b) (targets: >= 0.5 and >= 4). Engine start
+times are excluded from every rate and printed separately; (d) is timed from its first batch to
+its last committed part, so tokenization, alignment, lm_head/top-k and the compressed writes are
+inside it. The teacher is the tests' vLLM-servable toy teacher (Qwen2, head size 32, padded
+lm_head) unless --teacher is given.
+
+    .venv/bin/python bench/teacher_dump.py [--docs 256] [--top-k 64] [--max-seq-len 512] [--teacher DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def corpus_windows(teacher: str, texts: list[str], max_len: int) -> list[np.ndarray]:
+    from stage1_teacher.prep import load_tokenizer
+
+    tok = load_tokenizer(teacher, "teacher tokenizer")
+    out = []
+    for enc in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=True):
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        out.extend(ids[i:i + max_len] for i in range(0, len(ids), max_len) if len(ids[i:i + max_len]) > 1)
+    return out
+
+
+def bench_vllm_generate(teacher: str, windows, k: int, max_len: int, dtype: str) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from stage1_teacher.capture_vllm import VllmOptions
+
+    opts = VllmOptions(model=teacher, dtype=dtype, max_model_len=max_len + 1,
+                       max_num_batched_tokens=max(8192, max_len + 1))
+    t0 = time.perf_counter()
+    llm = LLM(**opts.llm_kwargs(), max_logprobs=k)
+    start = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": w.tolist()} for w in windows]
+    n = sum(len(w) for w in windows)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    fwd = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=k), use_tqdm=False)
+    plp = time.perf_counter() - t0
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    return {"start": start, "a": n / fwd, "b": n / plp, "a_s": fwd, "b_s": plp}
+
+
+def bench_hf(teacher: str, windows, k: int, dtype: str) -> dict:
+    import torch
+
+    from stage1_teacher.capture_hf import HfEngine
+
+    eng = HfEngine(teacher, dtype=dtype, batch_tokens=16384)
+    n = sum(len(w) for w in windows)
+    t0 = time.perf_counter()
+    for i in range(0, len(windows), 32):
+        for z in eng.run(windows[i:i + 32]):
+            torch.topk(torch.log_softmax(z, -1), k, dim=-1)
+    return {"c": n / (time.perf_counter() - t0)}
+
+
+def bench_dump(teacher: str, student: str, corpus: str, k: int, max_len: int, dtype: str, out: str) -> dict:
+    from stage1_teacher.config import build_config
+    from stage1_teacher.dump import run_teacher_dump
+
+    cfg = build_config({"teacher": teacher, "student_tokenizer": [student], "data": [corpus], "out": out,
+                        "engine": "vllm", "dtype": dtype, "top_k": k, "max_seq_len": max_len,
+                        "docs_per_part": 64})
+    s = run_teacher_dump(cfg, progress=False)
+    return {"d": s.positions / s.capture_s, "summary": s}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--docs", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--teacher", default=None)
+    p.add_argument("--student-tokenizer", default=None)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    from stage1_teacher.toy_teacher import build_vllm_teacher
+    from xtcache import toy
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import TEST_CACHE, TEST_SPEC  # the tests' toy setup, built once
+
+    setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
+    teacher = args.teacher or str(build_vllm_teacher(setup.root))
+    student = args.student_tokenizer or str(setup.student_tokenizer)
+    texts = [json.loads(l)["text"] for l in open(setup.train_jsonl)][:args.docs]
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = f"{tmp}/corpus.jsonl"
+        Path(corpus).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        windows = corpus_windows(teacher, texts, args.max_seq_len)
+        n = sum(len(w) for w in windows)
+        print(f"teacher {teacher}\ncorpus  {len(texts)} documents, {len(windows)} windows, {n} positions, "
+              f"k={args.top_k}, dtype {args.dtype}", flush=True)
+        ab = bench_vllm_generate(teacher, windows, args.top_k, args.max_seq_len, args.dtype)
+        c = bench_hf(teacher, windows, args.top_k, args.dtype)
+        d = bench_dump(teacher, student, corpus, args.top_k, args.max_seq_len, args.dtype, f"{tmp}/store")
+    s = d["summary"]
+    rows = [
+        ("(a) vLLM forward only", ab["a"]),
+        ("(b) vLLM prompt log-probs, default flags", ab["b"]),
+        ("(c) transformers forward + top-k", c["c"]),
+        ("(d) xtcache teacher-dump, end to end", d["d"]),
+    ]
+    print()
+    print(f"| path | positions/s |")
+    print(f"| --- | ---: |")
+    for name, rate in rows:
+        print(f"| {name} | {rate:,.0f} |")
+    print()
+    print(f"(d)/(a) = {d['d'] / ab['a']:.2f}   (target >= 0.5)")
+    print(f"(d)/(b) = {d['d'] / ab['b']:.2f}   (target >= 4)")
+    print(f"(d)/(c) = {d['d'] / c['c']:.2f}")
+    print(f"\nengine start: {ab['start']:.1f} s for (a)/(b); {s.engine_start_s:.1f} s for (d) "
+          "(reference + fast engine, first-batch check)")
+    print(f"(d) {s.capture_path}; {s.bytes_written / max(1, s.positions):.1f} B/position; time split "
+          f"teacher {s.teacher_s:.1f} s, targets {s.post_s:.1f} s, encode+write {s.write_s:.1f} s, "
+          f"teacher waited {s.teacher_wait_s:.2f} s on the writer and {s.input_wait_s:.2f} s on input")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Stage 2 cost of distillation: student step time and peak memory, CE-only vs each KD loss.
+
+    python bench/train_step.py                      # toy teacher/student, CPU or GPU
+    python bench/train_step.py --steps 20 --seq-len 512 --micro-batch-size 8 --bf16
+
+Builds three real teacher caches from the toy teacher with plain transformers (top-k for a
+cross-tokenizer student, top-k and sampled for a student sharing the teacher's tokenizer), then
+trains each configuration for a few DeepSpeed ZeRO-2 steps in its own process (one process group
+per process) and prints one table:
+
+- step ms: mean wall time of `Trainer.train_step` over the timed steps (batches prefetched, so
+  the loader is not in it), ratio to the CE-only step of the same student (target <= 1.3x);
+- peak MiB: on GPU `torch.cuda.max_memory_allocated`; on CPU, 16 B/parameter (fp32 weights,
+  gradients, AdamW m and v) plus the peak of live tensor bytes during one step, counted by a
+  torch dispatch mode (CPU has no allocator statistics); ratio to CE-only (target <= 1.1x);
+- loader positions/s (`stage2_student.loader.measure_rate`, no model) against the positions/s the
+  trainer consumes in that configuration (target >= 10x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+
+class LiveBytes:
+    """Peak bytes of tensor storages created while active and still referenced (CPU stand-in)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._see(out)
+                return out
+
+        self.mode = _Mode()
+        self.live: dict[int, list[int]] = {}
+        self.current = self.peak = 0
+
+    def _see(self, out) -> None:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr == 0:
+                continue
+            if ptr in self.live:
+                self.live[ptr][1] += 1
+            else:
+                self.live[ptr] = [storage.nbytes(), 1]
+                self.current += storage.nbytes()
+                self.peak = max(self.peak, self.current)
+            weakref.finalize(t, self._release, ptr)
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[ptr]
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def worker(spec: dict) -> dict:
+    """One configuration in this process: time steps, measure memory and the loader's rate."""
+    import torch
+
+    from stage2_student.config import TrainConfig
+    from stage2_student.loader import measure_rate
+    from stage2_student.trainer import Trainer, open_stage_data, setup_distributed, teardown_distributed
+
+    rank, _, world = setup_distributed()
+    try:
+        from transformers import AutoTokenizer
+
+        cfg = TrainConfig.from_flat(spec["config"])
+        tokenizer = AutoTokenizer.from_pretrained(cfg.student)
+        data = open_stage_data(cfg, tokenizer, rank, world)
+        trainer = Trainer(cfg, data, rank=rank, world=world)
+        it = iter(data.train)
+        steps = [[next(it) for _ in range(cfg.optim.grad_accum)] for _ in range(spec["warmup"] + spec["steps"] + 1)]
+        cuda = torch.cuda.is_available()
+        for batches in steps[:spec["warmup"]]:
+            trainer.train_step(batches)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times, positions = [], 0
+        for batches in steps[spec["warmup"]:-1]:
+            t0 = time.perf_counter()
+            trainer.train_step(batches)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            positions += sum(int(b["attention_mask"].sum()) for b in batches)
+        if cuda:
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            n_params = sum(p.numel() for p in trainer.engine.module.parameters())
+            with LiveBytes() as live:
+                trainer.train_step(steps[-1])
+            peak = 16 * n_params + live.peak
+        rate = measure_rate(data.train.__class__(data.train.dataset, num_workers=cfg.loader.num_workers),
+                            spec["loader_batches"])
+        step_s = sum(times) / len(times)
+        return {"name": spec["name"], "step_ms": 1000 * step_s, "peak_mib": peak / 2**20,
+                "trainer_pos_s": positions / sum(times), "loader_pos_s": rate["positions_per_s"],
+                "kd_loss": data.kd_name, "device": str(trainer.device)}
+    finally:
+        teardown_distributed()
+
+
+def build_inputs(root: Path, args) -> dict:
+    """Toy models, a same-tokenizer student and the three caches."""
+    from conftest import TEST_CACHE, TEST_SPEC
+    from test_train_kd import build_hf_cache
+
+    from xtcache import toy
+
+    setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
+    same_student = root / "student_same_tok"
+    # qwen2 like the teacher: transformers picks the tokenizer class from the model type, so a llama
+    # config would load the same files as another tokenizer (another fingerprint)
+    toy.build_tiny_model("qwen2", setup.teacher_tokenizer, same_student, hidden=TEST_SPEC.student_hidden,
+                         layers=TEST_SPEC.student_layers, intermediate=TEST_SPEC.student_hidden * 3, seed=1)
+    kw = dict(k=args.k, max_docs=args.docs)
+    return {
+        "cross_student": str(setup.student_model), "same_student": str(same_student),
+        "topk": build_hf_cache(root / "topk", setup.teacher_model, setup.train_jsonl, [setup.student_tokenizer], **kw),
+        "sampled": build_hf_cache(root / "sampled", setup.teacher_model, setup.train_jsonl, [], mode="sampled",
+                                  num_samples=args.k, **kw),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps per configuration")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--k", type=int, default=32, help="top-k width / sampled draws of the caches")
+    ap.add_argument("--docs", type=int, default=64, help="documents per cache")
+    ap.add_argument("--num-workers", type=int, default=0)
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="xtcache_bench_train_") as tmp:
+        root = Path(tmp)
+        t0 = time.perf_counter()
+        inputs = build_inputs(root, args)
+        print(f"caches built in {time.perf_counter() - t0:.1f}s (k={args.k}, {args.docs} docs each)")
+        runs = [("cross", "ce", inputs["topk"], inputs["cross_student"]),
+                ("cross", "pkl", inputs["topk"], inputs["cross_student"]),
+                ("cross", "alm", inputs["topk"], inputs["cross_student"]),
+                ("same", "ce", inputs["topk"], inputs["same_student"]),
+                ("same", "kl", inputs["topk"], inputs["same_student"]),
+                ("same", "rkl", inputs["topk"], inputs["same_student"]),
+                ("same", "jsd", inputs["topk"], inputs["same_student"]),
+                ("same", "sampled", inputs["sampled"], inputs["same_student"])]
+        results = []
+        for student_kind, loss, cache, student in runs:
+            config = {"cache": cache, "student": student, "out": str(root / f"run_{student_kind}_{loss}"),
+                      "loss": loss, "ce_weight": 1.0 if loss == "ce" else 0.1, "seq_len": args.seq_len,
+                      "micro_batch_size": args.micro_batch_size, "max_steps": 1000, "lr": 1e-3,
+                      "zero_stage": 2, "bf16": args.bf16, "num_workers": args.num_workers}
+            spec = {"name": f"{student_kind}/{loss}", "config": config, "steps": args.steps, "warmup": args.warmup,
+                    "loader_batches": 4 * (args.steps + args.warmup)}
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=REPO, env=env,
+                                  capture_output=True, text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                print(f"{spec['name']}: FAILED\n{proc.stderr[-3000:]}")
+                continue
+            results.append({**json.loads(lines[-1][7:]), "student": student_kind, "loss": loss})
+    print_table(results, args)
+
+
+def print_table(results: list[dict], args) -> None:
+    base = {r["student"]: r for r in results if r["loss"] == "ce"}
+    device = results[0]["device"] if results else "?"
+    print(f"\nstage 2 step cost on {device}: seq_len {args.seq_len} x micro-batch {args.micro_batch_size}, "
+          f"ZeRO-2, {'bf16' if args.bf16 else 'fp32'}, {args.steps} timed steps; ratios vs CE-only of the same student")
+    head = (f"{'student/loss':<14} {'step ms':>8} {'x CE':>6} {'peak MiB':>9} {'x CE':>6} "
+            f"{'trainer pos/s':>14} {'loader pos/s':>13} {'loader/trainer':>15}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        b = base.get(r["student"])
+        t_ratio = r["step_ms"] / b["step_ms"] if b else float("nan")
+        m_ratio = r["peak_mib"] / b["peak_mib"] if b else float("nan")
+        print(f"{r['student'] + '/' + r['loss']:<14} {r['step_ms']:>8.1f} {t_ratio:>6.2f} {r['peak_mib']:>9.1f} "
+              f"{m_ratio:>6.2f} {r['trainer_pos_s']:>14,.0f} {r['loader_pos_s']:>13,.0f} "
+              f"{r['loader_pos_s'] / r['trainer_pos_s']:>15.1f}")
+    print("targets: KD step <= 1.3x CE, peak memory <= 1.1x CE, loader >= 10x the trainer's consumption")
+
+
+if __name__ == "__main__":
+    main()

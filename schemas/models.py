@@ -1,0 +1,156 @@
+"""Pydantic models of every JSON document in an xtcache store (format version 1).
+
+The store's metadata is plain JSON validated by these models: the manifest (`manifest.json`), one
+index file per committed teacher part (`index/<shard>.json`), one per committed alignment part
+(`align/<fingerprint>/index/<shard>.json`), alignment-group metadata, writer claims and writer done
+markers. `schemas/STORE_FORMAT.md` describes the layout; the JSON Schema files beside this module are
+exported from these models:
+
+    python -m schemas.export          # rewrite schemas/*.schema.json
+    python -m schemas.export --check  # fail if the committed files are stale
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FORMAT_VERSION = 1
+"""Version of the on-disk layout; written to the manifest and to every part's metadata."""
+
+Mode = Literal["topk", "full", "sampled"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class CodecConfig(_Model):
+    """One transform or compressor: `{"name": ..., "configuration": {...}}` (Zarr v3 style)."""
+
+    name: str = Field(description="Codec name, e.g. 'xtcache.sorted_delta_ids' or 'zstd'.")
+    configuration: dict[str, Any] = Field(default_factory=dict, description="Codec parameters.")
+
+
+class ArraySpec(_Model):
+    """One Zarr v3 array of a part: what it holds, how it is encoded and its checksum."""
+
+    name: str = Field(description="Array name inside the part's group, e.g. 'topk_ids'.")
+    dtype: str = Field(description="Stored numpy dtype name (little-endian), e.g. 'uint32'.")
+    shape: list[int] = Field(description="Stored shape.")
+    chunks: list[int] = Field(description="Inner chunk shape (the whole array is one shard).")
+    transform: CodecConfig | None = Field(
+        default=None, description="xtcache transform applied before storing (None: values stored as is).")
+    compressors: list[CodecConfig] = Field(default_factory=list, description="Zarr bytes-to-bytes codecs.")
+    sha256: str = Field(description="sha256 of the stored values, C order, little-endian bytes.")
+    stored_bytes: int = Field(default=0, description="Bytes the array occupies in the store.")
+
+
+class AlignGroupMeta(_Model):
+    """A student tokenizer whose alignment to the teacher tokens is stored (one per fingerprint)."""
+
+    format_version: int = FORMAT_VERSION
+    fingerprint: str = Field(description="tokenizer_fingerprint of the student tokenizer.")
+    tokenizer_name: str = Field(default="", description="Human-readable tokenizer name or path.")
+    vocab_size: int = Field(ge=0, description="Student vocabulary size (len(tokenizer)).")
+    identity: bool = Field(default=False, description="Student tokenizer equals the teacher's: chunks are 1:1.")
+    stats: dict[str, float | int] = Field(
+        default_factory=dict, description="Alignment statistics (chunk shape counts, exact share, ...).")
+    created: str = Field(default="", description="ISO 8601 UTC time the group was declared.")
+
+
+class Manifest(_Model):
+    """The store-wide settings; written once when the store is created."""
+
+    format_version: int = FORMAT_VERSION
+    cache_key: str = Field(description="cache_key() of teacher, tokenizer, corpus and capture settings.")
+    mode: Mode = Field(description="'topk', 'full' (k = teacher vocab) or 'sampled' (ids + counts).")
+    k: int = Field(ge=1, description="Entries per teacher position (top-k width, V in full mode, max unique draws).")
+    teacher_vocab_size: int = Field(ge=1, description="Teacher vocabulary size V; every stored id is in [0, V).")
+    num_samples: int | None = Field(default=None, description="Draws per position in sampled mode.")
+    num_writers: int = Field(default=1, ge=1, description="Writers that fill the store (shards w00000..).")
+    teacher_name: str = Field(default="", description="Teacher model name or path.")
+    fingerprints: dict[str, str] = Field(
+        default_factory=dict, description="Component fingerprints: teacher_model, teacher_tokenizer, corpus, settings.")
+    settings: dict[str, Any] = Field(default_factory=dict, description="Capture settings (free-form JSON).")
+    codecs: dict[str, CodecConfig] = Field(
+        default_factory=dict,
+        description="Transforms for 'topk_ids' and 'topk_logprobs'; filled with defaults when empty.")
+    alignment_groups: list[AlignGroupMeta] = Field(
+        default_factory=list, description="Alignment groups written together with the teacher parts.")
+    created: str = Field(default="", description="ISO 8601 UTC creation time.")
+    xtcache_version: str = Field(default="", description="Version of xtcache that created the store.")
+
+
+class DocId(_Model):
+    """Identity of one document: where it came from and a hash of its text."""
+
+    source: str
+    row: int
+    content_hash: str
+
+
+class ShardMeta(_Model):
+    """Index of one committed teacher part; its presence is what makes the part visible."""
+
+    format_version: int = FORMAT_VERSION
+    shard_id: str = Field(description="'w{writer:05d}-p{part:06d}'.")
+    writer_index: int = Field(ge=0)
+    part_index: int = Field(ge=0)
+    mode: Mode
+    k: int = Field(ge=1)
+    num_docs: int = Field(ge=0)
+    num_positions: int = Field(ge=0, description="Teacher positions (tokens) over all documents.")
+    num_predicted: int = Field(ge=0, description="Positions with has_pred = True.")
+    docs: list[DocId] = Field(default_factory=list)
+    arrays: dict[str, ArraySpec] = Field(default_factory=dict)
+    stats: dict[str, float | int] = Field(default_factory=dict, description="e.g. mean_topk_mass.")
+    created: str = ""
+
+
+class AlignPartMeta(_Model):
+    """Index of one committed alignment part (one student tokenizer, one teacher part)."""
+
+    format_version: int = FORMAT_VERSION
+    fingerprint: str
+    shard_id: str
+    num_docs: int = Field(ge=0)
+    num_student_tokens: int = Field(ge=0)
+    num_chunks: int = Field(ge=0)
+    chunk_shapes: dict[str, int] = Field(
+        default_factory=dict, description="Chunk counts by shape: '1:1', '1:n', 'n:1', 'n:m', 'empty'.")
+    num_exact: int = Field(default=0, ge=0, description="Chunks whose two sides decode to identical text.")
+    arrays: dict[str, ArraySpec] = Field(default_factory=dict)
+    created: str = ""
+
+
+class WriterClaim(_Model):
+    """`claims/w{writer:05d}.json`: which process currently writes as this writer index."""
+
+    writer_index: int
+    pid: int
+    host: str
+    time: str
+
+
+class WriterDone(_Model):
+    """`done/w{writer:05d}.json`: the writer finished all its parts."""
+
+    format_version: int = FORMAT_VERSION
+    writer_index: int
+    num_parts: int
+    time: str
+    summary: dict[str, Any] = Field(default_factory=dict)
+
+
+EXPORTED_MODELS: dict[str, type[BaseModel]] = {
+    "manifest": Manifest,
+    "shard_meta": ShardMeta,
+    "align_part_meta": AlignPartMeta,
+    "align_group_meta": AlignGroupMeta,
+    "array_spec": ArraySpec,
+    "codec_config": CodecConfig,
+    "writer_claim": WriterClaim,
+    "writer_done": WriterDone,
+}

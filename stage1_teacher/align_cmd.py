@@ -1,0 +1,123 @@
+"""`xtcache align STORE --student-tokenizer NEW`: add a student tokenizer to an existing store.
+
+No teacher runs. For every committed part the stored texts and teacher tokens/offsets are read
+back, the texts are tokenized with the new student tokenizer, aligned to the stored teacher
+tokens, and written as that tokenizer's alignment group. A student tokenizer equal to the
+teacher's gets the identity alignment. Parts already aligned for that tokenizer are kept, so an
+interrupted `xtcache align` continues where it stopped.
+
+    xtcache align out/cache --student-tokenizer path/to/new_student_tokenizer
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from xtcache.errors import AlignmentError, StoreError
+
+log = logging.getLogger(__name__)
+
+
+def _teacher_tokenizer(reader, teacher_tokenizer: str | None):
+    """The store's teacher tokenizer when it can be found (for byte checks); None otherwise."""
+    from stage1_teacher.prep import load_tokenizer
+    from xtcache.fingerprint import tokenizer_fingerprint
+
+    path = teacher_tokenizer or reader.manifest.teacher_name
+    want = reader.manifest.fingerprints.get("teacher_tokenizer")
+    if not path or not os.path.isdir(path):
+        if teacher_tokenizer:
+            raise StoreError(f"--teacher-tokenizer {teacher_tokenizer}: no such directory")
+        return None
+    tok = load_tokenizer(path, "teacher tokenizer")
+    if want and tokenizer_fingerprint(tok) != want:
+        if teacher_tokenizer:
+            raise StoreError(f"--teacher-tokenizer {path} is not the tokenizer the store was written with")
+        return None
+    return tok
+
+
+def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=None,
+                storage_options: dict | None = None, reader=None) -> dict:
+    """Write the alignment group of one student tokenizer for every committed part; returns stats."""
+    from schemas.models import AlignGroupMeta
+    from stage1_teacher.prep import load_tokenizer
+    from xtcache.align import align_offsets, identity_alignment, tokenizer_info
+    from xtcache.fingerprint import tokenizer_fingerprint
+    from xtcache.store import AlignmentRecord, CacheReader, CacheWriter
+
+    reader = reader or CacheReader(url, storage_options)
+    student_tok = student_tok or load_tokenizer(student_path, "student tokenizer")
+    fp = tokenizer_fingerprint(student_tok)
+    identity = fp == reader.manifest.fingerprints.get("teacher_tokenizer")
+    s_info = None if identity else tokenizer_info(student_tok)
+    t_info = None if identity or teacher_tok is None else tokenizer_info(teacher_tok)
+    done = set(reader.alignment_parts(fp)) if fp in reader.alignment_groups() else set()
+    todo = [m for m in reader.shards if m.shard_id not in done]
+    stats = {"fingerprint": fp, "parts_aligned": 0, "parts_kept": len(done), "documents": 0, "failed_documents": 0}
+    if not todo:
+        return stats
+    group = AlignGroupMeta(fingerprint=fp, tokenizer_name=student_path, vocab_size=len(student_tok), identity=identity)
+    # writer 0's claim also keeps a running teacher-dump of that writer from racing with us
+    writer = CacheWriter(url, reader.manifest, writer_index=0, storage_options=storage_options)
+    try:
+        backend = student_tok.backend_tokenizer
+        for meta in todo:
+            shard = reader.read_shard(meta.shard_id)
+            records = []
+            for i in range(shard.num_docs):
+                d = shard.doc(i)
+                if identity:
+                    records.append(AlignmentRecord(student_ids=d.teacher_ids.astype(np.int32),
+                                                   alignment=identity_alignment(len(d.teacher_ids))))
+                    continue
+                enc = backend.encode(d.text, add_special_tokens=True)
+                s_ids = np.asarray(enc.ids, dtype=np.int32)
+                s_off = np.asarray(enc.offsets, dtype=np.int32).reshape(-1, 2)
+                try:
+                    a = align_offsets(d.text, s_ids, s_off, d.teacher_ids, d.char_offsets,
+                                      student_info=s_info, teacher_info=t_info)
+                except AlignmentError as e:
+                    raise AlignmentError(f"document {d.doc_id} of part {meta.shard_id}: {e}") from None
+                records.append(AlignmentRecord(student_ids=s_ids, alignment=a))
+            writer.add_alignment_group(group, meta.shard_id, records)
+            stats["parts_aligned"] += 1
+            stats["documents"] += len(records)
+    finally:
+        writer.close()
+    return stats
+
+
+def ensure_groups(url: str, students, teacher_tok, storage_options: dict | None = None) -> list[str]:
+    """Add missing alignment groups for `students` (prep.StudentSide) to a complete store; their names."""
+    from xtcache.store import CacheReader
+
+    reader = CacheReader(url, storage_options)
+    have = reader.alignment_groups()
+    added = []
+    for s in students:
+        if s.fingerprint in have and len(reader.alignment_parts(s.fingerprint)) == len(reader.shards):
+            continue
+        log.info("adding alignment group for %s to %s (no teacher work)", s.name, url)
+        align_store(url, s.name, student_tok=s.tokenizer, teacher_tok=teacher_tok, storage_options=storage_options,
+                    reader=reader)
+        added.append(s.name)
+    return added
+
+
+def run_align(store: str, student_tokenizer: str, *, teacher_tokenizer: str | None = None,
+              storage_options: dict | None = None) -> dict:
+    """The `xtcache align` command body."""
+    from xtcache.store import CacheReader
+
+    reader = CacheReader(store, storage_options)
+    if not reader.is_complete():
+        log.warning("store %s is not complete: aligning its %d committed parts only", store, len(reader.shards))
+    teacher_tok = _teacher_tokenizer(reader, teacher_tokenizer)
+    if teacher_tok is None:
+        log.info("teacher tokenizer not found: trusting the stored teacher offsets (no byte check on that side)")
+    return align_store(store, student_tokenizer, teacher_tok=teacher_tok, storage_options=storage_options,
+                       reader=reader)

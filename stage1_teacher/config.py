@@ -1,0 +1,244 @@
+"""Configuration of `xtcache teacher-dump`: one kw-only dataclass, nested by concern.
+
+Every leaf field has exactly one command-line flag of the same name (`top_k` <-> `--top-k`); a
+config file (`--config run.yaml` or `.toml`) uses the same keys, either flat (`top_k: 64` or
+`top-k: 64`) or nested by section (`capture: {top_k: 64}`). Flags given on the command line win
+over the file, the file wins over the defaults. Cross-field checks live in `__post_init__` and
+raise ValueError naming the flag.
+
+    python -c "from stage1_teacher.config import leaf_fields; print(sorted(leaf_fields()))"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("topk", "full", "sampled")
+ENGINES = ("vllm", "hf")
+
+
+@dataclass(kw_only=True)
+class InputConfig:
+    data: list[str] = field(default_factory=list)
+    """Corpus files (.parquet, .arrow/.feather/.ipc, .jsonl/.json, .txt); globs are expanded."""
+    text_field: str = "text"
+    """Column or JSON key holding the document text (ignored for .txt)."""
+
+
+@dataclass(kw_only=True)
+class TeacherConfig:
+    teacher: str = ""
+    """Teacher model directory (Hugging Face layout with safetensors weights and tokenizer)."""
+    engine: str = "vllm"
+    """Capture engine: 'vllm' (fast, default) or 'hf' (transformers forward)."""
+    dtype: str = "auto"
+    """Teacher compute dtype passed to the engine: auto, float32, bfloat16, float16."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor-parallel degree (GPUs per teacher replica)."""
+    gpu_memory_utilization: float | None = None
+    """vLLM memory fraction; default 0.8 on CUDA, 0.3 on CPU (fraction of host memory)."""
+    max_num_batched_tokens: int | None = None
+    """vLLM tokens per scheduler step; default: vLLM's choice, at least one full window."""
+    max_model_len: int | None = None
+    """vLLM context length; default --max-seq-len + 1."""
+    enforce_eager: bool | None = None
+    """vLLM eager mode (no compilation / CUDA graphs); default: on for CPU, off for CUDA."""
+    fast_path: bool = True
+    """vLLM: capture hidden states and apply the teacher's lm_head (exact, fast); off: prompt log-probs."""
+    check_tolerance: float | None = None
+    """Largest allowed |fast - reference| log-prob gap on the first batch; default by dtype (fp32 1e-3, else 0.05)."""
+
+
+@dataclass(kw_only=True)
+class CaptureConfig:
+    mode: str = "topk"
+    """What to store per position: 'topk', 'full' (every id) or 'sampled' (N draws at T=1: ids + counts)."""
+    top_k: int = 64
+    """Ids kept per position in topk mode."""
+    num_samples: int = 64
+    """Draws per position in sampled mode."""
+    seed: int = 0
+    """Seed of the sampled mode's draws (per document and window, independent of batching)."""
+    max_seq_len: int = 2048
+    """Teacher window in tokens; longer documents are cut into windows at chunk boundaries."""
+    window_overlap: int = 0
+    """Tokens of left context repeated from the previous window (their predictions are stored once)."""
+    batch_tokens: int = 65536
+    """Teacher tokens handed to the engine per call (bounds host memory of the pipeline)."""
+
+
+@dataclass(kw_only=True)
+class StoreConfig:
+    out: str | None = None
+    """Store URL or path; default: <cache-dir>/xtc-<cache key>."""
+    cache_dir: str | None = None
+    """Directory of reusable caches: a complete cache with the same key is reused, not recomputed."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec storage options for remote stores (JSON object on the command line)."""
+    docs_per_part: int = 256
+    """Documents per store part (the unit of commit and of --resume)."""
+    shard_index: int = 0
+    """This job's writer index in [0, --num-shards): parallel jobs write disjoint shards."""
+    num_shards: int = 1
+    """Parallel jobs filling the store; document i goes to writer i mod N."""
+    resume: bool = False
+    """Continue a killed run: keep its committed parts, redo the rest."""
+
+
+@dataclass(kw_only=True)
+class TeacherDumpConfig:
+    student_tokenizer: list[str] = field(default_factory=list)
+    """Student tokenizer directories (repeatable); one alignment group each."""
+    input: InputConfig = field(default_factory=InputConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    dry_run: bool = False
+    """Count documents and positions and estimate the store size; do not run the teacher."""
+
+    def __post_init__(self):
+        c, t, s = self.capture, self.teacher, self.store
+        if not self.student_tokenizer:
+            raise ValueError("--student-tokenizer: give at least one student tokenizer directory")
+        if not self.input.data:
+            raise ValueError("--data: give at least one corpus file")
+        if not t.teacher:
+            raise ValueError("--teacher: give the teacher model directory")
+        if t.engine not in ENGINES:
+            raise ValueError(f"--engine {t.engine}: use one of {', '.join(ENGINES)}")
+        if c.mode not in MODES:
+            raise ValueError(f"--mode {c.mode}: use one of {', '.join(MODES)}")
+        if c.top_k < 1:
+            raise ValueError(f"--top-k {c.top_k}: must be at least 1")
+        if not 1 <= c.num_samples <= 65535:
+            raise ValueError(f"--num-samples {c.num_samples}: must be in [1, 65535]")
+        if c.max_seq_len < 2:
+            raise ValueError(f"--max-seq-len {c.max_seq_len}: must be at least 2")
+        if not 0 <= c.window_overlap <= c.max_seq_len - 3:
+            raise ValueError(f"--window-overlap {c.window_overlap}: must be in [0, --max-seq-len - 3]")
+        if c.batch_tokens < c.max_seq_len:
+            raise ValueError(f"--batch-tokens {c.batch_tokens}: must be at least --max-seq-len {c.max_seq_len}")
+        if t.max_model_len is not None and t.max_model_len < c.max_seq_len + 1:
+            raise ValueError(f"--max-model-len {t.max_model_len}: must exceed --max-seq-len {c.max_seq_len}")
+        if t.gpu_memory_utilization is not None and not 0 < t.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization {t.gpu_memory_utilization}: must be in (0, 1]")
+        if t.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size {t.tensor_parallel_size}: must be at least 1")
+        if s.num_shards < 1 or not 0 <= s.shard_index < s.num_shards:
+            raise ValueError(f"--shard-index {s.shard_index}: must be in [0, --num-shards {s.num_shards})")
+        if s.docs_per_part < 1:
+            raise ValueError(f"--docs-per-part {s.docs_per_part}: must be at least 1")
+        if not s.out and not s.cache_dir:
+            raise ValueError("--out: give the store path (or --cache-dir to keep it among reusable caches)")
+
+
+SECTIONS = ("input", "teacher", "capture", "store")
+
+
+def leaf_fields() -> dict[str, str | None]:
+    """Every flag-backed field name -> its section ('capture', ...) or None for top-level fields."""
+    out: dict[str, str | None] = {}
+    for f in dataclasses.fields(TeacherDumpConfig):
+        if f.name in SECTIONS:
+            for g in dataclasses.fields(f.type if isinstance(f.type, type) else _section_type(f.name)):
+                out[g.name] = f.name
+        else:
+            out[f.name] = None
+    return out
+
+
+def _section_type(name: str) -> type:
+    return {"input": InputConfig, "teacher": TeacherConfig, "capture": CaptureConfig, "store": StoreConfig}[name]
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Flat {field: value} from a YAML or TOML file (flat or sectioned keys, '-' or '_')."""
+    from xtcache.errors import ConfigError
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if path.endswith(".toml"):
+        import tomllib
+
+        data = tomllib.loads(raw.decode("utf-8"))
+    elif path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(raw) or {}
+    else:
+        raise ConfigError(f"--config {path}: use a .yaml, .yml or .toml file")
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: the file must hold a mapping of flag names to values")
+    leaves = leaf_fields()
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name in SECTIONS and isinstance(value, dict):
+            for sub, v in value.items():
+                sname = sub.replace("-", "_")
+                if leaves.get(sname, "?") != name:
+                    raise ConfigError(f"--config {path}: unknown key {key}.{sub}")
+                flat[sname] = v
+        elif name in leaves:
+            flat[name] = value
+        else:
+            raise ConfigError(f"--config {path}: unknown key {key!r} (keys mirror the command-line flags)")
+    return flat
+
+
+def build_config(values: dict[str, Any]) -> TeacherDumpConfig:
+    """A TeacherDumpConfig from flat {field: value}; missing fields keep their defaults."""
+    leaves = leaf_fields()
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    top: dict[str, Any] = {}
+    for name, value in values.items():
+        if name not in leaves:
+            raise ValueError(f"unknown setting {name!r}")
+        if value is None and name not in _NULLABLE:
+            continue
+        if name == "storage_options" and isinstance(value, str):
+            value = json.loads(value) if value.strip() else {}
+        if name in ("data", "student_tokenizer") and isinstance(value, str):
+            value = [value]
+        (sections[leaves[name]] if leaves[name] else top)[name] = value
+    if "data" in sections["input"]:
+        sections["input"]["data"] = expand_globs(list(sections["input"]["data"]))
+    return TeacherDumpConfig(**top, **{name: _section_type(name)(**kw) for name, kw in sections.items()})
+
+
+_NULLABLE = {"gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "enforce_eager",
+             "check_tolerance", "out", "cache_dir"}
+
+
+def expand_globs(paths: list[str]) -> list[str]:
+    import glob
+
+    out = []
+    for p in paths:
+        if any(ch in p for ch in "*?["):
+            hits = sorted(glob.glob(p))
+            if not hits:
+                raise ValueError(f"--data {p}: the pattern matches no file")
+            out.extend(hits)
+        else:
+            out.append(p)
+    return out
+
+
+def settings_for_fingerprint(cfg: TeacherDumpConfig, *, window_len: int, boundary_tokenizers: list[str]) -> dict:
+    """The capture settings that change what is stored (part of the cache key)."""
+    c = cfg.capture
+    return {
+        "mode": c.mode, "top_k": c.top_k if c.mode == "topk" else None,
+        "num_samples": c.num_samples if c.mode == "sampled" else None,
+        "seed": c.seed if c.mode == "sampled" else None,
+        "max_seq_len": window_len, "window_overlap": c.window_overlap, "dtype": cfg.teacher.dtype,
+        "docs_per_part": cfg.store.docs_per_part, "num_shards": cfg.store.num_shards,
+        "window_cut_tokenizers": boundary_tokenizers, "text_field": cfg.input.text_field,
+    }

@@ -1,0 +1,212 @@
+"""Streaming corpus reader for `xtcache teacher-dump`: Parquet, Arrow IPC, JSONL and plain text.
+
+Documents are yielded one at a time from bounded batches, so a corpus larger than memory streams
+through. Every document carries a stable id: its source (the file's base name), its 0-based row in
+that file, and a hash of its text. Rows that cannot become a document (missing or non-string text
+field, invalid UTF-8, empty text) are yielded as `Skipped` with a reason, so the caller can count
+them in its summary instead of dropping them silently.
+
+Formats by file suffix:
+  .parquet                       pyarrow ParquetFile.iter_batches on the text column
+  .arrow .feather .ipc           Arrow IPC file (or stream) record batches
+  .jsonl .json .ndjson           one JSON object per line
+  .txt                           one document per line (the newline is not part of the text)
+
+    python -m stage1_teacher.corpus data.jsonl --text-field text   # prints counts
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from xtcache.errors import ConfigError
+from xtcache.fingerprint import content_hash
+
+PARQUET = (".parquet",)
+ARROW = (".arrow", ".feather", ".ipc")
+JSONL = (".jsonl", ".json", ".ndjson")
+TEXT = (".txt",)
+SUFFIXES = PARQUET + ARROW + JSONL + TEXT
+
+
+@dataclass(frozen=True)
+class Document:
+    """One corpus row that holds text."""
+
+    source: str
+    row: int
+    text: str
+    content_hash: str = field(default="")
+
+    def __post_init__(self):
+        if not self.content_hash:
+            object.__setattr__(self, "content_hash", content_hash(self.text))
+
+    @property
+    def doc_id(self) -> str:
+        return f"{self.source}:{self.row}:{self.content_hash}"
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A corpus row that is not a usable document, with the reason (a short stable phrase)."""
+
+    source: str
+    row: int
+    reason: str
+
+
+def file_format(path: str) -> str:
+    """'parquet', 'arrow', 'jsonl' or 'text' from the file suffix; ConfigError otherwise."""
+    low = path.lower()
+    for suffixes, name in ((PARQUET, "parquet"), (ARROW, "arrow"), (JSONL, "jsonl"), (TEXT, "text")):
+        if low.endswith(suffixes):
+            return name
+    raise ConfigError(f"--data {path}: unknown corpus format; use one of {', '.join(SUFFIXES)}")
+
+
+def check_sources(files: list[str]) -> list[str]:
+    """Validate the corpus files and return their source names (base names, which must be unique)."""
+    if not files:
+        raise ConfigError("--data: give at least one corpus file")
+    names = []
+    for f in files:
+        if not os.path.isfile(f):
+            raise ConfigError(f"--data {f}: no such file")
+        file_format(f)
+        names.append(os.path.basename(f))
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"--data: two corpus files share the base name {dup[0]!r}; document ids use the base "
+                          "name, so rename one of them")
+    return names
+
+
+def _text_of(source: str, row: int, value) -> Document | Skipped:
+    if value is None:
+        return Skipped(source, row, "missing text field")
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return Skipped(source, row, "invalid UTF-8")
+    if not isinstance(value, str):
+        return Skipped(source, row, "text field is not a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates from JSON escapes
+        return Skipped(source, row, "invalid UTF-8")
+    if not value.strip():
+        return Skipped(source, row, "empty document")
+    return Document(source, row, value)
+
+
+def _iter_parquet(path: str, source: str, text_field: str, batch_rows: int):
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    if text_field not in pf.schema_arrow.names:
+        raise ConfigError(f"--data {path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); "
+                          "set --text-field")
+    row = 0
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=[text_field]):
+        yield from _iter_arrow_column(batch.column(0), source, row)
+        row += batch.num_rows
+
+
+def _iter_arrow_column(column, source: str, row0: int):
+    import pyarrow as pa
+
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        # read as bytes so a row of invalid UTF-8 is one skipped row, not a failed batch
+        column = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+    for i, value in enumerate(column.to_pylist()):
+        yield _text_of(source, row0 + i, value)
+
+
+def _iter_arrow(path: str, source: str, text_field: str, batch_rows: int):
+    import pyarrow as pa
+
+    with pa.memory_map(path, "r") as src:
+        try:
+            reader = pa.ipc.open_file(src)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            schema = reader.schema
+        except pa.ArrowInvalid:
+            src.seek(0)
+            reader = pa.ipc.open_stream(src)
+            batches, schema = iter(reader), reader.schema
+        if text_field not in schema.names:
+            raise ConfigError(f"--data {path}: no column {text_field!r} (columns: {schema.names}); set --text-field")
+        row = 0
+        for batch in batches:
+            col = batch.column(schema.get_field_index(text_field))
+            for start in range(0, batch.num_rows, batch_rows):
+                yield from _iter_arrow_column(col.slice(start, batch_rows), source, row + start)
+            row += batch.num_rows
+
+
+def _iter_jsonl(path: str, source: str, text_field: str):
+    with open(path, "rb") as f:
+        for row, line in enumerate(f):
+            try:
+                obj = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield Skipped(source, row, "invalid UTF-8")
+                continue
+            except ValueError:
+                if not line.strip():
+                    yield Skipped(source, row, "empty document")
+                else:
+                    yield Skipped(source, row, "invalid JSON")
+                continue
+            if not isinstance(obj, dict) or text_field not in obj:
+                yield Skipped(source, row, "missing text field")
+                continue
+            yield _text_of(source, row, obj[text_field])
+
+
+def _iter_text(path: str, source: str):
+    with open(path, "rb") as f:
+        for row, line in enumerate(f):
+            yield _text_of(source, row, line.rstrip(b"\r\n"))
+
+
+def iter_corpus(files: list[str], text_field: str = "text", *, batch_rows: int = 1024) -> Iterator[Document | Skipped]:
+    """Every row of every file, in order, as a Document or a Skipped row (streaming)."""
+    names = check_sources(files)
+    for path, source in zip(files, names):
+        fmt = file_format(path)
+        if fmt == "parquet":
+            yield from _iter_parquet(path, source, text_field, batch_rows)
+        elif fmt == "arrow":
+            yield from _iter_arrow(path, source, text_field, batch_rows)
+        elif fmt == "jsonl":
+            yield from _iter_jsonl(path, source, text_field)
+        else:
+            yield from _iter_text(path, source)
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+")
+    p.add_argument("--text-field", default="text")
+    args = p.parse_args(argv)
+    docs, skipped, chars = 0, {}, 0
+    for item in iter_corpus(args.files, args.text_field):
+        if isinstance(item, Skipped):
+            skipped[item.reason] = skipped.get(item.reason, 0) + 1
+        else:
+            docs += 1
+            chars += len(item.text)
+    print(f"documents {docs}  characters {chars}  skipped {skipped}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

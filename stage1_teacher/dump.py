@@ -1,0 +1,525 @@
+"""`xtcache teacher-dump`: run the teacher once over a corpus and write the teacher-cache store.
+
+The run is a three-stage pipeline so that the teacher never waits for the disk:
+
+  prep thread     reads the corpus, tokenizes, aligns, plans windows, packs batches (bounded queue)
+  main thread     runs the teacher on batch n+1 ...
+  post thread     ... while batch n becomes top-k / full / sampled targets (lm_head on the device)
+  writer thread   and finished parts are encoded, compressed and committed to the store
+
+Queues hold at most two items each; the time the main thread spends blocked handing a batch to
+the post thread is reported as "teacher waited on writer". Before any teacher work the cache key
+(teacher, tokenizers, corpus and capture settings fingerprints) is looked up: a complete store
+for the same request is reused and the run says so. `--resume` keeps committed parts (checked
+against the corpus) and recomputes the rest; part boundaries are fixed runs of the writer's
+document stream, so the finished store equals an uninterrupted run.
+
+    xtcache teacher-dump --teacher T --student-tokenizer S --data corpus.jsonl --out store
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
+from stage1_teacher.corpus import Skipped, iter_corpus
+from stage1_teacher.prep import Part, Preparer, StudentSide, iter_parts, load_tokenizer, part_batches
+from stage1_teacher.windows import window_has_pred
+from xtcache.errors import CaptureError, ConfigError, StoreError, XtcacheError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Summary:
+    """What a dump did; printed at the end and stored in the writer's done marker."""
+
+    store: str = ""
+    reused: bool = False
+    capture_path: str = ""
+    notes: list[str] = field(default_factory=list)
+    documents: int = 0
+    positions: int = 0
+    predicted: int = 0
+    windows: int = 0
+    parts_written: int = 0
+    parts_resumed: int = 0
+    bytes_written: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    engine_start_s: float = 0.0
+    capture_s: float = 0.0
+    teacher_s: float = 0.0
+    post_s: float = 0.0
+    write_s: float = 0.0
+    teacher_wait_s: float = 0.0
+    input_wait_s: float = 0.0
+    check_gap: float | None = None
+    alignment_groups_added: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        if self.reused:
+            out = [f"reused complete cache {self.store}: no teacher work done"]
+            if self.alignment_groups_added:
+                out.append(f"added alignment groups: {', '.join(self.alignment_groups_added)}")
+            return out
+        capture = max(self.capture_s, 1e-9)
+        out = [
+            f"store               {self.store}",
+            f"capture path        {self.capture_path}" + (f" (first-batch check gap {self.check_gap:.2g})"
+                                                          if self.check_gap is not None else ""),
+            f"documents           {self.documents} in {self.parts_written} new parts"
+            + (f" (+{self.parts_resumed} parts kept from the interrupted run)" if self.parts_resumed else ""),
+            f"positions           {self.positions} ({self.predicted} with a prediction, {self.windows} windows)",
+            f"bytes written       {self.bytes_written} ({self.bytes_written / max(1, self.positions):.1f} B/position)",
+            f"wall time           {self.wall_s:.1f} s (engine start {self.engine_start_s:.1f} s); "
+            f"{self.positions / capture:,.0f} positions/s over {self.capture_s:.1f} s of capture",
+            f"time split          teacher {self.teacher_s:.1f} s, targets {self.post_s:.1f} s, "
+            f"encode+write {self.write_s:.1f} s (threads overlap)",
+            f"teacher waited      {self.teacher_wait_s:.2f} s on the writer, {self.input_wait_s:.2f} s on input",
+            "skipped documents   " + (", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"),
+        ]
+        out += [f"WARNING             {n}" for n in self.notes]
+        return out
+
+
+# ------------------------------------------------------------------------------------ setup
+
+
+@dataclass
+class Plan:
+    """Everything resolved before the teacher runs."""
+
+    teacher_tok: object
+    students: list[StudentSide]
+    vocab_size: int
+    width: int
+    window_len: int
+    max_model_len: int
+    cache_key: str
+    fingerprints: dict
+    settings: dict
+    out: str
+
+
+def make_plan(cfg: TeacherDumpConfig) -> Plan:
+    from stage1_teacher.head import read_config, weight_files
+    from xtcache import fingerprint as fpr
+    from xtcache.store import cache_path_for
+
+    t, c = cfg.teacher, cfg.capture
+    if not os.path.isdir(t.teacher):
+        raise ConfigError(f"--teacher {t.teacher}: no such directory")
+    model_cfg = read_config(t.teacher)
+    weight_files(t.teacher)
+    teacher_tok = load_tokenizer(t.teacher, "teacher tokenizer")
+    vocab_size = len(teacher_tok)
+    t_fp = fpr.tokenizer_fingerprint(teacher_tok)
+    students = []
+    for path in cfg.student_tokenizer:
+        tok = load_tokenizer(path, "student tokenizer")
+        fp = fpr.tokenizer_fingerprint(tok)
+        if any(s.fingerprint == fp for s in students):
+            continue
+        students.append(StudentSide(name=path, tokenizer=tok, fingerprint=fp, identity=fp == t_fp))
+    if c.mode == "topk" and c.top_k > vocab_size:
+        raise ConfigError(f"--top-k {c.top_k} is larger than the teacher vocabulary ({vocab_size}); "
+                          "use --mode full to store every id")
+    width = {"topk": c.top_k, "full": vocab_size, "sampled": min(c.num_samples, vocab_size)}[c.mode]
+    max_pos = int(model_cfg.get("max_position_embeddings") or model_cfg.get("text_config", {}).get(
+        "max_position_embeddings") or (c.max_seq_len + 1))
+    max_model_len = t.max_model_len or min(c.max_seq_len + 1, max_pos)
+    window_len = min(c.max_seq_len, max_model_len - 1)
+    if window_len < c.max_seq_len:
+        log.warning("--max-seq-len %d exceeds the teacher's context (%d positions): windows of %d tokens",
+                    c.max_seq_len, max_pos, window_len)
+    if c.window_overlap > window_len - 3:
+        raise ConfigError(f"--window-overlap {c.window_overlap}: must be below the window of {window_len} - 2")
+    boundary = sorted(s.fingerprint for s in students if not s.identity)
+    settings = settings_for_fingerprint(cfg, window_len=window_len, boundary_tokenizers=boundary)
+    fingerprints = {"teacher_model": fpr.model_fingerprint(t.teacher), "teacher_tokenizer": t_fp,
+                    "corpus": fpr.corpus_fingerprint(cfg.input.data),
+                    "settings": fpr.settings_fingerprint(settings)}
+    key = fpr.cache_key(**fingerprints)
+    out = cfg.store.out or cache_path_for(cfg.store.cache_dir, key)
+    return Plan(teacher_tok=teacher_tok, students=students, vocab_size=vocab_size, width=width,
+                window_len=window_len, max_model_len=max_model_len, cache_key=key, fingerprints=fingerprints,
+                settings=settings, out=out)
+
+
+def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
+    from schemas.models import AlignGroupMeta, Manifest
+
+    import xtcache
+
+    groups = [AlignGroupMeta(fingerprint=s.fingerprint, tokenizer_name=s.name, vocab_size=len(s.tokenizer),
+                             identity=s.identity) for s in plan.students]
+    return Manifest(cache_key=plan.cache_key, mode=cfg.capture.mode, k=plan.width, teacher_vocab_size=plan.vocab_size,
+                    num_samples=cfg.capture.num_samples if cfg.capture.mode == "sampled" else None,
+                    num_writers=cfg.store.num_shards, teacher_name=cfg.teacher.teacher,
+                    fingerprints=plan.fingerprints, settings=plan.settings, alignment_groups=groups,
+                    xtcache_version=getattr(xtcache, "__version__", ""))
+
+
+def find_reusable(cfg: TeacherDumpConfig, plan: Plan) -> str | None:
+    """URL of a complete store for this cache key (at --out or under --cache-dir), else None."""
+    from xtcache.store import CacheReader, find_cache
+
+    try:
+        r = CacheReader(plan.out, cfg.store.storage_options)
+    except StoreError:
+        r = None
+    if r is not None:
+        if r.manifest.cache_key != plan.cache_key:
+            raise StoreError(f"--out {plan.out} holds a cache written for another teacher, corpus or settings "
+                             f"(cache key {r.manifest.cache_key[:16]}.. != {plan.cache_key[:16]}..); "
+                             "use another --out or delete that store")
+        if r.is_complete():
+            return plan.out
+    if cfg.store.cache_dir:
+        return find_cache(cfg.store.cache_dir, plan.cache_key, cfg.store.storage_options)
+    return None
+
+
+# ------------------------------------------------------------------------------------- dry run
+
+
+def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
+    """Documents, positions and an estimated store size, without the teacher."""
+    import numpy as np
+
+    from xtcache.codecs import default_codecs
+
+    prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap)
+    docs = positions = windows = student_tokens = chunks = 0
+    skipped: dict[str, int] = {}
+    rows = iter_corpus(cfg.input.data, cfg.input.text_field)
+    for part in iter_parts(rows, prep, shard_index=cfg.store.shard_index, num_shards=cfg.store.num_shards,
+                           docs_per_part=cfg.store.docs_per_part):
+        for s in part.skipped:
+            skipped[s.reason] = skipped.get(s.reason, 0) + 1
+        for pd in part.docs:
+            docs += 1
+            positions += pd.num_tokens
+            windows += len(pd.windows)
+            for r in pd.alignments.values():
+                student_tokens += len(r.student_ids)
+                chunks += len(r.alignment.student_end)
+    codec = default_codecs(cfg.capture.mode, plan.vocab_size)
+    id_bytes = np.dtype(codec["topk_ids"]["configuration"].get("dtype", "uint32")).itemsize
+    lp_bytes = 0
+    if "topk_logprobs" in codec:
+        lp_bytes = 1 if codec["topk_logprobs"]["configuration"].get("bits", 16) <= 8 else 2
+    if cfg.capture.mode == "sampled":
+        lp_bytes = 2  # uint16 counts
+    per_position = plan.width * (id_bytes + lp_bytes) + 4 + 8 + 1 + 4 + 4
+    raw = positions * per_position + student_tokens * 4 + chunks * 9
+    return {"documents": docs, "positions": positions, "windows": windows, "skipped": skipped,
+            "student_tokens": student_tokens, "chunks": chunks, "estimated_bytes_before_compression": raw,
+            "bytes_per_position_before_compression": per_position, "store": plan.out, "cache_key": plan.cache_key}
+
+
+# ------------------------------------------------------------------------------------ pipeline
+
+
+class _PartState:
+    """Per-document output arrays of one part, filled batch by batch by the post thread."""
+
+    def __init__(self, part: Part, width: int, mode: str):
+        self.part = part
+        self.arrays = []
+        for pd in part.docs:
+            T = pd.num_tokens
+            self.arrays.append({
+                "has_pred": np.zeros(T, dtype=bool), "ids": np.zeros((T, width), dtype=np.int32),
+                "logprobs": None if mode == "sampled" else np.zeros((T, width), dtype=np.float32),
+                "counts": np.zeros((T, width), dtype=np.uint16) if mode == "sampled" else None,
+                "residual": np.zeros(T, dtype=np.float32), "realized": np.full(T, np.nan, dtype=np.float32)})
+
+    def records(self):
+        from xtcache.store import DocRecord
+
+        docs, aligns = [], {}
+        for pd, a in zip(self.part.docs, self.arrays):
+            docs.append(DocRecord(source=pd.doc.source, row=pd.doc.row, text=pd.doc.text, teacher_ids=pd.teacher_ids,
+                                  char_offsets=pd.offsets, has_pred=a["has_pred"], topk_ids=a["ids"],
+                                  topk_logprobs=a["logprobs"], topk_counts=a["counts"], residual=a["residual"],
+                                  realized_logprob=a["realized"], content_hash=pd.doc.content_hash))
+            for fp, rec in pd.alignments.items():
+                aligns.setdefault(fp, []).append(rec)
+        return docs, aligns
+
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> float:
+    """Blocking put that gives up when another stage failed; returns the seconds spent blocked."""
+    t0 = time.perf_counter()
+    while True:
+        try:
+            q.put(item, timeout=0.2)
+            return time.perf_counter() - t0
+        except queue.Full:
+            if stop.is_set():
+                raise _Stopped()
+
+
+def _get(q: queue.Queue, stop: threading.Event):
+    while True:
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            if stop.is_set():
+                raise _Stopped()
+
+
+class _Stopped(Exception):
+    """Another pipeline stage failed; its error is re-raised by the main thread."""
+
+
+def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = True) -> Summary | dict:
+    """Run `xtcache teacher-dump`; returns the Summary (or the dry-run counts with --dry-run).
+
+    `engines`: an optional `capture.EngineCache` shared between several dumps in one process
+    (tests); without it the engines are started here and always shut down before returning.
+    """
+    from xtcache.store import CacheWriter
+
+    t_start = time.perf_counter()
+    plan = make_plan(cfg)
+    if cfg.dry_run:
+        return dry_run(cfg, plan)
+    summary = Summary(store=plan.out)
+    reusable = find_reusable(cfg, plan)
+    if reusable is not None:
+        from stage1_teacher.align_cmd import ensure_groups
+
+        summary.store, summary.reused = reusable, True
+        summary.alignment_groups_added = ensure_groups(reusable, plan.students, plan.teacher_tok,
+                                                       cfg.store.storage_options)
+        log.info("complete cache for this request found at %s: no teacher work", reusable)
+        return summary
+    if cfg.store.cache_dir and not cfg.store.out:
+        log.info("writing cache %s", plan.out)
+    writer = CacheWriter(plan.out, manifest_for(cfg, plan), writer_index=cfg.store.shard_index,
+                         storage_options=cfg.store.storage_options, resume=cfg.store.resume)
+    try:
+        committed = {m.part_index: m for m in writer.committed_parts()}
+        if committed and not cfg.store.resume:
+            raise ConfigError(f"--out {plan.out}: writer {cfg.store.shard_index} already has {len(committed)} "
+                              "committed parts from an earlier run; pass --resume to continue it")
+        _pipeline(cfg, plan, writer, committed, summary, engines, progress)
+        summary.wall_s = time.perf_counter() - t_start
+        writer.finish(summary.as_dict())
+    finally:
+        writer.close()
+    return summary
+
+
+def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engines, progress: bool) -> None:
+    from stage1_teacher.capture import open_capture
+
+    prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    q_in: queue.Queue = queue.Queue(maxsize=2)
+    q_post: queue.Queue = queue.Queue(maxsize=2)
+    q_write: queue.Queue = queue.Queue(maxsize=2)
+    lock = threading.Lock()
+    bar = _progress_bar(cfg, progress)
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except _Stopped:
+                pass
+            except BaseException as e:  # handed to the main thread
+                errors.append(e)
+                stop.set()
+        return run
+
+    def produce():
+        rows = iter_corpus(cfg.input.data, cfg.input.text_field)
+        for part in iter_parts(rows, prep, shard_index=cfg.store.shard_index, num_shards=cfg.store.num_shards,
+                               docs_per_part=cfg.store.docs_per_part):
+            with lock:
+                for s in part.skipped:
+                    summary.skipped[s.reason] = summary.skipped.get(s.reason, 0) + 1
+            if not part.docs:
+                continue
+            if part.index in committed:
+                _check_committed(committed[part.index], part)
+                with lock:
+                    summary.parts_resumed += 1
+                if bar is not None:
+                    bar.update(len(part.docs))
+                continue
+            state = _PartState(part, plan.width, cfg.capture.mode)
+            batches = part_batches(part, prep, cfg.capture.batch_tokens)
+            for i, b in enumerate(batches):
+                _put(q_in, (state, b, i == len(batches) - 1), stop)
+        _put(q_in, None, stop)
+
+    def post():
+        while True:
+            item = _get(q_post, stop)
+            if item is None:
+                _put(q_write, None, stop)
+                return
+            state, batch, last, raw = item
+            t0 = time.perf_counter()
+            for wi, out in zip(batch, raw):
+                _fill(state, wi, out, cap)
+            with lock:
+                summary.post_s += time.perf_counter() - t0
+            if last:
+                _put(q_write, state, stop)
+
+    def write():
+        while True:
+            state = _get(q_write, stop)
+            if state is None:
+                return
+            t0 = time.perf_counter()
+            docs, aligns = state.records()
+            meta = writer.write_part(state.part.index, docs, aligns)
+            nbytes = sum(a.stored_bytes for a in meta.arrays.values())
+            with lock:
+                summary.write_s += time.perf_counter() - t0
+                summary.parts_written += 1
+                summary.documents += meta.num_docs
+                summary.positions += meta.num_positions
+                summary.predicted += meta.num_predicted
+                summary.bytes_written += nbytes
+            if bar is not None:
+                bar.update(meta.num_docs)
+                bar.set_postfix_str(f"{summary.positions:,} pos, {summary.bytes_written / 1e6:.1f} MB", refresh=False)
+
+    threads = [threading.Thread(target=guarded(f), name=f"xtcache-{f.__name__}", daemon=True)
+               for f in (produce, post, write)]
+    threads[0].start()
+    cap = None
+    try:
+        t_wait = time.perf_counter()
+        first = _get(q_in, stop)
+        summary.input_wait_s += time.perf_counter() - t_wait
+        if first is None:
+            log.info("nothing to capture: every part is committed or the stream is empty")
+        else:
+            cap = open_capture(cfg, vocab_size=plan.vocab_size, width=plan.width, window_len=plan.window_len,
+                               max_model_len=plan.max_model_len, first_batch=[w.tokens for w in first[1]],
+                               engines=engines)
+            summary.capture_path, summary.notes, summary.check_gap = cap.path, cap.notes, cap.check_gap
+            summary.engine_start_s = cap.start_seconds
+            t_pos = time.perf_counter()
+        for th in threads[1:]:
+            th.start()
+        item = first
+        while item is not None:
+            state, batch, last = item
+            t0 = time.perf_counter()
+            raw = cap.engine.run([w.tokens for w in batch])
+            summary.teacher_s += time.perf_counter() - t0
+            summary.windows += len(batch)
+            summary.teacher_wait_s += _put(q_post, (state, batch, last, raw), stop)
+            t_wait = time.perf_counter()
+            item = _get(q_in, stop)
+            summary.input_wait_s += time.perf_counter() - t_wait
+            if bar is not None:
+                bar.set_description(f"{summary.positions / max(1e-9, time.perf_counter() - t_pos):,.0f} pos/s")
+        _put(q_post, None, stop)
+        for th in threads:
+            th.join()
+        if cap is not None:
+            summary.capture_s = time.perf_counter() - t_pos
+    except _Stopped:
+        pass
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        if errors:
+            stop.set()
+        if cap is not None:
+            cap.close()
+        if bar is not None:
+            bar.close()
+        for th in threads:
+            if th.is_alive() and errors:
+                th.join(timeout=5)
+    if errors:
+        raise errors[0]
+
+
+def _fill(state: _PartState, wi, raw, cap) -> None:
+    """Place one window's targets into its document's arrays."""
+    pd = state.part.docs[wi.doc]
+    w = pd.windows[wi.window]
+    a = state.arrays[wi.doc]
+    pred = window_has_pred(w)  # [end - store_start]
+    doc_rows = np.arange(w.store_start, w.end)[pred]
+    a["has_pred"][doc_rows] = True
+    if len(doc_rows) == 0:
+        return
+    rows = w.prefix + (doc_rows - w.ctx_start)  # window rows, all >= 1
+    t = cap.targets(raw, rows, wi.tokens, pd.doc.content_hash, wi.window)
+    a["ids"][doc_rows] = t.ids
+    if a["logprobs"] is not None:
+        a["logprobs"][doc_rows] = t.logprobs
+    if a["counts"] is not None:
+        a["counts"][doc_rows] = t.counts
+    a["residual"][doc_rows] = t.residual
+    a["realized"][doc_rows] = t.realized
+
+
+def _check_committed(meta, part: Part) -> None:
+    want = [(d.doc.source, d.doc.row, d.doc.content_hash) for d in part.docs]
+    have = [(d.source, d.row, d.content_hash) for d in meta.docs]
+    if want != have:
+        raise StoreError(f"committed part {meta.shard_id} holds other documents than the corpus gives now "
+                         "(the corpus or --docs-per-part changed since the interrupted run); start a new --out")
+
+
+def _progress_bar(cfg: TeacherDumpConfig, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    total = _count_rows(cfg.input.data)
+    if total is not None:
+        total = (total - cfg.store.shard_index + cfg.store.num_shards - 1) // cfg.store.num_shards
+    return tqdm(total=total, unit="doc", dynamic_ncols=True, mininterval=1.0)
+
+
+def _count_rows(files: list[str]) -> int | None:
+    """Rows in the corpus files (cheap: metadata or a newline count), for the progress bar's ETA."""
+    total = 0
+    for path in files:
+        low = path.lower()
+        try:
+            if low.endswith(".parquet"):
+                import pyarrow.parquet as pq
+
+                total += pq.ParquetFile(path).metadata.num_rows
+            elif low.endswith((".arrow", ".feather", ".ipc")):
+                return None
+            else:
+                with open(path, "rb") as f:
+                    total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 22), b""))
+        except OSError:
+            return None
+    return total
+
+
+__all__ = ["Summary", "run_teacher_dump", "make_plan", "dry_run", "XtcacheError", "CaptureError", "Skipped"]

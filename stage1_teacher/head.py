@@ -1,0 +1,208 @@
+"""From teacher logits (or final hidden states + the teacher's own lm_head) to what the store keeps.
+
+`TeacherHead` loads the output projection of a Hugging Face causal LM from its safetensors (the
+`lm_head.weight`, or the input embedding when the embeddings are tied) plus the logit scaling and
+soft-capping its config asks for. `distill_targets` turns a block of logits into exactly the
+arrays a `DocRecord` holds, vectorized in torch on the teacher's device, in row blocks so a
+[rows, vocab] float32 matrix never exceeds `block_rows` rows:
+
+  topk     k most likely ids and their log-probs, residual = 1 - sum(exp(top-k log-probs))
+  full     log-probs of every tokenizer id (k = V), residual = mass outside the tokenizer
+  sampled  N draws at T=1 from the distribution restricted to the tokenizer's ids: unique ids
+           sorted by count (descending), uint16 counts, 0 = padding; residual as in full mode
+
+Every mode also returns the log-prob of the realized next token. Log-probs are log-softmax over
+all the model's logit columns. Checkpoints often pad the lm_head beyond the tokenizer (Qwen3:
+151,936 columns, 151,669 tokens); ids >= len(tokenizer) are never emitted: those columns keep
+their (normally negligible) probability in the normalizer and their mass is counted in the
+residual, so the stored distribution is the model's own, not a renormalized one.
+
+    python -c "from stage1_teacher.head import TeacherHead; print(TeacherHead.load('teacher_dir', 'cpu'))"
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from xtcache.errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+# Architectures whose final hidden state times lm_head (+ the config's scaling) gives the logits.
+# Others fall back to vLLM's own log-probs (logged as a warning).
+HEAD_ARCHITECTURES = {
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "Phi3ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+    "OlmoForCausalLM",
+}
+
+
+class UnsupportedHead(CaptureError):
+    """The teacher's output head cannot be reproduced from its hidden states (fall back)."""
+
+
+@dataclass
+class TeacherHead:
+    """The teacher's output projection: logits = scale * (h @ weight.T), soft-capped if configured."""
+
+    weight: "object"  # torch.Tensor [V_model, H]
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    architecture: str = ""
+
+    @property
+    def model_vocab(self) -> int:
+        return int(self.weight.shape[0])
+
+    @classmethod
+    def load(cls, model_dir: str, device, dtype=None) -> "TeacherHead":
+        import torch
+
+        cfg = read_config(model_dir)
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch not in HEAD_ARCHITECTURES:
+            raise UnsupportedHead(f"architecture {arch} has no known output head for the hidden-state path")
+        text_cfg = cfg.get("text_config", cfg)
+        tied = bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False)))
+        weight = _find_tensor(model_dir, "lm_head.weight")
+        if weight is None:
+            embed = _find_tensor(model_dir, "model.embed_tokens.weight")
+            if embed is None:
+                embed = _find_tensor(model_dir, "model.language_model.embed_tokens.weight")
+            if embed is not None and not tied:
+                log.warning("teacher %s has no lm_head.weight and does not declare tied embeddings; "
+                            "using the input embedding as the output head", model_dir)
+            weight = embed
+        if weight is None:
+            raise UnsupportedHead(f"{model_dir}: no lm_head.weight or embedding in the safetensors files")
+        scale = 1.0
+        if arch.startswith("Cohere"):
+            scale = float(text_cfg.get("logit_scale", 1.0))
+        if arch == "GraniteForCausalLM":
+            scale = 1.0 / float(text_cfg.get("logits_scaling", 1.0))
+        softcap = text_cfg.get("final_logit_softcapping")
+        weight = weight.to(device=device, dtype=dtype or torch.float32)
+        return cls(weight=weight, logit_scale=scale, softcap=float(softcap) if softcap else None, architecture=arch)
+
+    def logits(self, hidden):
+        """float32 [N, V_model] logits from final hidden states [N, H] (any float dtype)."""
+        import torch
+
+        h = hidden.to(device=self.weight.device, dtype=self.weight.dtype)
+        z = torch.matmul(h, self.weight.t()).float()
+        if self.logit_scale != 1.0:
+            z = z * self.logit_scale
+        if self.softcap:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
+
+def _find_tensor(model_dir: str, name: str):
+    from safetensors import safe_open
+
+    for path in weight_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            if name in set(f.keys()):
+                return f.get_tensor(name)
+    return None
+
+
+def read_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CaptureError(f"--teacher {model_dir}: no config.json; pass a Hugging Face model directory")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """The teacher's safetensors files; CaptureError when it has none."""
+    files = sorted(os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise CaptureError(f"--teacher {model_dir}: no *.safetensors weights; xtcache loads safetensors only "
+                           "(convert .bin checkpoints with save_pretrained(safe_serialization=True))")
+    return files
+
+
+@dataclass
+class Targets:
+    """Per-row arrays of one block of predictions (numpy, rows = predicted positions)."""
+
+    ids: np.ndarray  # int32 [n, k]
+    logprobs: np.ndarray | None  # float32 [n, k]
+    counts: np.ndarray | None  # uint16 [n, k]
+    residual: np.ndarray  # float32 [n]
+    realized: np.ndarray  # float32 [n]
+
+
+def sample_seed(seed: int, doc_hash: str, window: int) -> int:
+    """Seed of one window's sampling stream: independent of batching, so resumed runs draw the same."""
+    import hashlib
+
+    h = hashlib.sha256(f"{seed}:{doc_hash}:{window}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def distill_targets(logits, targets, *, mode: str, k: int, vocab_size: int, num_samples: int = 0,
+                    generator=None, block_rows: int = 4096) -> Targets:
+    """Exact top-k / full / sampled targets from logits [n, V_model] for next tokens `targets` [n].
+
+    `vocab_size` is len(tokenizer): columns at or beyond it are never emitted (see module docstring).
+    """
+    import torch
+
+    n, v_model = int(logits.shape[0]), int(logits.shape[1])
+    V = min(vocab_size, v_model)
+    if mode == "topk" and k > V:
+        raise CaptureError(f"--top-k {k} is larger than the teacher vocabulary ({V})")
+    width = {"topk": k, "full": V, "sampled": num_samples}[mode]
+    ids = np.zeros((n, width), dtype=np.int32)
+    logprobs = np.zeros((n, width), dtype=np.float32) if mode != "sampled" else None
+    counts = np.zeros((n, width), dtype=np.uint16) if mode == "sampled" else None
+    residual = np.zeros(n, dtype=np.float32)
+    realized = np.zeros(n, dtype=np.float32)
+    targets = torch.as_tensor(np.asarray(targets, dtype=np.int64), device=logits.device)
+    for a in range(0, n, block_rows):
+        b = min(n, a + block_rows)
+        z = logits[a:b].float()  # [rows, V_model]
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)  # [rows, 1]
+        realized[a:b] = (z.gather(1, targets[a:b, None]) - lse)[:, 0].cpu().numpy()
+        real = z[:, :V]
+        if mode == "topk":
+            val, idx = torch.topk(real, k, dim=-1, sorted=True)  # [rows, k]
+            lp = val - lse
+            ids[a:b] = idx.to(torch.int32).cpu().numpy()
+            logprobs[a:b] = lp.cpu().numpy()
+            mass = torch.exp(lp.double()).sum(-1)
+        else:
+            lp = real - lse  # [rows, V]
+            mass = torch.exp(lp.double()).sum(-1)
+            if mode == "full":
+                ids[a:b] = np.arange(V, dtype=np.int32)
+                logprobs[a:b] = lp.cpu().numpy()
+            else:
+                probs = torch.softmax(real, dim=-1)
+                draws = torch.multinomial(probs, num_samples, replacement=True, generator=generator)  # [rows, N]
+                hist = torch.zeros_like(real, dtype=torch.int32).scatter_add_(
+                    1, draws, torch.ones_like(draws, dtype=torch.int32))  # [rows, V]
+                cnt, idx = torch.topk(hist, min(num_samples, V), dim=-1, sorted=True)  # by count, descending
+                cnt, idx = _ties_by_id(cnt, idx)
+                ids[a:b, :cnt.shape[1]] = torch.where(cnt > 0, idx, 0).to(torch.int32).cpu().numpy()
+                counts[a:b, :cnt.shape[1]] = cnt.to(torch.int32).cpu().numpy().astype(np.uint16)
+        residual[a:b] = torch.clamp(1.0 - mass, min=0.0).float().cpu().numpy()
+    return Targets(ids=ids, logprobs=logprobs, counts=counts, residual=residual, realized=realized)
+
+
+def _ties_by_id(cnt, idx):
+    """Order entries by count descending, then id ascending (topk's order among ties is unspecified)."""
+    import torch
+
+    key = cnt.to(torch.int64) * (1 << 32) - idx.to(torch.int64)
+    order = torch.argsort(key, dim=-1, descending=True)
+    return cnt.gather(1, order), idx.gather(1, order)

@@ -1,0 +1,234 @@
+"""Document preparation for `xtcache teacher-dump`: tokenize, align, plan windows, form parts.
+
+A writer's stream is every corpus row whose ordinal (over all files, in order) is congruent to
+its `--shard-index` modulo `--num-shards`. Usable documents of that stream are grouped into parts
+of `--docs-per-part` documents: part j holds documents [j * P, (j + 1) * P) of the stream, a
+fixed run that does not depend on timing, batching or interruptions, so a resumed run rewrites
+exactly the parts an uninterrupted one would. Rows that cannot be used (see `corpus.Skipped`,
+plus documents of fewer than 2 teacher tokens and texts the tokenizers cannot align) are skipped
+with a reason, deterministically.
+
+With a student tokenizer equal to the teacher's (same fingerprint) the alignment is the
+identity and the text is not tokenized again.
+
+    python -c "import stage1_teacher.prep as p; help(p.Preparer)"
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from stage1_teacher.corpus import Document, Skipped
+from stage1_teacher.windows import Window, common_boundaries, plan_windows, window_tokens
+from xtcache.errors import AlignmentError
+
+log = logging.getLogger(__name__)
+
+TOKENIZE_BATCH = 64
+
+
+@dataclass
+class StudentSide:
+    """One student tokenizer and its alignment group."""
+
+    name: str
+    tokenizer: object
+    fingerprint: str
+    identity: bool
+    info: object = None
+
+
+@dataclass
+class PreparedDoc:
+    """A document ready for the teacher: tokens, offsets, alignments and windows."""
+
+    doc: Document
+    teacher_ids: np.ndarray  # int32 [T]
+    offsets: np.ndarray  # int32 [T, 2]
+    alignments: dict  # fingerprint -> AlignmentRecord
+    windows: list[Window]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.teacher_ids.shape[0])
+
+
+@dataclass
+class Part:
+    """Part `index` of this writer: its prepared documents and the rows skipped while forming it."""
+
+    index: int
+    docs: list[PreparedDoc]
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+def load_tokenizer(path: str, side: str):
+    """The fast tokenizer exactly as its tokenizer.json defines it, truncation and padding off.
+
+    A directory with tokenizer.json is loaded as `PreTrainedTokenizerFast`: `AutoTokenizer` on a
+    model directory may rebuild the tokenizer for the model type (transformers 5 gives a Qwen2
+    directory Qwen's own normalizer and pre-tokenizer), so the tokens would not match the
+    file's fingerprint. Slow-only tokenizers (no offsets) raise AlignmentError.
+    """
+    import os
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from xtcache.align import require_fast
+    from xtcache.errors import ConfigError
+
+    try:
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            tok = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            tok = AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"{side} {path}: cannot load a tokenizer ({e})") from None
+    backend = require_fast(tok, side)
+    backend.no_truncation()
+    backend.no_padding()
+    return tok
+
+
+def adds_bos(tok) -> bool:
+    """True when the tokenizer puts a BOS token first (later teacher windows then get one too)."""
+    bos = tok.bos_token_id
+    if bos is None:
+        return False
+    ids = tok.backend_tokenizer.encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[0] == bos
+
+
+class Preparer:
+    """Tokenizes and aligns documents and plans their teacher windows."""
+
+    def __init__(self, teacher_tok, students: list[StudentSide], *, window_len: int, overlap: int):
+        from xtcache.align import tokenizer_info
+
+        self.teacher_tok = teacher_tok
+        self.students = students
+        self.window_len = window_len
+        self.overlap = overlap
+        self.bos_prefix = adds_bos(teacher_tok)
+        self.bos_id = teacher_tok.bos_token_id
+        self.teacher_info = tokenizer_info(teacher_tok) if any(not s.identity for s in students) else None
+        for s in students:
+            if not s.identity and s.info is None:
+                s.info = tokenizer_info(s.tokenizer)
+
+    def prepare(self, docs: list[Document]) -> list[PreparedDoc | Skipped]:
+        from xtcache.align import align_offsets
+        from xtcache.store import AlignmentRecord
+
+        texts = [d.text for d in docs]
+        t_enc = self.teacher_tok.backend_tokenizer.encode_batch(texts, add_special_tokens=True)
+        s_enc = {s.fingerprint: s.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=True)
+                 for s in self.students if not s.identity}
+        out: list[PreparedDoc | Skipped] = []
+        for i, d in enumerate(docs):
+            t_ids = np.asarray(t_enc[i].ids, dtype=np.int32)
+            t_off = np.asarray(t_enc[i].offsets, dtype=np.int32).reshape(-1, 2)
+            if len(t_ids) < 2:
+                out.append(Skipped(d.source, d.row, "fewer than 2 teacher tokens"))
+                continue
+            aligns = {}
+            try:
+                for s in self.students:
+                    if s.identity:
+                        from xtcache.align import identity_alignment
+
+                        aligns[s.fingerprint] = AlignmentRecord(student_ids=t_ids.copy(),
+                                                                alignment=identity_alignment(len(t_ids)))
+                        continue
+                    e = s_enc[s.fingerprint][i]
+                    s_ids = np.asarray(e.ids, dtype=np.int32)
+                    s_off = np.asarray(e.offsets, dtype=np.int32).reshape(-1, 2)
+                    a = align_offsets(d.text, s_ids, s_off, t_ids, t_off, student_info=s.info,
+                                      teacher_info=self.teacher_info)
+                    aligns[s.fingerprint] = AlignmentRecord(student_ids=s_ids, alignment=a)
+            except AlignmentError as e:
+                log.warning("skipping %s: %s", d.doc_id, e)
+                out.append(Skipped(d.source, d.row, "alignment failed"))
+                continue
+            bounds = None
+            if len(t_ids) > self.window_len:
+                bounds = common_boundaries([r.alignment.teacher_end for fp, r in aligns.items()
+                                            if not _is_identity(self.students, fp)])
+            windows = plan_windows(len(t_ids), self.window_len, self.overlap, bounds, bos_prefix=self.bos_prefix)
+            out.append(PreparedDoc(doc=d, teacher_ids=t_ids, offsets=t_off, alignments=aligns, windows=windows))
+        return out
+
+    def tokens(self, pd: PreparedDoc, w: Window) -> np.ndarray:
+        return window_tokens(pd.teacher_ids, w, self.bos_id)
+
+
+def _is_identity(students: list[StudentSide], fp: str) -> bool:
+    return any(s.fingerprint == fp and s.identity for s in students)
+
+
+def iter_parts(rows, preparer: Preparer, *, shard_index: int, num_shards: int, docs_per_part: int,
+               committed: set[int] | None = None) -> Iterator[Part]:
+    """Parts of this writer's stream, in order. Parts in `committed` come with `docs` of Documents only
+    prepared enough to check their ids (no windows are needed for them)."""
+    pending: list[Document] = []
+    skipped: list[Skipped] = []
+    ready: list[PreparedDoc] = []
+    part_index = 0
+
+    def flush_pending():
+        nonlocal pending
+        for item in preparer.prepare(pending):
+            (skipped if isinstance(item, Skipped) else ready).append(item)
+        pending = []
+
+    for ordinal, item in enumerate(rows):
+        if ordinal % num_shards != shard_index:
+            continue
+        if isinstance(item, Skipped):
+            skipped.append(item)
+            continue
+        pending.append(item)
+        if len(pending) >= TOKENIZE_BATCH:
+            flush_pending()
+        while len(ready) >= docs_per_part:
+            yield Part(part_index, ready[:docs_per_part], skipped)
+            ready, skipped = ready[docs_per_part:], []
+            part_index += 1
+    flush_pending()
+    while ready:
+        yield Part(part_index, ready[:docs_per_part], skipped)
+        ready, skipped = ready[docs_per_part:], []
+        part_index += 1
+    if skipped:
+        yield Part(part_index, [], skipped)
+
+
+@dataclass
+class WindowItem:
+    """One window of one document of a part, as handed to the teacher."""
+
+    doc: int  # index into the part's docs
+    window: int  # index into the doc's windows
+    tokens: np.ndarray  # int64 [L]
+
+
+def part_batches(part: Part, preparer: Preparer, batch_tokens: int) -> list[list[WindowItem]]:
+    """The part's windows, in document order, packed into batches of at most `batch_tokens` tokens."""
+    batches: list[list[WindowItem]] = []
+    cur: list[WindowItem] = []
+    size = 0
+    for di, pd in enumerate(part.docs):
+        for wi, w in enumerate(pd.windows):
+            toks = preparer.tokens(pd, w)
+            if cur and size + len(toks) > batch_tokens:
+                batches.append(cur)
+                cur, size = [], 0
+            cur.append(WindowItem(doc=di, window=wi, tokens=toks))
+            size += len(toks)
+    if cur:
+        batches.append(cur)
+    return batches

@@ -1,0 +1,279 @@
+"""The stage 2 (`xtcache train-student`) configuration: one dataclass, nested by concern.
+
+Every leaf field has exactly one command-line flag, its name with dashes (`kd_weight` ->
+`--kd-weight`); flag names are unique across sections, so a config file may use flat keys
+(`kd-weight: 0.5`) or nested sections (`loss: {kd_weight: 0.5}`). Precedence: flags given on the
+command line, then the `--config` file, then the defaults below. `tests/test_train_config.py`
+checks that the typer options of `stage2_student.cli.train_student` and these fields stay in sync.
+
+    from stage2_student.config import TrainConfig
+    cfg = TrainConfig.from_flat({"cache": "s3://b/c", "student": "dir", "out": "run", "lr": 1e-4})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LOSSES = ("auto", "pkl", "kl", "rkl", "jsd", "sampled", "alm", "ce")
+"""`--loss` choices. auto: pkl for cross-tokenizer caches, sampled for sampled caches, kl otherwise;
+ce: next-token cross entropy only (no teacher term)."""
+
+
+@dataclass(kw_only=True)
+class LoaderConfig:
+    """How the cache is streamed into micro-batches."""
+
+    seq_len: int = 512
+    """Student tokens per packed window."""
+    micro_batch_size: int = 4
+    """Windows per micro-batch on each data-parallel rank."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: read in the training process)."""
+    storage_options: str | None = None
+    """JSON object of fsspec storage options for remote stores, e.g. '{"anon": true}'."""
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    """The training objective: w_kd * KD + w_ce * CE."""
+
+    loss: str = "auto"
+    """KD loss: auto|pkl|kl|rkl|jsd|sampled|alm|ce (ce: cross entropy only)."""
+    kd_weight: float = 1.0
+    """Weight of the KD term."""
+    ce_weight: float = 0.1
+    """Weight of the next-token cross-entropy term (0 drops it)."""
+    dynamic_scaling: bool = False
+    """Scale KD to CE's magnitude each micro-batch: w = stop_grad(|CE| / |KD|) (replaces --kd-weight)."""
+    temperature: float = 1.0
+    """Distillation temperature T (teacher and student softened alike, loss times T^2)."""
+    jsd_beta: float = 0.5
+    """Mixing weight beta of the generalized JSD loss."""
+    alm_tau: float = 100.0
+    """Temperature tau of the ALM chunk-likelihood loss."""
+    projection: str | None = None
+    """Projection map (`xtcache projection build`) for cross-tokenizer caches; built on the fly when absent."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay."""
+
+    lr: float = 1e-4
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of --lr at the end of the cosine."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to --lr."""
+    max_steps: int = 1000
+    """Optimizer steps to train for."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step on each rank."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+
+
+@dataclass(kw_only=True)
+class DeepSpeedConfig:
+    """The DeepSpeed engine."""
+
+    zero_stage: int = 2
+    """ZeRO stage 0|1|2|3 (ignored where --deepspeed sets zero_optimization.stage)."""
+    deepspeed: str | None = None
+    """A DeepSpeed JSON config to start from; batch sizes, optimizer and clipping still follow the flags."""
+    bf16: bool = False
+    """Train in bf16 mixed precision (fp32 master weights)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpoints, resume and the Hugging Face export."""
+
+    save_every: int = 0
+    """Save a checkpoint every N optimizer steps (0: only at the end)."""
+    resume: str | None = None
+    """Resume from a checkpoint directory, or 'latest' for the newest one under OUT/checkpoints."""
+    export_every: int = 0
+    """Also write a Hugging Face directory OUT/hf-stepN every N steps (0: only OUT/hf at the end)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N checkpoints (0: keep all)."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation: KD measure to the teacher and CE."""
+
+    eval_every: int = 0
+    """Evaluate every N optimizer steps (0: only at the end)."""
+    eval_fraction: float = 0.0
+    """Hold out this fraction of the cache's documents for evaluation (by document id)."""
+    eval_cache: str | None = None
+    """A separate store to evaluate on (instead of --eval-fraction)."""
+    eval_batches: int = 0
+    """Evaluate on at most N micro-batches per rank (0: the whole held-out set)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything `xtcache train-student` needs."""
+
+    cache: str
+    """The teacher cache store (local path or fsspec URL)."""
+    student: str
+    """Student model directory (Hugging Face format, with its tokenizer)."""
+    out: str
+    """Output directory: metrics.jsonl, checkpoints/, hf/, summary.json."""
+    seed: int = 0
+    """Seed of the data order and of torch."""
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        o, lo, l, d, c, e = self.optim, self.loader, self.loss, self.deepspeed, self.checkpoint, self.eval
+        positive = {"--seq-len": lo.seq_len, "--micro-batch-size": lo.micro_batch_size,
+                    "--grad-accum": o.grad_accum, "--max-steps": o.max_steps}
+        for flag, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{flag} {value}: must be at least 1")
+        if lo.seq_len < 2:
+            raise ValueError(f"--seq-len {lo.seq_len}: a window needs at least 2 tokens")
+        non_negative = {"--num-workers": lo.num_workers, "--warmup-steps": o.warmup_steps,
+                        "--save-every": c.save_every, "--eval-every": e.eval_every,
+                        "--export-every": c.export_every, "--keep-checkpoints": c.keep_checkpoints,
+                        "--eval-batches": e.eval_batches, "--grad-clip": o.grad_clip,
+                        "--weight-decay": o.weight_decay, "--kd-weight": l.kd_weight,
+                        "--ce-weight": l.ce_weight}
+        for flag, value in non_negative.items():
+            if value < 0:
+                raise ValueError(f"{flag} {value}: must not be negative")
+        if o.lr <= 0:
+            raise ValueError(f"--lr {o.lr}: must be positive")
+        if not 0.0 <= o.min_lr_ratio <= 1.0:
+            raise ValueError(f"--min-lr-ratio {o.min_lr_ratio}: must lie in [0, 1]")
+        if o.warmup_steps > o.max_steps:
+            raise ValueError(f"--warmup-steps {o.warmup_steps}: more than --max-steps {o.max_steps}")
+        if l.loss not in LOSSES:
+            raise ValueError(f"--loss {l.loss!r}: choose one of {', '.join(LOSSES)}")
+        if l.temperature <= 0:
+            raise ValueError(f"--temperature {l.temperature}: must be positive")
+        if not 0.0 < l.jsd_beta < 1.0:
+            raise ValueError(f"--jsd-beta {l.jsd_beta}: must lie strictly between 0 and 1")
+        if l.alm_tau <= 0:
+            raise ValueError(f"--alm-tau {l.alm_tau}: must be positive")
+        if l.loss == "ce" and l.ce_weight == 0:
+            raise ValueError("--loss ce with --ce-weight 0: nothing to train on; give --ce-weight > 0")
+        if l.loss != "ce" and l.kd_weight == 0 and not l.dynamic_scaling and l.ce_weight == 0:
+            raise ValueError("--kd-weight 0 and --ce-weight 0: nothing to train on")
+        if d.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage {d.zero_stage}: choose 0, 1, 2 or 3")
+        if not 0.0 <= e.eval_fraction < 1.0:
+            raise ValueError(f"--eval-fraction {e.eval_fraction}: must lie in [0, 1)")
+        if e.eval_fraction > 0 and e.eval_cache:
+            raise ValueError("--eval-fraction and --eval-cache both given: choose one")
+        if lo.storage_options is not None:
+            try:
+                parsed = json.loads(lo.storage_options)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--storage-options: not JSON ({err})") from None
+            if not isinstance(parsed, dict):
+                raise ValueError("--storage-options: must be a JSON object")
+
+    @property
+    def storage_options_dict(self) -> dict | None:
+        return None if self.loader.storage_options is None else json.loads(self.loader.storage_options)
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval.eval_fraction > 0 or bool(self.eval.eval_cache)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def leaf_fields(cls) -> dict[str, tuple[str | None, dataclasses.Field]]:
+        """Every flag-bearing field: name -> (section or None, field)."""
+        out: dict[str, tuple[str | None, dataclasses.Field]] = {}
+        for f in dataclasses.fields(cls):
+            section_type = _SECTIONS.get(f.name)
+            if section_type is None:
+                out[f.name] = (None, f)
+                continue
+            for sub in dataclasses.fields(section_type):
+                assert sub.name not in out, f"flag name {sub.name} used twice"
+                out[sub.name] = (f.name, sub)
+        return out
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> "TrainConfig":
+        """Build from flat keys (field names; dashes allowed); unknown keys raise ValueError."""
+        leaves = cls.leaf_fields()
+        top: dict[str, Any] = {}
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in leaves:
+                raise ValueError(f"unknown setting {key!r}: see `xtcache train-student --help`")
+            section, _ = leaves[name]
+            (sections[section] if section else top)[name] = value
+        return cls(**top, **{name: _SECTIONS[name](**vals) for name, vals in sections.items()})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        """Build from `to_dict()` output or a config file (nested sections and flat keys mixed)."""
+        return cls.from_flat(flatten(data))
+
+
+_SECTIONS = {"loader": LoaderConfig, "loss": LossConfig, "optim": OptimConfig,
+             "deepspeed": DeepSpeedConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig}
+
+
+def flatten(data: dict[str, Any]) -> dict[str, Any]:
+    """Nested sections to flat keys: {"loss": {"kd_weight": 1}} -> {"kd_weight": 1}.
+
+    A section key whose value is not a dict is kept as a leaf (`deepspeed: ds.json` is the
+    --deepspeed flag, `loss: pkl` the --loss flag).
+    """
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name in _SECTIONS and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                flat[sub_key.replace("-", "_")] = sub_value
+        else:
+            flat[name] = value
+    return flat
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Flat settings from a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) file."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    elif suffix == ".toml":
+        import tomllib
+
+        data = tomllib.loads(text)
+    elif suffix == ".json":
+        data = json.loads(text)
+    else:
+        raise ValueError(f"--config {path}: use a .yaml, .yml, .toml or .json file")
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: the file must hold a mapping of settings")
+    return flatten(data)

@@ -1,0 +1,523 @@
+"""Streaming loader of stage 2: committed cache shards -> packed student windows -> micro-batches.
+
+A `CacheDataset` reads the store lazily through `xtcache.store.CacheReader` (any fsspec URL) and
+a `CacheLoader` wraps it in a torch DataLoader, so shard decoding and batch building happen in
+worker processes. Micro-batches follow the "Stage 2 batch" table of docs/architecture.md.
+
+Packing. Each shard's documents (train or held-out split) are packed, in stored order, into
+windows of `seq_len` student tokens, cut only at chunk boundaries; several documents may share a
+window. When a document continues in the next window, its last chunk of the previous window is
+repeated first as context (it is never a valid chunk there and its CE labels are masked), so that
+every chunk of a long document is predicted exactly once. A chunk longer than a window is
+skipped (counted in `skipped_chunks`). A chunk is valid when both sides are non-empty, its first
+student token has a predicting logit in the window and all its teacher rows have a prediction.
+
+Order. The packing is fixed per shard; an epoch permutes the shards and the windows inside each
+shard with (seed, epoch). Global micro-batch g holds windows [g*B, (g+1)*B) of that order,
+truncated to whole optimizer steps; rank r, accumulation index a of step s reads
+g = s*W*A + r*A + a. Worker w of n builds the rank's micro-batches j with j % n == w, and the
+DataLoader returns them in order, so the sequence depends on neither the number of workers nor
+prefetching, and `state_dict()` (micro-batches consumed) resumes exactly.
+
+    ds = CacheDataset(url, student_fingerprint, seq_len=512, micro_batch_size=4, rank=0, world_size=1)
+    for batch in CacheLoader(ds, num_workers=2): ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from xtcache.errors import ConfigError, StoreError
+
+log = logging.getLogger(__name__)
+
+IGNORE = -100
+
+
+# --------------------------------------------------------------------------------------------
+# pure packing
+
+
+@dataclass
+class ShardPlan:
+    """Windows of one shard: window w holds segments [window_offsets[w], window_offsets[w+1])."""
+
+    window_offsets: np.ndarray  # int64 [W+1]
+    seg_doc: np.ndarray  # int64 [S] document index inside the shard
+    seg_lo: np.ndarray  # int64 [S] first chunk (a context chunk when seg_ctx)
+    seg_hi: np.ndarray  # int64 [S] exclusive last chunk
+    seg_ctx: np.ndarray  # bool  [S] first chunk is context repeated from the previous window
+    skipped_chunks: int = 0
+
+    @property
+    def num_windows(self) -> int:
+        return int(self.window_offsets.shape[0] - 1)
+
+
+def pack_documents(doc_indices, chunk_lengths: list[np.ndarray], seq_len: int) -> ShardPlan:
+    """Greedy packing of documents (student-token length of each chunk) into windows.
+
+    doc_indices: the documents to pack, in order; chunk_lengths[i]: int [C_i] for document
+    doc_indices[i]. Windows never exceed `seq_len` tokens and cut only between chunks.
+    """
+    offsets, docs, los, his, ctxs = [0], [], [], [], []
+    used, skipped = 0, 0
+
+    def close():
+        nonlocal used
+        if len(docs) > offsets[-1]:
+            offsets.append(len(docs))
+        used = 0
+
+    for d, lens in zip(doc_indices, chunk_lengths):
+        lens = np.asarray(lens, dtype=np.int64)
+        c, n_chunks = 0, lens.shape[0]
+        ctx = False
+        while c < n_chunks:
+            start = c - 1 if ctx else c
+            base = used + (lens[c - 1] if ctx else 0)
+            fit = int(np.searchsorted(np.cumsum(lens[c:]), seq_len - base, side="right"))
+            if fit == 0:
+                if ctx:  # the context chunk leaves no room: start the window without it
+                    ctx = False
+                    continue
+                if used == 0:  # a single chunk longer than a window
+                    skipped += 1
+                    c += 1
+                    continue
+                close()
+                continue
+            docs.append(d)
+            los.append(start)
+            his.append(c + fit)
+            ctxs.append(ctx)
+            used = base + int(lens[c:c + fit].sum())
+            c += fit
+            ctx = False
+            if c < n_chunks:  # the document goes on in the next window, after a context chunk
+                close()
+                ctx = lens[c - 1] > 0
+        if used >= seq_len:
+            close()
+    close()
+    return ShardPlan(np.asarray(offsets, dtype=np.int64), np.asarray(docs, dtype=np.int64),
+                     np.asarray(los, dtype=np.int64), np.asarray(his, dtype=np.int64),
+                     np.asarray(ctxs, dtype=bool), skipped)
+
+
+def epoch_window_order(num_windows: list[int], seed: int, epoch: int, *, shuffle: bool = True) -> np.ndarray:
+    """Global window order of one epoch: int64 [N, 2] rows (shard index, window index).
+
+    Shards are permuted, then the windows inside each shard, with generators seeded by
+    (seed, epoch) and (seed, epoch, shard): a pure function of its arguments.
+    """
+    n = len(num_windows)
+    shard_order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    parts = []
+    for s in shard_order:
+        w = np.arange(num_windows[s], dtype=np.int64)
+        if shuffle:
+            w = np.random.default_rng([seed, epoch, int(s)]).permutation(w)
+        parts.append(np.stack([np.full_like(w, s), w], axis=1))
+    return np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.int64)
+
+
+def global_micro_batch(j: int, *, rank: int, world_size: int, grad_accum: int) -> int:
+    """Index of the rank's j-th micro-batch in the global micro-batch order."""
+    step, a = divmod(j, grad_accum)
+    return step * world_size * grad_accum + rank * grad_accum + a
+
+
+def is_held_out(doc_id: str, fraction: float) -> bool:
+    """Deterministic document holdout: sha256(doc_id) read as a number in [0, 1) below `fraction`."""
+    if fraction <= 0:
+        return False
+    return int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big") / 2**64 < fraction
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(starts[i], starts[i] + lengths[i]), int64."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(total, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# micro-batch assembly
+
+
+@dataclass
+class ShardSource:
+    """Decoded arrays of one shard as the batch builder needs them (plain numpy)."""
+
+    doc_pos_offsets: np.ndarray  # int64 [D+1] into teacher rows
+    doc_student_offsets: np.ndarray  # int64 [D+1] into student_ids
+    doc_chunk_offsets: np.ndarray  # int64 [D+1] into the chunk arrays
+    student_ids: np.ndarray  # int32 [S]
+    student_end: np.ndarray  # int32 [C] document-local exclusive ends
+    teacher_end: np.ndarray  # int32 [C]
+    exact: np.ndarray  # bool [C]
+    has_pred: np.ndarray  # bool [P]
+    topk_ids: np.ndarray  # int32 [P, k]
+    topk_logprobs: np.ndarray | None  # float32 [P, k]
+    topk_counts: np.ndarray | None  # uint16 [P, k]
+    residual: np.ndarray  # float32 [P]
+    realized_logprob: np.ndarray  # float32 [P]
+
+
+def build_micro_batch(windows: list[list[tuple[ShardSource, int, int, int, bool]]], seq_len: int,
+                      pad_id: int) -> dict[str, np.ndarray | int]:
+    """Numpy micro-batch (docs/architecture.md "Stage 2 batch") from windows of segments.
+
+    Each window is a list of (source, doc, chunk_lo, chunk_hi, context_first) segments.
+    """
+    b = len(windows)
+    input_ids = np.full((b, seq_len), pad_id, dtype=np.int64)
+    attention = np.zeros((b, seq_len), dtype=np.int64)
+    labels = np.full((b, seq_len), IGNORE, dtype=np.int64)
+    student_chunk = np.full((b, seq_len), -1, dtype=np.int64)
+    rows_by_src: list[tuple[ShardSource, np.ndarray]] = []
+    teacher_chunk, exact = [], []
+    n_chunks = 0
+    for wi, segments in enumerate(windows):
+        pos = 0
+        masked_until = 0  # CE labels predicting context tokens are dropped
+        for src, d, lo, hi, ctx in segments:
+            c0 = int(src.doc_chunk_offsets[d])
+            s_end = src.student_end[c0 + lo:c0 + hi].astype(np.int64)  # [n]
+            t_end = src.teacher_end[c0 + lo:c0 + hi].astype(np.int64)
+            s_begin = int(src.student_end[c0 + lo - 1]) if lo > 0 else 0
+            t_begin = int(src.teacher_end[c0 + lo - 1]) if lo > 0 else 0
+            s_start = np.concatenate([[s_begin], s_end[:-1]])  # [n]
+            t_start = np.concatenate([[t_begin], t_end[:-1]])
+            s_len, t_len = s_end - s_start, t_end - t_start
+            s_off, p_off = int(src.doc_student_offsets[d]), int(src.doc_pos_offsets[d])
+            toks = src.student_ids[s_off + s_begin:s_off + int(s_end[-1])]
+            input_ids[wi, pos:pos + len(toks)] = toks
+            first = pos + (s_start - s_begin)  # [n] window position of each chunk's first token
+            no_pred = np.concatenate([[0], np.cumsum(~src.has_pred[p_off + t_begin:p_off + int(t_end[-1])])])
+            all_pred = (no_pred[t_end - t_begin] - no_pred[t_start - t_begin]) == 0
+            valid = (s_len > 0) & (t_len > 0) & (first > 0) & all_pred
+            if ctx:
+                valid[0] = False
+                masked_until = pos + int(s_len[0])
+            ids = n_chunks + np.arange(int(valid.sum()), dtype=np.int64)
+            n_chunks += ids.shape[0]
+            student_chunk[wi, _ranges(first[valid] - 1, s_len[valid])] = np.repeat(ids, s_len[valid])
+            rows_by_src.append((src, _ranges(p_off + t_start[valid], t_len[valid])))
+            teacher_chunk.append(np.repeat(ids, t_len[valid]))
+            exact.append(src.exact[c0 + lo:c0 + hi][valid])
+            pos += len(toks)
+        attention[wi, :pos] = 1
+        labels[wi, :max(pos - 1, 0)] = input_ids[wi, 1:max(pos, 1)]
+        labels[wi, :max(masked_until - 1, 0)] = IGNORE
+    out: dict[str, np.ndarray | int] = {
+        "input_ids": input_ids, "attention_mask": attention, "labels": labels, "student_chunk": student_chunk,
+        "teacher_chunk": np.concatenate(teacher_chunk) if teacher_chunk else np.zeros(0, np.int64),
+        "chunk_exact": np.concatenate(exact) if exact else np.zeros(0, bool), "num_chunks": n_chunks}
+    first_src = rows_by_src[0][0] if rows_by_src else None
+    k = first_src.topk_ids.shape[1] if first_src is not None else 0
+
+    def gather(name, dtype, tail=()):
+        parts = [getattr(s, name)[r] for s, r in rows_by_src]
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros((0, *tail), dtype)
+
+    out["teacher_ids"] = gather("topk_ids", np.int64, (k,))
+    if first_src is not None and first_src.topk_counts is not None:
+        counts = gather("topk_counts", np.float32, (k,))
+        out["teacher_counts"] = counts
+        out["teacher_ids"] = np.where(counts > 0, out["teacher_ids"], -1)
+    else:
+        out["teacher_logprobs"] = gather("topk_logprobs", np.float32, (k,))
+    out["teacher_residual"] = gather("residual", np.float32)
+    out["teacher_realized"] = gather("realized_logprob", np.float32)
+    return out
+
+
+def to_tensors(batch: dict) -> dict:
+    """Collate: numpy micro-batch -> torch tensors (`num_chunks` stays an int)."""
+    return {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in batch.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# the dataset over a store
+
+
+def student_fingerprint(tokenizer_or_path) -> str:
+    """Fingerprint of a student tokenizer (directory, tokenizer object, or a fingerprint string)."""
+    if isinstance(tokenizer_or_path, str) and len(tokenizer_or_path) == 64 and all(
+            ch in "0123456789abcdef" for ch in tokenizer_or_path):
+        return tokenizer_or_path
+    from xtcache.fingerprint import tokenizer_fingerprint
+
+    return tokenizer_fingerprint(tokenizer_or_path)
+
+
+class CacheDataset(torch.utils.data.IterableDataset):
+    """Micro-batches of one rank from a teacher cache, for one student tokenizer.
+
+    split: "train" (documents not held out), "eval" (held out by `holdout_fraction`, read once,
+    in stored order, last micro-batch possibly short) or "all" (every document, train-style; a
+    second cache used for evaluation takes split="all", epochs=1, shuffle=False).
+    """
+
+    def __init__(self, url: str, student: str, *, seq_len: int, micro_batch_size: int, pad_id: int = 0,
+                 rank: int = 0, world_size: int = 1, grad_accum: int = 1, seed: int = 0, split: str = "train",
+                 holdout_fraction: float = 0.0, epochs: int | None = None, shuffle: bool | None = None,
+                 storage_options: dict | None = None, shard_cache: int = 2):
+        from xtcache.store import CacheReader
+
+        if seq_len < 2 or micro_batch_size < 1:
+            raise ConfigError(f"--seq-len {seq_len} / --micro-batch-size {micro_batch_size}: need at least 2 / 1")
+        if not 0 <= rank < world_size or grad_accum < 1:
+            raise ConfigError(f"rank {rank} of world size {world_size} with grad accumulation {grad_accum}: invalid")
+        if split not in ("train", "eval", "all"):
+            raise ValueError(f"split {split!r}: use train, eval or all")
+        if split == "eval" and holdout_fraction <= 0:
+            raise ConfigError("an eval split needs --holdout-fraction > 0 (or pass a second cache with split='all')")
+        self.url, self.storage_options = url, storage_options
+        self.seq_len, self.micro_batch_size, self.pad_id = seq_len, micro_batch_size, pad_id
+        self.rank, self.world_size, self.grad_accum, self.seed = rank, world_size, grad_accum, seed
+        self.split, self.holdout_fraction = split, holdout_fraction
+        self.epochs = 1 if split == "eval" else epochs
+        self.shuffle = (split != "eval") if shuffle is None else shuffle
+        self.shard_cache = shard_cache
+        self.fingerprint = student_fingerprint(student)
+        t0 = time.perf_counter()
+        reader = CacheReader(url, storage_options)
+        self.mode, self.k = reader.manifest.mode, reader.manifest.k
+        self.teacher_vocab_size = reader.manifest.teacher_vocab_size
+        groups = reader.alignment_groups()
+        teacher_fp = reader.manifest.fingerprints.get("teacher_tokenizer", "")
+        self.identity = self.fingerprint not in groups and self.fingerprint == teacher_fp
+        if not self.identity and self.fingerprint not in groups:
+            have = ", ".join(f"{fp[:12]}.. ({g.tokenizer_name or '?'})" for fp, g in groups.items()) or "none"
+            raise ConfigError(
+                f"the cache {url} has no alignment for the student tokenizer {self.fingerprint[:12]}.. "
+                f"(stored alignment groups: {have}); run `xtcache align {url} --student-tokenizer "
+                f"<student tokenizer dir>` first, or pass the student tokenizer the cache was aligned for")
+        if self.identity:
+            self.student_vocab_size = self.teacher_vocab_size
+        else:
+            self.student_vocab_size = groups[self.fingerprint].vocab_size
+        aligned = None if self.identity else reader.alignment_parts(self.fingerprint)
+        self.shard_ids: list[str] = []
+        self.plans: list[ShardPlan] = []
+        self.skipped_chunks = self.documents = 0
+        missing = []
+        for meta in reader.shards:
+            if aligned is not None and meta.shard_id not in aligned:
+                missing.append(meta.shard_id)
+                continue
+            doc_ids = [f"{d.source}:{d.row}:{d.content_hash}" for d in meta.docs]
+            keep = [i for i, doc in enumerate(doc_ids)
+                    if split == "all" or (is_held_out(doc, holdout_fraction) == (split == "eval"))]
+            if not keep:
+                continue
+            lengths = self._chunk_lengths(reader, meta.shard_id)
+            plan = pack_documents(keep, [lengths[i] for i in keep], seq_len)
+            self.skipped_chunks += plan.skipped_chunks
+            self.documents += len(keep)
+            if plan.num_windows:
+                self.shard_ids.append(meta.shard_id)
+                self.plans.append(plan)
+        if missing:
+            log.warning("%d committed shard(s) of %s have no alignment for student tokenizer %s.. yet and are "
+                        "NOT used (first: %s); run `xtcache align` to include them", len(missing), url,
+                        self.fingerprint[:12], missing[0])
+        if self.skipped_chunks:
+            log.warning("%d chunk(s) longer than --seq-len %d were skipped", self.skipped_chunks, seq_len)
+        self.num_windows = sum(p.num_windows for p in self.plans)
+        step_windows = micro_batch_size * (world_size * grad_accum if split != "eval" else world_size)
+        if split == "eval":
+            n_mb = -(-self.num_windows // micro_batch_size)
+            self.batches_per_epoch = len(range(rank, n_mb, world_size))
+        else:
+            self.batches_per_epoch = (self.num_windows // step_windows) * grad_accum
+            if self.batches_per_epoch == 0:
+                raise ConfigError(
+                    f"the {split} split of {url} packs into {self.num_windows} windows of {seq_len} tokens, fewer "
+                    f"than one optimizer step needs ({step_windows} = micro-batch {micro_batch_size} x world "
+                    f"{world_size} x grad-accum {grad_accum}); lower --seq-len or --micro-batch-size")
+        log.info("loader %s split=%s: %d documents, %d windows, %d shards, %d micro-batches/epoch on rank %d "
+                 "(planned in %.1fs)", url, split, self.documents, self.num_windows, len(self.plans),
+                 self.batches_per_epoch, rank, time.perf_counter() - t0)
+        self.start = (0, 0)  # (epoch, micro-batches consumed in it): set by CacheLoader before iterating
+        self._reader = None
+        self._cache: OrderedDict[int, ShardSource] = OrderedDict()
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_reader"], state["_cache"], state["_order"] = None, OrderedDict(), None
+        return state
+
+    # -- reading
+
+    def _chunk_lengths(self, reader, sid: str) -> list[np.ndarray]:
+        if self.identity:
+            offs = reader.read_shard(sid).doc_pos_offsets
+            return [np.ones(int(n), dtype=np.int64) for n in np.diff(offs)]
+        al = reader.read_alignment(self.fingerprint, sid)
+        out = []
+        for d in range(al.doc_chunk_offsets.shape[0] - 1):
+            ends = al.student_end[al.doc_chunk_offsets[d]:al.doc_chunk_offsets[d + 1]].astype(np.int64)
+            out.append(np.diff(ends, prepend=0))
+        return out
+
+    def source(self, shard_index: int) -> ShardSource:
+        """Decoded shard (LRU cache of `shard_cache` shards per process)."""
+        if shard_index in self._cache:
+            self._cache.move_to_end(shard_index)
+            return self._cache[shard_index]
+        from xtcache.store import CacheReader
+
+        if self._reader is None:
+            self._reader = CacheReader(self.url, self.storage_options)
+        sid = self.shard_ids[shard_index]
+        sd = self._reader.read_shard(sid)
+        if self.identity:
+            n = np.diff(sd.doc_pos_offsets)
+            ends = np.concatenate([np.arange(1, int(x) + 1, dtype=np.int32) for x in n]) if len(n) else \
+                np.zeros(0, np.int32)
+            al = dict(doc_student_offsets=sd.doc_pos_offsets, doc_chunk_offsets=sd.doc_pos_offsets,
+                      student_ids=sd.teacher_ids, student_end=ends, teacher_end=ends,
+                      exact=np.ones(ends.shape[0], dtype=bool))
+        else:
+            a = self._reader.read_alignment(self.fingerprint, sid)
+            if a.doc_student_offsets.shape[0] != sd.doc_pos_offsets.shape[0]:
+                raise StoreError(f"shard {sid}: alignment for {self.fingerprint[:12]}.. has "
+                                 f"{a.doc_student_offsets.shape[0] - 1} documents, the teacher part "
+                                 f"{sd.num_docs}; re-run `xtcache align`")
+            al = dict(doc_student_offsets=a.doc_student_offsets, doc_chunk_offsets=a.doc_chunk_offsets,
+                      student_ids=a.student_ids, student_end=a.student_end, teacher_end=a.teacher_end, exact=a.exact)
+        src = ShardSource(doc_pos_offsets=sd.doc_pos_offsets, has_pred=sd.has_pred, topk_ids=sd.topk_ids,
+                          topk_logprobs=sd.topk_logprobs, topk_counts=sd.topk_counts, residual=sd.residual,
+                          realized_logprob=sd.realized_logprob, **al)
+        self._cache[shard_index] = src
+        while len(self._cache) > self.shard_cache:
+            self._cache.popitem(last=False)
+        return src
+
+    # -- order
+
+    def window_order(self, epoch: int) -> np.ndarray:
+        """[N, 2] (shard index, window index) of every window of an epoch, in global order."""
+        if self._order is None or self._order[0] != epoch:
+            order = epoch_window_order([p.num_windows for p in self.plans], self.seed, epoch, shuffle=self.shuffle)
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def micro_batch_windows(self, epoch: int, j: int) -> np.ndarray:
+        """[b, 2] windows of this rank's j-th micro-batch of an epoch."""
+        b = self.micro_batch_size
+        if self.split == "eval":
+            g = self.rank + j * self.world_size
+        else:
+            g = global_micro_batch(j, rank=self.rank, world_size=self.world_size, grad_accum=self.grad_accum)
+        return self.window_order(epoch)[g * b:(g + 1) * b]
+
+    def micro_batch(self, epoch: int, j: int) -> dict:
+        """The rank's j-th micro-batch of an epoch as numpy arrays."""
+        windows = []
+        for s, w in self.micro_batch_windows(epoch, j):
+            plan, src = self.plans[s], self.source(int(s))
+            a, z = plan.window_offsets[w], plan.window_offsets[w + 1]
+            windows.append([(src, int(plan.seg_doc[i]), int(plan.seg_lo[i]), int(plan.seg_hi[i]), bool(plan.seg_ctx[i]))
+                            for i in range(a, z)])
+        return build_micro_batch(windows, self.seq_len, self.pad_id)
+
+    def positions(self, start: tuple[int, int]):
+        """(epoch, j) of the rank's micro-batches from `start` on, across epochs."""
+        epoch, j = start
+        while self.epochs is None or epoch < self.epochs:
+            while j < self.batches_per_epoch:
+                yield epoch, j
+                j += 1
+            epoch, j = epoch + 1, 0
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        for n, (epoch, j) in enumerate(self.positions(self.start)):
+            if n % workers == worker:
+                yield self.micro_batch(epoch, j)
+
+
+class CacheLoader:
+    """The rank's micro-batch stream: a DataLoader over a CacheDataset, resumable.
+
+    Iterating yields tensor micro-batches; `state_dict()` records how many were consumed (handed
+    to the caller, not merely prefetched), and a loader given that state yields exactly the
+    micro-batches an uninterrupted run would have yielded next. A finite stream (`epochs` set,
+    e.g. the eval split) that was read to its end starts over when iterated again.
+    """
+
+    def __init__(self, dataset: CacheDataset, *, num_workers: int = 0, prefetch_factor: int = 2,
+                 pin_memory: bool | None = None):
+        self.dataset = dataset
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.epoch, self.consumed = 0, 0
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch on this rank."""
+        return self.dataset.batches_per_epoch
+
+    def __iter__(self):
+        ds = self.dataset
+        if ds.epochs is not None and self.epoch >= ds.epochs:  # a finished finite stream starts over
+            self.epoch, self.consumed = 0, 0
+        ds.start = (self.epoch, self.consumed)
+        kw = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False} if self.num_workers else {}
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
+                                             collate_fn=to_tensors, pin_memory=self.pin_memory, **kw)
+        for batch in loader:
+            self.consumed += 1
+            if self.consumed == ds.batches_per_epoch:
+                self.epoch, self.consumed = self.epoch + 1, 0
+            yield batch
+
+    def state_dict(self) -> dict:
+        d = self.dataset
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": d.seed, "rank": d.rank,
+                "world_size": d.world_size, "grad_accum": d.grad_accum, "micro_batch_size": d.micro_batch_size,
+                "seq_len": d.seq_len, "split": d.split, "fingerprint": d.fingerprint,
+                "num_windows": d.num_windows}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        diff = [k for k in ("seed", "rank", "world_size", "grad_accum", "micro_batch_size", "seq_len", "split",
+                            "fingerprint", "num_windows") if state.get(k) != mine[k]]
+        if diff:
+            raise ConfigError(
+                "cannot resume the data stream: " + ", ".join(f"{k} {state.get(k)!r} -> {mine[k]!r}" for k in diff)
+                + "; resume with the settings (and committed shards) of the interrupted run")
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+
+
+def measure_rate(loader, num_batches: int) -> dict:
+    """Iterate `num_batches` micro-batches and report the loader's rate alone (no model).
+
+    Returns micro-batches/s, positions/s (attention-mask tokens), valid chunks/s and seconds.
+    """
+    t0 = time.perf_counter()
+    n = positions = chunks = 0
+    for batch in loader:
+        positions += int(batch["attention_mask"].sum())
+        chunks += int(batch["num_chunks"])
+        n += 1
+        if n >= num_batches:
+            break
+    dt = max(time.perf_counter() - t0, 1e-9)
+    return {"micro_batches": n, "seconds": dt, "micro_batches_per_s": n / dt, "positions_per_s": positions / dt,
+            "chunks_per_s": chunks / dt}

@@ -1,0 +1,323 @@
+"""Stage 2 streaming loader on real small stores (CacheWriter + real toy-tokenizer alignments).
+
+    .venv/bin/python -m pytest -x -q tests/test_loader.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas.models import AlignGroupMeta, Manifest
+from stage2_student import loader as L
+from xtcache.align import align_text, encode_with_offsets
+from xtcache.errors import ConfigError
+from xtcache.fingerprint import tokenizer_fingerprint
+from xtcache.store import AlignmentRecord, CacheReader, CacheWriter, DocRecord
+
+K = 4
+SEQ = 48
+
+
+# ------------------------------------------------------------------------------ pure packing
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=30), min_size=1, max_size=6),
+       st.integers(4, 24))
+def test_pack_documents_cuts_at_chunks_and_covers_each_chunk_once(docs, seq_len):
+    lens = [np.asarray(d, dtype=np.int64) for d in docs]
+    plan = L.pack_documents(list(range(len(docs))), lens, seq_len)
+    seen = {d: np.zeros(len(x), dtype=int) for d, x in enumerate(lens)}
+    for w in range(plan.num_windows):
+        segs = range(plan.window_offsets[w], plan.window_offsets[w + 1])
+        total = sum(int(lens[plan.seg_doc[i]][plan.seg_lo[i]:plan.seg_hi[i]].sum()) for i in segs)
+        assert 0 < len(segs) and total <= seq_len
+        for i in segs:
+            d, lo, hi = plan.seg_doc[i], plan.seg_lo[i], plan.seg_hi[i]
+            if plan.seg_ctx[i]:
+                assert i == plan.window_offsets[w] and lens[d][lo] > 0  # context opens a window
+                lo += 1
+            seen[d][lo:hi] += 1
+    skipped = 0
+    for d, x in enumerate(lens):
+        too_long = x > seq_len
+        assert (seen[d][~too_long] == 1).all() and (seen[d][too_long] == 0).all()
+        skipped += int(too_long.sum())
+    assert plan.skipped_chunks == skipped
+
+
+def test_epoch_order_and_rank_partition_are_pure():
+    a = L.epoch_window_order([3, 5, 2], seed=1, epoch=0)
+    assert np.array_equal(a, L.epoch_window_order([3, 5, 2], seed=1, epoch=0))
+    assert not np.array_equal(a, L.epoch_window_order([3, 5, 2], seed=1, epoch=1))
+    assert sorted(map(tuple, a.tolist())) == [(s, w) for s, n in enumerate([3, 5, 2]) for w in range(n)]
+    # world 2 x accum 2: every global micro-batch exactly once, in whole steps
+    got = sorted(L.global_micro_batch(j, rank=r, world_size=2, grad_accum=2) for r in range(2) for j in range(6))
+    assert got == list(range(12))
+    assert [L.global_micro_batch(j, rank=1, world_size=2, grad_accum=2) for j in range(4)] == [2, 3, 6, 7]
+
+
+def test_holdout_is_deterministic_and_near_fraction():
+    ids = [f"c.jsonl:{i}:{i:016x}" for i in range(4000)]
+    share = np.mean([L.is_held_out(d, 0.1) for d in ids])
+    assert 0.08 < share < 0.12
+    assert [L.is_held_out(d, 0.1) for d in ids[:50]] == [L.is_held_out(d, 0.1) for d in ids[:50]]
+    assert not any(L.is_held_out(d, 0.0) for d in ids)
+
+
+# ------------------------------------------------------------------------------ a real store
+
+
+def _texts(toy_setup, n):
+    with open(toy_setup.train_jsonl, encoding="utf-8") as f:
+        return [json.loads(line)["text"][: 150 + 37 * i] for i, line in zip(range(n), f)]
+
+
+def _doc(text, row, teacher_tok, rng, mode):
+    ids, offsets = encode_with_offsets(teacher_tok, text)
+    t = len(ids)
+    has_pred = np.ones(t, dtype=bool)
+    has_pred[0] = False
+    if row % 5 == 3 and t > 6:
+        has_pred[5] = False  # a row without prediction inside a document
+    topk = np.stack([rng.choice(2048, K, replace=False) for _ in range(t)]).astype(np.int32)
+    probs = rng.dirichlet(np.ones(K + 1), size=t)
+    realized = -(row * 1000 + np.arange(t)) / 1000.0  # unique per (document, row): identifies rows
+    counts = rng.integers(0, 4, size=(t, K)).astype(np.uint16) if mode == "sampled" else None
+    return DocRecord(source="train.jsonl", row=row, text=text, teacher_ids=ids.astype(np.int32),
+                     char_offsets=offsets.astype(np.int32), has_pred=has_pred, topk_ids=topk,
+                     topk_logprobs=None if mode == "sampled" else np.log(probs[:, :K]).astype(np.float32),
+                     topk_counts=counts, residual=probs[:, K].astype(np.float32),
+                     realized_logprob=realized.astype(np.float32))
+
+
+def _write_store(path, toy_setup, teacher_tok, student_tok, *, mode="topk", n_docs=14, parts=3):
+    rng = np.random.default_rng(0)
+    fp = tokenizer_fingerprint(student_tok)
+    group = AlignGroupMeta(fingerprint=fp, tokenizer_name="toy-student", vocab_size=len(student_tok))
+    manifest = Manifest(cache_key=f"loader-{mode}", mode=mode, k=K, teacher_vocab_size=2048,
+                        num_samples=12 if mode == "sampled" else None, alignment_groups=[group],
+                        fingerprints={"teacher_tokenizer": tokenizer_fingerprint(teacher_tok)})
+    texts = _texts(toy_setup, n_docs)
+    with CacheWriter(str(path), manifest) as w:
+        for p, part in enumerate(np.array_split(np.arange(n_docs), parts)):
+            docs, aligns = [], []
+            for i in part:
+                docs.append(_doc(texts[i], int(i), teacher_tok, rng, mode))
+                s_ids, t_ids, al = align_text(texts[i], student_tok, teacher_tok)
+                assert np.array_equal(t_ids, docs[-1].teacher_ids)
+                aligns.append(AlignmentRecord(student_ids=s_ids.astype(np.int32), alignment=al))
+            w.write_part(p, docs, {fp: aligns})
+    return str(path), fp
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, toy_setup, teacher_tokenizer, student_tokenizer):
+    return _write_store(tmp_path_factory.mktemp("loader") / "cache", toy_setup, teacher_tokenizer, student_tokenizer)
+
+
+def _reference(url, fp):
+    """(doc row, teacher position) -> stored row values; per document its student ids and chunk ends."""
+    r = CacheReader(url)
+    rows, docs = {}, {}
+    for meta in r.shards:
+        sd, al = r.read_shard(meta.shard_id), r.read_alignment(fp, meta.shard_id)
+        for d, doc in enumerate(meta.docs):
+            p0, p1 = sd.doc_pos_offsets[d], sd.doc_pos_offsets[d + 1]
+            for t in range(p1 - p0):
+                rows[(doc.row, t)] = (sd.topk_ids[p0 + t], sd.topk_logprobs[p0 + t], sd.residual[p0 + t],
+                                      sd.has_pred[p0 + t])
+            c0, c1 = al.doc_chunk_offsets[d], al.doc_chunk_offsets[d + 1]
+            s0, s1 = al.doc_student_offsets[d], al.doc_student_offsets[d + 1]
+            docs[doc.row] = (al.student_ids[s0:s1], al.student_end[c0:c1], al.teacher_end[c0:c1])
+    return rows, docs
+
+
+def _valid_chunks(batch):
+    """[(doc row, first teacher position, n rows, student tokens)] of every valid chunk."""
+    out = []
+    for c in range(batch["num_chunks"]):
+        real = batch["teacher_realized"][batch["teacher_chunk"] == c].numpy().astype(np.float64)
+        key = np.round(-real * 1000).astype(np.int64)
+        b, i = np.nonzero(batch["student_chunk"].numpy() == c)
+        assert len(set(b.tolist())) == 1 and np.array_equal(i, np.arange(i[0], i[0] + len(i)))
+        toks = batch["input_ids"][b[0], i + 1].numpy()  # the logit at i predicts token i + 1
+        assert np.array_equal(batch["labels"][b[0], i].numpy(), toks)
+        out.append((int(key[0] // 1000), int(key[0] % 1000), len(key), tuple(toks.tolist())))
+        assert np.array_equal(key, key[0] + np.arange(len(key)))  # consecutive rows of one document
+    return out
+
+
+def _dataset(url, fp, **kw):
+    args = dict(seq_len=SEQ, micro_batch_size=2, pad_id=2, seed=3)
+    args.update(kw)
+    return L.CacheDataset(url, fp, **args)
+
+
+def _all_batches(loader):
+    return [b for b in loader]
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], int):
+            assert a[k] == b[k]
+        else:
+            assert np.array_equal(a[k].numpy(), b[k].numpy()), k
+
+
+def test_batches_hold_exact_chunks_and_stored_rows(store):
+    url, fp = store
+    rows, docs = _reference(url, fp)
+    ds = _dataset(url, fp, epochs=1)
+    batches = _all_batches(L.CacheLoader(ds))
+    assert len(batches) == ds.batches_per_epoch > 0
+    seen = set()
+    for batch in batches:
+        assert batch["input_ids"].shape == (2, SEQ) and batch["chunk_exact"].shape == (batch["num_chunks"],)
+        assert batch["teacher_ids"].shape == (batch["teacher_chunk"].shape[0], K)
+        for row, t0, n, toks in _valid_chunks(batch):
+            s_ids, s_end, t_end = docs[row]
+            c = int(np.searchsorted(t_end, t0, side="right"))  # the chunk whose teacher rows start at t0
+            assert (t_end[c - 1] if c else 0) == t0 and t_end[c] == t0 + n  # a whole chunk, cut at its ends
+            s0 = s_end[c - 1] if c else 0
+            assert toks == tuple(s_ids[s0:s_end[c]].tolist())
+            assert all(rows[(row, t)][3] for t in range(t0, t0 + n))
+            seen.add((row, c))
+        sel = batch["teacher_chunk"].numpy()
+        for j in range(len(sel)):
+            key = int(round(-float(batch["teacher_realized"][j]) * 1000))
+            ids, lp, res, _ = rows[(key // 1000, key % 1000)]
+            assert np.array_equal(batch["teacher_ids"][j].numpy(), ids)
+            assert np.array_equal(batch["teacher_logprobs"][j].numpy(), lp)
+            assert batch["teacher_residual"][j].item() == res
+    assert len(seen) == sum(b["num_chunks"] for b in batches)  # no chunk twice in an epoch
+    assert len(seen) > 0.5 * sum(len(d[1]) for d in docs.values())
+
+
+def test_identical_batches_for_0_1_2_workers(store):
+    url, fp = store
+    runs = [_all_batches(L.CacheLoader(_dataset(url, fp, epochs=2), num_workers=n)) for n in (0, 1, 2)]
+    assert len(runs[0]) == len(runs[1]) == len(runs[2]) > 2
+    for a, b, c in zip(*runs):
+        _same(a, b)
+        _same(a, c)
+    first, second = runs[0][: len(runs[0]) // 2], runs[0][len(runs[0]) // 2:]
+    assert any(not np.array_equal(x["input_ids"].numpy(), y["input_ids"].numpy()) for x, y in zip(first, second))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_yields_exactly_the_remaining_batches(store, workers):
+    url, fp = store
+    full = _all_batches(L.CacheLoader(_dataset(url, fp, epochs=2)))
+    cut = len(full) // 2 + 1  # inside the second half, across an epoch boundary
+    ld = L.CacheLoader(_dataset(url, fp, epochs=2), num_workers=workers)
+    it = iter(ld)
+    head = [next(it) for _ in range(cut)]
+    state = json.loads(json.dumps(ld.state_dict()))
+    del it
+    resumed = L.CacheLoader(_dataset(url, fp, epochs=2), num_workers=workers)
+    resumed.load_state_dict(state)
+    rest = _all_batches(resumed)
+    assert len(head) + len(rest) == len(full)
+    for a, b in zip(head + rest, full):
+        _same(a, b)
+    with pytest.raises(ConfigError, match="cannot resume"):
+        L.CacheLoader(_dataset(url, fp, epochs=2, seed=4)).load_state_dict(state)
+
+
+def test_ranks_are_disjoint_and_equal_grad_accum(store):
+    url, fp = store
+    one = _all_batches(L.CacheLoader(_dataset(url, fp, epochs=1, grad_accum=2)))
+    ranks = [_all_batches(L.CacheLoader(_dataset(url, fp, epochs=1, rank=r, world_size=2))) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == len(one) // 2
+    # world 1 x accum 2 and world 2 x accum 1 see the same global micro-batches, step by step
+    for s in range(len(ranks[0])):
+        _same(one[2 * s], ranks[0][s])
+        _same(one[2 * s + 1], ranks[1][s])
+    ds = [_dataset(url, fp, epochs=1, rank=r, world_size=2) for r in range(2)]
+    windows = [set(map(tuple, np.concatenate([d.micro_batch_windows(0, j) for j in range(d.batches_per_epoch)])
+                       .tolist())) for d in ds]
+    assert not windows[0] & windows[1]
+    step = 2 * 2
+    assert len(windows[0] | windows[1]) == (ds[0].num_windows // step) * step  # all but the dropped remainder
+
+
+def test_holdout_split_is_disjoint_from_train(store):
+    url, fp = store
+    rows = lambda batches: {k[0] for b in batches for k in _valid_chunks(b)}  # noqa: E731
+    train = _all_batches(L.CacheLoader(_dataset(url, fp, epochs=1, holdout_fraction=0.3)))
+    held = _all_batches(L.CacheLoader(_dataset(url, fp, split="eval", holdout_fraction=0.3)))
+    assert rows(train) and rows(held) and not rows(train) & rows(held)
+    ids = [f"{d.source}:{d.row}:{d.content_hash}" for m in CacheReader(url).shards for d in m.docs]
+    assert rows(held) <= {int(i.split(":")[1]) for i in ids if L.is_held_out(i, 0.3)}
+
+
+def test_student_fingerprint_mismatch_points_to_align(store):
+    url, _ = store
+    with pytest.raises(ConfigError, match=r"xtcache align .* --student-tokenizer"):
+        _dataset(url, "0" * 64)
+
+
+def test_same_tokenizer_store_gives_one_to_one_chunks(tmp_path, toy_setup, teacher_tokenizer):
+    url, fp = _write_store(tmp_path / "same", toy_setup, teacher_tokenizer, teacher_tokenizer, n_docs=6, parts=2)
+    ds = _dataset(url, fp, epochs=1)
+    assert not ds.identity  # the alignment group exists (identity chunks written by align_text)
+    for batch in L.CacheLoader(ds):
+        assert batch["teacher_chunk"].tolist() == list(range(batch["num_chunks"]))
+        assert int((batch["student_chunk"] >= 0).sum()) == batch["num_chunks"]
+        assert batch["chunk_exact"].all()
+
+
+def test_sampled_store_gives_counts(tmp_path, toy_setup, teacher_tokenizer, student_tokenizer):
+    url, fp = _write_store(tmp_path / "sampled", toy_setup, teacher_tokenizer, student_tokenizer, mode="sampled",
+                           n_docs=6, parts=1)
+    batch = next(iter(L.CacheLoader(_dataset(url, fp, epochs=1))))
+    assert "teacher_logprobs" not in batch and batch["teacher_counts"].dtype.is_floating_point
+    assert ((batch["teacher_counts"] > 0) == (batch["teacher_ids"] >= 0)).all()
+
+
+def test_measure_rate_counts_positions(store):
+    url, fp = store
+    out = L.measure_rate(L.CacheLoader(_dataset(url, fp)), 3)
+    assert out["micro_batches"] == 3 and out["positions_per_s"] > 0
+
+
+def test_loader_batch_feeds_projected_kl_and_alm(store, student_tokenizer, teacher_tokenizer):
+    """End to end: a real micro-batch, a real projection map, the P-KL and ALM losses and their gradients."""
+    import torch
+
+    from stage2_student import losses
+    from xtcache.projection import build_projection
+
+    url, fp = store
+    batch = next(iter(L.CacheLoader(_dataset(url, fp, epochs=1))))
+    op = losses.ProjectionOperator(build_projection(student_tokenizer, teacher_tokenizer).to_torch_sparse(2048))
+    logits = torch.randn(*batch["input_ids"].shape, len(student_tokenizer), requires_grad=True)
+    pkl = losses.projected_kl(logits, batch["student_chunk"], batch["teacher_ids"], batch["teacher_logprobs"],
+                              batch["teacher_residual"], batch["teacher_chunk"], batch["num_chunks"], op,
+                              temperature=2.0, row_chunk=16)
+    alm = losses.chunk_likelihood_loss(logits, batch["labels"], batch["student_chunk"], batch["teacher_realized"],
+                                       batch["teacher_chunk"], batch["num_chunks"])
+    assert pkl.count.item() == alm.count.item() == batch["num_chunks"] > 0
+    (pkl.total + alm.total).backward()
+    touched = logits.grad.abs().sum(-1) > 0
+    assert torch.equal(touched, batch["student_chunk"] >= 0)  # gradient exactly at the valid chunks' logits
+    agree, n = losses.top1_agreement(logits, batch["student_chunk"], batch["teacher_ids"], batch["teacher_logprobs"],
+                                     batch["teacher_chunk"], batch["num_chunks"], student_to_teacher=op.student_top)
+    assert 0 <= agree.item() <= n.item() == batch["num_chunks"]
+
+
+def test_finished_eval_stream_starts_over(store):
+    url, fp = store
+    ld = L.CacheLoader(_dataset(url, fp, split="eval", holdout_fraction=0.3))
+    first, second = _all_batches(ld), _all_batches(ld)
+    assert len(first) == len(second) == len(ld) > 0
+    for a, b in zip(first, second):
+        _same(a, b)

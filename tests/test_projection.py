@@ -1,0 +1,199 @@
+"""Projection map W: build on the toy tokenizers, save/load, fingerprints, NeMo-RL import, CLI.
+
+The build's coverage report is printed (visible with `pytest -s`).
+
+    pytest -x -q -s tests/test_projection.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from xtcache import toy
+from xtcache.align import tokenizer_info
+from xtcache.commands_projection import app
+from xtcache.errors import ProjectionError, XtcacheError
+from xtcache.projection import ProjectionMap, build_projection, coverage, format_report, import_nemo
+
+
+@pytest.fixture(scope="module")
+def toy_map(student_tokenizer, teacher_tokenizer):
+    return build_projection(student_tokenizer, teacher_tokenizer, top_k=4)
+
+
+@pytest.fixture(scope="module")
+def sp_tokenizer(toy_setup, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    texts = [json.loads(line)["text"] for line in toy_setup.train_jsonl.read_text().splitlines()[:150]]
+    out = tmp_path_factory.mktemp("sp-proj")
+    toy.train_sentencepiece_style_tokenizer(texts, 1024, out)
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+def _piece(tok, i: int) -> bytes:
+    info = tokenizer_info(tok)
+    return info.piece_data[info.piece_start[i]:info.piece_start[i + 1]].tobytes()
+
+
+def test_build_on_toy_tokenizers(toy_map, student_tokenizer, teacher_tokenizer):
+    pm = toy_map
+    print("\n" + format_report(pm, student_tokenizer, teacher_tokenizer))
+    print("build notes:", {k: v for k, v in pm.notes.items() if k != "empty_rows"})
+    assert pm.indices.shape == (len(student_tokenizer), 4) and pm.indices.dtype == np.int64
+    assert pm.weights.dtype == np.float32 and pm.teacher_vocab_size == len(teacher_tokenizer)
+    sums = pm.weights.sum(axis=1)
+    empty = np.flatnonzero(pm.indices[:, 0] < 0)
+    assert np.allclose(sums[pm.indices[:, 0] >= 0], 1.0, atol=1e-5) and np.all(sums[empty] == 0)
+    # every student id maps somewhere, except specials with no teacher counterpart, which are reported
+    reported = set(student_tokenizer.convert_tokens_to_ids(pm.notes["specials_without_counterpart"]))
+    assert set(empty.tolist()) == reported
+    assert reported <= set(student_tokenizer.all_special_ids)
+    # exact rows: one teacher id that spells the same bytes, weight 1
+    for r in np.flatnonzero(pm.exact)[:200]:
+        assert pm.weights[r, 0] == 1.0 and np.all(pm.indices[r, 1:] == -1)
+        assert _piece(student_tokenizer, r) == _piece(teacher_tokenizer, int(pm.indices[r, 0]))
+    cov = coverage(pm)
+    assert cov["exact_share"] > 0.5 and cov["mapped_share"] > 0.99
+
+
+def test_specials_map_by_role(toy_map, student_tokenizer, teacher_tokenizer):
+    s, t = student_tokenizer, teacher_tokenizer
+    assert toy_map.indices[s.eos_token_id, 0] == t.eos_token_id
+    assert toy_map.indices[s.pad_token_id, 0] == t.pad_token_id
+    assert toy_map.indices[s.bos_token_id, 0] == -1  # the teacher has no BOS: reported, empty
+
+
+def test_digit_groups_decompose_first_piece_dominant(toy_map, student_tokenizer, teacher_tokenizer):
+    # student groups digits 1-3, the teacher splits them: "12" -> "1" (dominant), "2"
+    rows = [i for i in range(len(student_tokenizer))
+            if len(p := _piece(student_tokenizer, i)) == 2 and p.isdigit() and p[0] != p[1]]
+    assert rows, "the toy student should have two-digit tokens"
+    for r in rows:
+        p = _piece(student_tokenizer, r)
+        first, second = (teacher_tokenizer.convert_tokens_to_ids(chr(c)) for c in p)
+        ids = pm_ids = toy_map.indices[r].tolist()
+        assert ids[0] == first and second in pm_ids
+        assert toy_map.weights[r, 0] > toy_map.weights[r, ids.index(second)]
+
+
+def test_sentencepiece_student_matches_byte_level_teacher(sp_tokenizer, teacher_tokenizer):
+    pm = build_projection(sp_tokenizer, teacher_tokenizer, top_k=4)
+    print("\nSentencePiece-style student -> byte-level teacher\n" + format_report(pm, sp_tokenizer, teacher_tokenizer))
+    # "▁return" and "Ġreturn" are the same text: exact
+    sp_id = sp_tokenizer.convert_tokens_to_ids("▁return")
+    t_id = teacher_tokenizer.convert_tokens_to_ids("Ġreturn")
+    assert sp_id is not None and t_id is not None
+    assert pm.exact[sp_id] and pm.indices[sp_id, 0] == t_id
+    # byte-fallback pieces map to the teacher's single-byte tokens
+    b = sp_tokenizer.convert_tokens_to_ids("<0xC3>")
+    assert pm.exact[b] and _piece(teacher_tokenizer, int(pm.indices[b, 0])) == b"\xc3"
+    assert pm.indices[sp_tokenizer.eos_token_id, 0] == teacher_tokenizer.eos_token_id
+    mapped = pm.indices[:, 0] >= 0
+    assert mapped.mean() > 0.99
+
+
+def test_save_load_and_fingerprints(toy_map, tmp_path, student_tokenizer, teacher_tokenizer):
+    path = tmp_path / "w.safetensors"
+    toy_map.save(path)
+    back = ProjectionMap.load(path, expect_student=toy_map.student_fingerprint,
+                              expect_teacher=toy_map.teacher_fingerprint)
+    assert np.array_equal(back.indices, toy_map.indices) and np.array_equal(back.weights, toy_map.weights)
+    assert np.array_equal(back.exact, toy_map.exact) and back.teacher_vocab_size == toy_map.teacher_vocab_size
+    with pytest.raises(ProjectionError) as e:
+        ProjectionMap.load(path, expect_student=toy_map.teacher_fingerprint)
+    assert toy_map.teacher_fingerprint[:12] in str(e.value) and toy_map.student_fingerprint[:12] in str(e.value)
+    with pytest.raises(ProjectionError, match="teacher tokenizer"):
+        ProjectionMap.load(path, expect_teacher="0" * 64)
+
+
+def test_to_torch_sparse_with_padded_lm_head(toy_map):
+    import torch
+
+    v_t = toy_map.teacher_vocab_size
+    w = toy_map.to_torch_sparse(v_t + 64)  # lm_head padded beyond the tokenizer, as Qwen3's is
+    assert w.is_sparse and w.dtype == torch.float32 and w.shape == (toy_map.student_vocab_size, v_t + 64)
+    dense = w.to_dense()
+    assert torch.all(dense[:, v_t:] == 0)  # padded columns are never targets
+    r = int(np.flatnonzero(~toy_map.exact & (toy_map.indices[:, 1] >= 0))[0])
+    for i, wt in zip(toy_map.indices[r], toy_map.weights[r]):
+        if i >= 0:
+            assert dense[r, i].item() == pytest.approx(float(wt))
+    assert torch.allclose(dense.sum(1)[toy_map.indices[:, 0] >= 0], torch.ones(1))
+    with pytest.raises(ProjectionError):
+        toy_map.to_torch_sparse(v_t - 1)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda ind, w: (ind[:, :3], w), "same"),
+    (lambda ind, w: (np.where(ind == 5, 10**7, ind), w), "outside the teacher vocabulary"),
+    (lambda ind, w: (np.where(ind == 5, -3, ind), w), "negative teacher id"),
+    (lambda ind, w: (ind, w * 2), "sum to"),
+])
+def test_malformed_maps_raise(toy_map, tmp_path, mutate, match):
+    from safetensors.numpy import save_file
+
+    ind, w = mutate(toy_map.indices.copy(), toy_map.weights.copy())
+    path = tmp_path / "bad.safetensors"
+    save_file({"indices": ind, "weights": w}, str(path), metadata={
+        "format": "xtcache-projection/1", "student_fingerprint": "s", "teacher_fingerprint": "t",
+        "teacher_vocab_size": str(toy_map.teacher_vocab_size)})
+    with pytest.raises(ProjectionError, match=match):
+        ProjectionMap.load(path)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a map")
+    with pytest.raises(ProjectionError):
+        ProjectionMap.load(tmp_path / "junk.safetensors")
+
+
+def test_import_nemo_format(toy_map, tmp_path, student_tokenizer, teacher_tokenizer):
+    import torch
+
+    path = tmp_path / "nemo.pt"
+    likelihoods = torch.from_numpy(toy_map.weights * 3.0)  # unnormalized, as a file may hold them
+    torch.save({"indices": torch.from_numpy(toy_map.indices), "likelihoods": likelihoods}, path)
+    pm = import_nemo(path, student_tokenizer, teacher_tokenizer)
+    assert np.array_equal(pm.indices, toy_map.indices) and np.allclose(pm.weights, toy_map.weights, atol=1e-6)
+    assert np.array_equal(pm.exact, toy_map.exact)
+    bad = toy_map.indices.copy()
+    bad[3, 0] = len(teacher_tokenizer) + 5
+    torch.save({"indices": torch.from_numpy(bad), "likelihoods": likelihoods}, path)
+    with pytest.raises(ProjectionError, match="outside the teacher vocabulary"):
+        import_nemo(path, student_tokenizer, teacher_tokenizer)
+    torch.save({"indices": torch.from_numpy(toy_map.indices[:10]), "likelihoods": likelihoods[:10]}, path)
+    with pytest.raises(ProjectionError, match="rows"):
+        import_nemo(path, student_tokenizer, teacher_tokenizer)
+    torch.save({"ids": torch.zeros(2)}, path)
+    with pytest.raises(ProjectionError, match="likelihoods"):
+        import_nemo(path, student_tokenizer, teacher_tokenizer)
+
+
+def test_cli_build_inspect_import(toy_setup, tmp_path):
+    import torch
+
+    runner = CliRunner()
+    out = tmp_path / "w.safetensors"
+    s, t = str(toy_setup.student_tokenizer), str(toy_setup.teacher_tokenizer)
+    res = runner.invoke(app, ["build", "--student-tokenizer", s, "--teacher-tokenizer", t, "--out", str(out),
+                              "--top-k", "3"])
+    assert res.exit_code == 0, res.output
+    print("\n" + res.output)
+    assert "exact matches" in res.output and "<s>" in res.output and out.is_file()
+    pm = ProjectionMap.load(out)
+    assert pm.top_k == 3
+    res = runner.invoke(app, ["inspect", str(out), "--student-tokenizer", s, "--teacher-tokenizer", t])
+    assert res.exit_code == 0 and "rows with mapping" in res.output, res.output
+    nemo = tmp_path / "n.pt"
+    torch.save({"indices": torch.from_numpy(pm.indices), "likelihoods": torch.from_numpy(pm.weights)}, nemo)
+    res = runner.invoke(app, ["import", str(nemo), "--student-tokenizer", s, "--teacher-tokenizer", t,
+                              "--out", str(tmp_path / "imported.safetensors")])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["build", "--student-tokenizer", s, "--teacher-tokenizer", t, "--out", str(out),
+                              "--top-k", "0"])
+    assert res.exit_code != 0 and "--top-k 0" in res.output
+    res = runner.invoke(app, ["build", "--student-tokenizer", str(tmp_path / "nope"), "--teacher-tokenizer", t,
+                              "--out", str(out)])
+    assert isinstance(res.exception, XtcacheError)

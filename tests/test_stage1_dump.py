@@ -1,0 +1,291 @@
+"""`xtcache teacher-dump` and `xtcache align` end to end with the transformers engine (no vLLM).
+
+Stores are real Zarr stores on disk; stored values are checked against an independent
+transformers forward of the teacher. The vLLM engines are covered in test_stage1_vllm.py.
+
+    .venv/bin/python -m pytest -q tests/test_stage1_dump.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stage1_teacher.config import build_config
+from stage1_teacher.dump import Summary, run_teacher_dump
+from xtcache.errors import CaptureError, ConfigError, StoreError
+
+REPO = Path(__file__).resolve().parents[1]
+QUANT_TOL = 24.0 / 255 / 2 + 1e-4  # half a step of the default 8-bit log-prob codec
+
+
+@pytest.fixture(scope="module")
+def teacher(toy_setup):
+    from stage1_teacher.toy_teacher import build_vllm_teacher
+
+    return str(build_vllm_teacher(toy_setup.root))
+
+
+@pytest.fixture(scope="module")
+def corpus(toy_setup, tmp_path_factory):
+    """24 held-out documents plus rows that must be skipped."""
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    texts = [json.loads(l)["text"] for l in open(toy_setup.heldout_jsonl)][:24]
+    with open(path, "wb") as f:
+        for i, t in enumerate(texts):
+            f.write((json.dumps({"text": t}) + "\n").encode())
+            if i == 3:
+                f.write(b'{"text": ""}\n{"nope": 1}\n{"text": "bad \xff"}\n{"text": "x"}\n')
+    return str(path)
+
+
+def dump(teacher, corpus, out, students, **kw):
+    values = {"teacher": teacher, "student_tokenizer": [str(s) for s in students], "data": [corpus],
+              "out": str(out), "engine": "hf", "max_seq_len": 160, "window_overlap": 32, "docs_per_part": 8,
+              "top_k": 16, **kw}
+    return run_teacher_dump(build_config(values), progress=False)
+
+
+def hf_logprobs(teacher, ids):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    with torch.no_grad():
+        z = model(input_ids=torch.as_tensor(ids, dtype=torch.long)[None]).logits[0]
+    return torch.log_softmax(z, -1).numpy()  # [T, V_model]; row t predicts token t+1
+
+
+def read_all(url):
+    from xtcache.store import CacheReader
+
+    r = CacheReader(str(url))
+    return r, [r.read_shard(m.shard_id, verify=True) for m in r.shards]
+
+
+def test_topk_cross_and_same_tokenizer_match_transformers(teacher, corpus, toy_setup, tmp_path):
+    from xtcache.commands_store import verify_store
+
+    s = dump(teacher, corpus, tmp_path / "s", [toy_setup.student_tokenizer, toy_setup.teacher_tokenizer],
+             max_seq_len=1024, window_overlap=0)
+    assert isinstance(s, Summary) and s.documents == 24
+    assert s.skipped == {"empty document": 1, "missing text field": 1, "invalid UTF-8": 1,
+                         "fewer than 2 teacher tokens": 1}
+    assert verify_store(str(tmp_path / "s")) == []
+    r, shards = read_all(tmp_path / "s")
+    groups = r.alignment_groups()
+    assert len(groups) == 2 and sorted(g.identity for g in groups.values()) == [False, True]
+    V = r.manifest.teacher_vocab_size
+    for shard in shards[:2]:
+        for i in range(0, shard.num_docs, 3):
+            d = shard.doc(i)
+            lp = hf_logprobs(teacher, d.teacher_ids)  # independent reference, whole document
+            assert not d.has_pred[0] and d.has_pred[1:].all()
+            ref = lp[:-1]  # rows predicting tokens 1..T-1
+            np.testing.assert_allclose(d.realized_logprob[1:], ref[np.arange(len(ref)), d.teacher_ids[1:]], atol=1e-4)
+            got = np.take_along_axis(ref, d.topk_ids[1:].astype(np.int64), 1)
+            np.testing.assert_allclose(d.topk_logprobs[1:], got, atol=QUANT_TOL)
+            kth = -np.sort(-ref[:, :V], 1)[:, 15]
+            assert (got >= kth[:, None] - 1e-4).all()  # stored ids are the top-16 of the real vocab
+            np.testing.assert_allclose(d.residual[1:], 1 - np.exp(got).sum(1), atol=1e-4)
+    for fp, g in groups.items():
+        a = r.read_alignment(fp, r.shards[0].shard_id)
+        if g.identity:
+            assert np.array_equal(a.student_ids, shards[0].teacher_ids)
+            assert np.array_equal(a.student_end, a.teacher_end)
+        else:
+            assert a.num_chunks if hasattr(a, "num_chunks") else len(a.student_end) > 0
+
+
+def test_full_mode_windows_store_each_row_once(teacher, corpus, toy_setup, tmp_path):
+    s = dump(teacher, corpus, tmp_path / "f", [toy_setup.teacher_tokenizer], mode="full")
+    r, shards = read_all(tmp_path / "f")
+    V = r.manifest.teacher_vocab_size
+    assert r.manifest.k == V and s.windows > s.documents  # documents longer than 160 tokens were windowed
+    d = shards[0].doc(0)
+    assert d.topk_ids.shape == (len(d.teacher_ids), V)
+    assert d.has_pred[1:].all()  # overlap gives every later window's rows left context
+    # rows inside the first window equal the whole-document forward (causal attention)
+    lp = hf_logprobs(teacher, d.teacher_ids[:160])
+    np.testing.assert_allclose(d.topk_logprobs[1:160], lp[:-1, :V], atol=QUANT_TOL)
+    # residual = mass of the padded lm_head columns (tiny, but the model's own)
+    np.testing.assert_allclose(d.residual[1:160], np.exp(lp[:-1, V:]).sum(1), atol=1e-5)
+
+
+def test_sampled_mode_is_seeded_and_counts_add_up(teacher, corpus, toy_setup, tmp_path):
+    a = dump(teacher, corpus, tmp_path / "a", [toy_setup.student_tokenizer], mode="sampled", num_samples=12)
+    dump(teacher, corpus, tmp_path / "b", [toy_setup.student_tokenizer], mode="sampled", num_samples=12,
+         docs_per_part=5)
+    _, sa = read_all(tmp_path / "a")
+    _, sb = read_all(tmp_path / "b")
+    ids_a = np.concatenate([s.topk_ids for s in sa])
+    cnt_a = np.concatenate([s.topk_counts for s in sa])
+    pred = np.concatenate([s.has_pred for s in sa])
+    assert (cnt_a[pred].sum(1) == 12).all() and (cnt_a[~pred] == 0).all()
+    assert a.positions == len(pred)
+    # other part sizes, same draws: sampling streams are per document window, not per batch
+    assert np.array_equal(cnt_a, np.concatenate([s.topk_counts for s in sb]))
+    assert np.array_equal(ids_a, np.concatenate([s.topk_ids for s in sb]))
+
+
+def test_same_request_twice_reuses_the_cache(teacher, corpus, toy_setup, tmp_path, monkeypatch):
+    values = {"teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer)], "data": [corpus],
+              "cache_dir": str(tmp_path / "caches"), "engine": "hf", "top_k": 8, "docs_per_part": 8}
+    first = run_teacher_dump(build_config(values), progress=False)
+    assert not first.reused and first.documents == 24
+
+    import stage1_teacher.capture as capture
+
+    def no_teacher(*a, **k):
+        raise AssertionError("the teacher must not run for a cached request")
+
+    monkeypatch.setattr(capture, "open_capture", no_teacher)
+    again = run_teacher_dump(build_config(values), progress=False)
+    assert again.reused and again.store == first.store
+    assert any("no teacher work" in line for line in again.lines())
+    # another student tokenizer: same teacher work, the new alignment group is added without the teacher
+    both = [str(toy_setup.student_tokenizer), str(toy_setup.teacher_tokenizer)]
+    more = run_teacher_dump(build_config({**values, "student_tokenizer": both}), progress=False)
+    assert more.reused and more.alignment_groups_added == [str(toy_setup.teacher_tokenizer)]
+
+
+def test_align_command_equals_dumping_with_both_tokenizers(teacher, corpus, toy_setup, tmp_path):
+    from typer.testing import CliRunner
+
+    from xtcache.cli import app
+    from xtcache.fingerprint import tokenizer_fingerprint
+
+    dump(teacher, corpus, tmp_path / "one", [toy_setup.student_tokenizer])
+    res = CliRunner().invoke(app, ["align", str(tmp_path / "one"), "--student-tokenizer",
+                                   str(toy_setup.teacher_tokenizer)])
+    assert res.exit_code == 0, res.output
+    dump(teacher, corpus, tmp_path / "both", [toy_setup.student_tokenizer, toy_setup.teacher_tokenizer])
+    r1, _ = read_all(tmp_path / "one")
+    r2, _ = read_all(tmp_path / "both")
+    fp = tokenizer_fingerprint(toy_setup.teacher_tokenizer)
+    assert r1.alignment_groups()[fp].identity
+    for m in r1.shards:
+        a1, a2 = r1.read_alignment(fp, m.shard_id), r2.read_alignment(fp, m.shard_id)
+        for name in ("student_ids", "student_end", "teacher_end", "exact"):
+            assert np.array_equal(getattr(a1, name), getattr(a2, name)), name
+    # a cross-tokenizer group added later equals the one written by the dump
+    res = CliRunner().invoke(app, ["align", str(tmp_path / "one"), "--student-tokenizer",
+                                   str(toy_setup.student_tokenizer)])
+    assert "already present" in res.output
+
+
+def test_dry_run_counts_without_teacher(teacher, corpus, toy_setup, tmp_path):
+    from typer.testing import CliRunner
+
+    from xtcache.cli import app
+
+    res = CliRunner().invoke(app, ["teacher-dump", "--teacher", teacher, "--student-tokenizer",
+                                   str(toy_setup.student_tokenizer), "--data", corpus, "--out",
+                                   str(tmp_path / "dry"), "--dry-run", "--max-seq-len", "160"])
+    assert res.exit_code == 0, res.output
+    assert "documents           24" in res.output and "estimated size" in res.output
+    assert "positions" in res.output and "fewer than 2 teacher tokens: 1" in res.output
+    assert not (tmp_path / "dry").exists()
+
+
+def test_bad_requests_fail_clearly(teacher, corpus, toy_setup, tmp_path):
+    from stage1_teacher.toy_teacher import build_vllm_teacher
+
+    with pytest.raises(ConfigError, match="--top-k"):
+        dump(teacher, corpus, tmp_path / "k", [toy_setup.student_tokenizer], top_k=100000)
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text(Path(teacher, "config.json").read_text())
+    with pytest.raises(CaptureError, match="safetensors"):
+        dump(str(empty), corpus, tmp_path / "w", [toy_setup.student_tokenizer])
+    with pytest.raises(ConfigError, match="student tokenizer"):
+        dump(teacher, corpus, tmp_path / "t", [tmp_path])
+    dump(teacher, corpus, tmp_path / "same", [toy_setup.student_tokenizer], top_k=4)
+    other = str(build_vllm_teacher(toy_setup.root, tied=True, steps=0))
+    with pytest.raises(StoreError, match="another teacher"):
+        dump(other, corpus, tmp_path / "same", [toy_setup.student_tokenizer], top_k=4)
+
+
+def test_parallel_shards_are_disjoint_and_claims_exclusive(teacher, corpus, toy_setup, tmp_path):
+    from xtcache.store import CacheWriter
+
+    out = tmp_path / "par"
+    dump(teacher, corpus, out, [toy_setup.student_tokenizer], num_shards=2, shard_index=1)
+    r, _ = read_all(out)
+    assert not r.is_complete()
+    # while another process holds writer 0, a second job for the same shard is refused
+    holder = CacheWriter(str(out), r.manifest, writer_index=0)
+    try:
+        with pytest.raises(StoreError, match="claimed"):
+            dump(teacher, corpus, out, [toy_setup.student_tokenizer], num_shards=2, shard_index=0)
+    finally:
+        holder.close()
+    dump(teacher, corpus, out, [toy_setup.student_tokenizer], num_shards=2, shard_index=0)
+    r, shards = read_all(out)
+    assert r.is_complete()
+    ids = [d for s in shards for d in s.doc_ids()]
+    assert len(ids) == len(set(ids)) == 24
+
+
+# ------------------------------------------------------------------------------ kill and resume
+
+
+def _index_hashes(url: Path) -> dict:
+    """Every committed array's sha256 (teacher and alignment parts), by part and name."""
+    out = {}
+    for p in sorted(url.rglob("index/*.json")):
+        meta = json.loads(p.read_text())
+        for name, spec in meta["arrays"].items():
+            out[f"{p.relative_to(url)}:{name}"] = spec["sha256"]
+    return out
+
+
+def _cli(args, **popen):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "xtcache.cli", "teacher-dump", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen)
+
+
+def test_kill_and_resume_equals_uninterrupted_run(teacher, corpus, toy_setup, tmp_path):
+    """SIGKILL a real dump at several moments, resume each time; the store must equal a clean run.
+
+    Uses --engine hf: three vLLM engine starts per run would cost minutes on a CPU.
+    """
+    args = ["--teacher", teacher, "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", corpus,
+            "--engine", "hf", "--mode", "sampled", "--num-samples", "8", "--docs-per-part", "3",
+            "--max-seq-len", "160", "--window-overlap", "16", "--batch-tokens", "400"]
+    clean = tmp_path / "clean"
+    p = _cli(args + ["--out", str(clean)])
+    assert p.wait(timeout=300) == 0, p.stdout.read().decode()[-3000:]
+    want = _index_hashes(clean)
+    assert len([k for k in want if k.startswith("index/")]) > 0
+
+    out = tmp_path / "killed"
+    kills = 0
+    for target_parts in (0, 2, 5):  # before any commit, and mid-run twice
+        p = _cli(args + ["--out", str(out), "--resume"])
+        deadline = time.time() + 120
+        while time.time() < deadline and p.poll() is None:
+            if len(list((out / "index").glob("*.json"))) >= target_parts and (out / "manifest.json").exists():
+                break
+            time.sleep(0.05)
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            kills += 1
+        p.wait()
+    assert kills >= 2
+    p = _cli(args + ["--out", str(out), "--resume"])
+    log = p.communicate(timeout=300)[0].decode()
+    assert p.returncode == 0, log[-3000:]
+    assert _index_hashes(out) == want
+    from xtcache.store import CacheReader
+
+    assert CacheReader(str(out)).is_complete()

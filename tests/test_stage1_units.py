@@ -1,0 +1,293 @@
+"""Stage 1 pure parts: teacher windows, exact targets from logits, corpus reading, configuration.
+
+    .venv/bin/python -m pytest -q tests/test_stage1_units.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stage1_teacher import cli, config
+from stage1_teacher.corpus import Document, Skipped, iter_corpus
+from stage1_teacher.windows import common_boundaries, plan_windows, window_has_pred, window_tokens
+from xtcache.errors import ConfigError
+
+
+# ------------------------------------------------------------------------------------ windows
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 200), max_len=st.integers(4, 40), data=st.data(), bos=st.booleans(),
+       cut_anywhere=st.booleans())
+def test_windows_cover_every_row_once(n, max_len, data, bos, cut_anywhere):
+    overlap = data.draw(st.integers(0, max_len - 2 - int(bos)))
+    bounds = None if cut_anywhere else np.array(sorted(data.draw(st.sets(st.integers(1, n), max_size=n))), dtype=np.int64)
+    ws = plan_windows(n, max_len, overlap, bounds, bos_prefix=bos)
+    stored = np.concatenate([np.arange(w.store_start, w.end) for w in ws])
+    assert np.array_equal(stored, np.arange(n))  # each row stored by exactly one window, in order
+    for i, w in enumerate(ws):
+        assert w.length <= max_len
+        assert w.ctx_start <= w.store_start < w.end
+        if i and not bos:
+            assert w.store_start - w.ctx_start == min(overlap, w.store_start)
+        if bounds is not None and w.end < n and np.any((bounds > w.store_start) & (bounds <= w.ctx_start + max_len - w.prefix)):
+            assert w.end in set(bounds.tolist())  # cut at a chunk boundary when one fits
+    pred = np.concatenate([window_has_pred(w) for w in ws])
+    assert not pred[0]
+    if overlap > 0 or bos:
+        assert pred[1:].all()  # left context or a BOS gives every later row a prediction
+
+
+def test_window_tokens_prepend_bos():
+    ids = np.arange(10, 30)
+    ws = plan_windows(20, 8, 2, None, bos_prefix=True)
+    toks = [window_tokens(ids, w, bos_id=10) for w in ws]
+    assert toks[0].tolist() == list(range(10, 18))
+    assert toks[1][0] == 10 and toks[1][1:].tolist() == list(range(10 + ws[1].ctx_start, 10 + ws[1].end))
+
+
+def test_common_boundaries():
+    assert common_boundaries([]) is None
+    assert common_boundaries([np.array([1, 3, 5]), np.array([3, 4, 5])]).tolist() == [3, 5]
+
+
+# ------------------------------------------------------------------------------------ targets
+
+
+def _reference(z: np.ndarray, V: int):
+    z = z.astype(np.float64)
+    lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+    return z - lse[:, None]
+
+
+@pytest.mark.parametrize("mode", ["topk", "full", "sampled"])
+def test_distill_targets_match_numpy(mode):
+    import torch
+
+    from stage1_teacher.head import distill_targets
+
+    rng = np.random.default_rng(0)
+    n, V, pad = 37, 50, 6
+    z = rng.normal(size=(n, V + pad)).astype(np.float32) * 3
+    z[:, V:] += 2.0  # padded columns with real mass: must never be emitted
+    tgt = rng.integers(0, V, size=n)
+    lp = _reference(z, V)
+    t = distill_targets(torch.from_numpy(z), tgt, mode=mode, k=8, vocab_size=V, num_samples=20,
+                        generator=torch.Generator().manual_seed(1), block_rows=10)
+    np.testing.assert_allclose(t.realized, lp[np.arange(n), tgt], atol=1e-5)
+    pad_mass = np.exp(lp[:, V:]).sum(1)
+    if mode == "topk":
+        assert (t.ids < V).all()
+        want = np.sort(np.argsort(-lp[:, :V], 1)[:, :8], 1)
+        assert np.array_equal(np.sort(t.ids, 1), want)
+        np.testing.assert_allclose(t.logprobs, np.take_along_axis(lp, t.ids.astype(np.int64), 1), atol=1e-5)
+        np.testing.assert_allclose(t.residual, 1 - np.exp(np.take_along_axis(lp, want, 1)).sum(1), atol=1e-5)
+    elif mode == "full":
+        assert t.ids.shape == (n, V) and (t.ids == np.arange(V)).all()
+        np.testing.assert_allclose(t.logprobs, lp[:, :V], atol=1e-5)
+        np.testing.assert_allclose(t.residual, pad_mass, atol=1e-5)  # mass of padded columns
+    else:
+        assert (t.counts.sum(1) == 20).all()
+        assert (t.ids[t.counts > 0] < V).all()
+        for r in range(n):  # unique ids, sorted by count, then id
+            live = t.counts[r] > 0
+            assert len(set(t.ids[r][live].tolist())) == live.sum()
+            key = list(zip(-t.counts[r][live].astype(int), t.ids[r][live]))
+            assert key == sorted(key)
+        again = distill_targets(torch.from_numpy(z), tgt, mode=mode, k=8, vocab_size=V, num_samples=20,
+                                generator=torch.Generator().manual_seed(1), block_rows=10)
+        assert np.array_equal(again.ids, t.ids) and np.array_equal(again.counts, t.counts)
+
+
+def test_sampled_frequencies_follow_the_teacher():
+    import torch
+
+    from stage1_teacher.head import distill_targets
+
+    z = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
+    t = distill_targets(z, np.zeros(4000), mode="sampled", k=4, vocab_size=4, num_samples=8,
+                        generator=torch.Generator().manual_seed(0))
+    freq = np.zeros(4)
+    np.add.at(freq, t.ids.ravel(), t.counts.ravel())
+    np.testing.assert_allclose(freq / freq.sum(), torch.softmax(z[0], 0).numpy(), atol=0.01)
+
+
+def test_topk_larger_than_vocab_is_refused():
+    import torch
+
+    from stage1_teacher.head import distill_targets
+    from xtcache.errors import CaptureError
+
+    with pytest.raises(CaptureError, match="--top-k"):
+        distill_targets(torch.zeros(2, 10), np.zeros(2), mode="topk", k=11, vocab_size=10)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_teacher_head_reproduces_hf_logits(toy_setup, tied):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stage1_teacher.head import TeacherHead
+    from stage1_teacher.toy_teacher import build_vllm_teacher
+
+    path = build_vllm_teacher(toy_setup.root, tied=tied, steps=0 if tied else 120)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.arange(5, 40)[None]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    head = TeacherHead.load(str(path), "cpu")
+    np.testing.assert_allclose(head.logits(out.hidden_states[-1][0]).numpy(), out.logits[0].numpy(), atol=1e-4)
+
+
+def test_teacher_without_weights_is_refused(tmp_path):
+    from stage1_teacher.head import weight_files
+    from xtcache.errors import CaptureError
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CaptureError, match="safetensors"):
+        weight_files(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------- corpus
+
+
+def _write_corpus(tmp_path, texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"text": texts, "other": list(range(len(texts)))})
+    pq.write_table(table, tmp_path / "c.parquet", row_group_size=7)
+    with pa.OSFile(str(tmp_path / "c.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table, max_chunksize=5)
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    (tmp_path / "c.txt").write_text("".join(t.replace("\n", " ") + "\n" for t in texts))
+    return [tmp_path / n for n in ("c.parquet", "c.arrow", "c.jsonl", "c.txt")]
+
+
+def test_corpus_formats_stream_the_same_documents(tmp_path):
+    texts = [f"document number {i} says hello" for i in range(23)]
+    for path in _write_corpus(tmp_path, texts):
+        docs = list(iter_corpus([str(path)], "text", batch_rows=4))
+        assert [d.text for d in docs] == texts, path
+        assert [d.row for d in docs] == list(range(23))
+        assert docs[3].doc_id == f"{path.name}:3:{Document('x', 0, texts[3]).content_hash}"
+
+
+def test_corpus_bad_rows_are_skipped_with_reasons(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    with open(p, "wb") as f:
+        f.write(b'{"text": "fine"}\n')
+        f.write(b'{"text": ""}\n')
+        f.write(b'{"other": "no text"}\n')
+        f.write(b'{"text": "bad \xff byte"}\n')
+        f.write(b'{"text": "lone \\ud800 surrogate"}\n')
+        f.write(b'{"text": 3}\n')
+        f.write(b'not json\n')
+    items = list(iter_corpus([str(p)], "text"))
+    assert isinstance(items[0], Document)
+    assert [i.reason for i in items[1:]] == ["empty document", "missing text field", "invalid UTF-8",
+                                              "invalid UTF-8", "text field is not a string", "invalid JSON"]
+    with pytest.raises(ConfigError, match="--text-field"):
+        list(iter_corpus([str(_write_corpus(tmp_path, ["a"])[0])], "body"))
+    with pytest.raises(ConfigError, match="unknown corpus format"):
+        list(iter_corpus([str(tmp_path / "x.csv")] if (tmp_path / "x.csv").write_text("a") else [], "text"))
+
+
+def test_corpus_larger_than_a_batch_streams(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 5000
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(n)]}), tmp_path / "big.parquet", row_group_size=512)
+    it = iter_corpus([str(tmp_path / "big.parquet")], "text", batch_rows=100)
+    first = next(it)
+    assert first.text == "row 0"
+    assert sum(1 for _ in it) == n - 1
+    assert not any(isinstance(x, Skipped) for x in iter_corpus([str(tmp_path / "big.parquet")], "text"))
+
+
+# ------------------------------------------------------------------------------------- config
+
+
+def test_typer_options_mirror_config_fields():
+    params = set(inspect.signature(cli.teacher_dump).parameters) - {"ctx", "config"}
+    assert params == set(config.leaf_fields())
+    # defaults agree too
+    sig = inspect.signature(cli.teacher_dump).parameters
+    for section in config.SECTIONS:
+        for f in dataclasses.fields(config._section_type(section)):
+            default = sig[f.name].default.default
+            if f.default not in (dataclasses.MISSING, None, ""):  # "" and None: required or derived
+                assert default == f.default, f.name
+
+
+def test_every_config_field_has_a_docstring():
+    src = inspect.getsource(config)
+    for name in config.leaf_fields():
+        line = next(l for l in src.splitlines() if l.strip().startswith(f"{name}:"))
+        after = src.splitlines()[src.splitlines().index(line) + 1].strip()
+        assert after.startswith('"""'), name
+
+
+BASE = {"teacher": "t", "student_tokenizer": ["s"], "data": ["d.jsonl"], "out": "o"}
+
+
+@pytest.mark.parametrize("override,flag", [
+    ({"top_k": 0}, "--top-k"), ({"mode": "x"}, "--mode"), ({"window_overlap": 2047}, "--window-overlap"),
+    ({"shard_index": 2, "num_shards": 2}, "--shard-index"), ({"num_samples": 0}, "--num-samples"),
+    ({"engine": "tgi"}, "--engine"), ({"out": None}, "--out"), ({"max_model_len": 100}, "--max-model-len"),
+])
+def test_config_checks_name_the_flag(override, flag):
+    with pytest.raises(ValueError, match=flag):
+        config.build_config({**BASE, **override})
+
+
+@pytest.mark.parametrize("suffix,text", [
+    (".yaml", "capture:\n  top_k: 8\nmode: full\nstorage-options: {a: 1}\n"),
+    (".toml", "mode = \"full\"\nstorage_options = {a = 1}\n[capture]\ntop_k = 8\n"),
+])
+def test_config_file_flat_or_sectioned(tmp_path, suffix, text):
+    p = tmp_path / f"c{suffix}"
+    p.write_text(text)
+    values = config.read_config_file(str(p))
+    cfg = config.build_config({**BASE, **values})
+    assert cfg.capture.top_k == 8 and cfg.capture.mode == "full" and cfg.store.storage_options == {"a": 1}
+    p.write_text("nonsense_key: 1\n" if suffix == ".yaml" else "nonsense_key = 1\n")
+    with pytest.raises(ConfigError, match="nonsense_key"):
+        config.read_config_file(str(p))
+
+
+def test_cli_flags_win_over_config_file(tmp_path):
+    from typer.testing import CliRunner
+
+    from xtcache.cli import app
+
+    p = tmp_path / "c.yaml"
+    p.write_text("top_k: 8\nmode: full\nteacher: /nonexistent\nstudent_tokenizer: [s]\ndata: [d.jsonl]\nout: o\n")
+    seen = {}
+
+    def fake_run(cfg, **_):
+        seen["cfg"] = cfg
+        return {"documents": 0, "positions": 0, "windows": 0, "student_tokens": 0, "chunks": 0,
+                "estimated_bytes_before_compression": 0, "bytes_per_position_before_compression": 0,
+                "skipped": {}, "store": "o"}
+
+    import stage1_teacher.dump as dump
+
+    orig = dump.run_teacher_dump
+    dump.run_teacher_dump = fake_run
+    try:
+        r = CliRunner().invoke(app, ["teacher-dump", "--config", str(p), "--top-k", "4"])
+    finally:
+        dump.run_teacher_dump = orig
+    assert r.exit_code == 0, r.output
+    assert seen["cfg"].capture.top_k == 4 and seen["cfg"].capture.mode == "full"

@@ -1,0 +1,151 @@
+"""`xtcache teacher-dump` with real vLLM on the CPU: top-k, full and sampled stores, same and cross tokenizer.
+
+Engine starts cost 20-40 s each, so the in-process dumps share one pair of engines (the prompt
+log-prob reference and the hidden-state fast path) through `capture.EngineCache`; one more test
+runs the real command line in a subprocess (its own engines, shut down at the end).
+
+    .venv/bin/python -m pytest -q tests/test_stage1_vllm.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stage1_teacher.config import build_config
+from stage1_teacher.dump import run_teacher_dump
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+QUANT_TOL = 24.0 / 255 / 2 + 1e-3  # half a step of the 8-bit log-prob codec, plus kernel differences
+
+
+@pytest.fixture(scope="module")
+def teacher(toy_setup):
+    from stage1_teacher.toy_teacher import build_vllm_teacher
+
+    return str(build_vllm_teacher(toy_setup.root))
+
+
+@pytest.fixture(scope="module")
+def corpus(toy_setup, tmp_path_factory):
+    path = tmp_path_factory.mktemp("vcorpus") / "docs.jsonl"
+    texts = [json.loads(l)["text"] for l in open(toy_setup.heldout_jsonl)][:16]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from stage1_teacher.capture import EngineCache
+
+    cache = EngineCache()
+    yield cache
+    cache.close()
+
+
+@pytest.fixture(scope="module")
+def stores(teacher, corpus, toy_setup, engines, tmp_path_factory):
+    """One store per mode, each with a cross-tokenizer and a same-tokenizer alignment group."""
+    root = tmp_path_factory.mktemp("vstores")
+    out = {}
+    for mode in ("topk", "full", "sampled"):
+        cfg = build_config({
+            "teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer), teacher],
+            "data": [corpus], "out": str(root / mode), "engine": "vllm", "dtype": "float32", "mode": mode,
+            "top_k": 8, "num_samples": 16, "max_seq_len": 256, "window_overlap": 32, "docs_per_part": 6})
+        out[mode] = (str(root / mode), run_teacher_dump(cfg, engines=engines, progress=False))
+    return out
+
+
+def hf_logprobs(teacher, ids):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    with torch.no_grad():
+        z = model(input_ids=torch.as_tensor(ids, dtype=torch.long)[None]).logits[0]
+    return torch.log_softmax(z, -1).numpy()
+
+
+def _first_window_rows(d, n=256):
+    return min(n, len(d.teacher_ids))
+
+
+@pytest.mark.parametrize("mode", ["topk", "full", "sampled"])
+def test_vllm_store_verifies_and_matches_transformers(stores, mode, teacher):
+    from xtcache.commands_store import verify_store
+    from xtcache.store import CacheReader
+
+    url, summary = stores[mode]
+    assert "hidden states" in summary.capture_path and summary.check_gap < 1e-3
+    assert summary.documents == 16 and summary.windows > 16
+    assert verify_store(url) == []
+    r = CacheReader(url)
+    assert r.is_complete() and sorted(g.identity for g in r.alignment_groups().values()) == [False, True]
+    V = r.manifest.teacher_vocab_size
+    shard = r.read_shard(r.shards[0].shard_id, verify=True)
+    for i in (0, shard.num_docs - 1):
+        d = shard.doc(i)
+        n = _first_window_rows(d)
+        ref = hf_logprobs(teacher, d.teacher_ids[:n])[:-1]  # rows 1..n-1 of the first window
+        rows = slice(1, n)
+        np.testing.assert_allclose(d.realized_logprob[rows], ref[np.arange(n - 1), d.teacher_ids[1:n]], atol=1e-3)
+        assert d.has_pred[1:].all()
+        ids = d.topk_ids[rows].astype(np.int64)
+        if mode == "sampled":
+            assert (d.topk_counts[rows].sum(1) == 16).all()
+            live = d.topk_counts[rows] > 0
+            assert (ids[live] < V).all()
+            # sampled ids are likely ones: their mean teacher probability is far above uniform
+            assert np.exp(np.take_along_axis(ref, ids, 1))[live].mean() > 20.0 / V
+        else:
+            got = np.take_along_axis(ref, ids, 1)
+            np.testing.assert_allclose(d.topk_logprobs[rows], got, atol=QUANT_TOL)
+            if mode == "topk":
+                kth = -np.sort(-ref[:, :V], 1)[:, 7]
+                assert (got >= kth[:, None] - 1e-3).all()
+            else:
+                assert (ids == np.arange(V)).all()
+
+
+def test_fallback_for_unsupported_heads_is_loud(teacher, corpus, toy_setup, engines, tmp_path, monkeypatch, caplog):
+    import stage1_teacher.head as head
+    from xtcache.store import CacheReader
+
+    monkeypatch.setattr(head, "HEAD_ARCHITECTURES", set())
+    cfg = build_config({"teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer)],
+                        "data": [corpus], "out": str(tmp_path / "fb"), "engine": "vllm", "dtype": "float32",
+                        "top_k": 4, "max_seq_len": 256, "docs_per_part": 8})
+    with caplog.at_level("WARNING"):
+        s = run_teacher_dump(cfg, engines=engines, progress=False)
+    assert "prompt log-probs" in s.capture_path and any("FALLBACK" in n for n in s.notes)
+    assert any("FALLBACK" in rec.message for rec in caplog.records)
+    r = CacheReader(str(tmp_path / "fb"))
+    d = r.read_shard(r.shards[0].shard_id).doc(0)
+    n = _first_window_rows(d)
+    ref = hf_logprobs(teacher, d.teacher_ids[:n])[:-1]
+    assert (d.topk_ids < r.manifest.teacher_vocab_size).all()
+    np.testing.assert_allclose(d.topk_logprobs[1:n], np.take_along_axis(ref, d.topk_ids[1:n].astype(np.int64), 1),
+                               atol=QUANT_TOL)
+
+
+def test_cli_subprocess_with_vllm(teacher, corpus, toy_setup, tmp_path):
+    """The real command line: engines start in the subprocess and are shut down before it exits."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", teacher, "--student-tokenizer",
+            str(toy_setup.student_tokenizer), "--data", corpus, "--out", str(tmp_path / "cli"), "--mode", "topk",
+            "--top-k", "8", "--dtype", "float32", "--max-seq-len", "256"]
+    p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "vLLM hidden states" in p.stdout and "positions/s" in p.stdout
+    from xtcache.commands_store import verify_store
+
+    assert verify_store(str(tmp_path / "cli")) == []

@@ -1,0 +1,124 @@
+"""`xtcache train-student` flags, the TrainConfig dataclass and config files stay in sync.
+
+    pytest -q tests/test_train_config.py
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from stage2_student import cli
+from stage2_student.config import TrainConfig, read_config_file
+from stage2_student.trainer import deepspeed_config, lr_lambda
+
+CONFIG_SRC = Path(__file__).resolve().parents[1] / "stage2_student" / "config.py"
+
+
+def field_docstrings() -> dict[str, str]:
+    docs = {}
+    for node in ast.parse(CONFIG_SRC.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            for a, b in zip(node.body, node.body[1:]):
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    docs[a.target.id] = b.value.value
+    return docs
+
+
+def typer_options() -> dict[str, typer.models.OptionInfo]:
+    params = inspect.signature(cli.train_student).parameters
+    return {n: p.default for n, p in params.items() if isinstance(p.default, typer.models.OptionInfo)}
+
+
+def test_every_field_has_one_matching_option():
+    options = typer_options()
+    leaves = TrainConfig.leaf_fields()
+    assert set(options) - {"config"} == set(leaves)
+    docs = field_docstrings()
+    for name, (_, f) in leaves.items():
+        opt = options[name]
+        flag = "--" + name.replace("_", "-")
+        decl = opt.param_decls[0]
+        assert decl.split("/")[0] == flag, name
+        if f.type == "bool":
+            assert decl == f"{flag}/--no-{flag[2:]}", name
+        default = None if f.default is dataclasses.MISSING else f.default
+        assert opt.default == default, name
+        assert opt.help == docs[name], f"help of {flag} differs from the field docstring"
+
+
+def test_flags_override_config_file_and_file_overrides_defaults(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr("stage2_student.trainer.train", lambda cfg: seen.update(cfg=cfg))
+    (tmp_path / "run.yaml").write_text("cache: /c\nstudent: /s\nout: /o\nloss: {kd_weight: 0.5, loss: pkl}\n"
+                                       "lr: 0.002\nmax-steps: 7\n")
+    app = typer.Typer()
+    app.command()(cli.train_student)
+    result = CliRunner().invoke(app, ["--config", str(tmp_path / "run.yaml"), "--lr", "0.01", "--bf16"])
+    assert result.exit_code == 0, result.output
+    cfg = seen["cfg"]
+    assert (cfg.cache, cfg.loss.loss, cfg.loss.kd_weight, cfg.optim.max_steps) == ("/c", "pkl", 0.5, 7)
+    assert cfg.optim.lr == 0.01 and cfg.deepspeed.bf16 is True
+    assert cfg.optim.grad_accum == 1  # default
+
+
+def test_toml_and_json_files(tmp_path):
+    (tmp_path / "a.toml").write_text('cache = "/c"\n[optim]\nlr = 0.5\n')
+    (tmp_path / "a.json").write_text(json.dumps({"deepspeed": {"zero_stage": 3}, "eval-every": 4}))
+    assert read_config_file(tmp_path / "a.toml") == {"cache": "/c", "lr": 0.5}
+    assert read_config_file(tmp_path / "a.json") == {"zero_stage": 3, "eval_every": 4}
+
+
+def test_round_trip_through_json():
+    cfg = TrainConfig.from_flat({"cache": "c", "student": "s", "out": "o", "zero_stage": 3, "jsd_beta": 0.3})
+    assert TrainConfig.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+@pytest.mark.parametrize("bad, flag", [
+    ({"grad_accum": 0}, "--grad-accum"), ({"loss": "mse"}, "--loss"), ({"jsd_beta": 1.0}, "--jsd-beta"),
+    ({"eval_fraction": 0.1, "eval_cache": "x"}, "--eval-fraction"), ({"warmup_steps": 5, "max_steps": 3}, "--warmup"),
+    ({"zero_stage": 4}, "--zero-stage"), ({"storage_options": "[1]"}, "--storage-options"),
+    ({"loss": "ce", "ce_weight": 0.0}, "--ce-weight"),
+])
+def test_cross_field_checks_name_the_flag(bad, flag):
+    with pytest.raises(ValueError, match=flag):
+        TrainConfig.from_flat({"cache": "c", "student": "s", "out": "o", **bad})
+
+
+def test_unknown_config_key_is_refused():
+    with pytest.raises(ValueError, match="unknown setting 'learning_rate'"):
+        TrainConfig.from_flat({"cache": "c", "student": "s", "out": "o", "learning_rate": 1})
+
+
+def test_missing_required_flags_are_reported():
+    app = typer.Typer()
+    app.command()(cli.train_student)
+    result = CliRunner().invoke(app, ["--cache", "c"])
+    assert result.exit_code != 0 and "--student" in str(result.exception)
+
+
+def test_deepspeed_config_follows_flags(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_batch_size": 999}))
+    cfg = TrainConfig.from_flat({"cache": "c", "student": "s", "out": "o", "deepspeed": str(tmp_path / "ds.json"),
+                                 "micro_batch_size": 3, "grad_accum": 5, "grad_clip": 0.5, "bf16": True})
+    ds = deepspeed_config(cfg, world=2)
+    assert "train_batch_size" not in ds
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (3, 5)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    assert ds["optimizer"]["params"]["torch_adam"] is True and ds["bf16"] == {"enabled": True}
+
+
+def test_warmup_then_cosine():
+    cfg = TrainConfig.from_flat({"cache": "c", "student": "s", "out": "o", "warmup_steps": 4, "max_steps": 14,
+                                 "min_lr_ratio": 0.1})
+    f = lr_lambda(cfg)
+    assert [f(i) for i in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert f(4) == pytest.approx(1.0) and f(14) == pytest.approx(0.1)
+    assert all(f(i) >= f(i + 1) for i in range(4, 14))

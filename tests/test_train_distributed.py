@@ -1,0 +1,122 @@
+"""Stage 2 invariances on a real teacher cache, every run a subprocess (one process group each).
+
+- world 1 x grad-accum 2 trains the same model as world 2 x grad-accum 1 (torchrun, ZeRO-2 and
+  ZeRO-3, CPU/gloo): per-step losses, token counts and the exported weights agree;
+- a run stopped at step k and resumed from its checkpoint continues bit-identically (losses, lr,
+  final weights), the loader state included;
+- the Hugging Face export loads with plain transformers;
+- user errors (a student tokenizer the cache was not aligned for, a projection map of other
+  tokenizers) reach the user as one clear line.
+
+    pytest -q tests/test_train_distributed.py
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_train_kd import REPO, kd_caches, run_stage2  # noqa: F401  (kd_caches is a fixture)
+
+
+def flags(toy_setup, caches, **extra) -> list[str]:
+    train, held = caches
+    base = {"cache": train, "eval-cache": held, "student": str(toy_setup.student_model), "seq-len": "48",
+            "micro-batch-size": "2", "max-steps": "4", "lr": "3e-3", "warmup-steps": "1", "loss": "pkl",
+            "ce-weight": "0.1", "eval-batches": "4"}
+    base.update({k.replace("_", "-"): str(v) for k, v in extra.items()})
+    if "eval-fraction" in base:  # held out from the training cache instead of the second store
+        del base["eval-cache"]
+    return [x for k, v in base.items() for x in (f"--{k}", v)]
+
+
+def weights(hf_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(hf_dir / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
+def test_world1_accum2_equals_world2_accum1(tmp_path, toy_setup, kd_caches, zero):
+    # the whole held-out split on both sides (an --eval-batches cap counts per rank)
+    same = dict(zero_stage=zero, eval_fraction=0.15, eval_batches=0)
+    a = run_stage2(tmp_path / "w1a2", *flags(toy_setup, kd_caches, grad_accum=2, **same))
+    b = run_stage2(tmp_path / "w2a1", *flags(toy_setup, kd_caches, grad_accum=1, **same), nproc=2)
+    assert [r["step"] for r in a["train"]] == [r["step"] for r in b["train"]] == [1, 2, 3, 4]
+    for key in ("tokens", "chunks"):
+        assert [r[key] for r in a["train"]] == [r[key] for r in b["train"]]
+    for key in ("loss", "kd", "ce"):
+        assert [r[key] for r in a["train"]] == pytest.approx([r[key] for r in b["train"]], rel=1e-5, abs=1e-6), key
+    assert a["summary"]["world_size"] == 1 and b["summary"]["world_size"] == 2
+    assert a["summary"]["final_eval_kl"] == pytest.approx(b["summary"]["final_eval_kl"], rel=1e-4)
+    wa, wb = weights(tmp_path / "w1a2" / "hf"), weights(tmp_path / "w2a1" / "hf")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert (wa[key] - wb[key]).abs().max().item() <= 1e-5, key
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly_and_export_loads(tmp_path, toy_setup, kd_caches):
+    run = flags(toy_setup, kd_caches, max_steps=6, save_every=3, grad_accum=2, zero_stage=2)
+    full = run_stage2(tmp_path / "full", *run)
+    # the same run stopped after step 3: only its step-3 checkpoint survives, then --resume latest
+    part = tmp_path / "part" / "checkpoints"
+    part.mkdir(parents=True)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step3", part / "step3")
+    (part / "latest").write_text("step3")
+    resumed = run_stage2(tmp_path / "part", *run, "--resume", "latest")
+    assert [r["step"] for r in resumed["train"]] == [4, 5, 6]
+    for key in ("loss", "kd", "ce", "lr", "tokens", "grad_norm"):
+        assert [r[key] for r in resumed["train"]] == [r[key] for r in full["train"][3:]], key
+    wf, wr = weights(tmp_path / "full" / "hf"), weights(tmp_path / "part" / "hf")
+    assert all((wf[k] == wr[k]).all() for k in wf)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full" / "hf"))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "full" / "hf"))
+    ids = tok("def f(x):\n    return x", return_tensors="pt")["input_ids"]
+    assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size
+    for key, value in weights(tmp_path / "full" / "hf").items():
+        assert (model.state_dict()[key] == value).all(), key
+    summary = full["summary"]
+    assert summary["steps"] == 6 and Path(summary["metrics"]).is_file()
+    assert summary["final_eval_kl"] is not None and summary["final_eval_ce"] is not None
+    assert summary["steps_per_s"] > 0 and summary["tokens_per_s"] > 0
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xtcache.cli", "train-student", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_wrong_student_tokenizer_is_refused_with_what_to_do(tmp_path, toy_setup, kd_caches):
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "student_with_extra_token"  # same weights, a tokenizer the cache was not aligned for
+    shutil.copytree(toy_setup.student_model, other)
+    tok = AutoTokenizer.from_pretrained(str(other))
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(str(other))
+    proc = run_cli(*flags(toy_setup, kd_caches, student=other, out=tmp_path / "o"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "xtcache align" in last
+
+
+@pytest.mark.slow
+def test_projection_of_other_tokenizers_is_refused(tmp_path, toy_setup, kd_caches):
+    from transformers import AutoTokenizer
+
+    from xtcache.projection import build_projection
+
+    tok = AutoTokenizer.from_pretrained(str(toy_setup.teacher_tokenizer))
+    build_projection(tok, tok).save(tmp_path / "w.safetensors")  # teacher -> teacher: wrong student side
+    proc = run_cli(*flags(toy_setup, kd_caches, projection=tmp_path / "w.safetensors", out=tmp_path / "o"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "does not fit" in proc.stderr and "xtcache projection build" in proc.stderr

@@ -1,0 +1,199 @@
+"""Transforms that make teacher top-k data small, and the Zarr compressors that follow them.
+
+Every codec is a small frozen dataclass with `to_config()` -> `{"name": ..., "configuration": {...}}`
+and `codec_from_config()` to read it back; the configuration is recorded in the store (array specs
+in each part's index and the manifest), so a reader never guesses how bytes were produced.
+
+- `SortedDeltaIds`: each row of top-k ids is sorted by id and delta coded (first id absolute, then
+  differences). Deltas are small, so the compressor squeezes them; in full mode (k = V) every delta
+  after the first is 1. The row permutation is returned so values can follow their ids.
+- `QuantizedLogProbs`: uniform quantization of log-probs over [-L, 0] to `bits`-bit codes with a
+  stated maximum absolute error `step / 2` for values in [-L, 0]; values below -L are clamped to -L.
+- `FloatLogProbs`: lossless float32, or float16 (relative error <= 2^-11).
+- `Compression`: the Zarr v3 bytes-to-bytes codecs (zstd, optionally inside blosc with byte/bit
+  shuffle) applied to the transformed arrays.
+
+    python bench/store_codec.py     # sizes, KL error and speed of these codecs on a real teacher
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from xtcache.errors import StoreError, XtcacheError
+
+IDS_NAME = "xtcache.sorted_delta_ids"
+QUANT_NAME = "xtcache.quantized_logprobs"
+FLOAT_NAME = "xtcache.float_logprobs"
+
+
+def check_ids(ids: np.ndarray, vocab_size: int, what: str = "top-k ids") -> None:
+    """Raise XtcacheError unless every id is in [0, vocab_size)."""
+    if ids.size == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise XtcacheError(
+            f"{what}: id {bad} is outside the teacher vocabulary [0, {vocab_size}); "
+            "check that the teacher vocab size (lm_head columns minus padding) matches the tokenizer")
+
+
+@dataclass(frozen=True)
+class SortedDeltaIds:
+    """Sort each row of ids ascending and store first id + successive differences."""
+
+    dtype: str = "uint32"
+
+    def to_config(self) -> dict[str, Any]:
+        return {"name": IDS_NAME, "configuration": asdict(self)}
+
+    def encode(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ids int [P, k] -> (deltas [P, k] of self.dtype, order [P, k] row permutation applied)."""
+        order = np.argsort(ids, axis=1, kind="stable")
+        s = np.take_along_axis(ids, order, axis=1).astype(np.int64)  # [P, k] ascending
+        deltas = s.copy()
+        deltas[:, 1:] = s[:, 1:] - s[:, :-1]
+        if deltas.size and int(deltas.max()) > np.iinfo(self.dtype).max:
+            raise XtcacheError(f"id delta {int(deltas.max())} does not fit {self.dtype}; use dtype uint32")
+        return deltas.astype(self.dtype), order
+
+    def decode(self, deltas: np.ndarray) -> np.ndarray:
+        """deltas [P, k] -> ids int32 [P, k], each row ascending."""
+        return np.cumsum(deltas, axis=1, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class QuantizedLogProbs:
+    """code = round(-x / step) clipped to [0, 2^bits - 1], step = min_logprob_abs / (2^bits - 1)."""
+
+    bits: int = 8
+    min_logprob: float = -24.0
+
+    def __post_init__(self):
+        if self.bits not in (8, 16):
+            raise XtcacheError(f"quantized log-probs: bits={self.bits}: use 8 or 16")
+        if not self.min_logprob < 0:
+            raise XtcacheError(f"quantized log-probs: min_logprob={self.min_logprob}: must be negative")
+
+    @property
+    def dtype(self) -> str:
+        return "uint8" if self.bits == 8 else "uint16"
+
+    @property
+    def levels(self) -> int:
+        return (1 << self.bits) - 1
+
+    @property
+    def step(self) -> float:
+        return -self.min_logprob / self.levels
+
+    @property
+    def max_abs_error(self) -> float:
+        """Bound on |decoded - original| for originals in [min_logprob, 0]."""
+        return self.step / 2
+
+    def to_config(self) -> dict[str, Any]:
+        cfg = asdict(self)
+        cfg["step"] = self.step
+        cfg["max_abs_error"] = self.max_abs_error
+        return {"name": QUANT_NAME, "configuration": cfg}
+
+    def encode(self, logprobs: np.ndarray) -> np.ndarray:
+        x = np.nan_to_num(np.asarray(logprobs, dtype=np.float32), nan=self.min_logprob,
+                          neginf=self.min_logprob, posinf=0.0)
+        codes = np.rint(x * np.float32(-1.0 / self.step))
+        np.clip(codes, 0, self.levels, out=codes)
+        return codes.astype(self.dtype)
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        out = codes.astype(np.float32)
+        out *= np.float32(-self.step)
+        return out
+
+
+@dataclass(frozen=True)
+class FloatLogProbs:
+    """Log-probs stored as float32 (lossless) or float16."""
+
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in ("float16", "float32"):
+            raise XtcacheError(f"float log-probs: dtype={self.dtype!r}: use 'float16' or 'float32'")
+
+    def to_config(self) -> dict[str, Any]:
+        return {"name": FLOAT_NAME, "configuration": asdict(self)}
+
+    def encode(self, logprobs: np.ndarray) -> np.ndarray:
+        return np.asarray(logprobs).astype(self.dtype)
+
+    def decode(self, stored: np.ndarray) -> np.ndarray:
+        return stored.astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Compression:
+    """Zarr v3 bytes-to-bytes codecs: zstd at `level`, optionally behind a blosc shuffle."""
+
+    level: int = 3
+    shuffle: str = "none"  # "none" | "byte" | "bit"
+
+    def __post_init__(self):
+        if self.shuffle not in ("none", "byte", "bit"):
+            raise XtcacheError(f"compression shuffle={self.shuffle!r}: use 'none', 'byte' or 'bit'")
+
+    def zarr_codecs(self, itemsize: int) -> list:
+        import zarr.codecs as zc
+
+        if self.shuffle == "none":
+            return [zc.ZstdCodec(level=self.level)]
+        shuffle = "shuffle" if self.shuffle == "byte" else "bitshuffle"
+        return [zc.BloscCodec(cname="zstd", clevel=self.level, shuffle=shuffle, typesize=itemsize, blocksize=0)]
+
+    def to_config(self) -> dict[str, Any]:
+        return {"name": "xtcache.compression", "configuration": asdict(self)}
+
+
+LogProbCodec = QuantizedLogProbs | FloatLogProbs
+
+
+def codec_from_config(cfg: dict[str, Any] | Any):
+    """Rebuild a transform codec from its `{"name", "configuration"}` form (dict or CodecConfig)."""
+    if not isinstance(cfg, dict):
+        cfg = cfg.model_dump()
+    name, conf = cfg["name"], dict(cfg.get("configuration", {}))
+    if name == IDS_NAME:
+        return SortedDeltaIds(**conf)
+    if name == QUANT_NAME:
+        return QuantizedLogProbs(bits=conf["bits"], min_logprob=conf["min_logprob"])
+    if name == FLOAT_NAME:
+        return FloatLogProbs(**conf)
+    if name == "xtcache.compression":
+        return Compression(**conf)
+    raise StoreError(f"unknown codec {name!r}: this store was written by a newer xtcache; upgrade xtcache")
+
+
+def default_codecs(mode: str, vocab_size: int) -> dict[str, dict[str, Any]]:
+    """The transforms a store uses unless the manifest names others."""
+    ids = SortedDeltaIds(dtype="uint16" if vocab_size <= 65536 else "uint32")
+    out = {"topk_ids": ids.to_config()}
+    if mode != "sampled":
+        out["topk_logprobs"] = QuantizedLogProbs(bits=8, min_logprob=-24.0).to_config()
+    return out
+
+
+DEFAULT_COMPRESSION = Compression(level=3, shuffle="none")
+SHUFFLED = ("topk_ids", "teacher_ids", "residual", "realized_logprob", "student_ids")
+
+
+def default_compression(array: str) -> Compression:
+    """Compression of one array by name: byte shuffle before zstd where it measured smaller.
+
+    The shuffle groups the bytes of multi-byte values by significance, so the mostly-zero high bytes
+    of id deltas and token ids compress away (bench/store_codec.py: topk_ids at k=64 shrink by a third).
+    """
+    return Compression(level=3, shuffle="byte") if array in SHUFFLED else DEFAULT_COMPRESSION

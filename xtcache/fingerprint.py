@@ -1,0 +1,125 @@
+"""Stable content hashes of everything a teacher cache depends on.
+
+A cache is reusable only for the same teacher weights, teacher tokenizer, corpus and capture
+settings; `cache_key` combines their fingerprints into one hex string that names the cache. Every
+fingerprint is a sha256 hex digest of canonical bytes (sorted-key JSON, file contents), so it is the
+same across runs, processes and machines.
+
+    python -m xtcache.fingerprint path/to/tokenizer_or_model_dir
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from xtcache.errors import XtcacheError
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SAMPLE_BYTES = 1 << 20  # corpus files: hash the first and last MiB, plus the size
+
+
+def _canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(path_or_tokenizer: Any) -> str:
+    """sha256 of the canonical `tokenizer.json` content (keys sorted, whitespace removed).
+
+    Accepts a tokenizer directory, a `tokenizer.json` path, a `tokenizers.Tokenizer`, or a
+    transformers fast tokenizer (its backend tokenizer is serialised). Added special tokens are part
+    of `tokenizer.json`, so two tokenizers with the same fingerprint split every text identically.
+    """
+    if isinstance(path_or_tokenizer, (str, os.PathLike)):
+        path = Path(path_or_tokenizer)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise XtcacheError(
+                f"no tokenizer.json at {path}: xtcache needs a fast (Rust) tokenizer saved with save_pretrained")
+        content = json.loads(path.read_text(encoding="utf-8"))
+    else:
+        backend = getattr(path_or_tokenizer, "backend_tokenizer", path_or_tokenizer)
+        if not hasattr(backend, "to_str"):
+            raise XtcacheError(
+                f"cannot fingerprint {type(path_or_tokenizer).__name__}: pass a fast tokenizer or its directory")
+        content = json.loads(backend.to_str())
+    return hashlib.sha256(_canonical_json(content)).hexdigest()
+
+
+def model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """sha256 over the canonical config.json and the sha256 of every weight file (by name)."""
+    root = Path(model_dir)
+    config = root / "config.json"
+    if not config.is_file():
+        raise XtcacheError(f"{root} has no config.json: pass a Hugging Face model directory")
+    weights = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not weights:
+        raise XtcacheError(
+            f"{root} has no weight files ({', '.join(WEIGHT_SUFFIXES)}): the teacher fingerprint needs the weights")
+    parts = {
+        "config": json.loads(config.read_text(encoding="utf-8")),
+        "weights": {p.name: _sha256_file(p) for p in weights},
+    }
+    return hashlib.sha256(_canonical_json(parts)).hexdigest()
+
+
+def corpus_fingerprint(files: Iterable[str | os.PathLike]) -> str:
+    """sha256 over each file's name, size and a content sample (first and last MiB), in given order."""
+    entries = []
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise XtcacheError(f"corpus file {path} does not exist")
+        size = path.stat().st_size
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            h.update(fh.read(SAMPLE_BYTES))
+            if size > 2 * SAMPLE_BYTES:
+                fh.seek(size - SAMPLE_BYTES)
+            h.update(fh.read(SAMPLE_BYTES))
+        entries.append({"name": path.name, "size": size, "sample_sha256": h.hexdigest()})
+    if not entries:
+        raise XtcacheError("corpus fingerprint: no corpus files given")
+    return hashlib.sha256(_canonical_json(entries)).hexdigest()
+
+
+def settings_fingerprint(settings: dict[str, Any]) -> str:
+    """sha256 of the settings as sorted-key JSON (values must be JSON-serialisable)."""
+    try:
+        return hashlib.sha256(_canonical_json(settings)).hexdigest()
+    except TypeError as e:
+        raise XtcacheError(f"capture settings are not JSON-serialisable: {e}") from None
+
+
+def cache_key(*, teacher_model: str, teacher_tokenizer: str, corpus: str, settings: str) -> str:
+    """One hex key from the four component fingerprints; names the cache directory."""
+    parts = {"teacher_model": teacher_model, "teacher_tokenizer": teacher_tokenizer,
+             "corpus": corpus, "settings": settings, "xtcache_cache_key": 1}
+    return hashlib.sha256(_canonical_json(parts)).hexdigest()
+
+
+def content_hash(text: str) -> str:
+    """Short sha256 of a document's utf-8 text, part of its document id."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        p = Path(arg)
+        if (p / "config.json").is_file():
+            print(f"model     {model_fingerprint(p)}  {p}")
+        if (p / "tokenizer.json").is_file() or p.name == "tokenizer.json":
+            print(f"tokenizer {tokenizer_fingerprint(p)}  {p}")
