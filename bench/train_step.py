@@ -8,13 +8,14 @@ cross-tokenizer student, top-k and sampled for a student sharing the teacher's t
 trains each configuration for a few DeepSpeed ZeRO-2 steps in its own process (one process group
 per process) and prints one table:
 
-- step ms: mean wall time of `Trainer.train_step` over the timed steps (batches prefetched, so
-  the loader is not in it), ratio to the CE-only step of the same student (target <= 1.3x);
+- step ms: median time of `Trainer.train_step` over the timed steps (batches prefetched, so the
+  loader is not in it): wall time on GPU, the process's CPU time on one thread on CPU (robust to
+  other jobs on a shared machine); ratio to the CE-only step of the same student (target <= 1.3x);
 - peak MiB: on GPU `torch.cuda.max_memory_allocated`; on CPU, 16 B/parameter (fp32 weights,
   gradients, AdamW m and v) plus the peak of live tensor bytes during one step, counted by a
   torch dispatch mode (CPU has no allocator statistics); ratio to CE-only (target <= 1.1x);
-- loader positions/s (`stage2_student.loader.measure_rate`, no model) against the positions/s the
-  trainer consumes in that configuration (target >= 10x).
+- loader positions/s (`stage2_student.loader.measure_rate`, no model, same clock, in-process
+  reading: --num-workers 0) against the positions/s the trainer consumes (target >= 10x).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,6 +98,8 @@ def worker(spec: dict) -> dict:
     from stage2_student.loader import measure_rate
     from stage2_student.trainer import Trainer, open_stage_data, setup_distributed, teardown_distributed
 
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
     rank, _, world = setup_distributed()
     try:
         from transformers import AutoTokenizer
@@ -112,13 +116,16 @@ def worker(spec: dict) -> dict:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        # GPU: wall time; CPU: this process's CPU time on one thread, which other jobs sharing the
+        # machine's cores do not inflate (wall time there measures the neighbours as much as us)
+        clock = time.perf_counter if cuda else time.process_time
         times, positions = [], 0
         for batches in steps[spec["warmup"]:-1]:
-            t0 = time.perf_counter()
+            t0 = clock()
             trainer.train_step(batches)
             if cuda:
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
             positions += sum(int(b["attention_mask"].sum()) for b in batches)
         if cuda:
             peak = torch.cuda.max_memory_allocated()
@@ -127,11 +134,13 @@ def worker(spec: dict) -> dict:
             with LiveBytes() as live:
                 trainer.train_step(steps[-1])
             peak = 16 * n_params + live.peak
-        rate = measure_rate(data.train.__class__(data.train.dataset, num_workers=cfg.loader.num_workers),
-                            spec["loader_batches"])
-        step_s = sum(times) / len(times)
+        loader = data.train.__class__(data.train.dataset, num_workers=cfg.loader.num_workers)
+        t0 = clock()
+        rate = measure_rate(loader, spec["loader_batches"])
+        loader_pos_s = rate["positions_per_s"] * rate["seconds"] / max(clock() - t0, 1e-9)  # same clock
+        step_s = statistics.median(times)
         return {"name": spec["name"], "step_ms": 1000 * step_s, "peak_mib": peak / 2**20,
-                "trainer_pos_s": positions / sum(times), "loader_pos_s": rate["positions_per_s"],
+                "trainer_pos_s": positions / len(times) / step_s, "loader_pos_s": loader_pos_s,
                 "kd_loss": data.kd_name, "device": str(trainer.device)}
     finally:
         teardown_distributed()
@@ -209,7 +218,7 @@ def main() -> None:
 def print_table(results: list[dict], args) -> None:
     base = {r["student"]: r for r in results if r["loss"] == "ce"}
     device = results[0]["device"] if results else "?"
-    print(f"\nstage 2 step cost on {device}: seq_len {args.seq_len} x micro-batch {args.micro_batch_size}, "
+    print(f"\nstage 2 step cost on {device} ({'wall' if device.startswith('cuda') else 'CPU'} time, medians): seq_len {args.seq_len} x micro-batch {args.micro_batch_size}, "
           f"ZeRO-2, {'bf16' if args.bf16 else 'fp32'}, {args.steps} timed steps; ratios vs CE-only of the same student")
     head = (f"{'student/loss':<14} {'step ms':>8} {'x CE':>6} {'peak MiB':>9} {'x CE':>6} "
             f"{'trainer pos/s':>14} {'loader pos/s':>13} {'loader/trainer':>15}")

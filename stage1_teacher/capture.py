@@ -69,6 +69,32 @@ class Capture:
                                    num_samples=self.num_samples, generator=generator(z.device))
         return logprobs_to_targets(raw, rows - 1, self, generator("cpu"))
 
+    def targets_many(self, items: list[tuple]) -> list[Targets]:
+        """`targets` for many (raw, rows, window_tokens, doc_hash, window) at once.
+
+        Top-k and full modes concatenate the rows of all windows into one block (one matmul, one
+        top-k): per-call overhead dominates for short windows. Sampled mode keeps one call per window
+        because each window has its own seeded stream.
+        """
+        import torch
+
+        if self.mode == "sampled" or self.kind == "logprobs" or len(items) < 2:
+            return [self.targets(*it) for it in items]
+        blocks, nexts = [], []
+        for raw, rows, tokens, _, _ in items:
+            blocks.append(raw[torch.as_tensor(rows - 1, device=raw.device)])
+            nexts.append(tokens[rows])
+        h = torch.cat(blocks)
+        z = self.head.logits(h) if self.kind == "hidden" else h.float()
+        t = distill_targets(z, np.concatenate(nexts), mode=self.mode, k=self.k, vocab_size=self.vocab_size)
+        out, a = [], 0
+        for b in blocks:
+            n = int(b.shape[0])
+            out.append(Targets(ids=t.ids[a:a + n], logprobs=t.logprobs[a:a + n], counts=None,
+                               residual=t.residual[a:a + n], realized=t.realized[a:a + n]))
+            a += n
+        return out
+
     def close(self) -> None:
         if self.owned and self.engine is not None:
             self.engine.close()

@@ -56,6 +56,7 @@ class Summary:
     wall_s: float = 0.0
     engine_start_s: float = 0.0
     capture_s: float = 0.0
+    prep_s: float = 0.0
     teacher_s: float = 0.0
     post_s: float = 0.0
     write_s: float = 0.0
@@ -86,8 +87,8 @@ class Summary:
             f"bytes written       {self.bytes_written} ({self.bytes_written / max(1, self.positions):.1f} B/position)",
             f"wall time           {self.wall_s:.1f} s (engine start {self.engine_start_s:.1f} s); "
             f"{self.positions / capture:,.0f} positions/s over {self.capture_s:.1f} s of capture",
-            f"time split          teacher {self.teacher_s:.1f} s, targets {self.post_s:.1f} s, "
-            f"encode+write {self.write_s:.1f} s (threads overlap)",
+            f"time split          tokenize+align {self.prep_s:.1f} s, teacher {self.teacher_s:.1f} s, "
+            f"targets {self.post_s:.1f} s, encode+write {self.write_s:.1f} s (threads overlap)",
             f"teacher waited      {self.teacher_wait_s:.2f} s on the writer, {self.input_wait_s:.2f} s on input",
             "skipped documents   " + (", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"),
         ]
@@ -147,6 +148,11 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
                     c.max_seq_len, max_pos, window_len)
     if c.window_overlap > window_len - 3:
         raise ConfigError(f"--window-overlap {c.window_overlap}: must be below the window of {window_len} - 2")
+    part_bytes = cfg.store.docs_per_part * window_len * width * 8
+    if part_bytes > 8 << 30:
+        log.warning("one part may hold up to %.0f GiB of targets in memory (%d docs x %d tokens x %d ids); "
+                    "lower --docs-per-part if that does not fit", part_bytes / (1 << 30), cfg.store.docs_per_part,
+                    window_len, width)
     boundary = sorted(s.fingerprint for s in students if not s.identity)
     settings = settings_for_fingerprint(cfg, window_len=window_len, boundary_tokenizers=boundary)
     fingerprints = {"teacher_model": fpr.model_fingerprint(t.teacher), "teacher_tokenizer": t_fp,
@@ -379,8 +385,7 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
                 return
             state, batch, last, raw = item
             t0 = time.perf_counter()
-            for wi, out in zip(batch, raw):
-                _fill(state, wi, out, cap)
+            _fill_batch(state, batch, raw, cap)
             with lock:
                 summary.post_s += time.perf_counter() - t0
             if last:
@@ -443,6 +448,7 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
             th.join()
         if cap is not None:
             summary.capture_s = time.perf_counter() - t_pos
+        summary.prep_s = prep.seconds
     except _Stopped:
         pass
     except BaseException:
@@ -462,25 +468,27 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
         raise errors[0]
 
 
-def _fill(state: _PartState, wi, raw, cap) -> None:
-    """Place one window's targets into its document's arrays."""
-    pd = state.part.docs[wi.doc]
-    w = pd.windows[wi.window]
-    a = state.arrays[wi.doc]
-    pred = window_has_pred(w)  # [end - store_start]
-    doc_rows = np.arange(w.store_start, w.end)[pred]
-    a["has_pred"][doc_rows] = True
-    if len(doc_rows) == 0:
-        return
-    rows = w.prefix + (doc_rows - w.ctx_start)  # window rows, all >= 1
-    t = cap.targets(raw, rows, wi.tokens, pd.doc.content_hash, wi.window)
-    a["ids"][doc_rows] = t.ids
-    if a["logprobs"] is not None:
-        a["logprobs"][doc_rows] = t.logprobs
-    if a["counts"] is not None:
-        a["counts"][doc_rows] = t.counts
-    a["residual"][doc_rows] = t.residual
-    a["realized"][doc_rows] = t.realized
+def _fill_batch(state: _PartState, batch: list, raws: list, cap) -> None:
+    """Compute the targets of one teacher batch and place them into the documents' arrays."""
+    todo, where = [], []
+    for wi, raw in zip(batch, raws):
+        pd = state.part.docs[wi.doc]
+        w = pd.windows[wi.window]
+        doc_rows = np.arange(w.store_start, w.end)[window_has_pred(w)]
+        state.arrays[wi.doc]["has_pred"][doc_rows] = True
+        if len(doc_rows):
+            rows = w.prefix + (doc_rows - w.ctx_start)  # window rows, all >= 1
+            todo.append((raw, rows, wi.tokens, pd.doc.content_hash, wi.window))
+            where.append((wi.doc, doc_rows))
+    for (doc, doc_rows), t in zip(where, cap.targets_many(todo)):
+        a = state.arrays[doc]
+        a["ids"][doc_rows] = t.ids
+        if a["logprobs"] is not None:
+            a["logprobs"][doc_rows] = t.logprobs
+        if a["counts"] is not None:
+            a["counts"][doc_rows] = t.counts
+        a["residual"][doc_rows] = t.residual
+        a["realized"][doc_rows] = t.realized
 
 
 def _check_committed(meta, part: Part) -> None:

@@ -149,8 +149,11 @@ def sample_seed(seed: int, doc_hash: str, window: int) -> int:
     return int.from_bytes(h[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
+BLOCK_ELEMENTS = 1 << 27  # float32 logits handled at once: 512 MiB (e.g. 880 rows of a 152k vocabulary)
+
+
 def distill_targets(logits, targets, *, mode: str, k: int, vocab_size: int, num_samples: int = 0,
-                    generator=None, block_rows: int = 4096) -> Targets:
+                    generator=None, block_rows: int | None = None) -> Targets:
     """Exact top-k / full / sampled targets from logits [n, V_model] for next tokens `targets` [n].
 
     `vocab_size` is len(tokenizer): columns at or beyond it are never emitted (see module docstring).
@@ -159,6 +162,7 @@ def distill_targets(logits, targets, *, mode: str, k: int, vocab_size: int, num_
 
     n, v_model = int(logits.shape[0]), int(logits.shape[1])
     V = min(vocab_size, v_model)
+    block_rows = block_rows or max(16, BLOCK_ELEMENTS // max(1, v_model))
     if mode == "topk" and k > V:
         raise CaptureError(f"--top-k {k} is larger than the teacher vocabulary ({V})")
     width = {"topk": k, "full": V, "sampled": num_samples}[mode]

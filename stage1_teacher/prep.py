@@ -115,6 +115,7 @@ class Preparer:
         self.overlap = overlap
         self.bos_prefix = adds_bos(teacher_tok)
         self.bos_id = teacher_tok.bos_token_id
+        self.seconds = 0.0  # time spent in prepare(), for the run summary
         self.teacher_info = tokenizer_info(teacher_tok) if any(not s.identity for s in students) else None
         for s in students:
             if not s.identity and s.info is None:
@@ -124,6 +125,9 @@ class Preparer:
         from xtcache.align import align_offsets
         from xtcache.store import AlignmentRecord
 
+        import time
+
+        t0 = time.perf_counter()
         texts = [d.text for d in docs]
         t_enc = self.teacher_tok.backend_tokenizer.encode_batch(texts, add_special_tokens=True)
         s_enc = {s.fingerprint: s.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=True)
@@ -160,6 +164,7 @@ class Preparer:
                                             if not _is_identity(self.students, fp)])
             windows = plan_windows(len(t_ids), self.window_len, self.overlap, bounds, bos_prefix=self.bos_prefix)
             out.append(PreparedDoc(doc=d, teacher_ids=t_ids, offsets=t_off, alignments=aligns, windows=windows))
+        self.seconds += time.perf_counter() - t0
         return out
 
     def tokens(self, pd: PreparedDoc, w: Window) -> np.ndarray:

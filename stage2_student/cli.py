@@ -57,6 +57,7 @@ def train_student(
 ) -> None:
     """Train a student on a teacher cache with DeepSpeed (KD + CE), evaluate, export to Hugging Face."""
     import json
+    import os
 
     from stage2_student.config import TrainConfig, read_config_file
     from xtcache.errors import ConfigError
@@ -77,5 +78,5 @@ def train_student(
     from stage2_student.trainer import train
 
     summary = train(cfg)
-    if summary is not None:
+    if summary is not None and os.environ.get("RANK", "0") == "0":
         typer.echo(json.dumps({k: summary[k] for k in ("steps", "final_eval_kl", "final_eval_ce", "metrics")}))

@@ -1,4 +1,5 @@
-"""The stage 2 (`xtcache train-student`) configuration: one dataclass, nested by concern.
+"""The stage 2 (`xtcache train-student`) configuration: one dataclass, nested by concern, and
+what follows from it alone (the DeepSpeed JSON, the learning-rate schedule).
 
 Every leaf field has exactly one command-line flag, its name with dashes (`kd_weight` ->
 `--kd-weight`); flag names are unique across sections, so a config file may use flat keys
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 LOSSES = ("auto", "pkl", "kl", "rkl", "jsd", "sampled", "alm", "ce")
 """`--loss` choices. auto: pkl for cross-tokenizer caches, sampled for sampled caches, kl otherwise;
@@ -277,3 +279,52 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: the file must hold a mapping of settings")
     return flatten(data)
+
+
+def deepspeed_config(cfg: TrainConfig, num_params: int | None = None) -> dict:
+    """The DeepSpeed JSON: --deepspeed file as the base, the flags on top for what they name.
+
+    ZeRO communication buckets default to DeepSpeed's 5e8 elements (a 2 GB fp32 gradient buffer);
+    unless the file sets them they are capped at the model's parameter count.
+    """
+    base: dict = {}
+    if cfg.deepspeed.deepspeed:
+        base = json.loads(Path(cfg.deepspeed.deepspeed).read_text())
+    o = cfg.optim
+    base.pop("train_batch_size", None)
+    base["train_micro_batch_size_per_gpu"] = cfg.loader.micro_batch_size
+    base["gradient_accumulation_steps"] = o.grad_accum
+    base["gradient_clipping"] = o.grad_clip
+    base.setdefault("steps_per_print", 10**9)
+    base.setdefault("wall_clock_breakdown", False)
+    base["optimizer"] = {"type": "AdamW", "params": {
+        "lr": o.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": o.weight_decay, "torch_adam": True}}
+    zero = base.setdefault("zero_optimization", {})
+    zero.setdefault("stage", cfg.deepspeed.zero_stage)
+    if num_params:
+        bucket = int(min(5e8, max(num_params, 1_000_000)))
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            zero.setdefault(key, bucket)
+        if zero["stage"] == 3:
+            zero.setdefault("stage3_prefetch_bucket_size", bucket)
+    if zero["stage"] == 3:
+        zero.setdefault("stage3_param_persistence_threshold", 0)
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    if cfg.deepspeed.bf16:
+        base["bf16"] = {"enabled": True}
+        base.pop("fp16", None)
+    return base
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Linear warmup from 0 to 1 over --warmup-steps, then cosine down to --min-lr-ratio."""
+    o = cfg.optim
+
+    def scale(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        span = max(1, o.max_steps - o.warmup_steps)
+        progress = min(1.0, (step - o.warmup_steps) / span)
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return scale

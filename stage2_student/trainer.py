@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import math
 import os
 import shutil
 import socket
@@ -29,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from stage2_student.config import TrainConfig
+from stage2_student.config import TrainConfig, deepspeed_config, lr_lambda
 from xtcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -82,6 +81,9 @@ def setup_distributed() -> tuple[int, int, int]:
     deepspeed.init_distributed()
     import torch.distributed as dist
 
+    # this rank's GPU before anything lands on "the" device (a no-op on CPU)
+    deepspeed.get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+
     return dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
 
 
@@ -96,55 +98,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def deepspeed_config(cfg: TrainConfig, world: int, num_params: int | None = None) -> dict:
-    """The DeepSpeed JSON: --deepspeed file as the base, the flags on top for what they name.
-
-    ZeRO communication buckets default to DeepSpeed's 5e8 elements (a 2 GB fp32 gradient buffer);
-    unless the file sets them they are capped at the model's parameter count.
-    """
-    base: dict = {}
-    if cfg.deepspeed.deepspeed:
-        base = json.loads(Path(cfg.deepspeed.deepspeed).read_text())
-    o = cfg.optim
-    base.pop("train_batch_size", None)
-    base["train_micro_batch_size_per_gpu"] = cfg.loader.micro_batch_size
-    base["gradient_accumulation_steps"] = o.grad_accum
-    base["gradient_clipping"] = o.grad_clip
-    base.setdefault("steps_per_print", 10**9)
-    base.setdefault("wall_clock_breakdown", False)
-    base["optimizer"] = {"type": "AdamW", "params": {
-        "lr": o.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": o.weight_decay, "torch_adam": True}}
-    zero = base.setdefault("zero_optimization", {})
-    zero.setdefault("stage", cfg.deepspeed.zero_stage)
-    if num_params:
-        bucket = int(min(5e8, max(num_params, 1_000_000)))
-        for key in ("reduce_bucket_size", "allgather_bucket_size"):
-            zero.setdefault(key, bucket)
-        if zero["stage"] == 3:
-            zero.setdefault("stage3_prefetch_bucket_size", bucket)
-    if zero["stage"] == 3:
-        zero.setdefault("stage3_param_persistence_threshold", 0)
-        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
-    if cfg.deepspeed.bf16:
-        base["bf16"] = {"enabled": True}
-    base.pop("fp16", None) if cfg.deepspeed.bf16 else None
-    return base
-
-
-def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
-    """Linear warmup from 0 to 1 over --warmup-steps, then cosine down to --min-lr-ratio."""
-    o = cfg.optim
-
-    def scale(step: int) -> float:
-        if step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        span = max(1, o.max_steps - o.warmup_steps)
-        progress = min(1.0, (step - o.warmup_steps) / span)
-        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return scale
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -167,7 +120,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.student)
         model = AutoModelForCausalLM.from_pretrained(cfg.student, dtype=torch.float32)
         model.config.use_cache = False
-        self.ds_config = deepspeed_config(cfg, world, sum(p.numel() for p in model.parameters()))
+        self.ds_config = deepspeed_config(cfg, sum(p.numel() for p in model.parameters()))
         scheduler = None
         if "scheduler" not in self.ds_config:
             scale = lr_lambda(cfg)
@@ -423,12 +376,14 @@ class Trainer:
             ev = self.evaluate()
             if ev:
                 self._log(ev)
-        t_start, steps_done, tokens_done = time.perf_counter(), 0, 0.0
+        train_seconds, steps_done, tokens_done = 0.0, 0, 0.0
         last_saved = self.step if cfg.checkpoint.resume else -1
         try:
             while self.step < cfg.optim.max_steps:
+                t0 = time.perf_counter()
                 batches = [next(it) for _ in range(cfg.optim.grad_accum)]
                 row = self.train_step(batches)
+                train_seconds += time.perf_counter() - t0  # data + step, not evaluation or checkpoints
                 steps_done += 1
                 tokens_done += row["tokens"]
                 self._log(row)
@@ -447,7 +402,6 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-        elapsed = time.perf_counter() - t_start
         final_eval = self.evaluate()
         if final_eval:
             self._log(final_eval)
@@ -456,8 +410,10 @@ class Trainer:
         hf_dir = self.export_hf(self.out / HF_DIR)
         summary = {
             "steps": self.step, "steps_run": steps_done, "world_size": self.world,
-            "steps_per_s": steps_done / elapsed if elapsed > 0 else None,
-            "tokens_per_s": tokens_done / elapsed if elapsed > 0 else None,
+            "train_seconds": train_seconds,
+            "steps_per_s": steps_done / train_seconds if train_seconds > 0 else None,
+            "tokens_per_s": tokens_done / train_seconds if train_seconds > 0 else None,
+            "initial_eval_kl": self._eval_history[0]["kl"] if self._eval_history else None,
             "final_eval_kl": final_eval["kl"] if final_eval else None,
             "final_eval_ce": final_eval["ce"] if final_eval else None,
             "final_eval_top1_agree": final_eval["top1_agree"] if final_eval else None,

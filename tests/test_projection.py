@@ -51,7 +51,7 @@ def test_build_on_toy_tokenizers(toy_map, student_tokenizer, teacher_tokenizer):
     assert np.allclose(sums[pm.indices[:, 0] >= 0], 1.0, atol=1e-5) and np.all(sums[empty] == 0)
     # every student id maps somewhere, except specials with no teacher counterpart, which are reported
     reported = set(student_tokenizer.convert_tokens_to_ids(pm.notes["specials_without_counterpart"]))
-    assert set(empty.tolist()) == reported
+    assert set(empty.tolist()) == reported and pm.notes["unmapped_tokens"] == []
     assert reported <= set(student_tokenizer.all_special_ids)
     # exact rows: one teacher id that spells the same bytes, weight 1
     for r in np.flatnonzero(pm.exact)[:200]:
@@ -93,6 +93,14 @@ def test_sentencepiece_student_matches_byte_level_teacher(sp_tokenizer, teacher_
     b = sp_tokenizer.convert_tokens_to_ids("<0xC3>")
     assert pm.exact[b] and _piece(teacher_tokenizer, int(pm.indices[b, 0])) == b"\xc3"
     assert pm.indices[sp_tokenizer.eos_token_id, 0] == teacher_tokenizer.eos_token_id
+    # the reverse direction (byte-level student) decomposes into regular pieces, not <0xNN> ones
+    back = build_projection(teacher_tokenizer, sp_tokenizer, top_k=4)
+    used = {sp_tokenizer.convert_ids_to_tokens(int(i)) for i in back.indices[back.indices >= 0]}
+    names = sp_tokenizer.convert_ids_to_tokens(list(range(len(sp_tokenizer))))
+    single = {_piece(sp_tokenizer, i) for i, n in enumerate(names) if not n.startswith("<0x")}
+    for t in (t for t in used if t.startswith("<0x")):  # a byte piece only where no regular piece spells it
+        assert bytes([int(t[3:5], 16)]) not in single, t
+    assert back.notes["unmapped_tokens"] == []
     mapped = pm.indices[:, 0] >= 0
     assert mapped.mean() > 0.99
 
@@ -185,7 +193,9 @@ def test_cli_build_inspect_import(toy_setup, tmp_path):
     pm = ProjectionMap.load(out)
     assert pm.top_k == 3
     res = runner.invoke(app, ["inspect", str(out), "--student-tokenizer", s, "--teacher-tokenizer", t])
-    assert res.exit_code == 0 and "rows with mapping" in res.output, res.output
+    assert res.exit_code == 0 and "rows with mapping" in res.output and "'</s>' -> '<|endoftext|>'" in res.output
+    res = runner.invoke(app, ["inspect", str(out)])  # no tokenizers: rows shown as ids
+    assert res.exit_code == 0 and "exact matches" in res.output and " -> " in res.output, res.output
     nemo = tmp_path / "n.pt"
     torch.save({"indices": torch.from_numpy(pm.indices), "likelihoods": torch.from_numpy(pm.weights)}, nemo)
     res = runner.invoke(app, ["import", str(nemo), "--student-tokenizer", s, "--teacher-tokenizer", t,

@@ -289,3 +289,44 @@ def test_kill_and_resume_equals_uninterrupted_run(teacher, corpus, toy_setup, tm
     from xtcache.store import CacheReader
 
     assert CacheReader(str(out)).is_complete()
+
+
+def test_teacher_with_bos_gets_a_bos_in_front_of_every_window(corpus, toy_setup, tmp_path):
+    """A Llama-style teacher (BOS first): later windows start with BOS, so every row has a prediction."""
+    from stage1_teacher.windows import plan_windows
+    from xtcache import toy
+
+    teacher = tmp_path / "bos_teacher"
+    toy.build_tiny_model("llama", toy_setup.student_tokenizer, teacher, hidden=64, heads=2, kv_heads=1,
+                         intermediate=128)
+    s = dump(str(teacher), corpus, tmp_path / "bos", [teacher], max_seq_len=64, window_overlap=0, top_k=8)
+    assert s.windows > 3 * s.documents
+    r, shards = read_all(tmp_path / "bos")
+    d = shards[0].doc(0)
+    bos = int(d.teacher_ids[0])
+    assert d.has_pred[1:].all() and not d.has_pred[0]
+    w = plan_windows(len(d.teacher_ids), 64, 0, None, bos_prefix=True)[1]
+    lp = hf_logprobs(str(teacher), np.concatenate(([bos], d.teacher_ids[w.ctx_start:w.end])))[:-1]
+    rows = np.arange(w.store_start, w.end)
+    ref = lp[1 + rows - w.ctx_start - 1]  # window row j (after BOS) is predicted by logits row j - 1
+    np.testing.assert_allclose(d.realized_logprob[rows], ref[np.arange(len(rows)), d.teacher_ids[rows]], atol=1e-4)
+    np.testing.assert_allclose(d.topk_logprobs[rows], np.take_along_axis(ref, d.topk_ids[rows].astype(np.int64), 1),
+                               atol=QUANT_TOL)
+
+
+def test_two_jobs_fill_disjoint_shards_concurrently(teacher, corpus, toy_setup, tmp_path):
+    from xtcache.commands_store import verify_store
+
+    out = tmp_path / "conc"
+    base = ["--teacher", teacher, "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", corpus,
+            "--engine", "hf", "--top-k", "8", "--docs-per-part", "4", "--max-seq-len", "256", "--out", str(out),
+            "--num-shards", "2"]
+    jobs = [_cli(base + ["--shard-index", str(i)]) for i in range(2)]
+    logs = [j.communicate(timeout=300)[0].decode() for j in jobs]
+    assert [j.returncode for j in jobs] == [0, 0], "\n".join(l[-2000:] for l in logs)
+    r, shards = read_all(out)
+    assert r.is_complete() and verify_store(str(out)) == []
+    writers = {m.writer_index for m in r.shards}
+    assert writers == {0, 1}
+    ids = [d for s in shards for d in s.doc_ids()]
+    assert len(ids) == len(set(ids)) == 24

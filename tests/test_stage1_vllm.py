@@ -138,14 +138,17 @@ def test_fallback_for_unsupported_heads_is_loud(teacher, corpus, toy_setup, engi
 
 
 def test_cli_subprocess_with_vllm(teacher, corpus, toy_setup, tmp_path):
-    """The real command line: engines start in the subprocess and are shut down before it exits."""
+    """The real command line: the engine starts in the subprocess and is shut down before it exits.
+
+    --no-fast-path keeps it to one engine start (the fast path is covered in process above).
+    """
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     args = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", teacher, "--student-tokenizer",
             str(toy_setup.student_tokenizer), "--data", corpus, "--out", str(tmp_path / "cli"), "--mode", "topk",
-            "--top-k", "8", "--dtype", "float32", "--max-seq-len", "256"]
+            "--top-k", "8", "--dtype", "float32", "--max-seq-len", "256", "--no-fast-path"]
     p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    assert "vLLM hidden states" in p.stdout and "positions/s" in p.stdout
+    assert "vLLM prompt log-probs" in p.stdout and "positions/s" in p.stdout
     from xtcache.commands_store import verify_store
 
     assert verify_store(str(tmp_path / "cli")) == []

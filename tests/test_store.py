@@ -455,3 +455,21 @@ def test_store_round_trip_property(case):
             continue
         doc_clamped = DocRecord(**{**doc.__dict__, "topk_logprobs": np.maximum(doc.topk_logprobs, floor)})
         check_same(doc_clamped, got.doc(i), mode, tol=tol)
+
+
+def test_later_writer_declares_a_new_group(tmp_path):
+    rng = np.random.default_rng(14)
+    url = str(tmp_path / "cache")
+    g1 = AlignGroupMeta(fingerprint="1" * 64, vocab_size=500)
+    g2 = AlignGroupMeta(fingerprint="2" * 64, vocab_size=600)
+    docs = [make_doc(rng, 0, 6, 8, 5000)]
+    with CacheWriter(url, manifest(V=5000, num_writers=2, alignment_groups=[g1]), writer_index=0) as w:
+        w.write_part(0, docs, {g1.fingerprint: [make_alignment(rng, 6)]})
+    with CacheWriter(url, manifest(V=5000, num_writers=2, alignment_groups=[g1, g2]), writer_index=1) as w:
+        w.write_part(0, docs, {g.fingerprint: [make_alignment(rng, 6)] for g in (g1, g2)})
+        with pytest.raises(XtcacheError, match="alignment group 333333333333.. is not declared"):
+            w.write_part(1, docs, {"3" * 64: [make_alignment(rng, 6)]})
+    reader = CacheReader(url)
+    assert set(reader.alignment_groups()) == {g1.fingerprint, g2.fingerprint}
+    assert set(reader.alignment_parts(g2.fingerprint)) == {shard_id(1, 0)}
+    assert set(reader.alignment_parts(g1.fingerprint)) == {shard_id(0, 0), shard_id(1, 0)}

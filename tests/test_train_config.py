@@ -16,8 +16,7 @@ import typer
 from typer.testing import CliRunner
 
 from stage2_student import cli
-from stage2_student.config import TrainConfig, read_config_file
-from stage2_student.trainer import deepspeed_config, lr_lambda
+from stage2_student.config import TrainConfig, deepspeed_config, lr_lambda, read_config_file
 
 CONFIG_SRC = Path(__file__).resolve().parents[1] / "stage2_student" / "config.py"
 
@@ -108,7 +107,7 @@ def test_deepspeed_config_follows_flags(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_batch_size": 999}))
     cfg = TrainConfig.from_flat({"cache": "c", "student": "s", "out": "o", "deepspeed": str(tmp_path / "ds.json"),
                                  "micro_batch_size": 3, "grad_accum": 5, "grad_clip": 0.5, "bf16": True})
-    ds = deepspeed_config(cfg, world=2)
+    ds = deepspeed_config(cfg, num_params=10)
     assert "train_batch_size" not in ds
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (3, 5)
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0

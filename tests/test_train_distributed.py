@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train_kd import REPO, kd_caches, run_stage2  # noqa: F401  (kd_caches is a fixture)
+from tests.test_train_kd import REPO, kd_caches, run_stage2  # noqa: F401  (kd_caches is a fixture)
 
 
 def flags(toy_setup, caches, **extra) -> list[str]:
@@ -54,7 +54,10 @@ def test_world1_accum2_equals_world2_accum1(tmp_path, toy_setup, kd_caches, zero
     assert a["summary"]["world_size"] == 1 and b["summary"]["world_size"] == 2
     assert a["summary"]["final_eval_kl"] == pytest.approx(b["summary"]["final_eval_kl"], rel=1e-4)
     wa, wb = weights(tmp_path / "w1a2" / "hf"), weights(tmp_path / "w2a1" / "hf")
-    assert wa.keys() == wb.keys()
+    initial = weights(Path(toy_setup.student_model))
+    assert wa.keys() == wb.keys() == initial.keys()
+    assert all(wa[k].shape == initial[k].shape for k in wa)  # consolidated, not ZeRO-3 partitions
+    assert any((wa[k] != initial[k]).any() for k in wa)
     for key in wa:
         assert (wa[key] - wb[key]).abs().max().item() <= 1e-5, key
 
@@ -120,3 +123,11 @@ def test_projection_of_other_tokenizers_is_refused(tmp_path, toy_setup, kd_cache
     proc = run_cli(*flags(toy_setup, kd_caches, projection=tmp_path / "w.safetensors", out=tmp_path / "o"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "does not fit" in proc.stderr and "xtcache projection build" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_bf16_on_gpu_trains_and_exports(tmp_path, toy_setup, kd_caches):
+    run = run_stage2(tmp_path / "gpu", *flags(toy_setup, kd_caches, max_steps=6, zero_stage=3), "--bf16")
+    assert run["summary"]["steps"] == 6
+    assert run["summary"]["final_eval_kl"] < run["eval"][0]["kl"]

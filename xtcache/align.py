@@ -3,17 +3,18 @@
 Two tokenizations of one text are cut into chunks: runs of student tokens and runs of teacher
 tokens that cover the same characters. A chunk boundary is any character position that is a clean
 cut on both sides (every token before it ends at or before it, every token after it starts at or
-after it). The walk is the classic two-pointer merge over character end offsets, written as numpy
-set operations (cut intervals per side, membership by `searchsorted`), so it runs in
-O((S + T) log) with no Python loop per token and no length limit.
+after it). The walk is the two-pointer merge over character end offsets, written as numpy array
+operations (each side marks its clean-cut positions; both marks give the boundaries), so it runs in
+linear time with no Python loop per token and no length limit. `align_batch`/`align_texts` walk
+many documents at once (joined with a separator no chunk crosses), paying numpy's fixed costs once.
 
 Special tokens with empty offsets (BOS, EOS, PAD) are placed where they sit in the token sequence
 and paired by role when both sides have one at the same place; an unpaired one becomes a chunk of
 its own with an empty other side. When a `TokenizerInfo` is given for a side, every group of
 tokens is checked against the text: the tokens' bytes must reproduce `text[start:end]` (a leading
 space that the tokenizer itself inserts, as SentencePiece's `▁` and `add_prefix_space` do, is
-allowed at the start). Offsets that fail the check raise `AlignmentError` instead of giving a
-wrong alignment.
+allowed where pre-tokenization starts). Offsets that fail the check raise `AlignmentError`
+instead of giving a wrong alignment.
 
     python -c "from xtcache.align import align_text; help(align_text)"
 """
@@ -91,43 +92,40 @@ class TokenizerInfo:
 
 
 def _byte_decoder() -> dict[str, int]:
-    """Inverse of the byte-level BPE alphabet (printable stand-ins for the 256 byte values)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    """Inverse of the byte-level BPE alphabet: printable bytes stand for themselves, the other 68
+    byte values for the characters 256, 257, ... in byte order."""
+    printable = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 def _decoder_kinds(decoder: dict | None) -> set[str]:
-    if decoder is None:
-        return set()
-    if decoder.get("type") == "Sequence":
-        return {k for d in decoder.get("decoders", []) for k in _decoder_kinds(d)}
-    kind = decoder.get("type", "")
-    if kind == "Replace" and decoder.get("pattern", {}).get("String") == "▁":
-        return {"Metaspace"}
-    return {kind}
+    """Decoder types in a spec; a Replace of "▁" (the Llama-2 conversion) counts as Metaspace."""
+    if decoder is None or decoder.get("type") == "Sequence":
+        return {k for d in (decoder or {}).get("decoders", []) for k in _decoder_kinds(d)}
+    is_meta = decoder.get("type") == "Replace" and decoder.get("pattern", {}).get("String") == "▁"
+    return {"Metaspace" if is_meta else decoder.get("type", "")}
 
 
 _INFO_CACHE: "weakref.WeakKeyDictionary[object, TokenizerInfo]" = weakref.WeakKeyDictionary()
 _UNTRIMMED: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
 
 
-def _trims(node) -> bool:
-    """True when a post-processor spec (or any part of a Sequence) trims offsets."""
-    if isinstance(node, dict):
-        return bool(node.get("trim_offsets")) or any(_trims(v) for v in node.values())
-    if isinstance(node, list):
-        return any(_trims(v) for v in node)
-    return False
+def _cached(cache: weakref.WeakKeyDictionary, tokenizer, build):
+    """cache[tokenizer], built on first use (tokenizers that cannot be weakly referenced: uncached)."""
+    try:
+        return cache[tokenizer]
+    except (KeyError, TypeError):
+        value = build()
+    try:
+        cache[tokenizer] = value
+    except TypeError:
+        pass
+    return value
 
 
 def _untrim(node):
+    """A post-processor spec with every `trim_offsets` turned off (equal to `node` if none was on)."""
     if isinstance(node, dict):
         return {k: (False if k == "trim_offsets" else _untrim(v)) for k, v in node.items()}
     if isinstance(node, list):
@@ -138,23 +136,16 @@ def _untrim(node):
 def _offsets_backend(tokenizer, backend):
     """The backend to encode with: a copy that keeps whitespace in offsets when the tokenizer's
     post-processor trims it (token ids are the same; only offsets differ). Cached per tokenizer."""
-    try:
-        return _UNTRIMMED[tokenizer]
-    except (KeyError, TypeError):
-        pass
-    from tokenizers import Tokenizer
+    def build():
+        from tokenizers import Tokenizer
 
-    spec = json.loads(backend.to_str())
-    use = backend
-    if _trims(spec.get("post_processor")):
-        spec["post_processor"] = _untrim(spec["post_processor"])
-        use = Tokenizer.from_str(json.dumps(spec))
+        spec = json.loads(backend.to_str())
+        if _untrim(spec.get("post_processor")) == spec.get("post_processor"):
+            return backend
         log.info("tokenizer trims whitespace off offsets (trim_offsets=True): encoding with an untrimmed copy")
-    try:
-        _UNTRIMMED[tokenizer] = use
-    except TypeError:
-        pass
-    return use
+        return Tokenizer.from_str(json.dumps({**spec, "post_processor": _untrim(spec["post_processor"])}))
+
+    return _cached(_UNTRIMMED, tokenizer, build)
 
 
 def require_fast(tokenizer, side: str = "tokenizer"):
@@ -168,11 +159,11 @@ def require_fast(tokenizer, side: str = "tokenizer"):
 
 
 def tokenizer_info(tokenizer) -> TokenizerInfo:
-    """Build (or fetch from the per-object cache) the byte pieces and roles of a fast tokenizer."""
-    try:
-        return _INFO_CACHE[tokenizer]
-    except (KeyError, TypeError):
-        pass
+    """The byte pieces and roles of a fast tokenizer (built once per tokenizer object)."""
+    return _cached(_INFO_CACHE, tokenizer, lambda: _build_info(tokenizer))
+
+
+def _build_info(tokenizer) -> TokenizerInfo:
     from xtcache.fingerprint import tokenizer_fingerprint
 
     backend = require_fast(tokenizer)
@@ -216,30 +207,16 @@ def tokenizer_info(tokenizer) -> TokenizerInfo:
     role[special & (role == 0)] = ROLE_OTHER
     added_mask = np.zeros(vocab_size + 1, dtype=bool)
     added_mask[[i for i in added if i < vocab_size]] = True
-    info = TokenizerInfo(fingerprint=tokenizer_fingerprint(tokenizer), piece_data=piece_data,
+    return TokenizerInfo(fingerprint=tokenizer_fingerprint(tokenizer), piece_data=piece_data,
                          piece_start=piece_start, role=role, special=special, added=added_mask, unk_id=unk_id,
-                         metaspace=metaspace and not byte_level, trims_offsets=_trims(spec.get("post_processor")))
-    try:
-        _INFO_CACHE[tokenizer] = info
-    except TypeError:
-        pass
-    return info
+                         metaspace=metaspace and not byte_level,
+                         trims_offsets=_untrim(spec.get("post_processor")) != spec.get("post_processor"))
 
 
 def identity_alignment(n_tokens: int) -> Alignment:
     """Same tokenizer on both sides: every token is its own exact 1:1 chunk."""
     ends = np.arange(1, n_tokens + 1, dtype=np.int32)
     return Alignment(student_end=ends, teacher_end=ends.copy(), exact=np.ones(n_tokens, dtype=bool))
-
-
-def _gather(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenate data[starts[i] : starts[i] + lengths[i]] over i, vectorized."""
-    total = int(lengths.sum())
-    if total == 0:
-        return data[:0]
-    offsets = np.cumsum(lengths) - lengths
-    idx = np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
-    return data[idx]
 
 
 @dataclass
@@ -263,6 +240,7 @@ class _Side:
 
 
 def _prepare_side(name, ids, offsets, counts, special, lens, base, info) -> _Side:
+    """Validate one side's flat tokens against the document lengths and build its `_Side`."""
     n, n_docs = ids.shape[0], counts.shape[0]
     if offsets.shape != (n, 2):
         raise AlignmentError(f"{name} offsets have shape {tuple(offsets.shape)}, expected ({n}, 2) for {n} token ids")
@@ -278,9 +256,10 @@ def _prepare_side(name, ids, offsets, counts, special, lens, base, info) -> _Sid
     bad = (end < start) | (start < 0) | (end > lens[doc])
     if bad.any():
         k = int(np.flatnonzero(bad)[0])
-        raise AlignmentError(f"{name} token {_local(k, doc, counts)} has offsets {tuple(offsets[k].tolist())} outside "
-                             f"its text of {int(lens[doc[k]])} characters: offsets belong to another text or are "
-                             "byte offsets; pass character offsets (return_offsets_mapping)")
+        raise AlignmentError(f"{name} token {k - int(counts[:doc[k]].sum())} of document {doc[k]} has offsets "
+                             f"{tuple(offsets[k].tolist())} outside its text of {int(lens[doc[k]])} characters: "
+                             "offsets belong to another text or are byte offsets; pass character offsets "
+                             "(return_offsets_mapping)")
     at = np.cumsum(counts)
     sep_full = at + np.arange(n_docs)
     sep_pos = lens + base
@@ -302,84 +281,54 @@ def _prepare_side(name, ids, offsets, counts, special, lens, base, info) -> _Sid
     is_sep = np.zeros(n + n_docs, dtype=bool)
     is_sep[sep_full] = True
     is_sep = is_sep[content]
-    c_ids = ids[content]
-    if info is not None and info.unk_id >= 0:
-        unk = c_ids == info.unk_id
-    else:
-        unk = np.zeros(content.shape[0], dtype=bool)
+    unk = ids[content] == (info.unk_id if info is not None and info.unk_id >= 0 else -2)
     cut = np.append(c_start[1:] >= c_end[:-1], True)
     zero_idx = np.flatnonzero(zero)
-    if info is not None:
-        zero_role = info.role[ids[zero_idx]]
-    else:
-        zero_role = np.where(special[zero_idx], ROLE_OTHER, 0).astype(np.int32)
+    zero_role = info.role[ids[zero_idx]] if info is not None else np.where(special[zero_idx], ROLE_OTHER, 0)
     return _Side(name, ids, sep_full, content, c_start, c_end, is_sep, unk, special[content] | unk,
-                 np.flatnonzero(cut) + 1, zero_idx - np.arange(zero_idx.shape[0]), zero_role)
-
-
-def _local(k: int, doc: np.ndarray, counts: np.ndarray) -> str:
-    d = int(doc[k])
-    return f"{k - int(counts[:d].sum())} of document {d}" if counts.shape[0] > 1 else str(k)
+                 np.flatnonzero(cut) + 1, zero_idx - np.arange(zero_idx.shape[0]), zero_role.astype(np.int32))
 
 
 def _check_pieces(side: _Side, info: TokenizerInfo, text_bytes: np.ndarray, byte_of_char: np.ndarray,
                   texts: list[str], base: np.ndarray) -> None:
     """Raise AlignmentError unless every token group's bytes reproduce its span of the text.
 
-    Unknown tokens are not compared. A leading space that the tokenizer inserts itself ("▁"
-    prepended, add_prefix_space) is allowed where pre-tokenization starts: a document's first
-    group and right after an added token.
+    Groups holding an unknown token are not compared. A leading space that the tokenizer inserts
+    itself ("▁" prepended, add_prefix_space) is allowed where pre-tokenization starts: a document's
+    first group and right after an added token.
     """
     a_end = side.atom_end
     a_begin = np.concatenate(([0], a_end[:-1]))
     cids = side.ids[side.content]
     ps = info.piece_start
-    plen = ps[cids + 1] - ps[cids]
-    pcum = np.concatenate(([0], np.cumsum(plen)))
-    # restart groups (few): a document's first one and those right after an added token
-    prev_tok = np.flatnonzero(side.is_sep[:-1] | info.added[cids[:-1]]) + 1
-    restart = np.concatenate(([0], np.searchsorted(a_begin, prev_tok)))
-    restart = restart[a_begin[np.minimum(restart, a_begin.shape[0] - 1)] == np.concatenate(([0], prev_tok))]
-    r_lo = byte_of_char[side.start[a_begin[restart]]]
-    r_text = byte_of_char[side.end[a_end[restart] - 1]] - r_lo
-    r_tok = pcum[a_end[restart]] - pcum[a_begin[restart]]
-    first = info.piece_data[ps[cids[a_begin[restart]]]]
-    inserted = restart[(r_tok == r_text + 1) & (first == 0x20)]
-    if not side.unk.any():
-        # fast path: with the inserted spaces left out, every token's bytes are found in the text at
-        # its running byte position, and every group ends where its offsets say it ends
-        src, size = ps[cids], plen.copy()
-        ins_tok = a_begin[inserted]
-        src[ins_tok] += 1
-        size[ins_tok] -= 1
-        pos = np.concatenate(([0], np.cumsum(size)))
-        if (pos[-1] == text_bytes.shape[0] - 8 and np.array_equal(byte_of_char[side.end[a_end - 1]], pos[a_end])
-                and np.array_equal(byte_of_char[side.start[a_begin]], pos[a_begin])
-                and _same_bytes(info.piece_data, src, text_bytes, pos[:-1], size)):
-            return
-    stream = _gather(info.piece_data, ps[cids], plen)
-    text_bytes = text_bytes[:-8]
-    # general path (unknown tokens, gaps, or a mismatch to report): group by group
-    tok_len = pcum[a_end] - pcum[a_begin]
+    src, size = ps[cids], ps[cids + 1] - ps[cids]
+    run = np.concatenate(([0], np.cumsum(size)))
     lo = byte_of_char[side.start[a_begin]]
     text_len = byte_of_char[side.end[a_end - 1]] - lo
-    ucum = np.concatenate(([0], np.cumsum(side.unk)))
-    skip = (ucum[a_end] - ucum[a_begin]) > 0
-    is_inserted = np.zeros(a_end.shape[0], dtype=bool)
-    is_inserted[inserted] = True
-    is_inserted &= ~skip
-    bad = (tok_len - is_inserted != text_len) & ~skip
-    if bad.any():
-        _raise_mismatch(side, int(np.flatnonzero(bad)[0]), a_begin, a_end, info, texts, base)
-    check = ~skip
-    keep = np.repeat(check, tok_len)
-    keep[pcum[a_begin[is_inserted]]] = False
-    got = stream[keep]
-    want = _gather(text_bytes, lo[check], text_len[check])
-    if not np.array_equal(got, want):
-        diff = int(np.flatnonzero(got != want)[0])
-        owner = np.flatnonzero(check)[np.searchsorted(np.cumsum(text_len[check]), diff, side="right")]
-        _raise_mismatch(side, int(owner), a_begin, a_end, info, texts, base)
+    # restart groups (few): a document's first one and those right after an added token
+    after = np.concatenate(([0], np.flatnonzero(side.is_sep[:-1] | info.added[cids[:-1]]) + 1))
+    restart = np.searchsorted(a_begin, after)
+    restart = restart[a_begin[np.minimum(restart, a_begin.shape[0] - 1)] == after]
+    first = info.piece_data[src[a_begin[restart]]]
+    ins_tok = a_begin[restart[(run[a_end[restart]] - run[a_begin[restart]] == text_len[restart] + 1) & (first == 0x20)]]
+    if ins_tok.size:
+        src[ins_tok] += 1
+        size[ins_tok] -= 1
+        run = np.concatenate(([0], np.cumsum(size)))
+    skip = np.zeros(a_end.shape[0], dtype=bool)
+    if side.unk.any():
+        ucum = np.concatenate(([0], np.cumsum(side.unk)))
+        skip = (ucum[a_end] - ucum[a_begin]) > 0
+        size[np.repeat(skip, a_end - a_begin)] = 0
+    bad = np.flatnonzero((run[a_end] - run[a_begin] != text_len) & ~skip)
+    if bad.size:
+        _raise_mismatch(side, int(bad[0]), a_begin, a_end, info, texts, base)
+    # each token's bytes must sit in the text at its group's start plus its running offset in the group
+    shift = lo - run[a_begin]
+    dst = run[:-1] + (np.repeat(shift, a_end - a_begin) if shift.any() else 0)
+    wrong = _first_difference(info.piece_data, src, text_bytes, dst, size)
+    if wrong >= 0:
+        _raise_mismatch(side, int(np.searchsorted(a_end, wrong, side="right")), a_begin, a_end, info, texts, base)
 
 
 _LOW_BYTES = np.array([(1 << (8 * n)) - 1 for n in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
@@ -390,18 +339,24 @@ def _words(buf: np.ndarray) -> np.ndarray:
     return np.ndarray(shape=(buf.shape[0] - 7,), dtype="<u8", buffer=buf, strides=(1,))
 
 
-def _same_bytes(a: np.ndarray, a_start: np.ndarray, b: np.ndarray, b_start: np.ndarray, size: np.ndarray) -> bool:
-    """All a[a_start[i]:+size[i]] == b[b_start[i]:+size[i]], compared 8 bytes at a time."""
+def _first_difference(a: np.ndarray, a_start: np.ndarray, b: np.ndarray, b_start: np.ndarray,
+                      size: np.ndarray) -> int:
+    """Index i of a piece with a[a_start[i]:+size[i]] != b[b_start[i]:+size[i]], or -1 if none;
+    compared 8 bytes at a time through unaligned uint64 views."""
     wa, wb = _words(a), _words(b)
-    offset = 0
-    sel = np.flatnonzero(size > 0)
+    diff = np.flatnonzero((wa[a_start] ^ wb[b_start]) & _LOW_BYTES[np.minimum(size, 8)])
+    if diff.size:
+        return int(diff[0])
+    offset = 8
+    sel = np.flatnonzero(size > 8)
     while sel.size:
         n = np.minimum(size[sel] - offset, 8)
-        if np.any((wa[a_start[sel] + offset] ^ wb[b_start[sel] + offset]) & _LOW_BYTES[n]):
-            return False
+        diff = np.flatnonzero((wa[a_start[sel] + offset] ^ wb[b_start[sel] + offset]) & _LOW_BYTES[n])
+        if diff.size:
+            return int(sel[diff[0]])
         offset += 8
         sel = sel[size[sel] > offset]
-    return True
+    return -1
 
 
 def _raise_mismatch(side, atom, atom_begin, atom_end, info, texts, base):
@@ -440,37 +395,35 @@ def _cuts_and_gaps(side: _Side, n_pos: int) -> tuple[np.ndarray, np.ndarray | No
 
 
 def _pair_specials(s_roles: list[int], t_roles: list[int]) -> list[tuple[int, int, bool]]:
-    """Chunks (student count, teacher count, exact) for the zero-width tokens met at one boundary."""
+    """Chunks (student count, teacher count, exact) for the zero-width tokens met at one boundary:
+    in order, a student and a teacher token with a common role pair up; others stand alone."""
     out, i, j = [], 0, 0
     while i < len(s_roles) or j < len(t_roles):
         if i < len(s_roles) and j < len(t_roles) and s_roles[i] & t_roles[j]:
-            out.append((1, 1, True))
-            i, j = i + 1, j + 1
-        elif i < len(s_roles) and (j == len(t_roles) or not any(s_roles[i] & r for r in t_roles[j:])):
-            out.append((1, 0, False))
-            i += 1
+            out, i, j = out + [(1, 1, True)], i + 1, j + 1
+        elif i < len(s_roles) and not any(s_roles[i] & r for r in t_roles[j:]):
+            out, i = out + [(1, 0, False)], i + 1
         else:
-            out.append((0, 1, False))
-            j += 1
+            out, j = out + [(0, 1, False)], j + 1
     return out
 
 
 def _flat(ids_list, offsets_list, masks_list):
-    counts = np.fromiter((len(x) for x in ids_list), dtype=np.int64, count=len(ids_list))
-    ids = np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1) for x in ids_list]) if len(ids_list) else np.zeros(0, np.int64)
+    """Per-document lists -> flat ids [N], offsets [N, 2], counts [D], special mask [N] or None."""
+    ids = [np.asarray(x, dtype=np.int64).reshape(-1) for x in ids_list]
     offs = [np.asarray(o, dtype=np.int64).reshape(-1, 2) for o in offsets_list]
-    if len(offs) != len(ids_list) or any(o.shape[0] != c for o, c in zip(offs, counts)):
+    if len(offs) != len(ids) or any(o.shape[0] != i.shape[0] for o, i in zip(offs, ids)):
         raise AlignmentError("every document needs one (start, end) offset pair per token id")
-    offsets = np.concatenate(offs) if offs else np.zeros((0, 2), np.int64)
-    masks = None
-    if masks_list is not None:
-        masks = np.concatenate([np.asarray(m, dtype=bool).reshape(-1) for m in masks_list]) if len(masks_list) else np.zeros(0, bool)
-    return ids, offsets, counts, masks
+    masks = None if masks_list is None else np.concatenate([np.asarray(m, bool).reshape(-1) for m in masks_list] + [[]])
+    counts = np.array([i.shape[0] for i in ids], dtype=np.int64)
+    return np.concatenate(ids + [np.zeros(0, np.int64)]), np.concatenate(offs + [np.zeros((0, 2), np.int64)]), counts, \
+        None if masks is None else masks.astype(bool)
 
 
 def align_batch(texts: list[str], student_ids, student_offsets, teacher_ids, teacher_offsets,
                 student_special_masks=None, teacher_special_masks=None, *,
-                student_info: TokenizerInfo | None = None, teacher_info: TokenizerInfo | None = None) -> list[Alignment]:
+                student_info: TokenizerInfo | None = None,
+                teacher_info: TokenizerInfo | None = None) -> list[Alignment]:
     """`align_offsets` for many documents in one vectorized walk (lists with one entry per document).
 
     Much faster than a loop of `align_offsets` on short documents: the fixed numpy overhead is paid
@@ -550,32 +503,23 @@ def _align_flat(texts, s_flat, t_flat, s_info, t_info) -> list[Alignment]:
         inner = b[~hit] - 1
         np.add.at(d, inner, 1)
         exact[inner] = False
-    chunk_s, chunk_t, chunk_x, chunk_p = ds, dt, exact, pos[1:]
-    if at_boundary:
-        where, add_s, add_t, add_x, add_p = [], [], [], [], []
-        for b in sorted(at_boundary):
-            for ps, pt, px in _pair_specials(*at_boundary[b]):
-                where.append(b), add_s.append(ps), add_t.append(pt), add_x.append(px), add_p.append(pos[b])
-        chunk_s = np.insert(ds, where, add_s)
-        chunk_t = np.insert(dt, where, add_t)
-        chunk_x = np.insert(exact, where, add_x)
-        chunk_p = np.insert(pos[1:], where, add_p)
-    s_end, t_end = np.cumsum(chunk_s), np.cumsum(chunk_t)
+    # insert the zero-width chunks of boundary b before content chunk b (np.insert keeps their order)
+    extra = [(b, *pair) for b in sorted(at_boundary) for pair in _pair_specials(*at_boundary[b])]
+    where = [e[0] for e in extra]
+    s_end = np.cumsum(np.insert(ds, where, [e[1] for e in extra]))
+    t_end = np.cumsum(np.insert(dt, where, [e[2] for e in extra]))
+    chunk_x = np.insert(exact, where, np.array([e[3] for e in extra], dtype=bool))
+    chunk_p = np.insert(pos[1:], where, pos[where])
 
     # split at the separator chunks (each is 1:1 by construction)
     sep_chunk = np.searchsorted(s_end, s.sep_full + 1, side="left")
     assert np.array_equal(s_end[sep_chunk], s.sep_full + 1) and np.array_equal(t_end[sep_chunk], t.sep_full + 1)
-    out = []
-    first = 0
-    for d in range(n_docs):
-        k = int(sep_chunk[d])
-        s0 = int(s.sep_full[d - 1]) + 1 if d else 0
-        t0 = int(t.sep_full[d - 1]) + 1 if d else 0
-        out.append(Alignment(student_end=(s_end[first:k] - s0).astype(np.int32),
-                             teacher_end=(t_end[first:k] - t0).astype(np.int32),
-                             exact=chunk_x[first:k].copy(), char_end=(chunk_p[first:k] - base[d]).astype(np.int32)))
-        first = k + 1
-    return out
+    firsts = np.concatenate(([0], sep_chunk[:-1] + 1)).tolist()
+    s0, t0 = np.concatenate(([0], s.sep_full[:-1] + 1)), np.concatenate(([0], t.sep_full[:-1] + 1))
+    return [Alignment(student_end=(s_end[f:k] - s0[d]).astype(np.int32),
+                      teacher_end=(t_end[f:k] - t0[d]).astype(np.int32), exact=chunk_x[f:k].copy(),
+                      char_end=(chunk_p[f:k] - base[d]).astype(np.int32))
+            for d, (f, k) in enumerate(zip(firsts, sep_chunk.tolist()))]
 
 
 def align_offsets(text: str, student_ids, student_offsets, teacher_ids, teacher_offsets,
@@ -643,6 +587,14 @@ def align_text(text: str, student_tok, teacher_tok, *, add_special_tokens: bool 
     return align_texts([text], student_tok, teacher_tok, add_special_tokens=add_special_tokens)[0]
 
 
+def _concat(arrays, dtype) -> np.ndarray:
+    return np.concatenate([np.asarray(x, dtype) for x in arrays] + [np.zeros(0, dtype)])
+
+
+def _share(part, whole) -> float:
+    return float(part) / float(whole) if whole else 1.0
+
+
 def alignment_stats(alignments) -> dict:
     """Chunk shape counts and exact shares over one or many alignments.
 
@@ -650,36 +602,18 @@ def alignment_stats(alignments) -> dict:
     exact_student_token_share, exact_teacher_token_share and, when every alignment carries
     `char_end`, exact_char_share (share of the text inside exact chunks).
     """
-    if isinstance(alignments, Alignment):
-        alignments = [alignments]
-    out = {"chunks": 0, "1:1": 0, "1:n": 0, "n:1": 0, "n:m": 0, "empty_student": 0, "empty_teacher": 0,
-           "exact_chunks": 0}
-    tok_s = tok_t = ex_s = ex_t = 0
-    chars = ex_chars = 0
-    have_chars = True
-    for a in alignments:
-        ns = np.diff(a.student_end, prepend=0)
-        nt = np.diff(a.teacher_end, prepend=0)
-        out["chunks"] += int(ns.shape[0])
-        out["1:1"] += int(np.sum((ns == 1) & (nt == 1)))
-        out["1:n"] += int(np.sum((ns == 1) & (nt > 1)))
-        out["n:1"] += int(np.sum((ns > 1) & (nt == 1)))
-        out["n:m"] += int(np.sum((ns > 1) & (nt > 1)))
-        out["empty_student"] += int(np.sum(ns == 0))
-        out["empty_teacher"] += int(np.sum(nt == 0))
-        out["exact_chunks"] += int(a.exact.sum())
-        tok_s += int(ns.sum())
-        tok_t += int(nt.sum())
-        ex_s += int(ns[a.exact].sum())
-        ex_t += int(nt[a.exact].sum())
-        if a.char_end is None:
-            have_chars = False
-        else:
-            width = np.diff(a.char_end.astype(np.int64), prepend=0)
-            chars += int(width.sum())
-            ex_chars += int(width[a.exact].sum())
-    out["exact_student_token_share"] = ex_s / tok_s if tok_s else 1.0
-    out["exact_teacher_token_share"] = ex_t / tok_t if tok_t else 1.0
-    if have_chars:
-        out["exact_char_share"] = ex_chars / chars if chars else 1.0
+    alignments = [alignments] if isinstance(alignments, Alignment) else list(alignments)
+    cat = _concat
+    ns = cat((np.diff(a.student_end, prepend=0) for a in alignments), np.int64)
+    nt = cat((np.diff(a.teacher_end, prepend=0) for a in alignments), np.int64)
+    ex = cat((a.exact for a in alignments), bool)
+    out = {"chunks": int(ns.shape[0]), "1:1": int(np.sum((ns == 1) & (nt == 1))),
+           "1:n": int(np.sum((ns == 1) & (nt > 1))), "n:1": int(np.sum((ns > 1) & (nt == 1))),
+           "n:m": int(np.sum((ns > 1) & (nt > 1))), "empty_student": int(np.sum(ns == 0)),
+           "empty_teacher": int(np.sum(nt == 0)), "exact_chunks": int(ex.sum()),
+           "exact_student_token_share": _share(ns[ex].sum(), ns.sum()),
+           "exact_teacher_token_share": _share(nt[ex].sum(), nt.sum())}
+    if all(a.char_end is not None for a in alignments):
+        width = cat((np.diff(a.char_end.astype(np.int64), prepend=0) for a in alignments), np.int64)
+        out["exact_char_share"] = _share(width[ex].sum(), width.sum())
     return out

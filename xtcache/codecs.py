@@ -93,7 +93,10 @@ class QuantizedLogProbs:
 
     @property
     def max_abs_error(self) -> float:
-        """Bound on |decoded - original| for originals in [min_logprob, 0]."""
+        """Bound on |decoded - original| for originals in [min_logprob, 0].
+
+        Exact-arithmetic bound step / 2; the float32 decoded value adds at most |min_logprob| * 2^-24.
+        """
         return self.step / 2
 
     def to_config(self) -> dict[str, Any]:
@@ -103,9 +106,9 @@ class QuantizedLogProbs:
         return {"name": QUANT_NAME, "configuration": cfg}
 
     def encode(self, logprobs: np.ndarray) -> np.ndarray:
-        x = np.nan_to_num(np.asarray(logprobs, dtype=np.float32), nan=self.min_logprob,
+        x = np.nan_to_num(np.asarray(logprobs, dtype=np.float64), nan=self.min_logprob,
                           neginf=self.min_logprob, posinf=0.0)
-        codes = np.rint(x * np.float32(-1.0 / self.step))
+        codes = np.rint(x * (-1.0 / self.step))  # float64: the nearest code exactly
         np.clip(codes, 0, self.levels, out=codes)
         return codes.astype(self.dtype)
 

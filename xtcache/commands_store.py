@@ -135,12 +135,8 @@ def verify_store(url: str, storage_options: dict | None = None, *, stop_first: b
 
     With `stop_first`, returns as soon as one problem is found. Uncommitted leftovers are not problems.
     """
-    import numpy as np
-
     from schemas.models import AlignGroupMeta, AlignPartMeta, Manifest, ShardMeta
-    from xtcache import codecs
     from xtcache.errors import XtcacheError
-    from xtcache.fingerprint import content_hash
     from xtcache.store import Location, _read_array, check_version, read_model
 
     problems: list[str] = []
@@ -169,7 +165,7 @@ def verify_store(url: str, storage_options: dict | None = None, *, stop_first: b
                 raw = loc.read_json(f"index/{name}")
                 check_version(raw, f"shard {sid}")
                 meta = read_model(ShardMeta, raw, f"shard {sid} index")
-                _verify_shard(loc, manifest, meta, sid, problem, np, codecs, content_hash, _read_array)
+                _verify_shard(loc, manifest, meta, sid, problem)
             except _Stop:
                 raise
             except XtcacheError as e:
@@ -222,7 +218,12 @@ def verify_store(url: str, storage_options: dict | None = None, *, stop_first: b
     return problems
 
 
-def _verify_shard(loc, manifest, meta, sid, problem, np, codecs, content_hash, read_array) -> None:
+def _verify_shard(loc, manifest, meta, sid: str, problem) -> None:
+    """Check one teacher part; `problem(msg)` records each finding (and may stop the walk)."""
+    from xtcache import codecs
+    from xtcache.fingerprint import content_hash
+    from xtcache.store import _read_array
+
     if meta.shard_id != sid:
         problem(f"shard {sid}: index names shard {meta.shard_id}")
     if meta.mode != manifest.mode or meta.k != manifest.k:
@@ -234,7 +235,7 @@ def _verify_shard(loc, manifest, meta, sid, problem, np, codecs, content_hash, r
             problem(f"shard {sid}: array {name!r} is missing from the index")
             continue
         try:
-            arrays[name] = read_array(loc, f"shards/{sid}", meta.arrays[name], verify=True, shard=sid)
+            arrays[name] = _read_array(loc, f"shards/{sid}", meta.arrays[name], verify=True, shard=sid)
         except Exception as e:  # CorruptionError names shard and array
             problem(str(e))
     P, D, k = meta.num_positions, meta.num_docs, meta.k

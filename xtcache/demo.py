@@ -8,11 +8,11 @@ What it does, all on this machine and with no downloads:
    two different byte-level BPE tokenizers on it (teacher: single digits, no BOS; student: digits in
    groups of 1-3, BOS), and pre-trains a tiny Qwen2 teacher so it is clearly better than a fresh
    student; all of this is cached under the work directory and reused on the next run;
-2. `xtcache teacher-dump` with vLLM (cross-tokenizer, top-k) for the training and held-out corpora:
-   on a second run the caches are found by their key and the teacher does not run again;
+2. `xtcache teacher-dump` with vLLM (cross-tokenizer, top-k) over the corpus: on a second run the
+   cache is found by its key and the teacher does not run again;
 3. `xtcache projection build` (student -> teacher vocabulary map);
 4. `xtcache train-student` with DeepSpeed twice, for the same number of steps: distilled from the
-   cache (projected KL + CE) and a CE-only baseline;
+   cache (projected KL + CE) and a CE-only baseline, both evaluated on the same held-out documents;
 5. prints a table (teacher positions/s, bytes/position, cache size, student steps/s, held-out CE
    and held-out KL to the teacher for both runs) and writes `demo_curves.png`.
 
@@ -34,6 +34,8 @@ from pathlib import Path
 import typer
 
 log = logging.getLogger(__name__)
+
+EVAL_FRACTION = 0.1  # documents held out from student training (by document id) for evaluation
 
 
 @dataclass(frozen=True)
@@ -71,19 +73,20 @@ def _xtcache(*args: str) -> None:
     """Run one `xtcache` command as a subprocess, streaming its output; raise on failure."""
     cmd = [sys.executable, "-m", "xtcache.cli", *args]
     log.info("$ xtcache %s", " ".join(args))
-    rc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    env = {"VLLM_LOGGING_LEVEL": "WARNING", **os.environ, "PYTHONUNBUFFERED": "1"}  # keep the demo readable
+    rc = subprocess.run(cmd, env=env).returncode
     if rc != 0:
         raise SystemExit(f"demo step failed (exit {rc}): xtcache {' '.join(args)}")
 
 
-def _dump(setup, data: Path, out: Path, size: DemoSize) -> dict:
+def _dump(setup, data: list[Path], out: Path, size: DemoSize) -> dict:
     """teacher-dump into `out` (reused when complete for the same key); returns its summary."""
     from xtcache.errors import StoreError
     from xtcache.store import CacheReader
 
     reused_before = _is_complete(out)
     args = ["teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
-            str(setup.student_tokenizer), "--data", str(data), "--out", str(out), "--mode", "topk",
+            str(setup.student_tokenizer), "--data", *map(str, data), "--out", str(out), "--mode", "topk",
             "--top-k", str(size.top_k), "--max-seq-len", "512", "--engine", "vllm"]
     try:
         _xtcache(*args)
@@ -117,10 +120,10 @@ def _is_complete(url: Path) -> bool:
         return False
 
 
-def _train(setup, cache: Path, eval_cache: Path, projection: Path, out: Path, size: DemoSize, *, kd: bool) -> dict:
+def _train(setup, cache: Path, projection: Path, out: Path, size: DemoSize, *, kd: bool) -> dict:
     if out.exists():
         shutil.rmtree(out)
-    args = ["train-student", "--cache", str(cache), "--eval-cache", str(eval_cache), "--student",
+    args = ["train-student", "--cache", str(cache), "--eval-fraction", str(EVAL_FRACTION), "--student",
             str(setup.student_model), "--out", str(out), "--projection", str(projection),
             "--seq-len", str(size.seq_len), "--micro-batch-size", str(size.micro_batch_size),
             "--max-steps", str(size.student_steps), "--lr", str(size.lr), "--warmup-steps", "10",
@@ -172,11 +175,9 @@ def run_demo(workdir: Path, size_name: str) -> dict:
     setup = toy.build_toy_setup(workdir / "artifacts", spec)
     t_setup = time.perf_counter() - t0
 
-    log.info("step 2/5: teacher-dump with vLLM (train and held-out corpora)")
-    caches = workdir / "caches"
-    train_sum = _dump(setup, setup.train_jsonl, caches / f"train-{spec.key()}-k{size.top_k}", size)
-    held_sum = _dump(setup, setup.heldout_jsonl, caches / f"heldout-{spec.key()}-k{size.top_k}", size)
-    reused = bool(train_sum.get("reused")) and bool(held_sum.get("reused"))
+    log.info("step 2/5: teacher-dump with vLLM")
+    cache = workdir / "caches" / f"toy-{spec.key()}-k{size.top_k}"
+    dump = _dump(setup, [setup.train_jsonl, setup.heldout_jsonl], cache, size)
 
     log.info("step 3/5: projection build")
     projection = workdir / f"projection-{spec.key()}.safetensors"
@@ -185,19 +186,17 @@ def run_demo(workdir: Path, size_name: str) -> dict:
 
     log.info("step 4/5: train-student, distilled from the cache and CE-only, %d steps each", size.student_steps)
     runs = {"distilled (P-KL + CE)": workdir / "runs" / "distilled", "baseline (CE only)": workdir / "runs" / "baseline"}
-    train_cache = caches / f"train-{spec.key()}-k{size.top_k}"
-    held_cache = caches / f"heldout-{spec.key()}-k{size.top_k}"
-    kd = _train(setup, train_cache, held_cache, projection, runs["distilled (P-KL + CE)"], size, kd=True)
-    ce = _train(setup, train_cache, held_cache, projection, runs["baseline (CE only)"], size, kd=False)
+    kd = _train(setup, cache, projection, runs["distilled (P-KL + CE)"], size, kd=True)
+    ce = _train(setup, cache, projection, runs["baseline (CE only)"], size, kd=False)
 
     log.info("step 5/5: report")
     png = workdir / "demo_curves.png"
     _plot(runs, png)
     result = {
-        "teacher_reused": reused,
-        "teacher_positions_per_s": train_sum.get("positions_per_s"),
-        "bytes_per_position": train_sum.get("bytes_per_position"),
-        "cache_mb": (train_sum["bytes"] + held_sum["bytes"]) / 1e6,
+        "teacher_reused": dump["reused"],
+        "teacher_positions_per_s": dump.get("positions_per_s"),
+        "bytes_per_position": dump.get("bytes_per_position"),
+        "cache_mb": dump["bytes"] / 1e6,
         "distilled": kd,
         "baseline": ce,
         "png": str(png),
@@ -216,7 +215,7 @@ def _fmt(v, spec=".3f") -> str:
 def _print_table(r: dict) -> None:
     kd, ce = r["distilled"], r["baseline"]
     kl_kd, kl_ce = kd.get("final_eval_kl"), ce.get("final_eval_kl")
-    teacher = ("not run: both caches reused from an earlier demo run" if r["teacher_reused"]
+    teacher = ("not run: the cache was found and reused (same teacher, tokenizers, corpus, settings)" if r["teacher_reused"]
                else f"{_fmt(r['teacher_positions_per_s'], ',.0f')} positions/s")
     lines = [
         "",

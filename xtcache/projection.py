@@ -202,6 +202,20 @@ def _decompose(pieces: list[bytes], targets: list[int], tok, other_lookup: dict[
     return out
 
 
+def _lookup(tok, info: TokenizerInfo, pieces: list[bytes]) -> dict[bytes, int]:
+    """Bytes -> the ordinary token spelling them (lowest id; a regular piece wins over a `<0xNN>`
+    byte-fallback piece, as the tokenizer itself prefers it)."""
+    names = tok.convert_ids_to_tokens(list(range(info.vocab_size)))
+    out: dict[bytes, int] = {}
+    for i, p in enumerate(pieces):
+        if not p or info.special[i] or i == info.unk_id:
+            continue
+        fallback = len(names[i] or "") == 6 and names[i].startswith("<0x")
+        if p not in out or (not fallback and out[p] < 0):
+            out[p] = -i - 1 if fallback else i  # byte-fallback ids stored negated until resolved
+    return {p: (-i - 1 if i < 0 else i) for p, i in out.items()}
+
+
 def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float = 0.5,
                      reverse_scale: float = 0.5) -> ProjectionMap:
     """Build W for two fast tokenizers; `notes` of the result carries the build report."""
@@ -210,14 +224,8 @@ def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float =
     s_info, t_info = tokenizer_info(student_tok), tokenizer_info(teacher_tok)
     v_s, v_t = s_info.vocab_size, t_info.vocab_size
     s_pieces, t_pieces = _pieces(s_info), _pieces(t_info)
-    t_lookup: dict[bytes, int] = {}
-    for i, p in enumerate(t_pieces):
-        if p and not t_info.special[i] and i != t_info.unk_id:
-            t_lookup.setdefault(p, i)
-    s_lookup: dict[bytes, int] = {}
-    for i, p in enumerate(s_pieces):
-        if p and not s_info.special[i] and i != s_info.unk_id:
-            s_lookup.setdefault(p, i)
+    t_lookup = _lookup(teacher_tok, t_info, t_pieces)
+    s_lookup = _lookup(student_tok, s_info, s_pieces)
     rows, cols, vals = [], [], []
     exact = np.zeros(v_s, dtype=bool)
     ordinary = [i for i in range(v_s) if not s_info.special[i] and i != s_info.unk_id]
@@ -267,6 +275,11 @@ def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float =
     if unmatched_specials:
         log.warning("student special tokens with no teacher counterpart (empty rows): %s",
                     notes["specials_without_counterpart"])
+    unmapped = sorted(set(empty.tolist()) - set(unmatched_specials))
+    notes["unmapped_tokens"] = [student_tok.convert_ids_to_tokens(int(i)) for i in unmapped]
+    if unmapped:
+        log.warning("%d ordinary student tokens map to no teacher token (empty rows), e.g. %s",
+                    len(unmapped), notes["unmapped_tokens"][:10])
     return ProjectionMap(indices=indices, weights=weights, exact=exact, student_fingerprint=s_info.fingerprint,
                          teacher_fingerprint=t_info.fingerprint, teacher_vocab_size=v_t, notes=notes)
 
@@ -347,25 +360,25 @@ def coverage(pm: ProjectionMap) -> dict:
 
 
 def format_report(pm: ProjectionMap, student_tok=None, teacher_tok=None, *, examples: int = 6) -> str:
-    """Human-readable coverage report; with tokenizers, a few rows shown as token strings."""
+    """Human-readable coverage report with a few example rows (token strings when both tokenizers
+    are given, ids otherwise)."""
     c = coverage(pm)
+    s_name = (lambda i: repr(student_tok.convert_ids_to_tokens(i))) if student_tok is not None else str
+    t_name = (lambda i: repr(teacher_tok.convert_ids_to_tokens(i))) if teacher_tok is not None else str
     lines = [
         f"projection map: student vocab {c['student_vocab']}, teacher vocab {c['teacher_vocab']}, top-k {c['top_k']}",
         f"  exact matches     {c['exact_share']:.1%}",
         f"  rows with mapping {c['mapped_share']:.1%} ({c['empty_rows']} empty)",
         f"  entries per row   {c['mean_entries']:.2f}",
     ]
-    if student_tok is not None and teacher_tok is not None:
-        inexact = np.flatnonzero(~pm.exact & (pm.indices[:, 0] >= 0))
-        exact = np.flatnonzero(pm.exact)
-        picks = list(exact[:: max(1, exact.size // 2)][:2]) + list(inexact[:: max(1, inexact.size // examples)][:examples])
-        for r in picks:
-            ents = [(teacher_tok.convert_ids_to_tokens(int(i)), float(w))
-                    for i, w in zip(pm.indices[r], pm.weights[r]) if i >= 0]
-            shown = ", ".join(f"{t!r}:{w:.2f}" for t, w in ents)
-            lines.append(f"  {student_tok.convert_ids_to_tokens(int(r))!r:>14} -> {shown}")
-        empty = np.flatnonzero(pm.indices[:, 0] < 0)
-        if empty.size:
-            names = [student_tok.convert_ids_to_tokens(int(i)) for i in empty[:10]]
-            lines.append(f"  empty rows: {names}{' ...' if empty.size > 10 else ''}")
+    inexact = np.flatnonzero(~pm.exact & (pm.indices[:, 0] >= 0))
+    exact = np.flatnonzero(pm.exact)
+    picks = list(exact[:: max(1, exact.size // 2)][:2]) + list(inexact[:: max(1, inexact.size // examples)][:examples])
+    for r in picks:
+        shown = ", ".join(f"{t_name(int(i))}:{w:.2f}" for i, w in zip(pm.indices[r], pm.weights[r]) if i >= 0)
+        lines.append(f"  {s_name(int(r)):>14} -> {shown}")
+    empty = np.flatnonzero(pm.indices[:, 0] < 0)
+    if empty.size:
+        names = ", ".join(s_name(int(i)) for i in empty[:10])
+        lines.append(f"  empty rows: {names}{' ...' if empty.size > 10 else ''}")
     return "\n".join(lines)

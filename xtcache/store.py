@@ -388,7 +388,8 @@ class CacheWriter:
         lp = self.manifest.codecs.get("topk_logprobs")
         self.lp_codec = codecs.codec_from_config(lp) if lp is not None else None
         self._claim(resume)
-        for group in self.manifest.alignment_groups:
+        # groups of an existing store, plus groups this writer brings (a later run adding a student)
+        for group in [*self.manifest.alignment_groups, *manifest.alignment_groups]:
             self._declare_group(group)
 
     # -- setup
@@ -411,6 +412,8 @@ class CacheWriter:
             raise XtcacheError(f"mode {manifest.mode!r} needs a 'topk_logprobs' codec in the manifest")
         if not manifest.created:
             manifest.created = now_iso()
+        if not manifest.xtcache_version:
+            manifest.xtcache_version = _package_version()
         existing = self.loc.read_json("manifest.json")
         if existing is None:
             if self.loc.create_exclusive("manifest.json", manifest.model_dump(mode="json")):
@@ -455,9 +458,8 @@ class CacheWriter:
         """Write one part (teacher arrays + alignment groups) and commit it by writing its index last."""
         sid = shard_id(self.writer_index, part_index)
         alignments = alignments or {}
-        declared = {g.fingerprint for g in self.manifest.alignment_groups}
         for fp, recs in alignments.items():
-            if fp not in declared and self.loc.read_json(f"align/{fp}/group.json") is None:
+            if not self.loc.exists(f"align/{fp}/group.json"):
                 raise XtcacheError(f"alignment group {fp[:12]}.. is not declared: list it in "
                                    "Manifest.alignment_groups or call add_alignment_group")
             if len(recs) != len(docs):
@@ -611,6 +613,15 @@ def chunk_shape_counts(records: list[AlignmentRecord]) -> dict[str, int]:
         out["n:1"] += int(np.count_nonzero((s > 1) & (t == 1)))
         out["n:m"] += int(np.count_nonzero((s > 1) & (t > 1)))
     return out
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("xtcache")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _check_doc(d: DocRecord, k: int, mode: str) -> None:
