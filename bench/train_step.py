@@ -33,7 +33,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 
 class LiveBytes:
@@ -96,16 +95,14 @@ def worker(spec: dict) -> dict:
 
     from stage2_student.config import TrainConfig
     from stage2_student.loader import measure_rate
-    from stage2_student.trainer import Trainer, open_stage_data, setup_distributed, teardown_distributed
+    from stage2_student.trainer import Trainer, load_tokenizer, open_stage_data, setup_distributed, teardown_distributed
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
     rank, _, world = setup_distributed()
     try:
-        from transformers import AutoTokenizer
-
         cfg = TrainConfig.from_flat(spec["config"])
-        tokenizer = AutoTokenizer.from_pretrained(cfg.student)
+        tokenizer = load_tokenizer(cfg.student)
         data = open_stage_data(cfg, tokenizer, rank, world)
         trainer = Trainer(cfg, data, rank=rank, world=world)
         it = iter(data.train)
@@ -148,8 +145,8 @@ def worker(spec: dict) -> dict:
 
 def build_inputs(root: Path, args) -> dict:
     """Toy models, a same-tokenizer student and the three caches."""
-    from conftest import TEST_CACHE, TEST_SPEC
-    from test_train_kd import build_hf_cache
+    from tests.conftest import TEST_CACHE, TEST_SPEC
+    from tests.test_train_kd import build_hf_cache
 
     from xtcache import toy
 

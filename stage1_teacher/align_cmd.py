@@ -44,8 +44,8 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
                 storage_options: dict | None = None, reader=None) -> dict:
     """Write the alignment group of one student tokenizer for every committed part; returns stats."""
     from schemas.models import AlignGroupMeta
-    from stage1_teacher.prep import load_tokenizer
-    from xtcache.align import align_offsets, identity_alignment, tokenizer_info
+    from stage1_teacher.prep import _encode, load_tokenizer
+    from xtcache.align import identity_alignment, tokenizer_info
     from xtcache.fingerprint import tokenizer_fingerprint
     from xtcache.store import AlignmentRecord, CacheReader, CacheWriter
 
@@ -57,38 +57,48 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
     t_info = None if identity or teacher_tok is None else tokenizer_info(teacher_tok)
     done = set(reader.alignment_parts(fp)) if fp in reader.alignment_groups() else set()
     todo = [m for m in reader.shards if m.shard_id not in done]
-    stats = {"fingerprint": fp, "parts_aligned": 0, "parts_kept": len(done), "documents": 0, "failed_documents": 0}
+    stats = {"fingerprint": fp, "parts_aligned": 0, "parts_kept": len(done), "documents": 0}
     if not todo:
         return stats
     group = AlignGroupMeta(fingerprint=fp, tokenizer_name=student_path, vocab_size=len(student_tok), identity=identity)
     # writer 0's claim also keeps a running teacher-dump of that writer from racing with us
     writer = CacheWriter(url, reader.manifest, writer_index=0, storage_options=storage_options)
     try:
-        backend = student_tok.backend_tokenizer
         for meta in todo:
             shard = reader.read_shard(meta.shard_id)
-            records = []
-            for i in range(shard.num_docs):
-                d = shard.doc(i)
-                if identity:
-                    records.append(AlignmentRecord(student_ids=d.teacher_ids.astype(np.int32),
-                                                   alignment=identity_alignment(len(d.teacher_ids))))
-                    continue
-                enc = backend.encode(d.text, add_special_tokens=True)
-                s_ids = np.asarray(enc.ids, dtype=np.int32)
-                s_off = np.asarray(enc.offsets, dtype=np.int32).reshape(-1, 2)
-                try:
-                    a = align_offsets(d.text, s_ids, s_off, d.teacher_ids, d.char_offsets,
-                                      student_info=s_info, teacher_info=t_info)
-                except AlignmentError as e:
-                    raise AlignmentError(f"document {d.doc_id} of part {meta.shard_id}: {e}") from None
-                records.append(AlignmentRecord(student_ids=s_ids, alignment=a))
+            docs = [shard.doc(i) for i in range(shard.num_docs)]
+            if identity:
+                records = [AlignmentRecord(student_ids=d.teacher_ids.astype(np.int32),
+                                           alignment=identity_alignment(len(d.teacher_ids))) for d in docs]
+            else:
+                s_ids, s_off = _encode(student_tok, [d.text for d in docs], "student tokenizer")
+                aligns = _align_docs(docs, s_ids, s_off, s_info, t_info, meta.shard_id)
+                records = [AlignmentRecord(student_ids=i, alignment=a) for i, a in zip(s_ids, aligns)]
             writer.add_alignment_group(group, meta.shard_id, records)
             stats["parts_aligned"] += 1
             stats["documents"] += len(records)
     finally:
         writer.close()
     return stats
+
+
+def _align_docs(docs, s_ids, s_off, s_info, t_info, shard_id: str) -> list:
+    """Alignments of a part's documents to stored teacher tokens; AlignmentError names the first failure."""
+    from xtcache.align import align_batch, align_offsets
+
+    t_ids = [d.teacher_ids for d in docs]
+    t_off = [d.char_offsets for d in docs]
+    try:
+        return align_batch([d.text for d in docs], s_ids, s_off, t_ids, t_off, student_info=s_info,
+                           teacher_info=t_info)
+    except AlignmentError:
+        pass
+    for d, si, so, ti, to in zip(docs, s_ids, s_off, t_ids, t_off):
+        try:
+            align_offsets(d.text, si, so, ti, to, student_info=s_info, teacher_info=t_info)
+        except AlignmentError as e:
+            raise AlignmentError(f"document {d.doc_id} of part {shard_id}: {e}") from None
+    raise AssertionError("align_batch failed but every document aligns on its own")
 
 
 def ensure_groups(url: str, students, teacher_tok, storage_options: dict | None = None) -> list[str]:

@@ -64,9 +64,10 @@ class Capture:
 
         if self.kind in ("hidden", "logits"):
             sel = torch.as_tensor(rows - 1, device=raw.device)
-            z = self.head.logits(raw[sel]) if self.kind == "hidden" else raw[sel].float()
-            return distill_targets(z, next_ids, mode=self.mode, k=self.k, vocab_size=self.vocab_size,
-                                   num_samples=self.num_samples, generator=generator(z.device))
+            head = self.head if self.kind == "hidden" else None
+            device = head.weight.device if head is not None else raw.device
+            return distill_targets(raw[sel], next_ids, mode=self.mode, k=self.k, vocab_size=self.vocab_size,
+                                   num_samples=self.num_samples, generator=generator(device), head=head)
         return logprobs_to_targets(raw, rows - 1, self, generator("cpu"))
 
     def targets_many(self, items: list[tuple]) -> list[Targets]:
@@ -84,9 +85,8 @@ class Capture:
         for raw, rows, tokens, _, _ in items:
             blocks.append(raw[torch.as_tensor(rows - 1, device=raw.device)])
             nexts.append(tokens[rows])
-        h = torch.cat(blocks)
-        z = self.head.logits(h) if self.kind == "hidden" else h.float()
-        t = distill_targets(z, np.concatenate(nexts), mode=self.mode, k=self.k, vocab_size=self.vocab_size)
+        t = distill_targets(torch.cat(blocks), np.concatenate(nexts), mode=self.mode, k=self.k,
+                            vocab_size=self.vocab_size, head=self.head if self.kind == "hidden" else None)
         out, a = [], 0
         for b in blocks:
             n = int(b.shape[0])

@@ -75,7 +75,7 @@ class Summary:
             out = [f"reused complete cache {self.store}: no teacher work done"]
             if self.alignment_groups_added:
                 out.append(f"added alignment groups: {', '.join(self.alignment_groups_added)}")
-            return out
+            return out + [f"note: {n}" for n in self.notes]
         capture = max(self.capture_s, 1e-9)
         out = [
             f"store               {self.store}",
@@ -311,6 +311,8 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
         from stage1_teacher.align_cmd import ensure_groups
 
         summary.store, summary.reused = reusable, True
+        if reusable != plan.out:
+            summary.notes.append(f"--out {plan.out} was not written: the cache for this request is {reusable}")
         summary.alignment_groups_added = ensure_groups(reusable, plan.students, plan.teacher_tok,
                                                        cfg.store.storage_options)
         log.info("complete cache for this request found at %s: no teacher work", reusable)

@@ -149,20 +149,47 @@ def sample_seed(seed: int, doc_hash: str, window: int) -> int:
     return int.from_bytes(h[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-BLOCK_ELEMENTS = 1 << 27  # float32 logits handled at once: 512 MiB (e.g. 880 rows of a 152k vocabulary)
+BLOCK_ELEMENTS = 1 << 27  # at most this many float32 logits at once (512 MiB: 880 rows of a 152k vocabulary)
+MAX_BLOCK_ROWS = 1024  # small blocks stay in cache; measured fastest on CPU
 
 
-def distill_targets(logits, targets, *, mode: str, k: int, vocab_size: int, num_samples: int = 0,
-                    generator=None, block_rows: int | None = None) -> Targets:
-    """Exact top-k / full / sampled targets from logits [n, V_model] for next tokens `targets` [n].
+def _split_logits(rows, head: "TeacherHead | None", V: int):
+    """(real [r, V] contiguous, padded [r, V_model - V]) float32 logits of one block of rows."""
+    import torch.nn.functional as F
 
-    `vocab_size` is len(tokenizer): columns at or beyond it are never emitted (see module docstring).
+    if head is None:
+        z = rows.float()
+        return z[:, :V].contiguous(), z[:, V:]
+    h = rows.to(device=head.weight.device, dtype=head.weight.dtype)
+    out = []
+    for w in (head.weight[:V], head.weight[V:]):  # leading rows of a contiguous matrix: no copy
+        z = F.linear(h, w).float()
+        if head.logit_scale != 1.0:
+            z = z * head.logit_scale
+        if head.softcap:
+            import torch
+
+            z = torch.tanh(z / head.softcap) * head.softcap
+        out.append(z)
+    return out[0], out[1]
+
+
+def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_samples: int = 0,
+                    generator=None, head: TeacherHead | None = None, block_rows: int | None = None) -> Targets:
+    """Exact top-k / full / sampled targets for next tokens `targets` [n].
+
+    `rows`: logits [n, V_model], or final hidden states [n, H] when the teacher's `head` is given
+    (logits are then made block by block and never held for all rows). `vocab_size` is
+    len(tokenizer): columns at or beyond it are never emitted (see module docstring). The
+    normalizer is max + log(sum(exp(z - max))) over every column; the max comes free from the
+    top-k, and small row blocks keep the [rows, V] matrix in cache.
     """
     import torch
 
-    n, v_model = int(logits.shape[0]), int(logits.shape[1])
+    n = int(rows.shape[0])
+    v_model = head.model_vocab if head is not None else int(rows.shape[1])
     V = min(vocab_size, v_model)
-    block_rows = block_rows or max(16, BLOCK_ELEMENTS // max(1, v_model))
+    block_rows = block_rows or max(16, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, v_model)))
     if mode == "topk" and k > V:
         raise CaptureError(f"--top-k {k} is larger than the teacher vocabulary ({V})")
     width = {"topk": k, "full": V, "sampled": num_samples}[mode]
@@ -171,30 +198,39 @@ def distill_targets(logits, targets, *, mode: str, k: int, vocab_size: int, num_
     counts = np.zeros((n, width), dtype=np.uint16) if mode == "sampled" else None
     residual = np.zeros(n, dtype=np.float32)
     realized = np.zeros(n, dtype=np.float32)
-    targets = torch.as_tensor(np.asarray(targets, dtype=np.int64), device=logits.device)
+    targets = torch.as_tensor(np.asarray(targets, dtype=np.int64), device=rows.device)
+    if n and int(targets.max()) >= V:
+        raise CaptureError(f"a teacher token id is >= the tokenizer's vocabulary ({V})")
     for a in range(0, n, block_rows):
         b = min(n, a + block_rows)
-        z = logits[a:b].float()  # [rows, V_model]
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)  # [rows, 1]
-        realized[a:b] = (z.gather(1, targets[a:b, None]) - lse)[:, 0].cpu().numpy()
-        real = z[:, :V]
+        real, pad = _split_logits(rows[a:b], head, V)  # [r, V], [r, V_model - V]
         if mode == "topk":
-            val, idx = torch.topk(real, k, dim=-1, sorted=True)  # [rows, k]
+            val, idx = torch.topk(real, k, dim=-1, sorted=True)  # [r, k]; val[:, 0] is the row max
+            m = val[:, :1]
+        else:
+            m = real.amax(-1, keepdim=True)
+        if pad.shape[1]:
+            m = torch.maximum(m, pad.amax(-1, keepdim=True))
+        e = torch.exp(real - m)  # [r, V]
+        total = e.sum(-1, keepdim=True)
+        if pad.shape[1]:
+            total = total + torch.exp(pad - m).sum(-1, keepdim=True)
+        lse = m + torch.log(total)  # [r, 1]
+        realized[a:b] = (real.gather(1, targets[a:b, None]) - lse)[:, 0].cpu().numpy()
+        if mode == "topk":
             lp = val - lse
             ids[a:b] = idx.to(torch.int32).cpu().numpy()
             logprobs[a:b] = lp.cpu().numpy()
             mass = torch.exp(lp.double()).sum(-1)
         else:
-            lp = real - lse  # [rows, V]
-            mass = torch.exp(lp.double()).sum(-1)
+            mass = (e.sum(-1).double() / total[:, 0].double())
             if mode == "full":
                 ids[a:b] = np.arange(V, dtype=np.int32)
-                logprobs[a:b] = lp.cpu().numpy()
+                logprobs[a:b] = (real - lse).cpu().numpy()
             else:
-                probs = torch.softmax(real, dim=-1)
-                draws = torch.multinomial(probs, num_samples, replacement=True, generator=generator)  # [rows, N]
+                draws = torch.multinomial(e, num_samples, replacement=True, generator=generator)  # [r, N]
                 hist = torch.zeros_like(real, dtype=torch.int32).scatter_add_(
-                    1, draws, torch.ones_like(draws, dtype=torch.int32))  # [rows, V]
+                    1, draws, torch.ones_like(draws, dtype=torch.int32))  # [r, V]
                 cnt, idx = torch.topk(hist, min(num_samples, V), dim=-1, sorted=True)  # by count, descending
                 cnt, idx = _ties_by_id(cnt, idx)
                 ids[a:b, :cnt.shape[1]] = torch.where(cnt > 0, idx, 0).to(torch.int32).cpu().numpy()

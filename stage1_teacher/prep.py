@@ -122,53 +122,86 @@ class Preparer:
                 s.info = tokenizer_info(s.tokenizer)
 
     def prepare(self, docs: list[Document]) -> list[PreparedDoc | Skipped]:
-        from xtcache.align import align_offsets
-        from xtcache.store import AlignmentRecord
-
+        """Tokenize (both sides, in Rust batches), align (one vectorized walk per student) and plan windows."""
         import time
+
+        from xtcache.align import identity_alignment
+        from xtcache.store import AlignmentRecord
 
         t0 = time.perf_counter()
         texts = [d.text for d in docs]
-        t_enc = self.teacher_tok.backend_tokenizer.encode_batch(texts, add_special_tokens=True)
-        s_enc = {s.fingerprint: s.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=True)
-                 for s in self.students if not s.identity}
+        t_ids, t_off = _encode(self.teacher_tok, texts, "teacher tokenizer")
+        keep = [i for i in range(len(docs)) if len(t_ids[i]) >= 2]
+        aligns: list[dict] = [{} for _ in docs]
+        failed: set[int] = set()
+        for s in self.students:
+            if s.identity:  # same tokenizer: no second tokenization, 1:1 chunks
+                for i in keep:
+                    aligns[i][s.fingerprint] = AlignmentRecord(student_ids=t_ids[i].copy(),
+                                                               alignment=identity_alignment(len(t_ids[i])))
+                continue
+            s_ids, s_off = _encode(s.tokenizer, texts, "student tokenizer")
+            todo = [i for i in keep if i not in failed]
+            for i, a in zip(todo, self._align(todo, texts, s, s_ids, s_off, t_ids, t_off, failed)):
+                if a is not None:
+                    aligns[i][s.fingerprint] = AlignmentRecord(student_ids=s_ids[i], alignment=a)
         out: list[PreparedDoc | Skipped] = []
         for i, d in enumerate(docs):
-            t_ids = np.asarray(t_enc[i].ids, dtype=np.int32)
-            t_off = np.asarray(t_enc[i].offsets, dtype=np.int32).reshape(-1, 2)
-            if len(t_ids) < 2:
+            if len(t_ids[i]) < 2:
                 out.append(Skipped(d.source, d.row, "fewer than 2 teacher tokens"))
                 continue
-            aligns = {}
-            try:
-                for s in self.students:
-                    if s.identity:
-                        from xtcache.align import identity_alignment
-
-                        aligns[s.fingerprint] = AlignmentRecord(student_ids=t_ids.copy(),
-                                                                alignment=identity_alignment(len(t_ids)))
-                        continue
-                    e = s_enc[s.fingerprint][i]
-                    s_ids = np.asarray(e.ids, dtype=np.int32)
-                    s_off = np.asarray(e.offsets, dtype=np.int32).reshape(-1, 2)
-                    a = align_offsets(d.text, s_ids, s_off, t_ids, t_off, student_info=s.info,
-                                      teacher_info=self.teacher_info)
-                    aligns[s.fingerprint] = AlignmentRecord(student_ids=s_ids, alignment=a)
-            except AlignmentError as e:
-                log.warning("skipping %s: %s", d.doc_id, e)
+            if i in failed:
                 out.append(Skipped(d.source, d.row, "alignment failed"))
                 continue
             bounds = None
-            if len(t_ids) > self.window_len:
-                bounds = common_boundaries([r.alignment.teacher_end for fp, r in aligns.items()
+            if len(t_ids[i]) > self.window_len:
+                bounds = common_boundaries([r.alignment.teacher_end for fp, r in aligns[i].items()
                                             if not _is_identity(self.students, fp)])
-            windows = plan_windows(len(t_ids), self.window_len, self.overlap, bounds, bos_prefix=self.bos_prefix)
-            out.append(PreparedDoc(doc=d, teacher_ids=t_ids, offsets=t_off, alignments=aligns, windows=windows))
+            windows = plan_windows(len(t_ids[i]), self.window_len, self.overlap, bounds, bos_prefix=self.bos_prefix)
+            out.append(PreparedDoc(doc=d, teacher_ids=t_ids[i], offsets=t_off[i], alignments=aligns[i],
+                                   windows=windows))
         self.seconds += time.perf_counter() - t0
+        return out
+
+    def _align(self, todo, texts, s, s_ids, s_off, t_ids, t_off, failed: set[int]) -> list:
+        """Alignments of documents `todo` (None where it fails: those are added to `failed`)."""
+        from xtcache.align import align_batch, align_offsets
+
+        if not todo:
+            return []
+        try:
+            return align_batch([texts[i] for i in todo], [s_ids[i] for i in todo], [s_off[i] for i in todo],
+                               [t_ids[i] for i in todo], [t_off[i] for i in todo], student_info=s.info,
+                               teacher_info=self.teacher_info)
+        except AlignmentError:
+            pass  # find the documents that fail, one by one
+        out = []
+        for i in todo:
+            try:
+                out.append(align_offsets(texts[i], s_ids[i], s_off[i], t_ids[i], t_off[i], student_info=s.info,
+                                         teacher_info=self.teacher_info))
+            except AlignmentError as e:
+                log.warning("skipping document %d of this batch for %s: %s", i, s.name, e)
+                failed.add(i)
+                out.append(None)
         return out
 
     def tokens(self, pd: PreparedDoc, w: Window) -> np.ndarray:
         return window_tokens(pd.teacher_ids, w, self.bos_id)
+
+
+def _encode(tok, texts: list[str], side: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-document int32 ids and [N, 2] character offsets, encoded in one Rust batch.
+
+    Uses xtcache.align's encoder so offsets are untrimmed exactly as the aligner expects.
+    """
+    from xtcache.align import _encode_flat
+
+    if not texts:
+        return [], []
+    ids, offsets, counts = _encode_flat(tok, texts, add_special_tokens=True, side=side)
+    cuts = np.cumsum(counts)[:-1]
+    return (np.split(ids.astype(np.int32), cuts), np.split(offsets.astype(np.int32), cuts))
 
 
 def _is_identity(students: list[StudentSide], fp: str) -> bool:

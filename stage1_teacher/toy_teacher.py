@@ -1,10 +1,10 @@
-"""A tiny teacher that vLLM's CPU backend can run, built from a `xtcache.toy` setup.
+"""A toy teacher with a padded lm_head, built next to a `xtcache.toy` setup, for stage 1 tests.
 
-vLLM's CPU attention supports head sizes 32, 64, 80, ... only, so the toy teacher (hidden 64,
-4 heads: head size 16) cannot be served by it. This builds a Qwen2 teacher with the same
-tokenizer and head size 32, pads its lm_head with unused columns (as real checkpoints do), and
-trains it briefly on the toy corpus so its distributions have real structure. A `DONE` marker
-makes the build reusable across test sessions. An optional tied-embedding Llama variant covers
+Real checkpoints pad the lm_head beyond the tokenizer (Qwen3: 151,936 columns for 151,669
+tokens); the toy teacher does not. This builds a Qwen2 teacher with the toy teacher tokenizer,
+head size 32 (vLLM's CPU attention has no kernel below 32), `VOCAB_PAD` unused lm_head columns,
+and trains it briefly on the toy corpus so its distributions have real structure. A `DONE`
+marker makes the build reusable across test sessions. The tied-embedding Llama variant covers
 teachers without their own lm_head.
 
     python -m stage1_teacher.toy_teacher .xtcache_test_cache/toy-XXXX

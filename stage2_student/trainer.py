@@ -9,7 +9,10 @@ One optimizer step takes `--grad-accum` micro-batches on every rank. The loss of
 `w_kd * sum(KD over chunks) / N_chunks + w_ce * sum(CE over tokens) / N_tokens`, where both counts
 are taken over the whole global batch (all ranks, all accumulated micro-batches): the counts are
 all-reduced once before the step's first forward, so world 1 x grad-accum 2 and world 2 x
-grad-accum 1 train the same model. Outputs under --out: `metrics.jsonl` (one line per step and per
+grad-accum 1 train the same model. Cross-tokenizer caches train with the projected KL: the map
+comes from --projection (checked against both tokenizer fingerprints of the cache) or, without it,
+is built on the fly from the student tokenizer and the teacher tokenizer at the cache's recorded
+teacher path (logged; a clear error when that tokenizer is not there). Outputs under --out: `metrics.jsonl` (one line per step and per
 evaluation), `tensorboard/` (when tensorboard is installed), `checkpoints/stepN/` (DeepSpeed state,
 per-rank loader and RNG state, the config), `hf/` (a plain transformers directory) and
 `summary.json`.
@@ -47,9 +50,9 @@ class StageData:
     global order: step s, rank r, accumulation index a reads global micro-batch
     `s * world * grad_accum + r * grad_accum + a`, and has `state_dict()` / `load_state_dict()`.
     `make_eval` returns a fresh finite iterable of this rank's held-out micro-batches (or None).
-    `kd` maps (logits [B, L, V] fp32, batch) to (sum of the KD loss over valid chunks, extras) and is
-    None for CE-only data. `teacher_top1_of_student` maps student token ids to teacher ids for the
-    top-1 agreement metric (identity for same-tokenizer caches).
+    `kd` maps (logits [B, L, V] in the model's dtype, batch) to the SUM of the KD loss over the
+    batch's valid chunks (None: no teacher term at all). `teacher_top1_of_student` maps student ids
+    to teacher ids for the top-1 agreement metric (None: identity, same tokenizer).
     """
 
     train: Any
@@ -73,7 +76,9 @@ def setup_distributed() -> tuple[int, int, int]:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        with socket.socket() as sock:  # a free port for this single-process group
+            sock.bind(("127.0.0.1", 0))
+            os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import deepspeed
@@ -83,8 +88,17 @@ def setup_distributed() -> tuple[int, int, int]:
 
     # this rank's GPU before anything lands on "the" device (a no-op on CPU)
     deepspeed.get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
-
     return dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer exactly as its tokenizer.json defines it, as stage 1 loads it: `AutoTokenizer`
+    may rebuild it for the model type (transformers 5 gives Qwen2 directories Qwen's pre-tokenizer)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (Path(path) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def teardown_distributed() -> None:
@@ -92,12 +106,6 @@ def teardown_distributed() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -112,12 +120,12 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, data: StageData, *, rank: int, world: int):
         import deepspeed
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.cfg, self.data, self.rank, self.world = cfg, data, rank, world
         self.out = Path(cfg.out)
         torch.manual_seed(cfg.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.student)
+        self.tokenizer = load_tokenizer(cfg.student)
         model = AutoModelForCausalLM.from_pretrained(cfg.student, dtype=torch.float32)
         model.config.use_cache = False
         self.ds_config = deepspeed_config(cfg, sum(p.numel() for p in model.parameters()))
@@ -168,12 +176,9 @@ class Trainer:
                 logits.detach(), batch["student_chunk"], batch["teacher_ids"], score, batch["teacher_chunk"],
                 chunks, student_to_teacher=self.data.teacher_top1_of_student)
         terms["loss"] = loss
-        if "student_chunk" in batch:
-            predicting = labels != -100
-            terms["valid_pos"] = ((batch["student_chunk"] >= 0) & predicting).sum().float()
-            terms["pred_pos"] = predicting.sum().float()
-        else:
-            terms["valid_pos"], terms["pred_pos"] = zero, zero
+        predicting, chunk_of = labels != -100, batch.get("student_chunk")
+        terms["valid_pos"] = zero if chunk_of is None else ((chunk_of >= 0) & predicting).sum().float()
+        terms["pred_pos"] = predicting.sum().float()
         return terms
 
     @staticmethod
@@ -203,8 +208,7 @@ class Trainer:
         for batch in batches:
             batch = _to_device(batch, self.device)
             terms = self._forward(batch, n_chunks, n_tokens, train=True)
-            # DeepSpeed averages gradients over data-parallel ranks; the loss is already divided
-            # by the global counts, so undo that average.
+            # the loss is already divided by the global counts: undo DeepSpeed's average over ranks
             self.engine.backward(terms["loss"] * self.world, scale_wrt_gas=False)
             self.engine.step()
             sums += torch.stack([terms["loss"].detach().double(), terms["kd_sum"].double(), terms["ce_sum"].double(),
@@ -238,21 +242,17 @@ class Trainer:
         last = None
         budget = self.cfg.eval.eval_batches or 10**12
         with torch.no_grad():
-            for i in range(budget):
+            for _ in range(budget):
                 batch = next(it, None)
-                has = batch is not None
-                if not self._all_reduce([float(has)])[0]:
+                if not self._all_reduce([float(batch is not None)])[0]:
                     break
-                if has:
-                    last = batch
-                elif last is None:  # this rank holds no held-out batch at all: a dummy forward
-                    last = _dummy_batch(self.tokenizer)
-                use = batch if has else last
-                use = _to_device(use, self.device)
+                # a rank out of held-out batches repeats a forward at weight 0 (ZeRO-3 gathers in lockstep)
+                last = batch if batch is not None else (last or _dummy_batch(self.tokenizer))
+                use = _to_device(last, self.device)
                 chunks, tokens = self._counts([use])
                 terms = self._forward(use, 1.0, 1.0, train=False)
-                w = 1.0 if has else 0.0
-                sums += w * torch.tensor([float(terms["kd_sum"]), float(terms["ce_sum"]), chunks, tokens,
+                if batch is not None:
+                    sums += torch.tensor([float(terms["kd_sum"]), float(terms["ce_sum"]), chunks, tokens,
                                           float(terms["agree"]), float(terms["agree_n"])], dtype=torch.float64,
                                          device=self.device)
         kd, ce, chunks, tokens, agree, agree_n = self._all_reduce(sums.tolist())
@@ -430,11 +430,12 @@ class Trainer:
 
 
 def _dummy_batch(tokenizer) -> dict:
+    """Two pad tokens and no labels: the forward a rank without held-out data runs in lockstep."""
     import torch
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return {"input_ids": torch.full((1, 2), pad, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long),
-            "labels": torch.full((1, 2), -100, dtype=torch.long), "num_chunks": 0}
+    ids = torch.full((1, 2), tokenizer.pad_token_id or 0, dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, -100),
+            "num_chunks": 0}
 
 
 def train(cfg: TrainConfig, make_data: Callable[[TrainConfig, Any, int, int], StageData] | None = None) -> dict:
@@ -443,9 +444,7 @@ def train(cfg: TrainConfig, make_data: Callable[[TrainConfig, Any, int, int], St
     try:
         if rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.student)
+        tokenizer = load_tokenizer(cfg.student)
         if make_data is None:
             make_data = open_stage_data
         data = make_data(cfg, tokenizer, rank, world)
@@ -490,7 +489,6 @@ def load_projection(cfg: TrainConfig, manifest, student_tokenizer, student_fp: s
     otherwise the run stops and says how to build one.
     """
     import torch
-    from transformers import AutoTokenizer
 
     from xtcache import projection as xproj
     from xtcache.fingerprint import tokenizer_fingerprint
@@ -500,9 +498,7 @@ def load_projection(cfg: TrainConfig, manifest, student_tokenizer, student_fp: s
         pm = xproj.ProjectionMap.load(cfg.loss.projection, expect_student=student_fp, expect_teacher=teacher_fp)
     else:
         where = Path(manifest.teacher_name) if manifest.teacher_name else None
-        teacher_tok = None
-        if where is not None and (where / "tokenizer.json").is_file():
-            teacher_tok = AutoTokenizer.from_pretrained(str(where))
+        teacher_tok = load_tokenizer(where) if where and (where / "tokenizer.json").is_file() else None
         if teacher_tok is None or tokenizer_fingerprint(teacher_tok) != teacher_fp:
             raise ConfigError(
                 f"cross-tokenizer cache and no --projection: the teacher tokenizer recorded in the cache "
@@ -511,8 +507,6 @@ def load_projection(cfg: TrainConfig, manifest, student_tokenizer, student_fp: s
                 "--projection w.safetensors")
         log.warning("no --projection: building the projection map from %s and the student tokenizer", where)
         pm = xproj.build_projection(student_tokenizer, teacher_tok)
-        if pm.teacher_fingerprint != teacher_fp or pm.student_fingerprint != student_fp:
-            raise ConfigError("the projection map built on the fly does not carry the cache's tokenizer fingerprints")
     w = pm.to_torch_sparse(manifest.teacher_vocab_size).coalesce()
     if model_vocab < w.shape[0]:
         raise ConfigError(f"the student model has {model_vocab} logits, fewer than its tokenizer's {w.shape[0]} tokens")

@@ -291,3 +291,71 @@ def test_cli_flags_win_over_config_file(tmp_path):
         dump.run_teacher_dump = orig
     assert r.exit_code == 0, r.output
     assert seen["cfg"].capture.top_k == 4 and seen["cfg"].capture.mode == "full"
+
+
+# ----------------------------------------------------------------------- capture decoding / check
+
+
+def _flat_from_logits(z: np.ndarray, tokens: np.ndarray, k: int):
+    """A vLLM-style FlatLogprobs (position 0 empty; then [realized, top1..topk]) built from logits."""
+    from vllm.logprobs import FlatLogprobs
+
+    lp = _reference(z, z.shape[1])
+    flat = FlatLogprobs()
+    flat.append(None)
+    for r in range(len(z)):
+        top = np.argsort(-lp[r])[:k]
+        ids = [int(tokens[r + 1])] + top.tolist()
+        flat.append_fast(ids, [float(lp[r, i]) for i in ids], iter(range(len(ids))), [None] * len(ids))
+    return flat, lp
+
+
+@pytest.mark.parametrize("mode", ["topk", "full", "sampled"])
+def test_prompt_logprob_fallback_decodes_exactly(mode):
+    import torch
+
+    from stage1_teacher.capture import Capture, logprobs_to_targets
+    from stage1_teacher.capture_vllm import parse_flat
+    from stage1_teacher.head import distill_targets
+
+    rng = np.random.default_rng(3)
+    L, V, pad = 12, 30, 4
+    z = rng.normal(size=(L - 1, V + pad)).astype(np.float32) * 2
+    z[:, V:] += 3.0  # padded columns rank high: they must be dropped, not emitted
+    tokens = rng.integers(0, V, size=L)
+    k_req = 6 + pad if mode == "topk" else V + pad
+    flat, lp = _flat_from_logits(z, tokens, k_req)
+    raw = parse_flat(flat, L)
+    assert raw.ids.shape == (L - 1, k_req)
+    cap = Capture(engine=None, kind="logprobs", mode=mode, k=6 if mode == "topk" else (V if mode == "full" else 8),
+                  vocab_size=V, num_samples=8, seed=0)
+    sel = np.arange(L - 1)
+    got = logprobs_to_targets(raw, sel, cap, torch.Generator().manual_seed(5))
+    want = distill_targets(torch.from_numpy(z), tokens[1:], mode=mode, k=cap.k, vocab_size=V, num_samples=8,
+                           generator=torch.Generator().manual_seed(5))
+    np.testing.assert_allclose(got.realized, want.realized, atol=1e-5)
+    np.testing.assert_allclose(got.residual, want.residual, atol=1e-5)
+    if mode == "sampled":
+        assert np.array_equal(got.counts, want.counts) and np.array_equal(got.ids, want.ids)
+    else:
+        assert np.array_equal(np.sort(got.ids, 1), np.sort(want.ids, 1))
+        np.testing.assert_allclose(np.take_along_axis(lp, got.ids.astype(np.int64), 1), got.logprobs, atol=1e-5)
+
+
+def test_fast_path_check_refuses_a_wrong_head():
+    import torch
+
+    from stage1_teacher.capture import compare_with_reference
+    from stage1_teacher.capture_vllm import parse_flat
+    from stage1_teacher.head import TeacherHead
+    from xtcache.errors import CaptureError
+
+    torch.manual_seed(0)
+    W = torch.randn(40, 8)
+    h = torch.randn(10, 8)
+    tokens = np.arange(10) % 40
+    flat, _ = _flat_from_logits((h @ W.t()).numpy()[:-1], tokens, 5)
+    ref = [parse_flat(flat, 10)]
+    assert compare_with_reference([h], ref, TeacherHead(weight=W), 1e-4) < 1e-4
+    with pytest.raises(CaptureError, match="disagrees"):
+        compare_with_reference([h], ref, TeacherHead(weight=W, logit_scale=1.5), 1e-3)

@@ -1,9 +1,10 @@
 """Stage 2 on a real teacher cache: distillation beats CE-only on held-out KL to the teacher.
 
-The cache is real: the toy teacher (a trained tiny Qwen2) runs with plain transformers over the toy
-corpus, its top-k log-probs go through `xtcache.store.CacheWriter`, and the student tokenizer's
-chunk alignment (`xtcache.align.align_text`) is stored beside them. A held-out store of other
-documents is the --eval-cache. Every training run is a `python -m stage2_student` subprocess.
+The caches are real: stage 1 (`xtcache teacher-dump --engine hf`) runs the toy teacher (a trained
+tiny Qwen2) over the toy corpus and aligns the toy student's tokenizer; a held-out store of other
+documents is the --eval-cache. `build_hf_cache` writes a cache directly through
+`xtcache.store.CacheWriter` (top-k or sampled targets, any alignment groups) for
+bench/train_step.py. Every training run is a `python -m stage2_student` subprocess.
 
     pytest -q tests/test_train_kd.py
 """
@@ -30,18 +31,18 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
     `students` are tokenizer directories; each gets an alignment group (identity for the teacher's own).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from schemas.models import AlignGroupMeta, Manifest
     from xtcache.align import align_text, encode_with_offsets, identity_alignment
     from xtcache.fingerprint import model_fingerprint, settings_fingerprint, tokenizer_fingerprint, cache_key
     from xtcache.store import AlignmentRecord, CacheWriter, DocRecord
 
-    teacher_tok = AutoTokenizer.from_pretrained(str(teacher_dir))
+    teacher_tok = PreTrainedTokenizerFast.from_pretrained(str(teacher_dir))  # as stage 1: tokenizer.json as is
     model = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
     vocab = len(teacher_tok)
     t_fp = tokenizer_fingerprint(teacher_tok)
-    student_toks = [AutoTokenizer.from_pretrained(str(s)) for s in students]
+    student_toks = [PreTrainedTokenizerFast.from_pretrained(str(s)) for s in students]
     s_fps = [tokenizer_fingerprint(t) for t in student_toks]
     texts = [json.loads(line)["text"] for line in Path(jsonl).read_text().splitlines()][:max_docs]
     settings = {"mode": mode, "k": k, "num_samples": num_samples if mode == "sampled" else None, "engine": "test-hf"}
@@ -97,14 +98,24 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
     return str(url)
 
 
+def teacher_dump(out: Path, toy_setup, jsonl: Path, n_docs: int) -> str:
+    """Stage 1 itself (`xtcache teacher-dump --engine hf`) on the first `n_docs` documents of `jsonl`."""
+    data = out.with_suffix(".jsonl")
+    data.write_text("".join(Path(jsonl).read_text().splitlines(keepends=True)[:n_docs]))
+    cmd = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", str(toy_setup.teacher_model),
+           "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", str(data), "--out", str(out),
+           "--mode", "topk", "--top-k", "16", "--engine", "hf", "--docs-per-part", "16"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return str(out)
+
+
 @pytest.fixture(scope="session")
 def kd_caches(toy_setup, tmp_path_factory):
-    """(train store, held-out store) built from the toy teacher for the toy student's tokenizer."""
+    """(train store, held-out store) of the toy teacher, aligned for the toy student's tokenizer."""
     root = tmp_path_factory.mktemp("kd_cache")
-    students = [toy_setup.student_tokenizer]
-    train = build_hf_cache(root / "train", toy_setup.teacher_model, toy_setup.train_jsonl, students, max_docs=48)
-    held = build_hf_cache(root / "held", toy_setup.teacher_model, toy_setup.heldout_jsonl, students, max_docs=12)
-    return train, held
+    return (teacher_dump(root / "train", toy_setup, toy_setup.train_jsonl, 48),
+            teacher_dump(root / "held", toy_setup, toy_setup.heldout_jsonl, 12))
 
 
 def run_stage2(out: Path, *flags: str, nproc: int = 1) -> dict:
