@@ -6,6 +6,7 @@ On one teacher and one corpus (the same windows for every path) it measures posi
   (b) vLLM prompt log-probs       prompt_logprobs=k with vLLM's default flags (Logprob objects, detokenized)
   (c) transformers forward+top-k  batched HF forward, log_softmax, topk(k)
   (d) xtcache teacher-dump        end to end: corpus -> tokenize/align -> teacher -> targets -> store
+  (e) xtcache teacher-dump --engine hf, end to end (the same pipeline on the transformers engine)
 
 and prints a table with the ratios (d)/(a) and (d)/(b) (targets: >= 0.5 and >= 4). Engine start
 times are excluded from every rate and printed separately; (d) is timed from its first batch to
@@ -84,12 +85,13 @@ def bench_hf(teacher: str, windows, k: int, dtype: str) -> dict:
     return {"c": n / (time.perf_counter() - t0)}
 
 
-def bench_dump(teacher: str, student: str, corpus: str, k: int, max_len: int, dtype: str, out: str) -> dict:
+def bench_dump(teacher: str, student: str, corpus: str, k: int, max_len: int, dtype: str, out: str,
+               engine: str = "vllm") -> dict:
     from stage1_teacher.config import build_config
     from stage1_teacher.dump import run_teacher_dump
 
     cfg = build_config({"teacher": teacher, "student_tokenizer": [student], "data": [corpus], "out": out,
-                        "engine": "vllm", "dtype": dtype, "top_k": k, "max_seq_len": max_len,
+                        "engine": engine, "dtype": dtype, "top_k": k, "max_seq_len": max_len,
                         "docs_per_part": 64})
     s = run_teacher_dump(cfg, progress=False)
     return {"d": s.positions / s.capture_s, "summary": s}
@@ -126,12 +128,14 @@ def main() -> None:
         ab = bench_vllm_generate(teacher, windows, args.top_k, args.max_seq_len, args.dtype)
         c = bench_hf(teacher, windows, args.top_k, args.dtype)
         d = bench_dump(teacher, student, corpus, args.top_k, args.max_seq_len, args.dtype, f"{tmp}/store")
+        e = bench_dump(teacher, student, corpus, args.top_k, args.max_seq_len, args.dtype, f"{tmp}/store_hf", "hf")
     s = d["summary"]
     rows = [
         ("(a) vLLM forward only", ab["a"]),
         ("(b) vLLM prompt log-probs, default flags", ab["b"]),
         ("(c) transformers forward + top-k", c["c"]),
         ("(d) xtcache teacher-dump, end to end", d["d"]),
+        ("(e) xtcache teacher-dump --engine hf, end to end", e["d"]),
     ]
     print()
     print(f"| path | positions/s |")

@@ -113,8 +113,8 @@ def logprobs_to_targets(raw, sel: np.ndarray, cap: Capture, gen) -> Targets:
         out_ids = np.take_along_axis(ids, order, 1)
         out_lp = np.take_along_axis(lp, order, 1)
         if not np.all(out_ids < V):
-            raise CaptureError("vLLM returned fewer than k ids inside the tokenizer's vocabulary for a position; "
-                               "raise --top-k margin or use --engine hf")
+            raise CaptureError(f"vLLM returned fewer than --top-k {cap.k} ids inside the tokenizer's vocabulary "
+                               "for a position (padded lm_head columns ranked high); use --engine hf")
         mass = np.exp(out_lp.astype(np.float64)).sum(1)
         return Targets(ids=out_ids.astype(np.int32), logprobs=out_lp.astype(np.float32), counts=None,
                        residual=np.clip(1.0 - mass, 0.0, None).astype(np.float32), realized=realized.astype(np.float32))

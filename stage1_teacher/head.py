@@ -192,7 +192,7 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
     block_rows = block_rows or max(16, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, v_model)))
     if mode == "topk" and k > V:
         raise CaptureError(f"--top-k {k} is larger than the teacher vocabulary ({V})")
-    width = {"topk": k, "full": V, "sampled": num_samples}[mode]
+    width = {"topk": k, "full": V, "sampled": min(num_samples, V)}[mode]
     ids = np.zeros((n, width), dtype=np.int32)
     logprobs = np.zeros((n, width), dtype=np.float32) if mode != "sampled" else None
     counts = np.zeros((n, width), dtype=np.uint16) if mode == "sampled" else None

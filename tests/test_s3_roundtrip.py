@@ -24,7 +24,7 @@ def s3_endpoint():
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    options = {"key": "testing", "secret": "testing", "endpoint_url": endpoint}
     s3fs.S3FileSystem(**options).mkdir("xtcache-bucket")
     yield options
     server.stop()

@@ -86,15 +86,15 @@ def _dump(setup, data: list[Path], out: Path, size: DemoSize) -> dict:
 
     reused_before = _is_complete(out)
     args = ["teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
-            str(setup.student_tokenizer), "--data", *map(str, data), "--out", str(out), "--mode", "topk",
+            str(setup.student_tokenizer), *[a for f in data for a in ("--data", str(f))], "--out", str(out), "--mode", "topk",
             "--top-k", str(size.top_k), "--max-seq-len", "512", "--engine", "vllm"]
     try:
         _xtcache(*args)
-    except SystemExit:
+    except SystemExit as failed:
         try:  # a store of an older demo version under the same path: replace it, loudly
             CacheReader(str(out))
         except StoreError:
-            raise
+            raise failed from None
         log.warning("replacing %s, which was written for other settings", out)
         shutil.rmtree(out)
         reused_before = False
