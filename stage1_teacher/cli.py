@@ -40,14 +40,16 @@ def teacher_dump(
         None, "--gpu-memory-utilization", help="vLLM memory fraction (default 0.8 CUDA, 0.3 CPU)."),
     max_num_batched_tokens: Optional[int] = typer.Option(
         None, "--max-num-batched-tokens", help="vLLM tokens per scheduler step."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="vLLM context (default --max-seq-len + 1)."),
+    max_model_len: Optional[int] = typer.Option(
+        None, "--max-model-len", help="vLLM context (default --max-seq-len + 1)."),
     enforce_eager: Optional[bool] = typer.Option(
         None, "--enforce-eager/--no-enforce-eager", help="vLLM eager mode (default: on for CPU, off for CUDA)."),
     fast_path: bool = typer.Option(True, "--fast-path/--no-fast-path",
                                    help="vLLM hidden states + teacher lm_head (exact); off: prompt log-probs."),
     check_tolerance: Optional[float] = typer.Option(
         None, "--check-tolerance", help="Allowed fast-vs-reference log-prob gap on the first batch."),
-    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="Directory of reusable caches (looked up by key)."),
+    cache_dir: Optional[str] = typer.Option(
+        None, "--cache-dir", help="Directory of reusable caches (looked up by key)."),
     storage_options: str = typer.Option("", "--storage-options", help="fsspec options as a JSON object."),
     docs_per_part: int = typer.Option(256, "--docs-per-part", help="Documents per store part (unit of --resume)."),
     shard_index: int = typer.Option(0, "--shard-index", help="This job's writer index in [0, --num-shards)."),

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
-from stage1_teacher.corpus import Skipped, iter_corpus
+from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.prep import Part, Preparer, StudentSide, iter_parts, load_tokenizer, part_batches
 from stage1_teacher.windows import window_has_pred
-from xtcache.errors import CaptureError, ConfigError, StoreError, XtcacheError
+from xtcache.errors import ConfigError, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -551,4 +551,4 @@ def _count_rows(files: list[str]) -> int | None:
     return total
 
 
-__all__ = ["Summary", "run_teacher_dump", "make_plan", "dry_run", "XtcacheError", "CaptureError", "Skipped"]
+__all__ = ["Summary", "run_teacher_dump", "make_plan", "dry_run"]

@@ -92,13 +92,10 @@ def setup_distributed() -> tuple[int, int, int]:
 
 
 def load_tokenizer(path: str | Path):
-    """The tokenizer exactly as its tokenizer.json defines it, as stage 1 loads it: `AutoTokenizer`
-    may rebuild it for the model type (transformers 5 gives Qwen2 directories Qwen's pre-tokenizer)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """The student tokenizer exactly as stage 1 loaded it (see `xtcache.tokenizer`)."""
+    from xtcache.tokenizer import load_tokenizer as load
 
-    if (Path(path) / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    return AutoTokenizer.from_pretrained(str(path))
+    return load(path, "student tokenizer")
 
 
 def teardown_distributed() -> None:

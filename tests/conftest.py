@@ -31,16 +31,16 @@ def toy_setup() -> toy.ToySetup:
 
 @pytest.fixture(scope="session")
 def teacher_tokenizer(toy_setup):
-    from transformers import AutoTokenizer
+    from xtcache.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(toy_setup.teacher_tokenizer))
+    return load_tokenizer(toy_setup.teacher_tokenizer)
 
 
 @pytest.fixture(scope="session")
 def student_tokenizer(toy_setup):
-    from transformers import AutoTokenizer
+    from xtcache.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(toy_setup.student_tokenizer))
+    return load_tokenizer(toy_setup.student_tokenizer)
 
 
 def has_cuda() -> bool:

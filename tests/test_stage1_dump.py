@@ -282,6 +282,9 @@ def test_kill_and_resume_equals_uninterrupted_run(teacher, corpus, toy_setup, tm
             kills += 1
         p.wait()
     assert kills >= 2
+    p = _cli(args + ["--out", str(out)])  # without --resume: a clear refusal, nothing overwritten
+    log = p.communicate(timeout=300)[0].decode()
+    assert p.returncode == 2 and "--resume" in log, log[-2000:]
     p = _cli(args + ["--out", str(out), "--resume"])
     log = p.communicate(timeout=300)[0].decode()
     assert p.returncode == 0, log[-3000:]

@@ -28,7 +28,8 @@ from xtcache.errors import ConfigError
        cut_anywhere=st.booleans())
 def test_windows_cover_every_row_once(n, max_len, data, bos, cut_anywhere):
     overlap = data.draw(st.integers(0, max_len - 2 - int(bos)))
-    bounds = None if cut_anywhere else np.array(sorted(data.draw(st.sets(st.integers(1, n), max_size=n))), dtype=np.int64)
+    cuts = sorted(data.draw(st.sets(st.integers(1, n), max_size=n)))
+    bounds = None if cut_anywhere else np.array(cuts, dtype=np.int64)
     ws = plan_windows(n, max_len, overlap, bounds, bos_prefix=bos)
     stored = np.concatenate([np.arange(w.store_start, w.end) for w in ws])
     assert np.array_equal(stored, np.arange(n))  # each row stored by exactly one window, in order
@@ -37,7 +38,8 @@ def test_windows_cover_every_row_once(n, max_len, data, bos, cut_anywhere):
         assert w.ctx_start <= w.store_start < w.end
         if i and not bos:
             assert w.store_start - w.ctx_start == min(overlap, w.store_start)
-        if bounds is not None and w.end < n and np.any((bounds > w.store_start) & (bounds <= w.ctx_start + max_len - w.prefix)):
+        fits = bounds is not None and np.any((bounds > w.store_start) & (bounds <= w.ctx_start + max_len - w.prefix))
+        if w.end < n and fits:
             assert w.end in set(bounds.tolist())  # cut at a chunk boundary when one fits
     pred = np.concatenate([window_has_pred(w) for w in ws])
     assert not pred[0]

@@ -255,6 +255,22 @@ def test_corrupted_chunk_names_shard_and_array(tmp_path):
         CacheReader(url).read_shard(shard_id(0, 0), verify=True)
 
 
+def test_finished_store_missing_a_counted_part_is_incomplete_and_fails_verify(tmp_path):
+    from xtcache.commands_store import verify_store
+
+    rng = np.random.default_rng(6)
+    url = str(tmp_path / "cache")
+    with CacheWriter(url, manifest(V=5000)) as w:
+        w.write_part(0, [make_doc(rng, 0, 4, 8, 5000)])
+        w.write_part(1, [make_doc(rng, 1, 4, 8, 5000)])
+        w.finish({})
+    assert CacheReader(url).is_complete() and verify_store(url) == []
+    os.remove(tmp_path / "cache" / "index" / f"{shard_id(0, 1)}.json")  # an index lost after the job finished
+    assert not CacheReader(url).is_complete()
+    (problem,) = verify_store(url)
+    assert "writer 0" in problem and "counts 2 parts but only 1" in problem
+
+
 def test_cache_dir_helpers(tmp_path):
     rng = np.random.default_rng(9)
     cache_dir = str(tmp_path / "caches")

@@ -45,18 +45,14 @@ class ProjectionBuildConfig:
 
 
 def load_tokenizer(name: str, side: str):
-    """A fast tokenizer from a local directory; a clear error for missing or slow tokenizers."""
-    from transformers import AutoTokenizer
-
-    from xtcache.align import require_fast
-    from xtcache.errors import ProjectionError
+    """A fast tokenizer from a local directory, loaded as stage 1 and stage 2 load it."""
+    from xtcache.errors import ConfigError, ProjectionError
+    from xtcache.tokenizer import load_tokenizer as load
 
     try:
-        tok = AutoTokenizer.from_pretrained(name, use_fast=True, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise ProjectionError(f"cannot load the {side} tokenizer from {name!r}: {e}") from None
-    require_fast(tok, f"{side} tokenizer")
-    return tok
+        return load(name, f"{side} tokenizer")
+    except ConfigError as e:
+        raise ProjectionError(str(e)) from None
 
 
 @app.command("build")

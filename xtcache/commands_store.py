@@ -137,7 +137,7 @@ def verify_store(url: str, storage_options: dict | None = None, *, stop_first: b
     """
     from schemas.models import AlignGroupMeta, AlignPartMeta, Manifest, ShardMeta
     from xtcache.errors import XtcacheError
-    from xtcache.store import Location, _read_array, check_version, read_model
+    from xtcache.store import CacheReader, Location, _read_array, check_version, missing_parts, read_model
 
     problems: list[str] = []
 
@@ -211,6 +211,11 @@ def verify_store(url: str, storage_options: dict | None = None, *, stop_first: b
                     raise
                 except XtcacheError as e:
                     problem(str(e))
+        reader = CacheReader(url, storage_options)
+        for i, (counted, found) in sorted(missing_parts(reader.writer_summaries(), reader.shards).items()):
+            problem(f"writer {i}: its done marker counts {counted} parts but only {found} are committed "
+                    f"(a part index was lost); rerun that teacher-dump job with --resume after deleting "
+                    f"done/w{i:05d}.json")
     except _Stop:
         pass
     except XtcacheError as e:

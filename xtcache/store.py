@@ -666,6 +666,14 @@ def _doc_lengths(loc: Location, shard: ShardMeta, url: str) -> list[int]:
 # ------------------------------------------------------------------------------------ the reader
 
 
+def missing_parts(done: dict[int, WriterDone], shards: list[ShardMeta]) -> dict[int, tuple[int, int]]:
+    """Writers whose done marker counts more parts than are committed: {writer: (counted, committed)}."""
+    committed: dict[int, int] = {}
+    for m in shards:
+        committed[m.writer_index] = committed.get(m.writer_index, 0) + 1
+    return {i: (d.num_parts, committed.get(i, 0)) for i, d in done.items() if committed.get(i, 0) < d.num_parts}
+
+
 class CacheReader:
     """Reads committed parts of a store; refuses stores of unknown format versions."""
 
@@ -781,8 +789,12 @@ class CacheReader:
         return AlignShardData(fingerprint=fingerprint, shard_id=sid, **raw)
 
     def is_complete(self) -> bool:
-        """True when every writer of the manifest wrote its done marker."""
-        return all(self.loc.exists(f"done/w{i:05d}.json") for i in range(self.manifest.num_writers))
+        """True when every writer of the manifest wrote its done marker and all the parts it counted
+        are still committed (a part whose index was lost makes the store incomplete again)."""
+        done = self.writer_summaries()
+        if len(done) < self.manifest.num_writers:
+            return False
+        return not missing_parts(done, self.shards)
 
     def writer_summaries(self) -> dict[int, WriterDone]:
         out = {}

@@ -116,9 +116,11 @@ def build_tiny_model(arch: str, tokenizer_dir: str | Path, out_dir: str | Path, 
     Heads default to a head size of 32: vLLM's CPU attention has no kernel for smaller heads.
     """
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    from xtcache.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
     heads = heads or max(1, hidden // 32)
     kv_heads = kv_heads or max(1, heads // 2)
     common = dict(
@@ -147,10 +149,12 @@ def train_tiny_lm(model_dir: str | Path, texts: list[str], *, steps: int, seq_le
     Used to make the toy teacher informative (better than a fresh student) before it is cached.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from xtcache.tokenizer import load_tokenizer
 
     torch.manual_seed(seed)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = load_tokenizer(model_dir)  # as stage 1 will tokenize for this teacher
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     ids = [i for t in texts for i in tok(t)["input_ids"] + [tok.eos_token_id]]
     stream = torch.tensor(ids, dtype=torch.long)
@@ -199,6 +203,7 @@ class ToySpec:
     teacher_seq_len: int = 128
     heldout_fraction: float = 0.1
     seed: int = 0
+    recipe: int = 2  # bumped when the build itself changes, so cached artifacts are rebuilt
 
     def key(self) -> str:
         import hashlib
