@@ -31,7 +31,7 @@ def train_student(
     loss: Optional[str] = typer.Option('auto', "--loss", help='KD loss: auto|pkl|kl|rkl|jsd|sampled|alm|ce (ce: cross entropy only).', rich_help_panel="Loss"),
     kd_weight: float = typer.Option(1.0, "--kd-weight", help='Weight of the KD term.', rich_help_panel="Loss"),
     ce_weight: float = typer.Option(0.1, "--ce-weight", help='Weight of the next-token cross-entropy term (0 drops it).', rich_help_panel="Loss"),
-    dynamic_scaling: bool = typer.Option(False, "--dynamic-scaling/--no-dynamic-scaling", help="Scale KD to CE's magnitude each micro-batch: w = stop_grad(|CE| / |KD|) (replaces --kd-weight).", rich_help_panel="Loss"),
+    dynamic_scaling: bool = typer.Option(False, "--dynamic-scaling/--no-dynamic-scaling", help="Scale KD to CE's magnitude each micro-batch: w = --kd-weight * stop_grad(|CE| / |KD|).", rich_help_panel="Loss"),
     temperature: float = typer.Option(1.0, "--temperature", help='Distillation temperature T (teacher and student softened alike, loss times T^2).', rich_help_panel="Loss"),
     jsd_beta: float = typer.Option(0.5, "--jsd-beta", help='Mixing weight beta of the generalized JSD loss.', rich_help_panel="Loss"),
     alm_tau: float = typer.Option(100.0, "--alm-tau", help='Temperature tau of the ALM chunk-likelihood loss.', rich_help_panel="Loss"),

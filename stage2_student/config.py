@@ -50,7 +50,7 @@ class LossConfig:
     ce_weight: float = 0.1
     """Weight of the next-token cross-entropy term (0 drops it)."""
     dynamic_scaling: bool = False
-    """Scale KD to CE's magnitude each micro-batch: w = stop_grad(|CE| / |KD|) (replaces --kd-weight)."""
+    """Scale KD to CE's magnitude each micro-batch: w = --kd-weight * stop_grad(|CE| / |KD|)."""
     temperature: float = 1.0
     """Distillation temperature T (teacher and student softened alike, loss times T^2)."""
     jsd_beta: float = 0.5

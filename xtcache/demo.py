@@ -128,7 +128,7 @@ def _train(setup, cache: Path, projection: Path, out: Path, size: DemoSize, *, k
             "--seq-len", str(size.seq_len), "--micro-batch-size", str(size.micro_batch_size),
             "--max-steps", str(size.student_steps), "--lr", str(size.lr), "--warmup-steps", "10",
             "--eval-every", str(size.eval_every), "--zero-stage", "2", "--seed", "0"]
-    args += ["--loss", "pkl", "--kd-weight", "1.0", "--ce-weight", "0.1"] if kd else ["--loss", "pkl", "--kd-weight", "0", "--ce-weight", "1.0"]
+    args += ["--loss", "pkl", "--kd-weight", "1.0", "--ce-weight", "0.1"] if kd else ["--loss", "ce", "--ce-weight", "1.0"]
     _xtcache(*args)
     return json.loads((out / "summary.json").read_text())
 
