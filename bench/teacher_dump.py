@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 
 def corpus_windows(teacher: str, texts: list[str], max_len: int) -> list[np.ndarray]:
-    from stage1_teacher.prep import load_tokenizer
+    from xtcache.tokenizer import load_tokenizer
 
     tok = load_tokenizer(teacher, "teacher tokenizer")
     out = []

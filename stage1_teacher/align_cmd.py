@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def _teacher_tokenizer(reader, teacher_tokenizer: str | None):
     """The store's teacher tokenizer when it can be found (for byte checks); None otherwise."""
-    from stage1_teacher.prep import load_tokenizer
+    from xtcache.tokenizer import load_tokenizer
     from xtcache.fingerprint import tokenizer_fingerprint
 
     path = teacher_tokenizer or reader.manifest.teacher_name
@@ -44,7 +44,8 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
                 storage_options: dict | None = None, reader=None) -> dict:
     """Write the alignment group of one student tokenizer for every committed part; returns stats."""
     from schemas.models import AlignGroupMeta
-    from stage1_teacher.prep import _encode, load_tokenizer
+    from stage1_teacher.prep import _encode
+    from xtcache.tokenizer import load_tokenizer
     from xtcache.align import identity_alignment, tokenizer_info
     from xtcache.fingerprint import tokenizer_fingerprint
     from xtcache.store import AlignmentRecord, CacheReader, CacheWriter

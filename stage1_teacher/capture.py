@@ -136,27 +136,45 @@ def reference_k(mode: str, k: int, model_vocab: int, vocab_size: int) -> int:
 
 
 def default_tolerance(dtype: str) -> float:
-    return 1e-3 if dtype in ("float32", "fp32") else 0.05
+    """Largest allowed |fast - reference| log-prob gap on the first batch.
+
+    In float32 both paths agree to ~1e-5. In half precision (and "auto", which vLLM may run in fp16
+    or bf16) vLLM's own log-probs come from half-precision logits: with logits of magnitude ~20 one
+    rounding step is 0.016 (fp16) or 0.125 (bf16), so single entries can differ by a few tenths
+    while the head is right. A wrong head (missing soft-capping or scaling) shifts every entry, which
+    the mean gap (MEAN_GAP_FACTOR x smaller bound) catches.
+    """
+    return 1e-3 if dtype in ("float32", "fp32") else 0.5
+
+
+MEAN_GAP_FACTOR = 10  # the mean gap must stay below tolerance / MEAN_GAP_FACTOR
 
 
 def compare_with_reference(hidden: list, reference: list, head: TeacherHead, tolerance: float) -> float:
-    """Largest |fast - reference| log-prob gap over the reference's ids and realized tokens."""
+    """Largest |fast - reference| log-prob gap over the reference's ids and realized tokens.
+
+    Raises CaptureError when the largest gap exceeds `tolerance` or the mean gap exceeds
+    `tolerance / MEAN_GAP_FACTOR`.
+    """
     import torch
 
-    gap = 0.0
+    gap, total, count = 0.0, 0.0, 0
     for h, ref in zip(hidden, reference):
         if len(ref.ids) == 0:
             continue
         z = head.logits(h[:-1])
         lp = (z - torch.logsumexp(z, -1, keepdim=True)).cpu().numpy()
         ids = np.minimum(ref.ids, lp.shape[1] - 1)
-        got = np.take_along_axis(lp, ids, 1)
-        gap = max(gap, float(np.abs(got - ref.logprobs).max()))
-    if not np.isfinite(gap) or gap > tolerance:
+        diff = np.abs(np.take_along_axis(lp, ids, 1) - ref.logprobs)
+        gap = max(gap, float(diff.max()))
+        total, count = total + float(diff.sum()), count + diff.size
+    mean = total / max(1, count)
+    if not np.isfinite(gap) or gap > tolerance or mean > tolerance / MEAN_GAP_FACTOR:
         raise CaptureError(
             f"the hidden-state fast path disagrees with vLLM's own prompt log-probs on the first batch: "
-            f"max |gap| = {gap:.4g} > tolerance {tolerance:g}. The teacher's output head is not reproduced "
-            "(unusual scaling or head); rerun with --no-fast-path or raise --check-tolerance if the dtype explains it")
+            f"max |gap| = {gap:.4g}, mean {mean:.3g} (tolerance {tolerance:g}, mean {tolerance / MEAN_GAP_FACTOR:g}). "
+            "The teacher's output head is not reproduced (unusual scaling or head); rerun with --no-fast-path, "
+            "or raise --check-tolerance if the dtype explains it")
     return gap
 
 

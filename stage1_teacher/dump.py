@@ -30,9 +30,10 @@ import numpy as np
 
 from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
 from stage1_teacher.corpus import iter_corpus
-from stage1_teacher.prep import Part, Preparer, StudentSide, iter_parts, load_tokenizer, part_batches
+from stage1_teacher.prep import Part, Preparer, StudentSide, iter_parts, part_batches
 from stage1_teacher.windows import window_has_pred
 from xtcache.errors import ConfigError, StoreError
+from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +329,10 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
                               "committed parts from an earlier run; pass --resume to continue it")
         _pipeline(cfg, plan, writer, committed, summary, engines, progress)
         summary.wall_s = time.perf_counter() - t_start
+        if summary.documents == 0 and not committed and summary.skipped:
+            reasons = ", ".join(f"{n} {r}" for r, n in sorted(summary.skipped.items()))
+            raise ConfigError(f"no usable document in --data (skipped: {reasons}); check --text-field "
+                              f"{cfg.input.text_field!r} and the corpus files")
         writer.finish(summary.as_dict())
     finally:
         writer.close()

@@ -66,34 +66,6 @@ class Part:
     skipped: list[Skipped] = field(default_factory=list)
 
 
-def load_tokenizer(path: str, side: str):
-    """The fast tokenizer exactly as its tokenizer.json defines it, truncation and padding off.
-
-    A directory with tokenizer.json is loaded as `PreTrainedTokenizerFast`: `AutoTokenizer` on a
-    model directory may rebuild the tokenizer for the model type (transformers 5 gives a Qwen2
-    directory Qwen's own normalizer and pre-tokenizer), so the tokens would not match the
-    file's fingerprint. Slow-only tokenizers (no offsets) raise AlignmentError.
-    """
-    import os
-
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    from xtcache.align import require_fast
-    from xtcache.errors import ConfigError
-
-    try:
-        if os.path.isfile(os.path.join(path, "tokenizer.json")):
-            tok = PreTrainedTokenizerFast.from_pretrained(path)
-        else:
-            tok = AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
-    except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"{side} {path}: cannot load a tokenizer ({e})") from None
-    backend = require_fast(tok, side)
-    backend.no_truncation()
-    backend.no_padding()
-    return tok
-
-
 def adds_bos(tok) -> bool:
     """True when the tokenizer puts a BOS token first (later teacher windows then get one too)."""
     bos = tok.bos_token_id

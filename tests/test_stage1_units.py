@@ -347,7 +347,7 @@ def test_prompt_logprob_fallback_decodes_exactly(mode):
 def test_fast_path_check_refuses_a_wrong_head():
     import torch
 
-    from stage1_teacher.capture import compare_with_reference
+    from stage1_teacher.capture import compare_with_reference, default_tolerance
     from stage1_teacher.capture_vllm import parse_flat
     from stage1_teacher.head import TeacherHead
     from xtcache.errors import CaptureError
@@ -361,3 +361,7 @@ def test_fast_path_check_refuses_a_wrong_head():
     assert compare_with_reference([h], ref, TeacherHead(weight=W), 1e-4) < 1e-4
     with pytest.raises(CaptureError, match="disagrees"):
         compare_with_reference([h], ref, TeacherHead(weight=W, logit_scale=1.5), 1e-3)
+    # half precision: single entries may be a few tenths off, but a systematically wrong head
+    # (10% logit scaling missing) moves the mean gap and is still refused
+    with pytest.raises(CaptureError, match="mean"):
+        compare_with_reference([h], ref, TeacherHead(weight=W, logit_scale=1.1), default_tolerance("bfloat16"))

@@ -175,6 +175,27 @@ def test_claims_resume_and_cache_key(tmp_path):
         CacheWriter(url, manifest(cache_key="key-b"))
 
 
+def test_resume_refuses_to_take_over_a_live_writer(tmp_path):
+    import json
+    import socket
+    import subprocess
+
+    url = str(tmp_path / "cache")
+    CacheWriter(url, manifest()).close()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        claim = tmp_path / "cache" / "claims" / "w00000.json"  # as a running job leaves it
+        claim.parent.mkdir(exist_ok=True)
+        claim.write_text(json.dumps({"format_version": 1, "writer_index": 0, "pid": alive.pid,
+                                     "host": socket.gethostname(), "time": "2026-01-01T00:00:00Z"}))
+        with pytest.raises(StoreError, match="still running"):
+            CacheWriter(url, manifest(), resume=True)
+    finally:
+        alive.kill()
+        alive.wait()
+    CacheWriter(url, manifest(), resume=True).close()  # the holder died: --resume takes over
+
+
 def test_rewrite_of_a_part_is_deterministic(tmp_path):
     rng = np.random.default_rng(4)
     url = str(tmp_path / "cache")

@@ -87,7 +87,7 @@ def _dump(setup, data: list[Path], out: Path, size: DemoSize) -> dict:
     reused_before = _is_complete(out)
     args = ["teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
             str(setup.student_tokenizer), *[a for f in data for a in ("--data", str(f))], "--out", str(out), "--mode", "topk",
-            "--top-k", str(size.top_k), "--max-seq-len", "512", "--engine", "vllm"]
+            "--top-k", str(size.top_k), "--max-seq-len", "512", "--engine", "vllm", "--dtype", "float32"]
     try:
         _xtcache(*args)
     except SystemExit as failed:

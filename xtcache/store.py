@@ -432,11 +432,14 @@ class CacheWriter:
                             time=now_iso()).model_dump()
         if self.loc.create_exclusive(self.claim_path, claim):
             return
+        other = self.loc.read_json(self.claim_path) or {}
+        held_by = (f"writer {self.writer_index} of store {self.url} is claimed by pid {other.get('pid')} on "
+                   f"{other.get('host')} since {other.get('time')}")
         if not resume:
-            other = self.loc.read_json(self.claim_path) or {}
-            raise StoreError(
-                f"writer {self.writer_index} of store {self.url} is claimed by pid {other.get('pid')} on "
-                f"{other.get('host')} since {other.get('time')}; if that process is gone, resume with --resume")
+            raise StoreError(f"{held_by}; if that process is gone, resume with --resume")
+        if other.get("host") == socket.gethostname() and _pid_alive(other.get("pid")):
+            raise StoreError(f"{held_by}, and that process is still running: --resume only takes over the "
+                             "claim of a job that died")
         log.warning("taking over the claim of writer %d in %s (resume)", self.writer_index, self.url)
         self.loc.write_json_atomic(self.claim_path, claim)
 
@@ -664,6 +667,19 @@ def _doc_lengths(loc: Location, shard: ShardMeta, url: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------ the reader
+
+
+def _pid_alive(pid) -> bool:
+    """Whether a process with this pid runs on this host (never true for our own pid: we may resume ourselves)."""
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def missing_parts(done: dict[int, WriterDone], shards: list[ShardMeta]) -> dict[int, tuple[int, int]]:
