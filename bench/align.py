@@ -92,8 +92,8 @@ def main() -> None:
                 bench_pair("SentencePiece -> byte-BPE", sp, teacher, docs, args.repeat)]
     chars = sum(len(d) for d in docs)
     print(f"\n{len(docs)} documents, {chars:,} characters; best of {args.repeat}\n")
-    head = (f"| pair | tokens (both) | tokenize s | align batch s | align/tokenize | aligned tok/s | "
-            f"align per-doc s | per-doc/tokenize | exact chars |")
+    head = ("| pair | tokens (both) | tokenize s | align batch s | align/tokenize | aligned tok/s | "
+            "align per-doc s | per-doc/tokenize | exact chars |")
     print(head)
     print("|" + "---|" * 9)
     for r in rows:

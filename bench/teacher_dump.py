@@ -138,8 +138,8 @@ def main() -> None:
         ("(e) xtcache teacher-dump --engine hf, end to end", e["d"]),
     ]
     print()
-    print(f"| path | positions/s |")
-    print(f"| --- | ---: |")
+    print("| path | positions/s |")
+    print("| --- | ---: |")
     for name, rate in rows:
         print(f"| {name} | {rate:,.0f} |")
     print()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,25 +155,11 @@ def _section_type(name: str) -> type:
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """Flat {field: value} from a YAML or TOML file (flat or sectioned keys, '-' or '_')."""
+    """Flat {field: value} from a YAML, TOML or JSON file (flat or sectioned keys, '-' or '_')."""
+    from xtcache.config_file import read_mapping
     from xtcache.errors import ConfigError
 
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config {path}: no such file")
-    with open(path, "rb") as f:
-        raw = f.read()
-    if path.endswith(".toml"):
-        import tomllib
-
-        data = tomllib.loads(raw.decode("utf-8"))
-    elif path.endswith((".yaml", ".yml")):
-        import yaml
-
-        data = yaml.safe_load(raw) or {}
-    else:
-        raise ConfigError(f"--config {path}: use a .yaml, .yml or .toml file")
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: the file must hold a mapping of flag names to values")
+    data = read_mapping(path)
     leaves = leaf_fields()
     flat: dict[str, Any] = {}
     for key, value in data.items():

@@ -261,23 +261,9 @@ def flatten(data: dict[str, Any]) -> dict[str, Any]:
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Flat settings from a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) file."""
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    suffix = path.suffix.lower()
-    if suffix in (".yaml", ".yml"):
-        import yaml
+    from xtcache.config_file import read_mapping
 
-        data = yaml.safe_load(text) or {}
-    elif suffix == ".toml":
-        import tomllib
-
-        data = tomllib.loads(text)
-    elif suffix == ".json":
-        data = json.loads(text)
-    else:
-        raise ValueError(f"--config {path}: use a .yaml, .yml, .toml or .json file")
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: the file must hold a mapping of settings")
+    data = read_mapping(path)
     return flatten(data)
 
 

@@ -122,7 +122,6 @@ def test_sampled_kl_is_unbiased():
     n_rows, n_draws, trials = 3, 16, 3000
     p = torch.softmax(torch.randn(n_rows, V, generator=gen, dtype=torch.float64) * 2, -1)
     logits = torch.randn(n_rows, V, generator=gen, dtype=torch.float64)
-    rows = torch.arange(n_rows)
     draws = torch.multinomial(p.repeat(trials, 1), n_draws, replacement=True, generator=gen)
     counts = torch.zeros(trials * n_rows, V, dtype=torch.float64).scatter_add_(
         1, draws, torch.ones_like(draws, dtype=torch.float64))
