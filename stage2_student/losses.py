@@ -9,7 +9,8 @@ data-parallel rank they came from.
 Memory: the student logits `[N, V]` (bf16 or fp32) are never copied to fp32 as a whole. The
 log-partition, the gathered support columns and the projected probabilities are computed in
 blocks of `row_chunk` positions, and backward recomputes each block's softmax instead of keeping
-it (a custom autograd function for support log-probs, activation checkpointing for projections).
+it (one custom autograd function for support log-probs and projections, `_StudentTerms`, which
+writes a single logits-sized gradient buffer; `fuse_cross_entropy` folds the trainer's CE into it).
 KD math runs in fp32 (fp64 when the logits are fp64, which the gradient tests use).
 
     from stage2_student import losses
@@ -21,11 +22,12 @@ KD math runs in fp32 (fp64 when the logits are fp64, which the gradient tests us
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from xtcache.errors import ProjectionError, XtcacheError
 
@@ -79,41 +81,85 @@ def _kl_terms(p: Tensor, log_p: Tensor, log_q: Tensor) -> Tensor:
 # student side: exact log-probs of a few columns, full-vocab log-partition, in row blocks
 
 
-class _SupportLogProbs(torch.autograd.Function):
-    """log softmax(z / T)[ids] for selected rows of z, block by block.
+def _projection_entries(support: Tensor, projection: "ProjectionOperator", dtype: torch.dtype):
+    """The W entries feeding each stored (row, slot) of `support` [b, K], flat over the block.
 
-    Forward keeps only the per-row log-partition; backward recomputes softmax per block:
-    d out[i, j] / d z[i] = (onehot(ids[i, j]) - softmax(z[i] / T)) / T.
+    Returns (slot [E] flat index i * K + j, row [E] = i, student id [E], weight [E]): only student ids
+    with nonzero weight into a row's support appear, so nothing of size [b, V] or [b, U] is built.
+    """
+    flat = support.reshape(-1)
+    slot = torch.nonzero(flat >= 0).squeeze(1)  # [S]
+    starts = projection.crow[flat[slot]]
+    lengths = projection.crow[flat[slot] + 1] - starts  # [S]
+    entry_slot = torch.repeat_interleave(slot, lengths)  # [E]
+    offset = torch.arange(entry_slot.numel(), device=slot.device) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths)
+    src = torch.repeat_interleave(starts, lengths) + offset
+    return entry_slot, entry_slot // support.shape[1], projection.col[src], projection.val[src].to(dtype)
+
+
+class _StudentTerms(torch.autograd.Function):
+    """Student quantities of selected rows of z in one pass over the vocabulary, block by block.
+
+    Row i (logit row rows[i], temperature 1 / inv_t[i]) yields the log-probs
+    log softmax(z_i / T_i)[ids[i]] and, where a projection is given, the projected probabilities
+    (W^T softmax(z_i / T_i))[support[i]] (0 at support < 0). Forward keeps only the per-row
+    log-partition; backward recomputes each block's softmax s and writes every term's gradient
+    into ONE logits-sized buffer:
+      d/dz_i = inv_t_i [ scatter(ids_i, g_i) - s sum(g_i) + s (W g^q_i - <s, W g^q_i>) ],
+    where W g^q_i is nonzero only at the student ids that map into row i's support, so the
+    projection side costs O(those W entries), never a [rows, V] or [rows, |support|] product.
+    The trainer folds its cross-entropy in here (see `fuse_cross_entropy`), so a KD step holds a
+    single gradient buffer for the logits like a CE-only step.
     """
 
     @staticmethod
-    def forward(ctx, logits, rows, ids, temperature, row_chunk):
+    def forward(ctx, logits, rows, inv_t, ids, support, projection, row_chunk):
         cdt = _compute_dtype(logits.dtype)
         m = rows.shape[0]
         out = torch.empty(ids.shape, dtype=cdt, device=logits.device)  # [M, k]
         lse = torch.empty(m, dtype=cdt, device=logits.device)  # [M]
+        q = None if support is None else torch.empty(support.shape, dtype=cdt, device=logits.device)
         for s in range(0, m, row_chunk):
             e = min(s + row_chunk, m)
-            z = logits[rows[s:e]].to(cdt).div_(temperature)  # [b, V]
+            z = logits[rows[s:e]].to(cdt).mul_(inv_t[s:e, None])  # [b, V]
             lse[s:e] = torch.logsumexp(z, dim=-1)
             out[s:e] = z.gather(1, ids[s:e]) - lse[s:e, None]
-        ctx.save_for_backward(logits, rows, ids, lse)
-        ctx.temperature, ctx.row_chunk = temperature, row_chunk
-        return out
+            if q is not None:  # q[i, j] = sum_s softmax(z_i)[s] W[s, support[i, j]]
+                slot, row, sid, w = _projection_entries(support[s:e], projection, cdt)
+                p_e = (z[row, sid] - lse[s:e][row]).exp_()  # softmax at the entries only
+                q[s:e] = torch.zeros(e - s, support.shape[1], dtype=cdt, device=z.device).view(-1).index_add_(
+                    0, slot, p_e * w).view(e - s, -1)
+        ctx.save_for_backward(logits, rows, inv_t, ids, lse, support)
+        ctx.projection, ctx.row_chunk = projection, row_chunk
+        return out, q
 
     @staticmethod
-    def backward(ctx, grad_out):  # grad_out [M, k]
-        logits, rows, ids, lse = ctx.saved_tensors
-        t, cdt = ctx.temperature, lse.dtype
-        grad = torch.zeros_like(logits)  # [N, V] in the logits' dtype
-        grad_out = grad_out.to(cdt)
+    def backward(ctx, grad_out, grad_q):  # [M, k], [M, K] or None
+        logits, rows, inv_t, ids, lse, support = ctx.saved_tensors
+        cdt = lse.dtype
+        grad = torch.zeros_like(logits)  # [N, V] in the logits' dtype: the only full-size buffer
+        grad_out = torch.zeros(ids.shape, dtype=cdt, device=lse.device) if grad_out is None else grad_out.to(cdt)
         for s in range(0, rows.shape[0], ctx.row_chunk):
             e = min(s + ctx.row_chunk, rows.shape[0])
-            g = logits[rows[s:e]].to(cdt).div_(t).sub_(lse[s:e, None]).exp_()  # softmax [b, V]
-            g.mul_(-grad_out[s:e].sum(dim=-1, keepdim=True))
+            p = logits[rows[s:e]].to(cdt).mul_(inv_t[s:e, None]).sub_(lse[s:e, None]).exp_()  # softmax [b, V]
+            coef = -grad_out[s:e].sum(dim=-1, keepdim=True)  # [b, 1]
+            g = None
+            if grad_q is not None and support is not None:  # + sum_j g^q_ij (W[v, K_ij] p_v - p_v q_ij)
+                slot, row, sid, w = _projection_entries(support[s:e], ctx.projection, cdt)
+                if slot.numel():
+                    pg = p[row, sid] * w * grad_q[s:e].to(cdt).reshape(-1)[slot]  # [E]
+                    coef = coef - torch.zeros(e - s, dtype=cdt, device=p.device).index_add_(0, row, pg)[:, None]
+                    g = p.mul_(coef).index_put_((row, sid), pg, accumulate=True)
+            if g is None:
+                g = p.mul_(coef)
             g.scatter_add_(1, ids[s:e], grad_out[s:e])
-            grad.index_add_(0, rows[s:e], g.div_(t).to(grad.dtype))
-        return grad, None, None, None, None
+            grad.index_add_(0, rows[s:e], g.mul_(inv_t[s:e, None]).to(grad.dtype))
+        return grad, None, None, None, None, None, None
+
+
+def _inv_temperature(rows: Tensor, temperature: float, like: Tensor) -> Tensor:
+    return torch.full(rows.shape, 1.0 / float(temperature), dtype=_compute_dtype(like.dtype), device=rows.device)
 
 
 def student_support_logprobs(logits: Tensor, rows: Tensor, ids: Tensor, *, temperature: float = 1.0,
@@ -122,9 +168,15 @@ def student_support_logprobs(logits: Tensor, rows: Tensor, ids: Tensor, *, tempe
 
     logits: [N, V] (any float dtype); rows: int64 [M] rows of `logits`; ids: int64 [M, k], negative
     ids (padding) are read as id 0 and must be masked by the caller. Returns [M, k] fp32.
+    Inside `fuse_cross_entropy` for these logits, the pending cross-entropy is computed in the same pass.
     """
     ids = ids.clamp(min=0)
-    return _SupportLogProbs.apply(logits, rows, ids, float(temperature), int(row_chunk))
+    fused = _pending_ce(logits)
+    if fused is not None:
+        return fused.run(logits, rows, ids, None, None, temperature, row_chunk)[0]
+    out, _ = _StudentTerms.apply(logits, rows, _inv_temperature(rows, temperature, logits), ids, None, None,
+                                 int(row_chunk))
+    return out
 
 
 def student_rest_logprob(log_q: Tensor) -> Tensor:
@@ -323,6 +375,75 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, row_chunk: int = ROW_CHUNK)
     return LossSum(total, _count(rows.numel(), total))
 
 
+class _PendingCE:
+    """The trainer's cross-entropy, waiting to be computed in the next KD pass over the same logits."""
+
+    def __init__(self, logits: Tensor, labels: Tensor):
+        self.logits, self.labels = logits, labels.reshape(-1)
+        self.result: LossSum | None = None  # set once a KD pass has computed it
+
+    def matches(self, flat_logits: Tensor) -> bool:
+        a, b = self.logits, flat_logits
+        return (self.result is None and a.is_contiguous() and b.is_contiguous() and a.numel() == b.numel()
+                and a.shape[-1] == b.shape[-1] and a.data_ptr() == b.data_ptr())
+
+    def run(self, logits, rows, ids, support, projection, temperature, row_chunk):
+        """The KD's `_StudentTerms` outputs for (rows, ids, support), with CE rows added to the pass.
+
+        At T = 1 with distinct KD rows, a position both losses use is one row (one log-partition,
+        one softmax in backward); otherwise CE rows are appended at T = 1.
+        """
+        ce_rows = torch.nonzero(self.labels != -100).squeeze(1)  # [Mc]
+        m, k, mc = rows.numel(), ids.shape[1], ce_rows.numel()
+        if float(temperature) == 1.0 and torch.unique(rows).numel() == m:
+            all_rows, at = torch.unique(torch.cat([rows, ce_rows]), return_inverse=True)
+            inv_t = torch.ones(all_rows.shape, dtype=_compute_dtype(logits.dtype), device=rows.device)
+        else:
+            all_rows, at = torch.cat([rows, ce_rows]), torch.arange(m + mc, device=rows.device)
+            inv_t = torch.cat([_inv_temperature(rows, temperature, logits), _inv_temperature(ce_rows, 1.0, logits)])
+        kd_at, ce_at = at[:m], at[m:]
+        all_ids = torch.zeros((all_rows.numel(), k + 1), dtype=torch.int64, device=rows.device)
+        all_ids[kd_at, :k] = ids
+        all_ids[ce_at, k] = self.labels[ce_rows]
+        all_support = None
+        if support is not None:
+            all_support = torch.full((all_rows.numel(), support.shape[1]), -1, dtype=support.dtype,
+                                     device=support.device)
+            all_support[kd_at] = support
+        out, q = _StudentTerms.apply(logits, all_rows, inv_t, all_ids, all_support, projection, int(row_chunk))
+        total = -out[ce_at, k].sum()
+        self.result = LossSum(total, _count(mc, total))
+        return out[kd_at, :k], None if q is None else q[kd_at]
+
+
+_PENDING_CE: ContextVar[_PendingCE | None] = ContextVar("xtcache_pending_ce", default=None)
+
+
+def _pending_ce(flat_logits: Tensor) -> _PendingCE | None:
+    pending = _PENDING_CE.get()
+    return pending if pending is not None and pending.matches(flat_logits) else None
+
+
+@contextmanager
+def fuse_cross_entropy(logits: Tensor, labels: Tensor):
+    """Compute `cross_entropy(logits, labels)` inside the next KD loss called on these logits.
+
+        with losses.fuse_cross_entropy(logits, labels) as fused:
+            kd = kd_loss(logits, batch)
+        ce = fused.result if fused.result is not None else losses.cross_entropy(logits, labels)
+
+    The KD pass gathers each labelled position's label next to its KD columns, so CE and KD share
+    the pass over the vocabulary and, above all, ONE logits-sized gradient buffer in backward
+    (separate losses allocate one each). Values and gradients equal the separate computation.
+    `fused.result` stays None when the KD loss made no pass over these logits.
+    """
+    token = _PENDING_CE.set(_PendingCE(logits, labels))
+    try:
+        yield _PENDING_CE.get()
+    finally:
+        _PENDING_CE.reset(token)
+
+
 # --------------------------------------------------------------------------------------------
 # cross tokenizer
 
@@ -372,18 +493,6 @@ class ProjectionOperator:
     def mapped_count(self, teacher_ids: Tensor) -> Tensor:
         """How many W entries point at the given teacher ids (0 = nothing maps there)."""
         return (self.crow[teacher_ids + 1] - self.crow[teacher_ids]).sum()
-
-
-def _projected_block(logits, pos, support, projection, temperature):
-    """q[i, j] = sum_s softmax(z_pos[i] / T)[s] W[s, support[i, j]], [b, K]; 0 where support < 0."""
-    cdt = _compute_dtype(logits.dtype)
-    probs = torch.softmax(logits[pos].to(cdt) / temperature, dim=-1)  # [b, V_s]
-    valid = support >= 0  # [b, K]
-    uniq, local = torch.unique(support[valid], return_inverse=True)  # [U], [nnz]
-    proj = torch.sparse.mm(projection.columns(uniq, cdt), probs.t()).t()  # [b, U]
-    out = torch.zeros(support.shape, dtype=cdt, device=logits.device)  # [b, K]
-    out[valid] = proj[torch.nonzero(valid)[:, 0], local]
-    return out
 
 
 def chunk_teacher_distribution(teacher_ids: Tensor, teacher_logprobs: Tensor, teacher_residual: Tensor,
@@ -448,12 +557,13 @@ def projected_kl(logits: Tensor, student_chunk: Tensor, teacher_ids: Tensor, tea
             "no student token maps onto any teacher id stored for this batch: the projection map "
             "was built for other tokenizers or is empty; check `xtcache projection inspect`")
     pos_support = support[pos_chunk]  # [P, K]
-    parts = []
-    for s in range(0, pos.numel(), row_chunk):
-        e = min(s + row_chunk, pos.numel())
-        parts.append(checkpoint(_projected_block, flat_logits, pos[s:e], pos_support[s:e], projection,
-                                float(temperature), use_reentrant=False))
-    q_pos = torch.cat(parts)  # [P, K]
+    no_ids = torch.zeros((pos.numel(), 0), dtype=torch.int64, device=pos.device)  # only projections here
+    fused = _pending_ce(flat_logits)
+    if fused is not None:
+        _, q_pos = fused.run(flat_logits, pos, no_ids, pos_support, projection, temperature, row_chunk)
+    else:
+        _, q_pos = _StudentTerms.apply(flat_logits, pos, _inv_temperature(pos, temperature, flat_logits), no_ids,
+                                       pos_support, projection, int(row_chunk))  # [P, K]
     n_pos = torch.bincount(pos_chunk, minlength=num_chunks).clamp(min=1).to(q_pos.dtype)  # [C]
     q_c = torch.zeros((num_chunks, support.shape[1]), dtype=q_pos.dtype, device=q_pos.device)
     q_c = q_c.index_add(0, pos_chunk, q_pos) / n_pos[:, None]  # [C, K]

@@ -153,13 +153,20 @@ class Trainer:
         logits = out.logits  # [B, L, V] in the model's dtype; the losses work in fp32 blocks
         labels = batch["labels"]
         zero = torch.zeros((), dtype=torch.float32, device=logits.device)
-        ce_sum = losses.cross_entropy(logits, labels).total if int((labels != -100).sum()) else zero
-        loss = logits.sum() * 0.0 + ce_sum * (self.cfg.loss.ce_weight / n_tokens)  # keeps the graph
-        terms = {"ce_sum": ce_sum.detach(), "kd_sum": zero, "agree": zero, "agree_n": zero}
         chunks = int(batch.get("num_chunks", 0))
         train_kd = self.cfg.loss.loss != "ce"
+        kd_sum, fused = None, None
         if self.data.kd is not None and chunks and (train_kd or not train):
-            kd_sum = self.data.kd(logits, batch)  # sum over this micro-batch's valid chunks
+            # CE rides in the KD's pass over the vocabulary: one gradient buffer for the logits, not two
+            with losses.fuse_cross_entropy(logits, labels) as fused:
+                kd_sum = self.data.kd(logits, batch)  # sum over this micro-batch's valid chunks
+        if fused is not None and fused.result is not None:
+            ce_sum = fused.result.total
+        else:
+            ce_sum = losses.cross_entropy(logits, labels).total if int((labels != -100).sum()) else zero
+        loss = logits.sum() * 0.0 + ce_sum * (self.cfg.loss.ce_weight / n_tokens)  # keeps the graph
+        terms = {"ce_sum": ce_sum.detach(), "kd_sum": zero, "agree": zero, "agree_n": zero}
+        if kd_sum is not None:
             terms["kd_sum"] = kd_sum.detach()
             if train_kd:
                 w_kd = self.cfg.loss.kd_weight

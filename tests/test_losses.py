@@ -362,3 +362,109 @@ def test_make_kd_loss_dispatches_on_batch_dicts():
         assert torch.isfinite(losses.make_kd_loss(name)(logits, batch))
     with pytest.raises(XtcacheError):
         losses.make_kd_loss("pkl")
+
+
+def _fused_cases(gen):
+    """(name, kd(logits) -> LossSum) on one [2, 5, V] logits batch: every KD family, both fusion paths."""
+    _, ids, logp, residual = _teacher_topk(4, V, 4, gen)
+    rows = torch.tensor([1, 2, 5, 9])
+    repeated = torch.tensor([1, 2, 2, 9])  # a logit row used twice: CE rows are appended, not merged
+    w = _projection(V, 13, gen)
+    op = losses.ProjectionOperator(w.to_sparse())
+    student_chunk, teacher_chunk = _pkl_batch(gen)
+    _, t_ids, t_logp, t_res = _teacher_topk(5, 13, 4, gen)
+    realized = -torch.rand(5, generator=gen, dtype=torch.float64) * 3
+    counts = torch.randint(0, 4, ids.shape, generator=gen).double()
+    flat = lambda z: z.reshape(-1, V)  # noqa: E731
+    return [
+        ("kl T=1", lambda z: losses.topk_forward_kl(flat(z), rows, ids, logp, residual, row_chunk=3)),
+        ("kl repeated rows", lambda z: losses.topk_forward_kl(flat(z), repeated, ids, logp, residual)),
+        ("jsd T=2", lambda z: losses.topk_generalized_jsd(flat(z), rows, ids, logp, residual, beta=0.3,
+                                                          temperature=2.0, row_chunk=4)),
+        ("rkl", lambda z: losses.topk_reverse_kl(flat(z), rows, ids, logp, residual)),
+        ("sampled", lambda z: losses.sampled_kl(flat(z), rows, ids, counts)),
+        ("pkl T=1", lambda z: losses.projected_kl(z, student_chunk, t_ids, t_logp, t_res, teacher_chunk, 4, op,
+                                                  row_chunk=2)),
+        ("pkl T=1.3", lambda z: losses.projected_kl(z, student_chunk, t_ids, t_logp, t_res, teacher_chunk, 4, op,
+                                                    temperature=1.3)),
+        ("alm", lambda z: losses.chunk_likelihood_loss(z, torch.randint(0, V, (2, 5), generator=gen),
+                                                       student_chunk, realized, teacher_chunk, 4, tau=2.0)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_fused_cross_entropy_equals_separate_ce_and_kd(case):
+    """CE computed inside the KD pass gives the same CE, KD and gradients as the two losses apart."""
+    gen = torch.Generator().manual_seed(14)
+    name, kd = _fused_cases(gen)[case]
+    logits = torch.randn(2, 5, V, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (2, 5), generator=gen)
+    labels[0, 0] = labels[1, 3] = -100
+    gen_state = gen.get_state()
+    separate_kd = kd(logits).total
+    separate_ce = losses.cross_entropy(logits, labels)
+    gen.set_state(gen_state)  # alm draws its labels: the same ones again
+    with losses.fuse_cross_entropy(logits, labels) as fused:
+        fused_kd = kd(logits).total
+    assert fused.result is not None, name
+    assert fused.result.count.item() == separate_ce.count.item() == 8
+    torch.testing.assert_close(fused_kd, separate_kd, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused.result.total, separate_ce.total, rtol=1e-12, atol=1e-12)
+    g_sep = torch.autograd.grad(separate_kd + 0.1 * separate_ce.total, logits)[0]
+    g_fused = torch.autograd.grad(fused_kd + 0.1 * fused.result.total, logits)[0]
+    torch.testing.assert_close(g_fused, g_sep, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_cross_entropy_only_rides_on_the_same_logits():
+    gen = torch.Generator().manual_seed(15)
+    _, ids, logp, residual = _teacher_topk(3, V, 4, gen)
+    logits = torch.randn(1, 4, V, generator=gen, dtype=torch.float64)
+    other = logits.clone()
+    labels = torch.randint(0, V, (1, 4), generator=gen)
+    with losses.fuse_cross_entropy(logits, labels) as fused:
+        losses.topk_forward_kl(other.reshape(-1, V), torch.arange(3), ids, logp, residual)
+    assert fused.result is None  # another tensor: the trainer falls back to a separate CE
+    with losses.fuse_cross_entropy(logits, labels) as fused:
+        losses.topk_forward_kl(logits.reshape(-1, V), torch.arange(3), ids, logp, residual)
+        first = fused.result
+        losses.topk_forward_kl(logits.reshape(-1, V), torch.arange(3), ids, logp, residual)
+    assert fused.result is first  # computed once, by the first pass
+    assert losses._pending_ce(logits.reshape(-1, V)) is None  # nothing pending after the block
+
+
+def test_fused_backward_allocates_one_logits_sized_gradient():
+    """Separate CE + KD allocate two [N, V] gradient buffers in backward; fused, one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gen = torch.Generator().manual_seed(16)
+    n = 12
+    _, ids, logp, residual = _teacher_topk(n, V, 4, gen)
+    logits = torch.randn(n, V, generator=gen, requires_grad=True)
+    labels = torch.randint(0, V, (n,), generator=gen)
+
+    class CountFullSize(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.zeros_like, torch.ops.aten.zeros, torch.ops.aten.new_zeros) \
+                    and isinstance(out, torch.Tensor) and tuple(out.shape) == (n, V):
+                self.count += 1
+            return out
+
+    def grad_buffers(fuse: bool) -> int:
+        if fuse:
+            with losses.fuse_cross_entropy(logits, labels) as fused:
+                kd = losses.topk_forward_kl(logits, torch.arange(n), ids, logp, residual).total
+            loss = kd + fused.result.total
+        else:
+            loss = (losses.topk_forward_kl(logits, torch.arange(n), ids, logp, residual).total
+                    + losses.cross_entropy(logits, labels).total)
+        with CountFullSize() as mode:
+            torch.autograd.grad(loss, logits)
+        return mode.count
+
+    assert grad_buffers(fuse=False) == 2
+    assert grad_buffers(fuse=True) == 1
