@@ -654,32 +654,31 @@ def make_kd_loss(loss: str, *, temperature: float = 1.0, jsd_beta: float = 0.5, 
 
     loss: kl | rkl | jsd | sampled (same tokenizer, 1:1 chunks), pkl (needs `projection`) or alm.
     """
-    def same(fn, **kw):
-        def run(logits, batch):
-            rows = same_tokenizer_rows(batch["student_chunk"], int(batch["num_chunks"]))
-            if fn is sampled_kl:
-                return fn(logits, rows, batch["teacher_ids"], batch["teacher_counts"], row_chunk=row_chunk).total
-            return fn(logits, rows, batch["teacher_ids"], batch["teacher_logprobs"], batch["teacher_residual"],
-                      temperature=temperature, teacher_tail=teacher_tail, row_chunk=row_chunk, **kw).total
-        return run
+    if loss == "pkl" and projection is None:
+        raise ProjectionError("--loss pkl needs a projection map (--projection, or built from both tokenizers)")
+    if loss not in ("kl", "rkl", "jsd", "sampled", "pkl", "alm"):
+        raise ValueError(f"--loss {loss!r}: use kl, rkl, jsd, sampled, pkl or alm")
 
-    if loss == "kl":
-        return same(topk_forward_kl)
-    if loss == "rkl":
-        return same(topk_reverse_kl)
-    if loss == "jsd":
-        return same(topk_generalized_jsd, beta=jsd_beta)
-    if loss == "sampled":
-        return same(sampled_kl)
-    if loss == "pkl":
-        if projection is None:
-            raise ProjectionError("--loss pkl needs a projection map (--projection, or built from both tokenizers)")
-        return lambda logits, b: projected_kl(
-            logits, b["student_chunk"], b["teacher_ids"], b["teacher_logprobs"], b["teacher_residual"],
-            b["teacher_chunk"], int(b["num_chunks"]), projection, temperature=temperature,
-            teacher_tail=teacher_tail, row_chunk=row_chunk).total
-    if loss == "alm":
-        return lambda logits, b: chunk_likelihood_loss(
-            logits, b["labels"], b["student_chunk"], b["teacher_realized"], b["teacher_chunk"],
-            int(b["num_chunks"]), tau=alm_tau, row_chunk=row_chunk).total
-    raise ValueError(f"--loss {loss!r}: use kl, rkl, jsd, sampled, pkl or alm")
+    def kd(logits: Tensor, b: dict) -> Tensor:
+        c = int(b["num_chunks"])
+        if loss == "pkl":
+            return projected_kl(logits, b["student_chunk"], b["teacher_ids"], b["teacher_logprobs"],
+                                b["teacher_residual"], b["teacher_chunk"], c, projection, temperature=temperature,
+                                teacher_tail=teacher_tail, row_chunk=row_chunk).total
+        if loss == "alm":
+            return chunk_likelihood_loss(logits, b["labels"], b["student_chunk"], b["teacher_realized"],
+                                         b["teacher_chunk"], c, tau=alm_tau, row_chunk=row_chunk).total
+        flat = logits.reshape(-1, logits.shape[-1])  # [B*L, V]
+        rows = same_tokenizer_rows(b["student_chunk"], c)[b["teacher_chunk"]]  # logit row of each teacher row
+        if loss == "sampled":
+            return sampled_kl(flat, rows, b["teacher_ids"], b["teacher_counts"], row_chunk=row_chunk).total
+        args = (flat, rows, b["teacher_ids"], b["teacher_logprobs"], b["teacher_residual"])
+        kw = dict(temperature=temperature, teacher_tail=teacher_tail, row_chunk=row_chunk)
+        if loss == "kl":
+            return topk_forward_kl(*args, **kw).total
+        if loss == "rkl":
+            return topk_reverse_kl(*args, **kw).total
+        return topk_generalized_jsd(*args, beta=jsd_beta, **kw).total
+
+    return kd
+

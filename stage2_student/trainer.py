@@ -523,30 +523,8 @@ def make_kd(name: str, cfg: TrainConfig, projection) -> Callable:
     """(logits [B, L, V], batch) -> sum of the KD loss `name` over the batch's valid chunks."""
     from stage2_student import losses
 
-    temp, lc = cfg.loss.temperature, cfg.loss
-
-    def kd(logits, batch):
-        c = int(batch["num_chunks"])
-        if name == "pkl":
-            return losses.projected_kl(logits, batch["student_chunk"], batch["teacher_ids"], batch["teacher_logprobs"],
-                                       batch["teacher_residual"], batch["teacher_chunk"], c, projection,
-                                       temperature=temp).total
-        if name == "alm":
-            return losses.chunk_likelihood_loss(logits, batch["labels"], batch["student_chunk"],
-                                                batch["teacher_realized"], batch["teacher_chunk"], c,
-                                                tau=lc.alm_tau).total
-        flat = logits.reshape(-1, logits.shape[-1])
-        rows = losses.same_tokenizer_rows(batch["student_chunk"], c)[batch["teacher_chunk"]]  # logit row of each teacher row
-        if name == "sampled":
-            return losses.sampled_kl(flat, rows, batch["teacher_ids"], batch["teacher_counts"]).total
-        args = (flat, rows, batch["teacher_ids"], batch["teacher_logprobs"], batch["teacher_residual"])
-        if name == "kl":
-            return losses.topk_forward_kl(*args, temperature=temp).total
-        if name == "rkl":
-            return losses.topk_reverse_kl(*args, temperature=temp).total
-        return losses.topk_generalized_jsd(*args, beta=lc.jsd_beta, temperature=temp).total
-
-    return kd
+    return losses.make_kd_loss(name, temperature=cfg.loss.temperature, jsd_beta=cfg.loss.jsd_beta,
+                               alm_tau=cfg.loss.alm_tau, projection=projection)
 
 
 def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> StageData:
