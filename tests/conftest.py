@@ -43,6 +43,14 @@ def student_tokenizer(toy_setup):
     return load_tokenizer(toy_setup.student_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def teacher(toy_setup) -> str:
+    """A vLLM-servable teacher with a padded lm_head, next to the toy setup (built once)."""
+    from stage1_teacher.toy_teacher import build_vllm_teacher
+
+    return str(build_vllm_teacher(toy_setup.root))
+
+
 def has_cuda() -> bool:
     try:
         import torch

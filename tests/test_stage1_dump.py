@@ -28,13 +28,6 @@ QUANT_TOL = 24.0 / 255 / 2 + 1e-4  # half a step of the default 8-bit log-prob c
 
 
 @pytest.fixture(scope="module")
-def teacher(toy_setup):
-    from stage1_teacher.toy_teacher import build_vllm_teacher
-
-    return str(build_vllm_teacher(toy_setup.root))
-
-
-@pytest.fixture(scope="module")
 def corpus(toy_setup, tmp_path_factory):
     """24 held-out documents plus rows that must be skipped."""
     path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"

@@ -28,13 +28,6 @@ QUANT_TOL = 24.0 / 255 / 2 + 1e-3  # half a step of the 8-bit log-prob codec, pl
 
 
 @pytest.fixture(scope="module")
-def teacher(toy_setup):
-    from stage1_teacher.toy_teacher import build_vllm_teacher
-
-    return str(build_vllm_teacher(toy_setup.root))
-
-
-@pytest.fixture(scope="module")
 def corpus(toy_setup, tmp_path_factory):
     path = tmp_path_factory.mktemp("vcorpus") / "docs.jsonl"
     texts = [json.loads(l)["text"] for l in open(toy_setup.heldout_jsonl)][:16]
