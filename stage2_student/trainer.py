@@ -205,6 +205,13 @@ class Trainer:
 
         t0 = time.perf_counter()
         chunks, tokens = self._all_reduce(list(self._counts(batches)))
+        if chunks == 0 and self.data.kd is not None and self.cfg.loss.loss != "ce":
+            from stage2_student.losses import NoValidChunksError
+
+            # every rank sees the same all-reduced count, so every rank raises here together
+            raise NoValidChunksError(
+                f"optimizer step {self.step + 1}: no valid chunk in the whole accumulated batch on any rank, so "
+                "the KD term would silently be zero: raise --seq-len, or check the cache with `xtcache inspect`")
         n_chunks, n_tokens = max(chunks, 1.0), max(tokens, 1.0)
         lr = self.engine.get_lr()[0]
         self.engine.train()
