@@ -10,8 +10,15 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from xtcache import toy
+
+# Property tests draw the same examples on every run, so `make test` cannot flake; set
+# HYPOTHESIS_PROFILE=explore to search with fresh random examples while developing.
+settings.register_profile("repeatable", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_CACHE = Path(os.environ.get("XTCACHE_TEST_CACHE", REPO / ".xtcache_test_cache"))

@@ -75,7 +75,8 @@ def manifest(mode="topk", k=8, V=70_000, **kw) -> Manifest:
     return Manifest(cache_key=kw.pop("cache_key", "key-a"), mode=mode, k=k, teacher_vocab_size=V, **kw)
 
 
-def check_same(doc: DocRecord, got: DocRecord, mode: str, tol: float) -> None:
+def check_same(doc: DocRecord, got: DocRecord, mode: str, tol: float, floor: float = -24.0) -> None:
+    """`got` equals `doc`, with stored log-probs within `tol` of the originals clamped at `floor`."""
     assert got.text == doc.text and got.doc_id == doc.doc_id
     np.testing.assert_array_equal(got.teacher_ids, doc.teacher_ids)
     np.testing.assert_array_equal(got.char_offsets, doc.char_offsets)
@@ -93,7 +94,7 @@ def check_same(doc: DocRecord, got: DocRecord, mode: str, tol: float) -> None:
     np.testing.assert_array_equal(got.topk_ids[hp], np.take_along_axis(doc.topk_ids, order, 1)[hp])
     want_lp = np.take_along_axis(doc.topk_logprobs, order, 1)[hp]
     if tol > 0:
-        want_lp = np.maximum(want_lp, -24.0)
+        want_lp = np.maximum(want_lp, floor)
     assert np.abs(got.topk_logprobs[hp] - want_lp).max(initial=0) <= tol
 
 
@@ -491,7 +492,7 @@ def test_store_round_trip_property(case):
             np.testing.assert_allclose(rec.topk_logprobs[hp], want, rtol=2 ** -11, atol=1e-7)
             continue
         doc_clamped = DocRecord(**{**doc.__dict__, "topk_logprobs": np.maximum(doc.topk_logprobs, floor)})
-        check_same(doc_clamped, got.doc(i), mode, tol=tol)
+        check_same(doc_clamped, got.doc(i), mode, tol=tol, floor=floor)
 
 
 def test_later_writer_declares_a_new_group(tmp_path):
