@@ -51,6 +51,19 @@ def student_tokenizer(toy_setup):
 
 
 @pytest.fixture(scope="session")
+def sp_tokenizer(toy_setup, tmp_path_factory):
+    """A SentencePiece-style student tokenizer (Metaspace, byte fallback), trained once."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    texts = [json.loads(line)["text"] for line in toy_setup.train_jsonl.read_text().splitlines()[:150]]
+    out = tmp_path_factory.mktemp("sp")
+    toy.train_sentencepiece_style_tokenizer(texts, 1024, out)
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+@pytest.fixture(scope="session")
 def teacher(toy_setup) -> str:
     """A vLLM-servable teacher with a padded lm_head, next to the toy setup (built once)."""
     from stage1_teacher.toy_teacher import build_vllm_teacher

@@ -16,7 +16,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xtcache import toy
 from xtcache.align import (Alignment, align_batch, align_offsets, align_text, align_texts, alignment_stats,
                            encode_with_offsets, identity_alignment, tokenizer_info)
 from xtcache.errors import AlignmentError, XtcacheError
@@ -43,12 +42,12 @@ def check_partition(a: Alignment, n_student: int, n_teacher: int) -> None:
 
 def decoded_chunks(tok, ids, ends) -> list[str]:
     """Each chunk's text by prefix decoding (works for byte-level and SentencePiece decoders)."""
-    prev, out, start = "", [], 0
+    prev, out = "", []
     for end in ends.tolist():
         cur = tok.decode(ids[:end].tolist(), skip_special_tokens=True, clean_up_tokenization_spaces=False)
         assert cur.startswith(prev)
         out.append(cur[len(prev):])
-        prev, start = cur, end
+        prev = cur
     return out
 
 
@@ -224,16 +223,6 @@ def test_special_token_spelled_in_text_is_inexact(student_tokenizer, teacher_tok
 
 # --- SentencePiece style (Metaspace + byte fallback) against byte-level BPE -----------------------
 
-@pytest.fixture(scope="session")
-def sp_tokenizer(toy_setup, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    texts = [json.loads(line)["text"] for line in toy_setup.train_jsonl.read_text().splitlines()[:150]]
-    out = tmp_path_factory.mktemp("sp")
-    toy.train_sentencepiece_style_tokenizer(texts, 1024, out)
-    return AutoTokenizer.from_pretrained(str(out))
-
-
 def test_sentencepiece_style_examples(sp_tokenizer, teacher_tokenizer):
     for text in ["Hello world", "def  f():\n\treturn 42", " leading space", "é😀中文 a\u0301b", "x\u3000y"]:
         s_ids, t_ids, a = align_text(text, sp_tokenizer, teacher_tokenizer)
@@ -243,17 +232,22 @@ def test_sentencepiece_style_examples(sp_tokenizer, teacher_tokenizer):
         assert not a.exact[0] and a.student_end[0] == 1 and a.teacher_end[0] == 0  # <s> alone
 
 
-@PROPERTY
-@given(text=TEXTS)
-def test_property_sentencepiece_vs_byte_level(text, sp_tokenizer, teacher_tokenizer):
-    s_ids, t_ids, a = align_text(text, sp_tokenizer, teacher_tokenizer)
+def check_metaspace_student(text, s_tok, teacher_tokenizer):
+    """Partition, exact chunks, and full exact coverage for a Metaspace (SentencePiece-style) student."""
+    s_ids, t_ids, a = align_text(text, s_tok, teacher_tokenizer)
     check_partition(a, len(s_ids), len(t_ids))
-    check_exact_chunks(text, sp_tokenizer, teacher_tokenizer, s_ids, t_ids, a, strip_first_space=True)
+    check_exact_chunks(text, s_tok, teacher_tokenizer, s_ids, t_ids, a, strip_first_space=True)
     begin = np.concatenate(([0], a.char_end[:-1]))
-    specials = sp_tokenizer.all_special_tokens + teacher_tokenizer.all_special_tokens
+    specials = s_tok.all_special_tokens + teacher_tokenizer.all_special_tokens
     if "\u2581" not in text and not any(sp in text for sp in specials):  # byte fallback: lossless, except
         # that SentencePiece reads a literal "▁" as a space, and spelled special tokens are control tokens
         assert int(((a.char_end - begin) * a.exact).sum()) == len(text)
+
+
+@PROPERTY
+@given(text=TEXTS)
+def test_property_sentencepiece_vs_byte_level(text, sp_tokenizer, teacher_tokenizer):
+    check_metaspace_student(text, sp_tokenizer, teacher_tokenizer)
 
 
 def test_sentencepiece_literal_metaspace_char_is_inexact_not_an_error(sp_tokenizer, teacher_tokenizer):
@@ -375,13 +369,7 @@ def llama2_style_tokenizer(toy_setup, tmp_path_factory):
 @PROPERTY
 @given(text=TEXTS)
 def test_property_llama2_style_normalizer(text, llama2_style_tokenizer, teacher_tokenizer):
-    s_ids, t_ids, a = align_text(text, llama2_style_tokenizer, teacher_tokenizer)
-    check_partition(a, len(s_ids), len(t_ids))
-    check_exact_chunks(text, llama2_style_tokenizer, teacher_tokenizer, s_ids, t_ids, a, strip_first_space=True)
-    begin = np.concatenate(([0], a.char_end[:-1]))
-    specials = llama2_style_tokenizer.all_special_tokens + teacher_tokenizer.all_special_tokens
-    if "\u2581" not in text and not any(sp in text for sp in specials):
-        assert int(((a.char_end - begin) * a.exact).sum()) == len(text)
+    check_metaspace_student(text, llama2_style_tokenizer, teacher_tokenizer)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

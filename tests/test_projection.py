@@ -7,13 +7,10 @@ The build's coverage report is printed (visible with `pytest -s`).
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from xtcache import toy
 from xtcache.align import tokenizer_info
 from xtcache.commands_projection import app
 from xtcache.errors import ProjectionError, XtcacheError
@@ -23,16 +20,6 @@ from xtcache.projection import ProjectionMap, build_projection, coverage, format
 @pytest.fixture(scope="module")
 def toy_map(student_tokenizer, teacher_tokenizer):
     return build_projection(student_tokenizer, teacher_tokenizer, top_k=4)
-
-
-@pytest.fixture(scope="module")
-def sp_tokenizer(toy_setup, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    texts = [json.loads(line)["text"] for line in toy_setup.train_jsonl.read_text().splitlines()[:150]]
-    out = tmp_path_factory.mktemp("sp-proj")
-    toy.train_sentencepiece_style_tokenizer(texts, 1024, out)
-    return AutoTokenizer.from_pretrained(str(out))
 
 
 def _piece(tok, i: int) -> bytes:
