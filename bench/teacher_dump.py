@@ -11,10 +11,14 @@ On one teacher and one corpus (the same windows for every path) it measures posi
 and prints a table with the ratios (d)/(a) and (d)/(b) (targets: >= 0.5 and >= 4). Engine start
 times are excluded from every rate and printed separately; (d) is timed from its first batch to
 its last committed part, so tokenization, alignment, lm_head/top-k and the compressed writes are
-inside it. The teacher is the tests' vLLM-servable toy teacher (Qwen2, head size 32, padded
-lm_head) unless --teacher is given.
+inside it. (a) computes logits for the last position of each window only, while every capture
+path needs them for every position: the lm_head's share of the forward decides how close (d) can
+get. The toy teacher's head costs 1.3x its transformer body (real teachers: 0.08 for 7-8B,
+0.18 for 1.5B, 0.38 for 0.5B), so the run measures two vLLM-servable toy teachers side by side:
+"toy" (the tests' teacher, 2 layers) and "proportioned" (6 layers, head share 0.11), or the
+teacher given with --teacher.
 
-    .venv/bin/python bench/teacher_dump.py [--docs 256] [--top-k 64] [--max-seq-len 512] [--teacher DIR]
+    .venv/bin/python bench/teacher_dump.py [--docs 256] [--top-k 64] [--max-seq-len 512] [--shapes toy,proportioned]
 """
 
 from __future__ import annotations
@@ -97,13 +101,41 @@ def bench_dump(teacher: str, student: str, corpus: str, k: int, max_len: int, dt
     return {"d": s.positions / s.capture_s, "summary": s}
 
 
+def measure(teacher: str, student: str, texts: list[str], args) -> dict:
+    """All five paths on one teacher, back to back."""
+    from stage1_teacher.head import read_config
+    from stage1_teacher.toy_teacher import head_share
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = f"{tmp}/corpus.jsonl"
+        Path(corpus).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        windows = corpus_windows(teacher, texts, args.max_seq_len)
+        n = sum(len(w) for w in windows)
+        share = head_share(read_config(teacher))
+        print(f"teacher {teacher} (lm_head / body multiply-adds {share:.2f})\ncorpus  {len(texts)} documents, "
+              f"{len(windows)} windows, {n} positions, k={args.top_k}, dtype {args.dtype}", flush=True)
+        ab = bench_vllm_generate(teacher, windows, args.top_k, args.max_seq_len, args.dtype)
+        c = bench_hf(teacher, windows, args.top_k, args.dtype)
+        d = bench_dump(teacher, student, corpus, args.top_k, args.max_seq_len, args.dtype, f"{tmp}/store")
+        e = bench_dump(teacher, student, corpus, args.top_k, args.max_seq_len, args.dtype, f"{tmp}/store_hf", "hf")
+    s = d["summary"]
+    print(f"  engine start: {ab['start']:.1f} s for (a)/(b); {s.engine_start_s:.1f} s for (d) "
+          "(reference + fast engine, first-batch check)")
+    print(f"  (d) {s.capture_path}; {s.bytes_written / max(1, s.positions):.1f} B/position; time split "
+          f"teacher {s.teacher_s:.1f} s, targets {s.post_s:.1f} s, encode+write {s.write_s:.1f} s, "
+          f"teacher waited {s.teacher_wait_s:.2f} s on the writer and {s.input_wait_s:.2f} s on input", flush=True)
+    return {"share": share, "positions": n, "a": ab["a"], "b": ab["b"], "c": c["c"], "d": d["d"], "e": e["d"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--docs", type=int, default=256)
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--teacher", default=None)
+    p.add_argument("--shapes", default="toy,proportioned",
+                   help="toy teacher shapes to measure, comma-separated (stage1_teacher.toy_teacher.SHAPES)")
+    p.add_argument("--teacher", default=None, help="measure this teacher directory instead of the toy shapes")
     p.add_argument("--student-tokenizer", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -115,42 +147,27 @@ def main() -> None:
     from conftest import TEST_CACHE, TEST_SPEC  # the tests' toy setup, built once
 
     setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
-    teacher = args.teacher or str(build_vllm_teacher(setup.root))
     student = args.student_tokenizer or str(setup.student_tokenizer)
     texts = [json.loads(l)["text"] for l in open(setup.train_jsonl)][:args.docs]
-    with tempfile.TemporaryDirectory() as tmp:
-        corpus = f"{tmp}/corpus.jsonl"
-        Path(corpus).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        windows = corpus_windows(teacher, texts, args.max_seq_len)
-        n = sum(len(w) for w in windows)
-        print(f"teacher {teacher}\ncorpus  {len(texts)} documents, {len(windows)} windows, {n} positions, "
-              f"k={args.top_k}, dtype {args.dtype}", flush=True)
-        ab = bench_vllm_generate(teacher, windows, args.top_k, args.max_seq_len, args.dtype)
-        c = bench_hf(teacher, windows, args.top_k, args.dtype)
-        d = bench_dump(teacher, student, corpus, args.top_k, args.max_seq_len, args.dtype, f"{tmp}/store")
-        e = bench_dump(teacher, student, corpus, args.top_k, args.max_seq_len, args.dtype, f"{tmp}/store_hf", "hf")
-    s = d["summary"]
-    rows = [
-        ("(a) vLLM forward only", ab["a"]),
-        ("(b) vLLM prompt log-probs, default flags", ab["b"]),
-        ("(c) transformers forward + top-k", c["c"]),
-        ("(d) xtcache teacher-dump, end to end", d["d"]),
-        ("(e) xtcache teacher-dump --engine hf, end to end", e["d"]),
-    ]
+    if args.teacher:
+        teachers = {Path(args.teacher).name: args.teacher}
+    else:
+        teachers = {shape: str(build_vllm_teacher(setup.root, shape=shape, steps=120 if shape == "toy" else 40))
+                    for shape in args.shapes.split(",")}
+    results = {name: measure(path, student, texts, args) for name, path in teachers.items()}
+
+    names = list(results)
     print()
-    print("| path | positions/s |")
-    print("| --- | ---: |")
-    for name, rate in rows:
-        print(f"| {name} | {rate:,.0f} |")
-    print()
-    print(f"(d)/(a) = {d['d'] / ab['a']:.2f}   (target >= 0.5)")
-    print(f"(d)/(b) = {d['d'] / ab['b']:.2f}   (target >= 4)")
-    print(f"(d)/(c) = {d['d'] / c['c']:.2f}")
-    print(f"\nengine start: {ab['start']:.1f} s for (a)/(b); {s.engine_start_s:.1f} s for (d) "
-          "(reference + fast engine, first-batch check)")
-    print(f"(d) {s.capture_path}; {s.bytes_written / max(1, s.positions):.1f} B/position; time split "
-          f"teacher {s.teacher_s:.1f} s, targets {s.post_s:.1f} s, encode+write {s.write_s:.1f} s, "
-          f"teacher waited {s.teacher_wait_s:.2f} s on the writer and {s.input_wait_s:.2f} s on input")
+    print("| path | " + " | ".join(f"{n} teacher, positions/s" for n in names) + " |")
+    print("| --- |" + " ---: |" * len(names))
+    print("| lm_head / body multiply-adds | " + " | ".join(f"{results[n]['share']:.2f}" for n in names) + " |")
+    for key, label in (("a", "(a) vLLM forward only"), ("b", "(b) vLLM prompt log-probs, default flags"),
+                       ("c", "(c) transformers forward + top-k"), ("d", "(d) xtcache teacher-dump, end to end"),
+                       ("e", "(e) xtcache teacher-dump --engine hf, end to end")):
+        print(f"| {label} | " + " | ".join(f"{results[n][key]:,.0f}" for n in names) + " |")
+    for num, den, target in (("d", "a", ">= 0.5"), ("d", "b", ">= 4"), ("d", "c", "")):
+        print(f"| ({num})/({den}){' target ' + target if target else ''} | "
+              + " | ".join(f"{results[n][num] / results[n][den]:.2f}" for n in names) + " |")
 
 
 if __name__ == "__main__":

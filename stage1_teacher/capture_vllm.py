@@ -14,7 +14,8 @@ Two engines, both fed pre-tokenized windows (`{"prompt_token_ids": ids}`, no det
 On a CPU build vLLM needs `VLLM_CPU_KVCACHE_SPACE` (set here to 1 GiB only when not on CUDA and
 not already set) and a `gpu_memory_utilization` around 0.3 (the fraction of host memory it
 reserves). vLLM starts worker processes, so scripts that use these engines need the
-`if __name__ == "__main__":` guard. `close()` shuts the engine's processes down.
+`if __name__ == "__main__":` guard. `close()` shuts the engine's processes down; if this process
+dies first (even by SIGKILL), `xtcache.reaper` stops them.
 
     python -m stage1_teacher.capture_vllm TEACHER_DIR   # starts both engines once and compares them
 """
@@ -78,10 +79,13 @@ class _VllmEngine:
     def __init__(self, options: VllmOptions, **extra):
         from vllm import LLM
 
+        from xtcache.reaper import guard_children
+
         kw = options.llm_kwargs()
         kw.update(extra)
         log.info("starting vLLM (%s) for %s", self.name, options.model)
-        self.llm = LLM(**kw)
+        with guard_children():  # a killed dump must not leave its engine holding the device
+            self.llm = LLM(**kw)
         self.options = options
 
     def close(self) -> None:

@@ -7,6 +7,11 @@ and trains it briefly on the toy corpus so its distributions have real structure
 marker makes the build reusable across test sessions. The tied-embedding Llama variant covers
 teachers without their own lm_head.
 
+Two shapes. "toy" (2 layers, hidden 64) is what the tests use: fast, but its lm_head costs more
+than its whole transformer body, which no real teacher does. "proportioned" (6 layers, hidden
+256) gives the head the share of forward compute that 1.5B-8B teachers have (see
+`head_share`), for benchmarks whose ratios should carry over to real teachers.
+
     python -m stage1_teacher.toy_teacher .xtcache_test_cache/toy-XXXX
 """
 
@@ -17,19 +22,36 @@ import sys
 from pathlib import Path
 
 VOCAB_PAD = 16
+SHAPES = {
+    "toy": dict(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=192),
+    "proportioned": dict(hidden=256, layers=6, heads=4, kv_heads=2, intermediate=768),
+}
 
 
-def build_vllm_teacher(toy_root: str | Path, *, tied: bool = False, steps: int = 120, seed: int = 0) -> Path:
+def head_share(config: dict) -> float:
+    """lm_head multiply-adds / transformer-body multiply-adds per position (attention scores aside).
+
+    Qwen2.5-0.5B: 0.38, Qwen2.5-1.5B: 0.18, Qwen2.5-7B and Llama-3.1-8B: 0.08.
+    """
+    h, i, layers, v = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or config["num_attention_heads"]
+    body = layers * (2 * h * h + 2 * h * kv * head_dim + 3 * h * i)
+    return h * v / body
+
+
+def build_vllm_teacher(toy_root: str | Path, *, tied: bool = False, steps: int = 120, seed: int = 0,
+                       shape: str = "toy") -> Path:
     """Directory of a vLLM-servable teacher next to the toy setup at `toy_root` (built once)."""
     from xtcache import toy
 
     root = Path(toy_root)
-    out = root / ("vllm_teacher_tied" if tied else "vllm_teacher")
+    out = root / (("vllm_teacher_tied" if tied else "vllm_teacher") + ("" if shape == "toy" else f"_{shape}"))
     if (out / "DONE").exists():
         return out
     arch = "llama" if tied else "qwen2"
-    model = toy.build_tiny_model(arch, root / "teacher_tokenizer", out, hidden=64, layers=2, heads=2, kv_heads=1,
-                                 intermediate=192, seed=seed, vocab_pad=VOCAB_PAD)
+    model = toy.build_tiny_model(arch, root / "teacher_tokenizer", out, **SHAPES[shape], seed=seed,
+                                 vocab_pad=VOCAB_PAD)
     if tied:
         import torch
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -145,3 +147,49 @@ def test_cli_subprocess_with_vllm(teacher, corpus, toy_setup, tmp_path):
     from xtcache.commands_store import verify_store
 
     assert verify_store(str(tmp_path / "cli")) == []
+
+
+def _index_hashes(url: Path) -> dict:
+    """Every committed array's sha256, by part and name."""
+    out = {}
+    for p in sorted(url.rglob("index/*.json")):
+        meta = json.loads(p.read_text())
+        out.update({f"{p.relative_to(url)}:{name}": spec["sha256"] for name, spec in meta["arrays"].items()})
+    return out
+
+
+def test_kill_and_resume_with_vllm(teacher, corpus, toy_setup, engines, tmp_path):
+    """SIGKILL a real vLLM dump mid-run: its engine processes exit with it, and --resume finishes
+    a store equal (array hashes) to an uninterrupted run of the same request."""
+    import psutil
+
+    settings = {"mode": "topk", "top_k": 8, "max_seq_len": 256, "window_overlap": 32, "docs_per_part": 3,
+                "dtype": "float32"}
+    clean = tmp_path / "clean"
+    run_teacher_dump(build_config({"teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer)],
+                                   "data": [corpus], "out": str(clean), "engine": "vllm", **settings}),
+                     engines=engines, progress=False)
+    want = _index_hashes(clean)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    out = tmp_path / "killed"
+    args = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", teacher, "--student-tokenizer",
+            str(toy_setup.student_tokenizer), "--data", corpus, "--out", str(out), "--resume", *flags]
+    p = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None and len(list((out / "index").glob("*.json"))) < 2:
+        time.sleep(0.05)
+    assert p.poll() is None, "the dump finished before it could be killed; give it more parts"
+    engine_procs = psutil.Process(p.pid).children(recursive=True)
+    assert engine_procs, "vLLM runs its engine in child processes"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    gone, alive = psutil.wait_procs(engine_procs, timeout=60)
+    assert not alive, f"vLLM processes outlived the killed dump: {[q.name() for q in alive]}"
+    committed = len(list((out / "index").glob("*.json")))
+    assert 2 <= committed < len(list((clean / "index").glob("*.json")))
+
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert f"+{committed} parts kept" in done.stdout
+    assert _index_hashes(out) == want
