@@ -184,6 +184,7 @@ def build_micro_batch(windows: list[list[tuple[ShardSource, int, int, int, bool]
     input_ids = np.full((b, seq_len), pad_id, dtype=np.int64)
     attention = np.zeros((b, seq_len), dtype=np.int64)
     labels = np.full((b, seq_len), IGNORE, dtype=np.int64)
+    position_ids = np.zeros((b, seq_len), dtype=np.int64)
     student_chunk = np.full((b, seq_len), -1, dtype=np.int64)
     rows_by_src: list[tuple[ShardSource, np.ndarray]] = []
     teacher_chunk, exact = [], []
@@ -203,10 +204,12 @@ def build_micro_batch(windows: list[list[tuple[ShardSource, int, int, int, bool]
             s_off, p_off = int(src.doc_student_offsets[d]), int(src.doc_pos_offsets[d])
             toks = src.student_ids[s_off + s_begin:s_off + int(s_end[-1])]
             input_ids[wi, pos:pos + len(toks)] = toks
+            position_ids[wi, pos:pos + len(toks)] = np.arange(len(toks))  # each segment attends to itself only
+            labels[wi, pos:pos + len(toks) - 1] = toks[1:]  # never across a segment boundary
             first = pos + (s_start - s_begin)  # [n] window position of each chunk's first token
             no_pred = np.concatenate([[0], np.cumsum(~src.has_pred[p_off + t_begin:p_off + int(t_end[-1])])])
             all_pred = (no_pred[t_end - t_begin] - no_pred[t_start - t_begin]) == 0
-            valid = (s_len > 0) & (t_len > 0) & (first > 0) & all_pred
+            valid = (s_len > 0) & (t_len > 0) & (first > pos) & all_pred  # predicted from inside the segment
             if ctx:
                 valid[0] = False
                 masked_until = pos + int(s_len[0])
@@ -218,10 +221,11 @@ def build_micro_batch(windows: list[list[tuple[ShardSource, int, int, int, bool]
             exact.append(src.exact[c0 + lo:c0 + hi][valid])
             pos += len(toks)
         attention[wi, :pos] = 1
-        labels[wi, :max(pos - 1, 0)] = input_ids[wi, 1:max(pos, 1)]
+        position_ids[wi, pos:] = np.arange(seq_len - pos)  # padding is a segment of its own
         labels[wi, :max(masked_until - 1, 0)] = IGNORE
     out: dict[str, np.ndarray | int] = {
-        "input_ids": input_ids, "attention_mask": attention, "labels": labels, "student_chunk": student_chunk,
+        "input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids, "labels": labels,
+        "student_chunk": student_chunk,
         "teacher_chunk": np.concatenate(teacher_chunk) if teacher_chunk else np.zeros(0, np.int64),
         "chunk_exact": np.concatenate(exact) if exact else np.zeros(0, bool), "num_chunks": n_chunks}
     first_src = rows_by_src[0][0] if rows_by_src else None

@@ -149,7 +149,7 @@ class Trainer:
 
         from stage2_student import losses
 
-        out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        out = self.engine(**model_inputs(batch))
         logits = out.logits  # [B, L, V] in the model's dtype; the losses work in fp32 blocks
         labels = batch["labels"]
         zero = torch.zeros((), dtype=torch.float32, device=logits.device)
@@ -438,6 +438,20 @@ class Trainer:
             if self._tb is not None:
                 self._tb.close()
         return summary
+
+
+def model_inputs(batch: dict) -> dict:
+    """The student's forward arguments for a packed micro-batch.
+
+    Each document packed into a window attends to itself only, as the teacher saw it: the
+    position ids restart at 0 for every document (and for the padding after the last one), and
+    with no 2D attention mask and no KV cache, transformers turns such position ids into a
+    block-diagonal causal mask (sdpa, eager, flex) or variable-length flash attention.
+    """
+    if "position_ids" not in batch:
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    # use_cache=False: transformers only reads packed position ids when no KV cache is passed
+    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
 
 
 def _dummy_batch(tokenizer) -> dict:

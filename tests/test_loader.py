@@ -321,3 +321,33 @@ def test_finished_eval_stream_starts_over(store):
     assert len(first) == len(second) == len(ld) > 0
     for a, b in zip(first, second):
         _same(a, b)
+
+
+def test_packed_documents_do_not_see_each_other(store, toy_setup):
+    """A window packing several documents gives each the logits it would get alone, and no label,
+    chunk or prediction reaches across a document boundary."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stage2_student.trainer import model_inputs
+
+    url, fp = store
+    batches = _all_batches(L.CacheLoader(_dataset(url, fp, epochs=1)))
+    model = AutoModelForCausalLM.from_pretrained(toy_setup.student_model, dtype=torch.float32).eval()
+    checked = 0
+    for batch in batches:
+        pos, mask = batch["position_ids"].numpy(), batch["attention_mask"].numpy()
+        with torch.no_grad():
+            packed = model(**model_inputs(batch)).logits
+        for b in range(pos.shape[0]):
+            starts = [i for i in range(int(mask[b].sum())) if pos[b, i] == 0] + [int(mask[b].sum())]
+            for lo, hi in zip(starts[:-1], starts[1:]):
+                assert batch["labels"][b, hi - 1] == -100  # the last token predicts nothing across
+                chunks = set(batch["student_chunk"][b, lo:hi].tolist()) - {-1}
+                assert not chunks & set(batch["student_chunk"][b, :lo].tolist())
+                if len(starts) > 2:
+                    with torch.no_grad():
+                        alone = model(input_ids=batch["input_ids"][b:b + 1, lo:hi]).logits[0]
+                    torch.testing.assert_close(packed[b, lo:hi], alone, atol=1e-4, rtol=1e-4)
+                    checked += 1
+    assert checked >= 4, "no window packed several documents; shorten the documents or raise SEQ"
