@@ -123,9 +123,18 @@ class Trainer:
         self.out = Path(cfg.out)
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.student)
+        self.num_params = count_parameters(cfg.student)
+        self.ds_config = deepspeed_config(cfg, self.num_params)
+        self._hf_zero3 = None
+        if self.ds_config["zero_optimization"]["stage"] == 3:
+            # while this object lives, from_pretrained builds the student under deepspeed.zero.Init:
+            # each rank allocates only its partition, never the whole model
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_zero3 = HfDeepSpeedConfig(self.ds_config)
         model = AutoModelForCausalLM.from_pretrained(cfg.student, dtype=torch.float32)
         model.config.use_cache = False
-        self.ds_config = deepspeed_config(cfg, sum(p.numel() for p in model.parameters()))
+        self.params_local_at_load = sum(int(getattr(p, "ds_tensor", p).numel()) for p in model.parameters())
         scheduler = None
         if "scheduler" not in self.ds_config:
             scale = lr_lambda(cfg)
@@ -431,13 +440,24 @@ class Trainer:
             "first_eval": self._eval_history[0] if self._eval_history else None,
             "kd_loss": self.data.kd_name, "metrics": str(self.metrics_path.resolve()),
             "hf_dir": str(hf_dir.resolve()), "checkpoints": str((self.out / CKPT_DIR).resolve()),
-            "data": self.data.info,
+            "data": self.data.info, "student_params": self.num_params,
+            "student_params_local_at_load": self.params_local_at_load,
         }
         if self.rank == 0:
             (self.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
             if self._tb is not None:
                 self._tb.close()
         return summary
+
+
+def count_parameters(model_dir: str) -> int:
+    """Parameters of the student, counted on the meta device (no memory, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
 
 
 def model_inputs(batch: dict) -> dict:

@@ -1,7 +1,8 @@
 """Stage 2 invariances on a real teacher cache, every run a subprocess (one process group each).
 
 - world 1 x grad-accum 2 trains the same model as world 2 x grad-accum 1 (torchrun, ZeRO-2 and
-  ZeRO-3, CPU/gloo): per-step losses, token counts and the exported weights agree;
+  ZeRO-3, CPU/gloo): per-step losses, token counts and the exported weights agree; under ZeRO-3
+  each rank loads only its partition of the student (zero.Init);
 - a run stopped at step k and resumed from its checkpoint continues bit-identically (losses, lr,
   final weights), the loader state included;
 - the Hugging Face export loads with plain transformers;
@@ -52,6 +53,12 @@ def test_world1_accum2_equals_world2_accum1(tmp_path, toy_setup, kd_caches, zero
     for key in ("loss", "kd", "ce"):
         assert [r[key] for r in a["train"]] == pytest.approx([r[key] for r in b["train"]], rel=1e-5, abs=1e-6), key
     assert a["summary"]["world_size"] == 1 and b["summary"]["world_size"] == 2
+    n = a["summary"]["student_params"]
+    assert a["summary"]["student_params_local_at_load"] == n
+    if zero == 3:  # built under zero.Init: rank 0 never held more than its half of the student
+        assert b["summary"]["student_params_local_at_load"] < 0.51 * n
+    else:
+        assert b["summary"]["student_params_local_at_load"] == n
     assert a["summary"]["final_eval_kl"] == pytest.approx(b["summary"]["final_eval_kl"], rel=1e-4)
     wa, wb = weights(tmp_path / "w1a2" / "hf"), weights(tmp_path / "w2a1" / "hf")
     initial = weights(Path(toy_setup.student_model))
