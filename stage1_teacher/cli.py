@@ -23,7 +23,7 @@ def teacher_dump(
     student_tokenizer: Optional[List[str]] = typer.Option(
         None, "--student-tokenizer", help="Student tokenizer directory (repeatable: one alignment group each)."),
     data: Optional[List[str]] = typer.Option(
-        None, "--data", help="Corpus file (repeatable, globs expanded): .parquet .arrow .jsonl .txt"),
+        None, "--data", help="Corpus file or fsspec URL (repeatable, globs expanded): .parquet .arrow .jsonl .txt"),
     out: Optional[str] = typer.Option(None, "--out", help="Store path or URL (default: under --cache-dir)."),
     text_field: str = typer.Option("text", "--text-field", help="Column / JSON key with the document text."),
     mode: str = typer.Option("topk", "--mode", help="topk | full | sampled."),

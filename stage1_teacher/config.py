@@ -23,7 +23,7 @@ ENGINES = ("vllm", "hf")
 @dataclass(kw_only=True)
 class InputConfig:
     data: list[str] = field(default_factory=list)
-    """Corpus files (.parquet, .arrow/.feather/.ipc, .jsonl/.json, .txt); globs are expanded."""
+    """Corpus files (.parquet, .arrow/.feather/.ipc, .jsonl/.json, .txt), local or fsspec URLs; globs are expanded."""
     text_field: str = "text"
     """Column or JSON key holding the document text (ignored for .txt)."""
 
@@ -77,7 +77,7 @@ class StoreConfig:
     cache_dir: str | None = None
     """Directory of reusable caches: a complete cache with the same key is reused, not recomputed."""
     storage_options: dict[str, Any] = field(default_factory=dict)
-    """fsspec storage options for remote stores (JSON object on the command line)."""
+    """fsspec storage options for remote stores and remote --data files (JSON object on the command line)."""
     docs_per_part: int = 256
     """Documents per store part (the unit of commit and of --resume)."""
     shard_index: int = 0
@@ -193,7 +193,8 @@ def build_config(values: dict[str, Any]) -> TeacherDumpConfig:
             value = [value]
         (sections[leaves[name]] if leaves[name] else top)[name] = value
     if "data" in sections["input"]:
-        sections["input"]["data"] = expand_globs(list(sections["input"]["data"]))
+        sections["input"]["data"] = expand_globs(list(sections["input"]["data"]),
+                                                 sections["store"].get("storage_options"))
     return TeacherDumpConfig(**top, **{name: _section_type(name)(**kw) for name, kw in sections.items()})
 
 
@@ -201,13 +202,21 @@ _NULLABLE = {"gpu_memory_utilization", "max_num_batched_tokens", "max_model_len"
              "check_tolerance", "out", "cache_dir"}
 
 
-def expand_globs(paths: list[str]) -> list[str]:
+def expand_globs(paths: list[str], storage_options: dict | None = None) -> list[str]:
+    """Expand glob patterns in --data, local or remote (s3://bucket/corpus/*.parquet), sorted."""
     import glob
 
     out = []
     for p in paths:
         if any(ch in p for ch in "*?["):
-            hits = sorted(glob.glob(p))
+            if "://" in p and not p.startswith("file://"):
+                from xtcache.store_io import file_system
+
+                fs, pattern = file_system(p, storage_options)
+                protocol = p.split("://", 1)[0]
+                hits = sorted(f"{protocol}://{h}" for h in fs.glob(pattern))
+            else:
+                hits = sorted(glob.glob(p))
             if not hits:
                 raise ValueError(f"--data {p}: the pattern matches no file")
             out.extend(hits)

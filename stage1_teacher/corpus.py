@@ -6,6 +6,9 @@ that file, and a hash of its text. Rows that cannot become a document (missing o
 field, invalid UTF-8, empty text) are yielded as `Skipped` with a reason, so the caller can count
 them in its summary instead of dropping them silently.
 
+Files are local paths or fsspec URLs (s3://bucket/corpus.parquet, gs://..., with the dump's
+`--storage-options`); remote files are streamed, never downloaded whole.
+
 Formats by file suffix:
   .parquet                       pyarrow ParquetFile.iter_batches on the text column
   .arrow .feather .ipc           Arrow IPC file (or stream) record batches
@@ -69,16 +72,19 @@ def file_format(path: str) -> str:
     raise ConfigError(f"--data {path}: unknown corpus format; use one of {', '.join(SUFFIXES)}")
 
 
-def check_sources(files: list[str]) -> list[str]:
+def check_sources(files: list[str], storage_options: dict | None = None) -> list[str]:
     """Validate the corpus files and return their source names (base names, which must be unique)."""
+    from xtcache.store_io import file_system
+
     if not files:
         raise ConfigError("--data: give at least one corpus file")
     names = []
     for f in files:
-        if not os.path.isfile(f):
+        fs, path = file_system(f, storage_options)
+        if not fs.isfile(path):
             raise ConfigError(f"--data {f}: no such file")
         file_format(f)
-        names.append(os.path.basename(f))
+        names.append(os.path.basename(path.rstrip("/")))
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"--data: two corpus files share the base name {dup[0]!r}; document ids use the base "
@@ -105,10 +111,10 @@ def _text_of(source: str, row: int, value) -> Document | Skipped:
     return Document(source, row, value)
 
 
-def _iter_parquet(path: str, source: str, text_field: str, batch_rows: int):
+def _iter_parquet(f, path: str, source: str, text_field: str, batch_rows: int):
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    pf = pq.ParquetFile(f)
     if text_field not in pf.schema_arrow.names:
         raise ConfigError(f"--data {path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); "
                           "set --text-field")
@@ -128,10 +134,10 @@ def _iter_arrow_column(column, source: str, row0: int):
         yield _text_of(source, row0 + i, value)
 
 
-def _iter_arrow(path: str, source: str, text_field: str, batch_rows: int):
+def _iter_arrow(f, path: str, source: str, text_field: str, batch_rows: int):
     import pyarrow as pa
 
-    with pa.memory_map(path, "r") as src:
+    with (pa.memory_map(f, "r") if isinstance(f, str) else pa.PythonFile(f, mode="r")) as src:
         try:
             reader = pa.ipc.open_file(src)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
@@ -150,45 +156,51 @@ def _iter_arrow(path: str, source: str, text_field: str, batch_rows: int):
             row += batch.num_rows
 
 
-def _iter_jsonl(path: str, source: str, text_field: str):
-    with open(path, "rb") as f:
-        for row, line in enumerate(f):
-            try:
-                obj = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError:
-                yield Skipped(source, row, "invalid UTF-8")
-                continue
-            except ValueError:
-                if not line.strip():
-                    yield Skipped(source, row, "empty document")
-                else:
-                    yield Skipped(source, row, "invalid JSON")
-                continue
-            if not isinstance(obj, dict) or text_field not in obj:
-                yield Skipped(source, row, "missing text field")
-                continue
-            yield _text_of(source, row, obj[text_field])
+def _iter_jsonl(f, source: str, text_field: str):
+    for row, line in enumerate(f):
+        try:
+            obj = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            yield Skipped(source, row, "invalid UTF-8")
+            continue
+        except ValueError:
+            if not line.strip():
+                yield Skipped(source, row, "empty document")
+            else:
+                yield Skipped(source, row, "invalid JSON")
+            continue
+        if not isinstance(obj, dict) or text_field not in obj:
+            yield Skipped(source, row, "missing text field")
+            continue
+        yield _text_of(source, row, obj[text_field])
 
 
-def _iter_text(path: str, source: str):
-    with open(path, "rb") as f:
-        for row, line in enumerate(f):
-            yield _text_of(source, row, line.rstrip(b"\r\n"))
+def _iter_text(f, source: str):
+    for row, line in enumerate(f):
+        yield _text_of(source, row, line.rstrip(b"\r\n"))
 
 
-def iter_corpus(files: list[str], text_field: str = "text", *, batch_rows: int = 1024) -> Iterator[Document | Skipped]:
+def iter_corpus(files: list[str], text_field: str = "text", *, batch_rows: int = 1024,
+                storage_options: dict | None = None) -> Iterator[Document | Skipped]:
     """Every row of every file, in order, as a Document or a Skipped row (streaming)."""
-    names = check_sources(files)
-    for path, source in zip(files, names):
-        fmt = file_format(path)
-        if fmt == "parquet":
-            yield from _iter_parquet(path, source, text_field, batch_rows)
-        elif fmt == "arrow":
-            yield from _iter_arrow(path, source, text_field, batch_rows)
-        elif fmt == "jsonl":
-            yield from _iter_jsonl(path, source, text_field)
-        else:
-            yield from _iter_text(path, source)
+    from xtcache.store_io import file_system
+
+    names = check_sources(files, storage_options)
+    for url, source in zip(files, names):
+        fmt = file_format(url)
+        fs, path = file_system(url, storage_options)
+        if fmt == "arrow" and "://" not in url:
+            yield from _iter_arrow(path, url, source, text_field, batch_rows)  # memory-mapped
+            continue
+        with fs.open(path, "rb") as f:
+            if fmt == "parquet":
+                yield from _iter_parquet(f, url, source, text_field, batch_rows)
+            elif fmt == "arrow":
+                yield from _iter_arrow(f, url, source, text_field, batch_rows)
+            elif fmt == "jsonl":
+                yield from _iter_jsonl(f, source, text_field)
+            else:
+                yield from _iter_text(f, source)
 
 
 def main(argv: list[str]) -> None:

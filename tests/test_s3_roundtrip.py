@@ -1,4 +1,5 @@
-"""Decoupled hardware, end to end: stage 1 writes to an S3-compatible endpoint, stage 2 trains from it.
+"""Decoupled hardware, end to end: stage 1 reads its corpus from and writes its store to an S3-compatible
+endpoint, stage 2 trains from it.
 
 An S3 server (moto) runs on loopback in this process; every xtcache command runs as its own
 subprocess and reaches the bucket only through `--storage-options`, as a separate machine would.
@@ -39,11 +40,21 @@ def _xtcache(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def test_dump_to_s3_then_verify_inspect_and_train_from_s3(toy_setup, s3_endpoint, tmp_path):
+    import s3fs
+
+    from xtcache.fingerprint import corpus_fingerprint
+    from xtcache.store import CacheReader
+
     opts = json.dumps(s3_endpoint)
     url = "s3://xtcache-bucket/caches/toy-topk"
+    s3fs.S3FileSystem(**s3_endpoint).put(str(toy_setup.heldout_jsonl), "xtcache-bucket/corpus/heldout.jsonl")
     _xtcache("teacher-dump", "--teacher", str(toy_setup.teacher_model), "--student-tokenizer",
-             str(toy_setup.student_tokenizer), "--data", str(toy_setup.heldout_jsonl), "--out", url,
+             str(toy_setup.student_tokenizer), "--data", "s3://xtcache-bucket/corpus/*.jsonl", "--out", url,
              "--engine", "hf", "--top-k", "8", "--max-seq-len", "256", "--storage-options", opts)
+    reader = CacheReader(url, s3_endpoint)
+    # the corpus streamed from the bucket: same documents and same fingerprint as the local file
+    assert reader.manifest.fingerprints["corpus"] == corpus_fingerprint([toy_setup.heldout_jsonl])
+    assert sum(m.num_docs for m in reader.shards) == len(toy_setup.heldout_jsonl.read_text().splitlines())
 
     verify = _xtcache("verify", url, "--storage-options", opts)
     assert "ok" in (verify.stdout + verify.stderr).lower()

@@ -76,21 +76,27 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
     return hashlib.sha256(_canonical_json(parts)).hexdigest()
 
 
-def corpus_fingerprint(files: Iterable[str | os.PathLike]) -> str:
-    """sha256 over each file's name, size and a content sample (first and last MiB), in given order."""
+def corpus_fingerprint(files: Iterable[str | os.PathLike], storage_options: dict | None = None) -> str:
+    """sha256 over each file's name, size and a content sample (first and last MiB), in given order.
+
+    Files may be local paths or fsspec URLs (`storage_options` for the latter); the same bytes
+    under the same base name give the same fingerprint wherever they live.
+    """
+    from xtcache.store_io import file_system
+
     entries = []
     for f in files:
-        path = Path(f)
-        if not path.is_file():
-            raise XtcacheError(f"corpus file {path} does not exist")
-        size = path.stat().st_size
+        fs, path = file_system(str(f), storage_options)
+        if not fs.isfile(path):
+            raise XtcacheError(f"corpus file {f} does not exist")
+        size = int(fs.size(path))
         h = hashlib.sha256()
-        with open(path, "rb") as fh:
+        with fs.open(path, "rb") as fh:
             h.update(fh.read(SAMPLE_BYTES))
             if size > 2 * SAMPLE_BYTES:
                 fh.seek(size - SAMPLE_BYTES)
             h.update(fh.read(SAMPLE_BYTES))
-        entries.append({"name": path.name, "size": size, "sample_sha256": h.hexdigest()})
+        entries.append({"name": os.path.basename(path.rstrip("/")), "size": size, "sample_sha256": h.hexdigest()})
     if not entries:
         raise XtcacheError("corpus fingerprint: no corpus files given")
     return hashlib.sha256(_canonical_json(entries)).hexdigest()

@@ -42,6 +42,16 @@ def read_model(model, raw: dict, where: str):
         raise StoreError(f"{where} does not match the xtcache schema: {e}") from None
 
 
+def file_system(path: str, storage_options: dict | None = None):
+    """(fsspec filesystem, path on it) of one file: local paths (plain or file://) use the OS, any
+    other URL (s3://, gs://, hf://, ...) its fsspec filesystem with `storage_options`."""
+    import fsspec.core
+
+    if "://" not in path or path.startswith("file://"):
+        return fsspec.filesystem("file"), os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
+    return fsspec.core.url_to_fs(path, **dict(storage_options or {}))
+
+
 class Location:
     """A store root on an fsspec filesystem plus the matching Zarr store.
 
