@@ -111,7 +111,10 @@ def measure(teacher: str, student: str, texts: list[str], args) -> dict:
         Path(corpus).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
         windows = corpus_windows(teacher, texts, args.max_seq_len)
         n = sum(len(w) for w in windows)
-        share = head_share(read_config(teacher))
+        try:
+            share = head_share(read_config(teacher))
+        except KeyError:  # a config without the usual fields (MoE, multimodal): not reported
+            share = float("nan")
         print(f"teacher {teacher} (lm_head / body multiply-adds {share:.2f})\ncorpus  {len(texts)} documents, "
               f"{len(windows)} windows, {n} positions, k={args.top_k}, dtype {args.dtype}", flush=True)
         ab = bench_vllm_generate(teacher, windows, args.top_k, args.max_seq_len, args.dtype)

@@ -209,14 +209,14 @@ def expand_globs(paths: list[str], storage_options: dict | None = None) -> list[
     out = []
     for p in paths:
         if any(ch in p for ch in "*?["):
-            if "://" in p and not p.startswith("file://"):
-                from xtcache.store_io import file_system
+            from xtcache.store_io import file_system, is_local, local_path
 
+            if is_local(p):
+                hits = sorted(glob.glob(local_path(p)))
+            else:
                 fs, pattern = file_system(p, storage_options)
                 protocol = p.split("://", 1)[0]
-                hits = sorted(f"{protocol}://{h}" for h in fs.glob(pattern))
-            else:
-                hits = sorted(glob.glob(p))
+                hits = sorted(h if "://" in h else f"{protocol}://{h}" for h in fs.glob(pattern))
             if not hits:
                 raise ValueError(f"--data {p}: the pattern matches no file")
             out.extend(hits)

@@ -28,6 +28,7 @@ from typing import Iterator
 
 from xtcache.errors import ConfigError
 from xtcache.fingerprint import content_hash
+from xtcache.store_io import is_local
 
 PARQUET = (".parquet",)
 ARROW = (".arrow", ".feather", ".ipc")
@@ -80,8 +81,13 @@ def check_sources(files: list[str], storage_options: dict | None = None) -> list
         raise ConfigError("--data: give at least one corpus file")
     names = []
     for f in files:
-        fs, path = file_system(f, storage_options)
-        if not fs.isfile(path):
+        try:
+            fs, path = file_system(f, storage_options)
+            found = fs.isfile(path)
+        except (ImportError, ValueError, OSError) as e:
+            raise ConfigError(f"--data {f}: cannot reach it ({type(e).__name__}: {e}); for remote files check the "
+                              "fsspec backend (s3fs, gcsfs, ...) and --storage-options") from None
+        if not found:
             raise ConfigError(f"--data {f}: no such file")
         file_format(f)
         names.append(os.path.basename(path.rstrip("/")))
@@ -156,8 +162,23 @@ def _iter_arrow(f, path: str, source: str, text_field: str, batch_rows: int):
             row += batch.num_rows
 
 
+def _lines(f, block: int = 1 << 22):
+    """Lines of a binary file (without the newline), read in 4 MiB blocks: remote files' readline
+    would copy their whole read-ahead buffer for every line."""
+    tail = b""
+    while True:
+        buf = f.read(block)
+        if not buf:
+            break
+        parts = (tail + buf).split(b"\n")
+        tail = parts.pop()
+        yield from parts
+    if tail:
+        yield tail
+
+
 def _iter_jsonl(f, source: str, text_field: str):
-    for row, line in enumerate(f):
+    for row, line in enumerate(_lines(f)):
         try:
             obj = json.loads(line.decode("utf-8"))
         except UnicodeDecodeError:
@@ -176,8 +197,8 @@ def _iter_jsonl(f, source: str, text_field: str):
 
 
 def _iter_text(f, source: str):
-    for row, line in enumerate(f):
-        yield _text_of(source, row, line.rstrip(b"\r\n"))
+    for row, line in enumerate(_lines(f)):
+        yield _text_of(source, row, line.rstrip(b"\r"))
 
 
 def iter_corpus(files: list[str], text_field: str = "text", *, batch_rows: int = 1024,
@@ -189,10 +210,12 @@ def iter_corpus(files: list[str], text_field: str = "text", *, batch_rows: int =
     for url, source in zip(files, names):
         fmt = file_format(url)
         fs, path = file_system(url, storage_options)
-        if fmt == "arrow" and "://" not in url:
+        local = is_local(url)
+        if fmt == "arrow" and local:
             yield from _iter_arrow(path, url, source, text_field, batch_rows)  # memory-mapped
             continue
-        with fs.open(path, "rb") as f:
+        # remote: no read-ahead cache (fsspec's default fetches 50 MiB past every range pyarrow asks for)
+        with fs.open(path, "rb", **({} if local else {"cache_type": "none"})) as f:
             if fmt == "parquet":
                 yield from _iter_parquet(f, url, source, text_field, batch_rows)
             elif fmt == "arrow":

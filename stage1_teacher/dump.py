@@ -541,7 +541,7 @@ def _count_rows(files: list[str], storage_options: dict) -> int | None:
 
     None (no ETA) for Arrow files and for remote text files, which would have to be read twice.
     """
-    from xtcache.store_io import file_system
+    from xtcache.store_io import file_system, is_local
 
     total = 0
     for url in files:
@@ -553,7 +553,7 @@ def _count_rows(files: list[str], storage_options: dict) -> int | None:
 
                 with fs.open(path, "rb") as f:
                     total += pq.ParquetFile(f).metadata.num_rows
-            elif low.endswith((".arrow", ".feather", ".ipc")) or "://" in url:
+            elif low.endswith((".arrow", ".feather", ".ipc")) or not is_local(url):
                 return None
             else:
                 with open(path, "rb") as f:

@@ -33,10 +33,12 @@ def head_share(config: dict) -> float:
 
     Qwen2.5-0.5B: 0.38, Qwen2.5-1.5B: 0.18, Qwen2.5-7B and Llama-3.1-8B: 0.08.
     """
+    config = config.get("text_config", config)
     h, i, layers, v = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
-    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or config["num_attention_heads"]
-    body = layers * (2 * h * h + 2 * h * kv * head_dim + 3 * h * i)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    kv = config.get("num_key_value_heads") or heads
+    body = layers * (2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * i)
     return h * v / body
 
 
@@ -45,6 +47,8 @@ def build_vllm_teacher(toy_root: str | Path, *, tied: bool = False, steps: int =
     """Directory of a vLLM-servable teacher next to the toy setup at `toy_root` (built once)."""
     from xtcache import toy
 
+    if shape not in SHAPES:
+        raise ValueError(f"unknown toy teacher shape {shape!r}: use one of {', '.join(SHAPES)}")
     root = Path(toy_root)
     out = root / (("vllm_teacher_tied" if tied else "vllm_teacher") + ("" if shape == "toy" else f"_{shape}"))
     if (out / "DONE").exists():

@@ -117,7 +117,6 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, data: StageData, *, rank: int, world: int):
         import deepspeed
         import torch
-        from transformers import AutoModelForCausalLM
 
         self.cfg, self.data, self.rank, self.world = cfg, data, rank, world
         self.out = Path(cfg.out)
@@ -125,15 +124,13 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.student)
         self.num_params = count_parameters(cfg.student)
         self.ds_config = deepspeed_config(cfg, self.num_params)
-        self._hf_zero3 = None
-        if self.ds_config["zero_optimization"]["stage"] == 3:
-            # while this object lives, from_pretrained builds the student under deepspeed.zero.Init:
-            # each rank allocates only its partition, never the whole model
-            from transformers.integrations import HfDeepSpeedConfig
-
-            self._hf_zero3 = HfDeepSpeedConfig(self.ds_config)
-        model = AutoModelForCausalLM.from_pretrained(cfg.student, dtype=torch.float32)
+        model = load_student(cfg.student, self.ds_config)
         model.config.use_cache = False
+        attn = getattr(model.config, "_attn_implementation", "")
+        if str(attn).startswith("flash") and cfg.loader.micro_batch_size > 1:
+            # transformers infers packed documents from position ids for flash attention only at batch size 1
+            raise ConfigError(f"the student uses {attn}, which keeps packed documents apart only with "
+                              "--micro-batch-size 1; use it (and raise --grad-accum), or attn_implementation sdpa")
         self.params_local_at_load = sum(int(getattr(p, "ds_tensor", p).numel()) for p in model.parameters())
         scheduler = None
         if "scheduler" not in self.ds_config:
@@ -448,6 +445,25 @@ class Trainer:
             if self._tb is not None:
                 self._tb.close()
         return summary
+
+
+def load_student(model_dir: str, ds_config: dict):
+    """The student in fp32; under ZeRO-3 built inside deepspeed.zero.Init, so that each rank
+    allocates only its partition, never the whole model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if ds_config["zero_optimization"]["stage"] != 3:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    hf_zero3 = HfDeepSpeedConfig(ds_config)  # noqa: F841  (process-global while it lives)
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    finally:  # later from_pretrained/from_config calls in this process must not partition
+        del hf_zero3
+        unset_hf_deepspeed_config()
 
 
 def count_parameters(model_dir: str) -> int:

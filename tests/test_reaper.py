@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -49,3 +50,34 @@ def test_guarded_children_end_with_a_killed_parent():
         for q in (guarded, second, unguarded):
             if q.is_running():
                 q.kill()
+
+
+STARTING = r'''
+import multiprocessing as mp, time
+from xtcache.reaper import guard_children
+
+def sleeper():
+    time.sleep(300)
+
+if __name__ == "__main__":
+    mp.set_start_method("fork")
+    with guard_children():  # killed while the "engine" is still starting: the block never ends
+        child = mp.Process(target=sleeper)
+        child.start()
+        print(child.pid, flush=True)
+        time.sleep(300)
+'''
+
+
+def test_children_are_guarded_while_the_block_still_runs():
+    p = subprocess.Popen([sys.executable, "-c", STARTING], stdout=subprocess.PIPE, cwd=REPO, text=True)
+    child = psutil.Process(int(p.stdout.readline()))
+    time.sleep(1.5)  # a few registration polls
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    try:
+        _, alive = psutil.wait_procs([child], timeout=30)
+        assert not alive
+    finally:
+        if child.is_running():
+            child.kill()

@@ -365,3 +365,17 @@ def test_fast_path_check_refuses_a_wrong_head():
     # (10% logit scaling missing) moves the mean gap and is still refused
     with pytest.raises(CaptureError, match="mean"):
         compare_with_reference([h], ref, TeacherHead(weight=W, logit_scale=1.1), default_tolerance("bfloat16"))
+
+
+def test_lines_across_block_boundaries_and_file_url_globs(tmp_path):
+    import io
+
+    from stage1_teacher.config import expand_globs
+    from stage1_teacher.corpus import _lines
+
+    data = b'{"text": "a"}\n\n{"text": "bc"}\r\nlast'
+    assert list(_lines(io.BytesIO(data), block=3)) == data.split(b"\n")
+    assert list(_lines(io.BytesIO(data + b"\n"), block=5)) == data.split(b"\n")
+    for name in ("b.jsonl", "a.jsonl"):
+        (tmp_path / name).write_text('{"text": "x"}\n')
+    assert expand_globs([f"file://{tmp_path}/*.jsonl"]) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]

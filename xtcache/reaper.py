@@ -8,8 +8,9 @@ cannot start its own.
 
 `guard_children()` runs a small watcher process (this module's `__main__`, in its own session so
 that Ctrl-C or a process-group kill aimed at the job leaves it in place to clean up). This
-process writes each guarded process to the watcher's stdin as `pid create_time`; the watcher
-checks twice a second whether this process is still alive. Once it is gone, however it went,
+process writes each guarded process to the watcher's stdin as `pid create_time`, also while the
+engine is still starting; the watcher checks twice a second whether it has been re-parented,
+i.e. whether this process is gone. Once it is gone, however it went,
 the watcher sends SIGTERM to every guarded process that is still alive, and to its descendants,
 and SIGKILL to those still running 10 s later. After a normal shutdown the engines are already
 gone and the watcher exits with nothing to do.
@@ -44,9 +45,9 @@ def _pipe_to_watcher():
     with _lock:
         if _watcher is None or _watcher.poll() is not None:
             _watcher = subprocess.Popen([sys.executable, "-m", "xtcache.reaper", str(os.getpid())],
-                                        stdin=subprocess.PIPE, start_new_session=True, close_fds=True,
-                                        env={**os.environ, "PYTHONPATH": _package_root()})
-        return _watcher.stdin
+                                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
+                                        close_fds=True, env={**os.environ, "PYTHONPATH": _package_root()})
+        return _watcher
 
 
 def _package_root() -> str:
@@ -59,75 +60,127 @@ def guard(pids) -> None:
     """Have the watcher end these processes (and their descendants) when this process dies."""
     import psutil
 
+    watcher = _pipe_to_watcher()
     lines = []
     for pid in pids:
+        if pid == watcher.pid:
+            continue
         try:
             lines.append(f"{pid} {psutil.Process(pid).create_time()!r}\n")
         except psutil.NoSuchProcess:
             continue
-    if lines:
-        stdin = _pipe_to_watcher()
-        stdin.write("".join(lines).encode())
-        stdin.flush()
-        log.debug("guarding processes %s", " ".join(line.split()[0] for line in lines))
+    if not lines:
+        return
+    try:
+        watcher.stdin.write("".join(lines).encode())
+        watcher.stdin.flush()
+    except OSError as e:  # the watcher died: the engines run unguarded, which is no reason to fail
+        log.warning("engine process watcher is gone (%s); a killed run may leave engine processes behind", e)
+        return
+    log.debug("guarding processes %s", " ".join(line.split()[0] for line in lines))
 
 
 @contextlib.contextmanager
 def guard_children():
-    """Guard every child process started while the block runs (even if it raises)."""
+    """Guard every child process started while the block runs (even if it raises).
+
+    New descendants are registered every POLL_SECONDS while the block runs, not only at its end:
+    an engine start can take minutes, and a kill during it must not orphan what started so far.
+    """
     import psutil
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def register():
+        new = {p.pid for p in me.children(recursive=True)} - before - seen
+        if new:
+            guard(sorted(new))
+            seen.update(new)
+
+    def poll():
+        while not done.wait(POLL_SECONDS):
+            with contextlib.suppress(psutil.Error):
+                register()
+
+    _pipe_to_watcher()  # started before the block, so it never counts as a new child
+    before = {p.pid for p in me.children(recursive=True)}
+    thread = threading.Thread(target=poll, name="xtcache-guard-children", daemon=True)
+    thread.start()
     try:
         yield
     finally:
-        guard(p.pid for p in me.children(recursive=True) if p.pid not in before)
+        done.set()
+        thread.join()
+        register()
 
 
 def _watch(parent_pid: int) -> None:
     """Watcher main: collect `pid create_time` lines while the parent lives, then end what is left.
 
-    It polls the parent rather than waiting for EOF on the pipe: children forked after the watcher
-    started inherit the pipe's write end, so EOF may never come while they live.
+    The parent is gone once this process has been re-parented (`os.getppid()` changes, zombie or
+    not). Lines are read with select() and drained once more after the parent's death, so a
+    registration written just before a kill is never lost. EOF on stdin is not a death signal:
+    children forked after the watcher started inherit the pipe's write end.
     """
+    import select
+
     import psutil
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     guarded: dict[int, float] = {}
+    fd = sys.stdin.fileno()
+    os.set_blocking(fd, False)
+    pending = b""
+    eof = False
 
-    def read():
-        for line in sys.stdin.buffer:
+    def drain():
+        nonlocal pending, eof
+        while not eof:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                eof = True
+                break
+            pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
             pid, created = line.split()
             guarded[int(pid)] = float(created)
 
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        parent = psutil.Process(parent_pid)
-        while parent.is_running() and parent.status() != psutil.STATUS_ZOMBIE:
+    while os.getppid() == parent_pid:
+        if eof:
             time.sleep(POLL_SECONDS)
-    except psutil.NoSuchProcess:
-        pass
-    procs = []
-    for pid, created in list(guarded.items()):
+        else:
+            select.select([fd], [], [], POLL_SECONDS)
+        drain()
+    drain()
+    procs = {}
+    for pid, created in guarded.items():
         try:
             p = psutil.Process(pid)
-            if p.create_time() != created:  # the pid was reused by another process
+            if abs(p.create_time() - created) > 1.0:  # the pid was reused by another process
                 continue
-            procs += [p, *p.children(recursive=True)]
+            for q in (p, *p.children(recursive=True)):
+                procs[q.pid] = q
         except psutil.NoSuchProcess:
             continue
     if not procs:
         return
-    print(f"xtcache: process {parent_pid} exited; stopping {len(procs)} engine processes it left behind",
-          file=sys.stderr, flush=True)
-    for p in procs:
+    for p in procs.values():
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=GRACE_SECONDS)
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=GRACE_SECONDS)
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
+    with contextlib.suppress(OSError):
+        print(f"xtcache: process {parent_pid} exited; stopped {len(procs)} engine processes it left behind",
+              file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

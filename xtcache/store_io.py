@@ -42,13 +42,23 @@ def read_model(model, raw: dict, where: str):
         raise StoreError(f"{where} does not match the xtcache schema: {e}") from None
 
 
+def is_local(path: str) -> bool:
+    """A plain path or a file:// URL."""
+    return "://" not in path or path.startswith("file://")
+
+
+def local_path(path: str) -> str:
+    """The OS path of a plain path or file:// URL."""
+    return os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
+
+
 def file_system(path: str, storage_options: dict | None = None):
     """(fsspec filesystem, path on it) of one file: local paths (plain or file://) use the OS, any
     other URL (s3://, gs://, hf://, ...) its fsspec filesystem with `storage_options`."""
     import fsspec.core
 
-    if "://" not in path or path.startswith("file://"):
-        return fsspec.filesystem("file"), os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
+    if is_local(path):
+        return fsspec.filesystem("file"), local_path(path)
     return fsspec.core.url_to_fs(path, **dict(storage_options or {}))
 
 
