@@ -121,3 +121,20 @@ def test_warmup_then_cosine():
     assert [f(i) for i in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert f(4) == pytest.approx(1.0) and f(14) == pytest.approx(0.1)
     assert all(f(i) >= f(i + 1) for i in range(4, 14))
+
+
+def test_a_step_without_valid_chunks_raises_instead_of_a_silent_zero_kd():
+    """The guard in Trainer.train_step, on a batch whose windows hold no valid chunk."""
+    import types
+
+    import torch
+
+    from stage2_student.losses import NoValidChunksError
+    from stage2_student.trainer import Trainer
+
+    batch = {"num_chunks": 0, "labels": torch.tensor([[5, 6, -100]]), "input_ids": torch.tensor([[1, 5, 6]])}
+    stub = types.SimpleNamespace(step=3, data=types.SimpleNamespace(kd=object()),
+                                 cfg=types.SimpleNamespace(loss=types.SimpleNamespace(loss="pkl")),
+                                 _counts=Trainer._counts, _all_reduce=lambda values: [float(v) for v in values])
+    with pytest.raises(NoValidChunksError, match="optimizer step 4.*--seq-len"):
+        Trainer.train_step(stub, [batch, dict(batch)])
