@@ -51,6 +51,8 @@ def teacher_dump(
     cache_dir: Optional[str] = typer.Option(
         None, "--cache-dir", help="Directory of reusable caches (looked up by key)."),
     storage_options: str = typer.Option("", "--storage-options", help="fsspec options as a JSON object."),
+    data_storage_options: str = typer.Option(
+        "", "--data-storage-options", help="fsspec options for remote --data (JSON); default: --storage-options."),
     docs_per_part: int = typer.Option(256, "--docs-per-part", help="Documents per store part (unit of --resume)."),
     shard_index: int = typer.Option(0, "--shard-index", help="This job's writer index in [0, --num-shards)."),
     num_shards: int = typer.Option(1, "--num-shards", help="Parallel jobs filling the store."),
@@ -75,7 +77,7 @@ def teacher_dump(
     try:
         cfg = build_config(values)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--storage-options: not a JSON object ({e})") from None
+        raise ConfigError(f"--storage-options / --data-storage-options: not a JSON object ({e})") from None
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -26,6 +26,8 @@ class InputConfig:
     """Corpus files (.parquet, .arrow/.feather/.ipc, .jsonl/.json, .txt), local or fsspec URLs; globs are expanded."""
     text_field: str = "text"
     """Column or JSON key holding the document text (ignored for .txt)."""
+    data_storage_options: dict[str, Any] | None = None
+    """fsspec storage options for remote --data files (JSON object); default: --storage-options."""
 
 
 @dataclass(kw_only=True)
@@ -77,7 +79,8 @@ class StoreConfig:
     cache_dir: str | None = None
     """Directory of reusable caches: a complete cache with the same key is reused, not recomputed."""
     storage_options: dict[str, Any] = field(default_factory=dict)
-    """fsspec storage options for remote stores and remote --data files (JSON object on the command line)."""
+    """fsspec storage options for remote stores (JSON object on the command line); also for --data unless
+    --data-storage-options is given."""
     docs_per_part: int = 256
     """Documents per store part (the unit of commit and of --resume)."""
     shard_index: int = 0
@@ -98,6 +101,12 @@ class TeacherDumpConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     dry_run: bool = False
     """Count documents and positions and estimate the store size; do not run the teacher."""
+
+    @property
+    def data_options(self) -> dict:
+        """fsspec options for the corpus files: --data-storage-options, else --storage-options."""
+        opts = self.input.data_storage_options
+        return dict(self.store.storage_options if opts is None else opts)
 
     def __post_init__(self):
         c, t, s = self.capture, self.teacher, self.store
@@ -189,16 +198,19 @@ def build_config(values: dict[str, Any]) -> TeacherDumpConfig:
             continue
         if name == "storage_options" and isinstance(value, str):
             value = json.loads(value) if value.strip() else {}
+        if name == "data_storage_options" and isinstance(value, str):
+            value = json.loads(value) if value.strip() else None
         if name in ("data", "student_tokenizer") and isinstance(value, str):
             value = [value]
         (sections[leaves[name]] if leaves[name] else top)[name] = value
     if "data" in sections["input"]:
-        sections["input"]["data"] = expand_globs(list(sections["input"]["data"]),
-                                                 sections["store"].get("storage_options"))
+        options = sections["input"].get("data_storage_options")
+        sections["input"]["data"] = expand_globs(list(sections["input"]["data"]), options if options is not None
+                                                 else sections["store"].get("storage_options"))
     return TeacherDumpConfig(**top, **{name: _section_type(name)(**kw) for name, kw in sections.items()})
 
 
-_NULLABLE = {"gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "enforce_eager",
+_NULLABLE = {"data_storage_options", "gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "enforce_eager",
              "check_tolerance", "out", "cache_dir"}
 
 

@@ -157,7 +157,7 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
     boundary = sorted(s.fingerprint for s in students if not s.identity)
     settings = settings_for_fingerprint(cfg, window_len=window_len, boundary_tokenizers=boundary)
     fingerprints = {"teacher_model": fpr.model_fingerprint(t.teacher), "teacher_tokenizer": t_fp,
-                    "corpus": fpr.corpus_fingerprint(cfg.input.data, cfg.store.storage_options),
+                    "corpus": fpr.corpus_fingerprint(cfg.input.data, cfg.data_options),
                     "settings": fpr.settings_fingerprint(settings)}
     key = fpr.cache_key(**fingerprints)
     out = cfg.store.out or cache_path_for(cfg.store.cache_dir, key)
@@ -212,7 +212,7 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
     prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap)
     docs = positions = windows = student_tokens = chunks = 0
     skipped: dict[str, int] = {}
-    rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.store.storage_options)
+    rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options)
     for part in iter_parts(rows, prep, shard_index=cfg.store.shard_index, num_shards=cfg.store.num_shards,
                            docs_per_part=cfg.store.docs_per_part):
         for s in part.skipped:
@@ -363,7 +363,7 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
         return run
 
     def produce():
-        rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.store.storage_options)
+        rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options)
         for part in iter_parts(rows, prep, shard_index=cfg.store.shard_index, num_shards=cfg.store.num_shards,
                                docs_per_part=cfg.store.docs_per_part):
             with lock:
@@ -530,7 +530,7 @@ def _progress_bar(cfg: TeacherDumpConfig, enabled: bool):
         return None
     from tqdm import tqdm
 
-    total = _count_rows(cfg.input.data, cfg.store.storage_options)
+    total = _count_rows(cfg.input.data, cfg.data_options)
     if total is not None:
         total = (total - cfg.store.shard_index + cfg.store.num_shards - 1) // cfg.store.num_shards
     return tqdm(total=total, unit="doc", dynamic_ncols=True, mininterval=1.0)

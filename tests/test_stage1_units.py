@@ -379,3 +379,14 @@ def test_lines_across_block_boundaries_and_file_url_globs(tmp_path):
     for name in ("b.jsonl", "a.jsonl"):
         (tmp_path / name).write_text('{"text": "x"}\n')
     assert expand_globs([f"file://{tmp_path}/*.jsonl"]) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+
+
+def test_data_storage_options_default_to_the_store_options():
+    from stage1_teacher.config import build_config
+
+    base = {"teacher": "t", "student_tokenizer": ["s"], "data": ["c.jsonl"], "out": "s3://b/x",
+            "storage_options": '{"endpoint_url": "http://store"}'}
+    assert build_config(base).data_options == {"endpoint_url": "http://store"}
+    assert build_config({**base, "data_storage_options": ""}).data_options == {"endpoint_url": "http://store"}
+    own = build_config({**base, "data_storage_options": '{"token": "anon"}'})
+    assert own.data_options == {"token": "anon"} and own.store.storage_options == {"endpoint_url": "http://store"}
