@@ -509,6 +509,28 @@ class CacheLoader:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 
+def reshard_state(state: dict, *, rank: int, world_size: int, grad_accum: int) -> dict:
+    """A loader state saved at one world size, for rank `rank` of `world_size` ranks.
+
+    The global sample order depends only on (seed, epoch) and the global batch; each optimizer
+    step takes the next world_size x grad_accum micro-batches of it. So a run saved at W ranks x A
+    accumulation continues exactly at W' x A' = W x A: the position is steps done x A'.
+    """
+    old = state["world_size"] * state["grad_accum"]
+    if world_size * grad_accum != old:
+        raise ConfigError(f"cannot resume the data stream of {state['world_size']} ranks x --grad-accum "
+                          f"{state['grad_accum']} on {world_size} ranks x --grad-accum {grad_accum}: keep "
+                          f"ranks x --grad-accum = {old} (e.g. --grad-accum {old // world_size})"
+                          if old % world_size == 0 else
+                          f"cannot resume the data stream of {state['world_size']} ranks x --grad-accum "
+                          f"{state['grad_accum']} on {world_size} ranks: {old} micro-batches per step do not "
+                          f"divide over {world_size} ranks")
+    steps, rest = divmod(int(state["consumed"]), int(state["grad_accum"]))
+    if rest:
+        raise ConfigError("the checkpoint was saved in the middle of an accumulated step; resume at its own world size")
+    return {**state, "rank": rank, "world_size": world_size, "grad_accum": grad_accum, "consumed": steps * grad_accum}
+
+
 def measure_rate(loader, num_batches: int) -> dict:
     """Iterate `num_batches` micro-batches and report the loader's rate alone (no model).
 

@@ -124,6 +124,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.student)
         self.num_params = count_parameters(cfg.student)
         self.ds_config = deepspeed_config(cfg, self.num_params)
+        if cfg.checkpoint.resume and self._saved_world(self._checkpoint_dir(cfg.checkpoint.resume)) != world:
+            self.ds_config.setdefault("checkpoint", {})["load_universal"] = True  # see load_checkpoint
         model = load_student(cfg.student, self.ds_config)
         model.config.use_cache = False
         attn = getattr(model.config, "_attn_implementation", "")
@@ -287,7 +289,13 @@ class Trainer:
 
         root = self.out / CKPT_DIR
         tag = f"step{self.step}"
-        self.engine.save_checkpoint(str(root), tag=tag, client_state={"step": self.step, "world": self.world})
+        from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                    UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+        # the universal-checkpoint info lets ds_to_universal convert ZeRO-1/2 states for another world size
+        info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+        self.engine.save_checkpoint(str(root), tag=tag, client_state={
+            "step": self.step, "world": self.world, UNIVERSAL_CHECKPOINT_INFO: info})
         state = {"step": self.step, "world": self.world, "loader": self.data.train.state_dict()}
         (root / tag / f"trainer_state_rank{self.rank}.json").write_text(json.dumps(state))
         rng = {"cpu": torch.get_rng_state()}
@@ -298,41 +306,85 @@ class Trainer:
             (root / tag / "train_config.json").write_text(self.cfg.to_json())
         dist.barrier()
         if self.rank == 0 and self.cfg.checkpoint.keep_checkpoints:
-            tags = sorted((p for p in root.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
+            tags = sorted((p for p in root.glob("step*") if p.is_dir() and p.name[4:].isdigit()),
+                          key=lambda p: int(p.name[4:]))
             for old in tags[: -self.cfg.checkpoint.keep_checkpoints]:
                 shutil.rmtree(old)
+                shutil.rmtree(old.parent / f"{old.name}_universal", ignore_errors=True)
         log.info("saved checkpoint %s", root / tag)
         return root / tag
 
+    def _checkpoint_dir(self, where: str) -> Path:
+        if where != "latest":
+            return Path(where)
+        latest = self.out / CKPT_DIR / "latest"
+        if not latest.exists():
+            raise ConfigError(f"--resume latest: no checkpoint under {self.out / CKPT_DIR}; drop --resume to start fresh")
+        return self.out / CKPT_DIR / latest.read_text().strip()
+
+    @staticmethod
+    def _saved_world(ckpt: Path) -> int:
+        state_file = ckpt / "trainer_state_rank0.json"
+        if not state_file.exists():
+            raise ConfigError(f"--resume: {ckpt} is not an xtcache checkpoint (no {state_file.name})")
+        return int(json.loads(state_file.read_text())["world"])
+
     def load_checkpoint(self, where: str) -> None:
+        """Continue from a checkpoint: bit-exact at the same world size; at another world size through
+        DeepSpeed's universal checkpoint (converted once, next to the checkpoint), with the data
+        stream re-cut for the new ranks (the global batch, world x grad-accum x micro-batch, must
+        stay the same so that every step sees the samples it would have seen)."""
         import torch
 
-        root = self.out / CKPT_DIR
-        if where == "latest":
-            latest = root / "latest"
-            if not latest.exists():
-                raise ConfigError(f"--resume latest: no checkpoint under {root}; drop --resume to start fresh")
-            ckpt = root / latest.read_text().strip()
+        from stage2_student.loader import reshard_state
+
+        ckpt = self._checkpoint_dir(where)
+        saved_world = self._saved_world(ckpt)
+        if saved_world == self.world:
+            state = json.loads((ckpt / f"trainer_state_rank{self.rank}.json").read_text())
+            loader_state, tag = state["loader"], ckpt.name
         else:
-            ckpt = Path(where)
-        state_file = ckpt / f"trainer_state_rank{self.rank}.json"
-        if not state_file.exists():
-            raise ConfigError(f"--resume {where}: {ckpt} is not an xtcache checkpoint of this world size "
-                              f"(no {state_file.name})")
-        state = json.loads(state_file.read_text())
-        if state["world"] != self.world:
-            raise ConfigError(f"--resume {where}: saved with {state['world']} ranks, running {self.world}; "
-                              "resume with the same number of processes")
-        path, _ = self.engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name)
+            state = json.loads((ckpt / "trainer_state_rank0.json").read_text())
+            loader_state = reshard_state(state["loader"], rank=self.rank, world_size=self.world,
+                                         grad_accum=self.cfg.optim.grad_accum)
+            tag = self._universal_checkpoint(ckpt)
+            log.info("resuming a %d-rank checkpoint on %d ranks through %s", saved_world, self.world, tag)
+        path, _ = self.engine.load_checkpoint(str(ckpt.parent), tag=tag)
         if path is None:
-            raise ConfigError(f"--resume {where}: DeepSpeed could not load {ckpt}")
-        self.data.train.load_state_dict(state["loader"])
-        rng = torch.load(ckpt / f"rng_rank{self.rank}.pt", weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+            raise ConfigError(f"--resume {where}: DeepSpeed could not load {ckpt.parent / tag}")
+        self.data.train.load_state_dict(loader_state)
+        rng_file = ckpt / f"rng_rank{self.rank}.pt"
+        if saved_world == self.world:
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        else:  # no saved stream for this rank layout; a fresh, reproducible one
+            torch.manual_seed(self.cfg.seed + 1000 * state["step"] + self.rank)
         self.step = state["step"]
         log.info("resumed from %s at step %d", ckpt, self.step)
+
+    def _universal_checkpoint(self, ckpt: Path) -> str:
+        """Tag of `ckpt` converted by `deepspeed.checkpoint.ds_to_universal` (rank 0 converts once)."""
+        import subprocess
+        import sys
+
+        import torch.distributed as dist
+
+        target = ckpt.parent / f"{ckpt.name}_universal"
+        if self.rank == 0 and not target.exists():
+            tmp = ckpt.parent / f".{target.name}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                   str(ckpt), "--output_folder", str(tmp), "--num_extract_workers", "1",
+                                   "--num_merge_workers", "1"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise ConfigError(f"--resume {ckpt}: converting it for another world size failed "
+                                  f"(deepspeed.checkpoint.ds_to_universal): {proc.stderr.strip()[-1500:]}")
+            os.replace(tmp, target)  # a crash mid-conversion leaves only a hidden temp directory
+        dist.barrier()
+        return target.name
 
     def export_hf(self, directory: Path) -> Path:
         """A consolidated `save_pretrained` directory (all ranks call this; rank 0 writes)."""

@@ -4,7 +4,8 @@
   ZeRO-3, CPU/gloo): per-step losses, token counts and the exported weights agree; under ZeRO-3
   each rank loads only its partition of the student (zero.Init);
 - a run stopped at step k and resumed from its checkpoint continues bit-identically (losses, lr,
-  final weights), the loader state included;
+  final weights), the loader state included; resumed at another world size (same global batch)
+  it continues the same run through DeepSpeed's universal checkpoint;
 - the Hugging Face export loads with plain transformers;
 - user errors (a student tokenizer the cache was not aligned for, a projection map of other
   tokenizers) reach the user as one clear line.
@@ -97,6 +98,31 @@ def test_resume_continues_exactly_and_export_loads(tmp_path, toy_setup, kd_cache
     assert summary["steps"] == 6 and Path(summary["metrics"]).is_file()
     assert summary["final_eval_kl"] is not None and summary["final_eval_ce"] is not None
     assert summary["steps_per_s"] > 0 and summary["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
+def test_resume_at_another_world_size_continues_the_same_run(tmp_path, toy_setup, kd_caches, zero):
+    """2 ranks x accum 1 saved at step 2, resumed on 1 rank x accum 2 through DeepSpeed's universal
+    checkpoint: steps 3-4 and the final weights match the uninterrupted 2-rank run."""
+    common = dict(zero_stage=zero, max_steps=4, eval_batches=2)
+    full = run_stage2(tmp_path / "full", *flags(toy_setup, kd_caches, save_every=2, grad_accum=1, **common), nproc=2)
+    step2 = tmp_path / "full" / "checkpoints" / "step2"
+    resumed = run_stage2(tmp_path / "one", *flags(toy_setup, kd_caches, grad_accum=2, **common), "--resume", str(step2))
+    assert (tmp_path / "full" / "checkpoints" / "step2_universal").is_dir()
+    assert [r["step"] for r in resumed["train"]] == [3, 4]
+    for key in ("tokens", "chunks"):
+        assert [r[key] for r in resumed["train"]] == [r[key] for r in full["train"][2:]], key
+    for key in ("loss", "kd", "ce", "lr"):
+        assert [r[key] for r in resumed["train"]] == pytest.approx([r[key] for r in full["train"][2:]],
+                                                                   rel=1e-4, abs=1e-6), key
+    wf, wr = weights(tmp_path / "full" / "hf"), weights(tmp_path / "one" / "hf")
+    for key in wf:
+        assert (wf[key] - wr[key]).abs().max().item() <= 1e-4, key
+    # another global batch cannot continue the same sample stream: a clear refusal
+    bad = run_cli(*flags(toy_setup, kd_caches, grad_accum=1, **common), "--out", str(tmp_path / "bad"),
+                  "--resume", str(step2))
+    assert bad.returncode == 2 and "--grad-accum 2" in bad.stdout + bad.stderr, bad.stderr[-2000:]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
