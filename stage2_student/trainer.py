@@ -37,6 +37,7 @@ from xtcache.errors import ConfigError
 log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
+CONVERT_WAIT_S = 6 * 3600  # ranks wait this long for rank 0 to convert a checkpoint
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 HF_DIR = "hf"
@@ -124,8 +125,17 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.student)
         self.num_params = count_parameters(cfg.student)
         self.ds_config = deepspeed_config(cfg, self.num_params)
-        if cfg.checkpoint.resume and self._saved_world(self._checkpoint_dir(cfg.checkpoint.resume)) != world:
-            self.ds_config.setdefault("checkpoint", {})["load_universal"] = True  # see load_checkpoint
+        self._reshard = False
+        if cfg.checkpoint.resume:
+            saved = self._saved_state(self._checkpoint_dir(cfg.checkpoint.resume))
+            self._reshard = saved["world"] != world
+            if self._reshard:  # refuse a layout the data stream cannot follow before any expensive work
+                from stage2_student.loader import reshard_state
+
+                reshard_state(saved["loader"], rank=rank, world_size=world, grad_accum=cfg.optim.grad_accum)
+            # only ZeRO-1/2/3 states are partitioned by world size; see load_checkpoint
+            universal = self._reshard and self.ds_config["zero_optimization"]["stage"] > 0
+            self.ds_config.setdefault("checkpoint", {})["load_universal"] = universal
         model = load_student(cfg.student, self.ds_config)
         model.config.use_cache = False
         attn = getattr(model.config, "_attn_implementation", "")
@@ -289,13 +299,11 @@ class Trainer:
 
         root = self.out / CKPT_DIR
         tag = f"step{self.step}"
-        from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                                    UNIVERSAL_CHECKPOINT_VERSION_VALUE)
-
-        # the universal-checkpoint info lets ds_to_universal convert ZeRO-1/2 states for another world size
-        info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
-        self.engine.save_checkpoint(str(root), tag=tag, client_state={
-            "step": self.step, "world": self.world, UNIVERSAL_CHECKPOINT_INFO: info})
+        if self.rank == 0:  # a tag written again (after a rollback) must not keep files of the old one
+            for stale in (root / tag, root / f"{tag}_universal"):
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier()
+        self.engine.save_checkpoint(str(root), tag=tag, client_state={"step": self.step, "world": self.world})
         state = {"step": self.step, "world": self.world, "loader": self.data.train.state_dict()}
         (root / tag / f"trainer_state_rank{self.rank}.json").write_text(json.dumps(state))
         rng = {"cpu": torch.get_rng_state()}
@@ -322,68 +330,93 @@ class Trainer:
             raise ConfigError(f"--resume latest: no checkpoint under {self.out / CKPT_DIR}; drop --resume to start fresh")
         return self.out / CKPT_DIR / latest.read_text().strip()
 
-    @staticmethod
-    def _saved_world(ckpt: Path) -> int:
-        state_file = ckpt / "trainer_state_rank0.json"
-        if not state_file.exists():
-            raise ConfigError(f"--resume: {ckpt} is not an xtcache checkpoint (no {state_file.name})")
-        return int(json.loads(state_file.read_text())["world"])
+    def _saved_state(self, ckpt: Path) -> dict:
+        """This rank's trainer state in `ckpt`, or rank 0's when the checkpoint had fewer ranks."""
+        for name in (f"trainer_state_rank{self.rank}.json", "trainer_state_rank0.json"):
+            if (ckpt / name).exists():
+                return json.loads((ckpt / name).read_text())
+        raise ConfigError(f"--resume: {ckpt} is not an xtcache checkpoint (no trainer_state_rank0.json)")
 
     def load_checkpoint(self, where: str) -> None:
-        """Continue from a checkpoint: bit-exact at the same world size; at another world size through
-        DeepSpeed's universal checkpoint (converted once, next to the checkpoint), with the data
-        stream re-cut for the new ranks (the global batch, world x grad-accum x micro-batch, must
-        stay the same so that every step sees the samples it would have seen)."""
+        """Continue from a checkpoint: bit-exact at the same world size. At another world size, ZeRO
+        states go through DeepSpeed's universal checkpoint (converted once, next to the checkpoint;
+        OUT must be on storage every node sees) and the data stream is re-cut for the new ranks: the
+        global batch (ranks x grad-accum x micro-batch) must stay the same, so that every step sees
+        the samples it would have seen."""
+        import numpy as np
         import torch
 
         from stage2_student.loader import reshard_state
 
         ckpt = self._checkpoint_dir(where)
-        saved_world = self._saved_world(ckpt)
-        if saved_world == self.world:
-            state = json.loads((ckpt / f"trainer_state_rank{self.rank}.json").read_text())
-            loader_state, tag = state["loader"], ckpt.name
+        state = self._saved_state(ckpt)
+        tag = ckpt.name
+        if not self._reshard:
+            loader_state = state["loader"]
         else:
-            state = json.loads((ckpt / "trainer_state_rank0.json").read_text())
             loader_state = reshard_state(state["loader"], rank=self.rank, world_size=self.world,
                                          grad_accum=self.cfg.optim.grad_accum)
-            tag = self._universal_checkpoint(ckpt)
-            log.info("resuming a %d-rank checkpoint on %d ranks through %s", saved_world, self.world, tag)
+            if self.ds_config["checkpoint"]["load_universal"]:
+                tag = self._universal_checkpoint(ckpt)
+            log.info("resuming a %d-rank checkpoint on %d ranks from %s", state["world"], self.world, tag)
         path, _ = self.engine.load_checkpoint(str(ckpt.parent), tag=tag)
         if path is None:
             raise ConfigError(f"--resume {where}: DeepSpeed could not load {ckpt.parent / tag}")
         self.data.train.load_state_dict(loader_state)
         rng_file = ckpt / f"rng_rank{self.rank}.pt"
-        if saved_world == self.world:
+        if not self._reshard and rng_file.exists():
             rng = torch.load(rng_file, weights_only=True)
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
-        else:  # no saved stream for this rank layout; a fresh, reproducible one
-            torch.manual_seed(self.cfg.seed + 1000 * state["step"] + self.rank)
+        else:  # no saved stream for this rank layout: a fresh one, reproducible from (seed, step, rank)
+            seed = np.random.SeedSequence([self.cfg.seed, state["step"], self.rank]).generate_state(1)[0]
+            torch.manual_seed(int(seed))
+            log.warning("random state re-seeded for the new rank layout (dropout masks differ from an "
+                        "uninterrupted run)")
         self.step = state["step"]
         log.info("resumed from %s at step %d", ckpt, self.step)
 
     def _universal_checkpoint(self, ckpt: Path) -> str:
-        """Tag of `ckpt` converted by `deepspeed.checkpoint.ds_to_universal` (rank 0 converts once)."""
+        """Tag of `ckpt` converted by `deepspeed.checkpoint.ds_to_universal`.
+
+        Rank 0 converts (once; the result is kept next to the checkpoint) while the other ranks
+        wait for the converted directory or rank 0's error file on the shared filesystem, not in a
+        collective: a large model converts for longer than a collective's timeout.
+        """
         import subprocess
         import sys
 
-        import torch.distributed as dist
-
         target = ckpt.parent / f"{ckpt.name}_universal"
+        error = ckpt.parent / f".{target.name}.error"
         if self.rank == 0 and not target.exists():
+            error.unlink(missing_ok=True)
+            for old in ckpt.parent.glob(f".{target.name}.tmp-*"):  # debris of a killed conversion
+                shutil.rmtree(old, ignore_errors=True)
             tmp = ckpt.parent / f".{target.name}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
+            # --inject_missing_state: ZeRO-1/2 states need a version marker that xtcache does not save
             proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                   str(ckpt), "--output_folder", str(tmp), "--num_extract_workers", "1",
-                                   "--num_merge_workers", "1"], capture_output=True, text=True)
+                                   str(ckpt), "--output_folder", str(tmp), "--inject_missing_state",
+                                   "--num_extract_workers", str(max(1, min(8, (os.cpu_count() or 2) // 2))),
+                                   "--num_merge_workers", str(max(1, min(8, (os.cpu_count() or 2) // 2)))],
+                                  capture_output=True, text=True)
             if proc.returncode != 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise ConfigError(f"--resume {ckpt}: converting it for another world size failed "
-                                  f"(deepspeed.checkpoint.ds_to_universal): {proc.stderr.strip()[-1500:]}")
-            os.replace(tmp, target)  # a crash mid-conversion leaves only a hidden temp directory
-        dist.barrier()
+                message = (f"--resume {ckpt}: converting it for another world size failed "
+                           f"(deepspeed.checkpoint.ds_to_universal): {proc.stderr.strip()[-1500:]}")
+                error.write_text(message)
+                raise ConfigError(message)
+            os.replace(tmp, target)  # a crash mid-conversion leaves only hidden debris
+            (ckpt.parent / "latest_universal").unlink(missing_ok=True)  # names the temp directory
+        started = time.time()
+        deadline = started + CONVERT_WAIT_S
+        while not target.exists():
+            if error.exists() and error.stat().st_mtime >= started - 5:  # older ones are from another attempt
+                raise ConfigError(error.read_text())
+            if time.time() > deadline:
+                raise ConfigError(f"--resume {ckpt}: {target} did not appear within {CONVERT_WAIT_S // 3600} h; "
+                                  "resuming on another world size needs OUT on storage every node sees")
+            time.sleep(2.0)
         return target.name
 
     def export_hf(self, directory: Path) -> Path:

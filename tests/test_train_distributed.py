@@ -101,28 +101,31 @@ def test_resume_continues_exactly_and_export_loads(tmp_path, toy_setup, kd_cache
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [2, 3])
-def test_resume_at_another_world_size_continues_the_same_run(tmp_path, toy_setup, kd_caches, zero):
-    """2 ranks x accum 1 saved at step 2, resumed on 1 rank x accum 2 through DeepSpeed's universal
-    checkpoint: steps 3-4 and the final weights match the uninterrupted 2-rank run."""
+@pytest.mark.parametrize("zero,saved,resumed", [(2, (2, 1), (1, 2)), (3, (1, 2), (2, 1))])
+def test_resume_at_another_world_size_continues_the_same_run(tmp_path, toy_setup, kd_caches, zero, saved, resumed):
+    """(ranks, grad-accum) `saved` stopped at step 2 and resumed as `resumed` through DeepSpeed's
+    universal checkpoint: steps 3-4 and the final weights match the uninterrupted run."""
     common = dict(zero_stage=zero, max_steps=4, eval_batches=2)
-    full = run_stage2(tmp_path / "full", *flags(toy_setup, kd_caches, save_every=2, grad_accum=1, **common), nproc=2)
+    full = run_stage2(tmp_path / "full", *flags(toy_setup, kd_caches, save_every=2, grad_accum=saved[1], **common),
+                      nproc=saved[0])
     step2 = tmp_path / "full" / "checkpoints" / "step2"
-    resumed = run_stage2(tmp_path / "one", *flags(toy_setup, kd_caches, grad_accum=2, **common), "--resume", str(step2))
+    after = run_stage2(tmp_path / "next", *flags(toy_setup, kd_caches, grad_accum=resumed[1], **common),
+                       "--resume", str(step2), nproc=resumed[0])
     assert (tmp_path / "full" / "checkpoints" / "step2_universal").is_dir()
-    assert [r["step"] for r in resumed["train"]] == [3, 4]
+    assert [r["step"] for r in after["train"]] == [3, 4]
     for key in ("tokens", "chunks"):
-        assert [r[key] for r in resumed["train"]] == [r[key] for r in full["train"][2:]], key
+        assert [r[key] for r in after["train"]] == [r[key] for r in full["train"][2:]], key
     for key in ("loss", "kd", "ce", "lr"):
-        assert [r[key] for r in resumed["train"]] == pytest.approx([r[key] for r in full["train"][2:]],
-                                                                   rel=1e-4, abs=1e-6), key
-    wf, wr = weights(tmp_path / "full" / "hf"), weights(tmp_path / "one" / "hf")
+        assert [r[key] for r in after["train"]] == pytest.approx([r[key] for r in full["train"][2:]],
+                                                                 rel=1e-4, abs=1e-6), key
+    wf, wr = weights(tmp_path / "full" / "hf"), weights(tmp_path / "next" / "hf")
     for key in wf:
         assert (wf[key] - wr[key]).abs().max().item() <= 1e-4, key
     # another global batch cannot continue the same sample stream: a clear refusal
     bad = run_cli(*flags(toy_setup, kd_caches, grad_accum=1, **common), "--out", str(tmp_path / "bad"),
                   "--resume", str(step2))
-    assert bad.returncode == 2 and "--grad-accum 2" in bad.stdout + bad.stderr, bad.stderr[-2000:]
+    want = "--grad-accum 2" if saved[0] != 1 else "grad_accum 2 -> 1"  # another world size / the same one
+    assert bad.returncode == 2 and want in bad.stdout + bad.stderr, bad.stderr[-2000:]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
