@@ -104,9 +104,7 @@ class TeacherDumpConfig:
 
     @property
     def data_options(self) -> dict:
-        """fsspec options for the corpus files: --data-storage-options, else --storage-options."""
-        opts = self.input.data_storage_options
-        return dict(self.store.storage_options if opts is None else opts)
+        return data_options(self.input.data_storage_options, self.store.storage_options)
 
     def __post_init__(self):
         c, t, s = self.capture, self.teacher, self.store
@@ -204,14 +202,18 @@ def build_config(values: dict[str, Any]) -> TeacherDumpConfig:
             value = [value]
         (sections[leaves[name]] if leaves[name] else top)[name] = value
     if "data" in sections["input"]:
-        options = sections["input"].get("data_storage_options")
-        sections["input"]["data"] = expand_globs(list(sections["input"]["data"]), options if options is not None
-                                                 else sections["store"].get("storage_options"))
+        sections["input"]["data"] = expand_globs(list(sections["input"]["data"]), data_options(
+            sections["input"].get("data_storage_options"), sections["store"].get("storage_options")))
     return TeacherDumpConfig(**top, **{name: _section_type(name)(**kw) for name, kw in sections.items()})
 
 
 _NULLABLE = {"data_storage_options", "gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "enforce_eager",
              "check_tolerance", "out", "cache_dir"}
+
+
+def data_options(data_storage_options: dict | None, storage_options: dict | None) -> dict:
+    """fsspec options for the corpus files: --data-storage-options, else --storage-options."""
+    return dict(storage_options or {}) if data_storage_options is None else dict(data_storage_options)
 
 
 def expand_globs(paths: list[str], storage_options: dict | None = None) -> list[str]:

@@ -518,13 +518,11 @@ def reshard_state(state: dict, *, rank: int, world_size: int, grad_accum: int) -
     """
     old = state["world_size"] * state["grad_accum"]
     if world_size * grad_accum != old:
-        raise ConfigError(f"cannot resume the data stream of {state['world_size']} ranks x --grad-accum "
-                          f"{state['grad_accum']} on {world_size} ranks x --grad-accum {grad_accum}: keep "
-                          f"ranks x --grad-accum = {old} (e.g. --grad-accum {old // world_size})"
-                          if old % world_size == 0 else
-                          f"cannot resume the data stream of {state['world_size']} ranks x --grad-accum "
-                          f"{state['grad_accum']} on {world_size} ranks: {old} micro-batches per step do not "
-                          f"divide over {world_size} ranks")
+        saved = f"cannot resume the data stream of {state['world_size']} ranks x --grad-accum {state['grad_accum']}"
+        raise ConfigError(f"{saved} on {world_size} ranks x --grad-accum {grad_accum}: keep ranks x --grad-accum = "
+                          f"{old} (e.g. --grad-accum {old // world_size})" if old % world_size == 0 else
+                          f"{saved} on {world_size} ranks: {old} micro-batches per step do not divide over "
+                          f"{world_size} ranks")
     steps, rest = divmod(int(state["consumed"]), int(state["grad_accum"]))
     if rest:
         raise ConfigError("the checkpoint was saved in the middle of an accumulated step; resume at its own world size")

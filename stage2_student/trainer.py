@@ -112,6 +112,16 @@ def _to_device(batch: dict, device) -> dict:
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
+@dataclass
+class ResumePoint:
+    """Where --resume continues: the checkpoint, its trainer state and this rank's loader state."""
+
+    ckpt: Path
+    state: dict
+    loader: dict
+    reshard: bool  # saved with another number of ranks
+
+
 class Trainer:
     """One training run: engine, data, metrics, checkpoints, export. Construct inside a process group."""
 
@@ -125,16 +135,11 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.student)
         self.num_params = count_parameters(cfg.student)
         self.ds_config = deepspeed_config(cfg, self.num_params)
-        self._reshard = False
-        if cfg.checkpoint.resume:
-            saved = self._saved_state(self._checkpoint_dir(cfg.checkpoint.resume))
-            self._reshard = saved["world"] != world
-            if self._reshard:  # refuse a layout the data stream cannot follow before any expensive work
-                from stage2_student.loader import reshard_state
-
-                reshard_state(saved["loader"], rank=rank, world_size=world, grad_accum=cfg.optim.grad_accum)
+        # read (and a layout the data stream cannot follow refused) before any expensive work
+        self._resume = self._resume_point(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
+        if self._resume is not None:
             # only ZeRO-1/2/3 states are partitioned by world size; see load_checkpoint
-            universal = self._reshard and self.ds_config["zero_optimization"]["stage"] > 0
+            universal = self._resume.reshard and self.ds_config["zero_optimization"]["stage"] > 0
             self.ds_config.setdefault("checkpoint", {})["load_universal"] = universal
         model = load_student(cfg.student, self.ds_config)
         model.config.use_cache = False
@@ -330,41 +335,45 @@ class Trainer:
             raise ConfigError(f"--resume latest: no checkpoint under {self.out / CKPT_DIR}; drop --resume to start fresh")
         return self.out / CKPT_DIR / latest.read_text().strip()
 
-    def _saved_state(self, ckpt: Path) -> dict:
-        """This rank's trainer state in `ckpt`, or rank 0's when the checkpoint had fewer ranks."""
-        for name in (f"trainer_state_rank{self.rank}.json", "trainer_state_rank0.json"):
-            if (ckpt / name).exists():
-                return json.loads((ckpt / name).read_text())
-        raise ConfigError(f"--resume: {ckpt} is not an xtcache checkpoint (no trainer_state_rank0.json)")
-
-    def load_checkpoint(self, where: str) -> None:
-        """Continue from a checkpoint: bit-exact at the same world size. At another world size, ZeRO
-        states go through DeepSpeed's universal checkpoint (converted once, next to the checkpoint;
-        OUT must be on storage every node sees) and the data stream is re-cut for the new ranks: the
-        global batch (ranks x grad-accum x micro-batch) must stay the same, so that every step sees
-        the samples it would have seen."""
-        import numpy as np
-        import torch
-
+    def _resume_point(self, where: str) -> "ResumePoint":
+        """The checkpoint `where` names, this rank's trainer state in it (rank 0's when the checkpoint
+        had fewer ranks) and the loader state for this rank layout."""
         from stage2_student.loader import reshard_state
 
         ckpt = self._checkpoint_dir(where)
-        state = self._saved_state(ckpt)
-        tag = ckpt.name
-        if not self._reshard:
-            loader_state = state["loader"]
+        for name in (f"trainer_state_rank{self.rank}.json", "trainer_state_rank0.json"):
+            if (ckpt / name).exists():
+                state = json.loads((ckpt / name).read_text())
+                break
         else:
-            loader_state = reshard_state(state["loader"], rank=self.rank, world_size=self.world,
-                                         grad_accum=self.cfg.optim.grad_accum)
+            raise ConfigError(f"--resume: {ckpt} is not an xtcache checkpoint (no trainer_state_rank0.json)")
+        if state["world"] == self.world:
+            return ResumePoint(ckpt, state, state["loader"], reshard=False)
+        loader = reshard_state(state["loader"], rank=self.rank, world_size=self.world,
+                               grad_accum=self.cfg.optim.grad_accum)
+        return ResumePoint(ckpt, state, loader, reshard=True)
+
+    def load_checkpoint(self) -> None:
+        """Continue from the --resume checkpoint: bit-exact at the same world size. At another world
+        size, ZeRO states go through DeepSpeed's universal checkpoint (converted once, next to the
+        checkpoint; OUT must be on storage every node sees) and the data stream is re-cut for the
+        new ranks: the global batch (ranks x grad-accum x micro-batch) must stay the same, so that
+        every step sees the samples it would have seen."""
+        import numpy as np
+        import torch
+
+        ckpt, state = self._resume.ckpt, self._resume.state
+        tag = ckpt.name
+        if self._resume.reshard:
             if self.ds_config["checkpoint"]["load_universal"]:
                 tag = self._universal_checkpoint(ckpt)
             log.info("resuming a %d-rank checkpoint on %d ranks from %s", state["world"], self.world, tag)
         path, _ = self.engine.load_checkpoint(str(ckpt.parent), tag=tag)
         if path is None:
-            raise ConfigError(f"--resume {where}: DeepSpeed could not load {ckpt.parent / tag}")
-        self.data.train.load_state_dict(loader_state)
+            raise ConfigError(f"--resume {ckpt}: DeepSpeed could not load {ckpt.parent / tag}")
+        self.data.train.load_state_dict(self._resume.loader)
         rng_file = ckpt / f"rng_rank{self.rank}.pt"
-        if not self._reshard and rng_file.exists():
+        if not self._resume.reshard and rng_file.exists():
             rng = torch.load(rng_file, weights_only=True)
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and torch.cuda.is_available():
@@ -395,10 +404,10 @@ class Trainer:
                 shutil.rmtree(old, ignore_errors=True)
             tmp = ckpt.parent / f".{target.name}.tmp-{os.getpid()}"
             # --inject_missing_state: ZeRO-1/2 states need a version marker that xtcache does not save
+            workers = str(max(1, min(8, (os.cpu_count() or 2) // 2)))
             proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                                    str(ckpt), "--output_folder", str(tmp), "--inject_missing_state",
-                                   "--num_extract_workers", str(max(1, min(8, (os.cpu_count() or 2) // 2))),
-                                   "--num_merge_workers", str(max(1, min(8, (os.cpu_count() or 2) // 2)))],
+                                   "--num_extract_workers", workers, "--num_merge_workers", workers],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -465,8 +474,8 @@ class Trainer:
     # ----------------------------------------------------------------- the run
     def run(self) -> dict:
         cfg = self.cfg
-        if cfg.checkpoint.resume:
-            self.load_checkpoint(cfg.checkpoint.resume)
+        if self._resume is not None:
+            self.load_checkpoint()
         self._open_metrics()
         it: Iterator[dict] = iter(self.data.train)
         bar = None

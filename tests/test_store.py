@@ -210,12 +210,20 @@ def test_rewrite_of_a_part_is_deterministic(tmp_path):
     assert len(CacheReader(url).shards) == 1
 
 
-def test_uncommitted_part_is_invisible(tmp_path):
-    rng = np.random.default_rng(5)
+def _two_one_doc_parts(tmp_path, seed: int, *, finish: bool = False) -> str:
+    """A store with parts 0 and 1 of writer 0, one document each (and its done marker if `finish`)."""
+    rng = np.random.default_rng(seed)
     url = str(tmp_path / "cache")
     with CacheWriter(url, manifest(V=5000)) as w:
         w.write_part(0, [make_doc(rng, 0, 4, 8, 5000)])
         w.write_part(1, [make_doc(rng, 1, 4, 8, 5000)])
+        if finish:
+            w.finish({})
+    return url
+
+
+def test_uncommitted_part_is_invisible(tmp_path):
+    url = _two_one_doc_parts(tmp_path, 5)
     os.remove(tmp_path / "cache" / "index" / f"{shard_id(0, 1)}.json")  # as if killed before the commit
     reader = CacheReader(url)
     assert [s.shard_id for s in reader.shards] == [shard_id(0, 0)]
@@ -280,12 +288,7 @@ def test_corrupted_chunk_names_shard_and_array(tmp_path):
 def test_finished_store_missing_a_counted_part_is_incomplete_and_fails_verify(tmp_path):
     from xtcache.commands_store import verify_store
 
-    rng = np.random.default_rng(6)
-    url = str(tmp_path / "cache")
-    with CacheWriter(url, manifest(V=5000)) as w:
-        w.write_part(0, [make_doc(rng, 0, 4, 8, 5000)])
-        w.write_part(1, [make_doc(rng, 1, 4, 8, 5000)])
-        w.finish({})
+    url = _two_one_doc_parts(tmp_path, 6, finish=True)
     assert CacheReader(url).is_complete() and verify_store(url) == []
     os.remove(tmp_path / "cache" / "index" / f"{shard_id(0, 1)}.json")  # an index lost after the job finished
     assert not CacheReader(url).is_complete()

@@ -90,6 +90,7 @@ def guard_children():
     import psutil
 
     me = psutil.Process()
+    _pipe_to_watcher()  # started before the block, so it never counts as a new child
     before = {p.pid for p in me.children(recursive=True)}
     seen: set[int] = set()
     done = threading.Event()
@@ -105,8 +106,6 @@ def guard_children():
             with contextlib.suppress(psutil.Error):
                 register()
 
-    _pipe_to_watcher()  # started before the block, so it never counts as a new child
-    before = {p.pid for p in me.children(recursive=True)}
     thread = threading.Thread(target=poll, name="xtcache-guard-children", daemon=True)
     thread.start()
     try:

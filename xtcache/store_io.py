@@ -71,17 +71,11 @@ class Location:
     """
 
     def __init__(self, url: str, storage_options: dict | None = None):
-        import fsspec.core
-
         self.url = url
         self.storage_options = dict(storage_options or {})
-        self.local = "://" not in url or url.startswith("file://")
-        if self.local:
-            self.root = os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)
-            self.fs = fsspec.filesystem("file")
-        else:
-            self.fs, self.root = fsspec.core.url_to_fs(url, **self.storage_options)
-            self.root = self.root.rstrip("/")
+        self.local = is_local(url)
+        self.fs, root = file_system(url, self.storage_options)
+        self.root = root if self.local else root.rstrip("/")
         self._zarr_store = None
 
     @property
