@@ -100,6 +100,8 @@ class ShardMeta(_Model):
     part_index: int = Field(ge=0)
     mode: Mode
     k: int = Field(ge=1)
+    teacher_vocab_size: int | None = Field(
+        default=None, description="The manifest's teacher_vocab_size when the part was written (absent in older stores).")
     num_docs: int = Field(ge=0)
     num_positions: int = Field(ge=0, description="Teacher positions (tokens) over all documents.")
     num_predicted: int = Field(ge=0, description="Positions with has_pred = True.")

@@ -260,7 +260,7 @@ def test_not_a_store_and_newer_version(tmp_path):
     meta = json.loads(index.read_text())
     meta["format_version"] = FORMAT_VERSION + 1
     index.write_text(json.dumps(meta))
-    with pytest.raises(FormatVersionError, match=f"shard w00000-p000000 .* reads format version {FORMAT_VERSION}"):
+    with pytest.raises(FormatVersionError, match=f"teacher part w00000-p000000 .* reads format version {FORMAT_VERSION}"):
         CacheReader(url)
     man = tmp_path / "cache" / "manifest.json"
     raw = json.loads(man.read_text())
@@ -281,7 +281,7 @@ def test_corrupted_chunk_names_shard_and_array(tmp_path):
     for i in range(40, 60):
         data[i] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    with pytest.raises(CorruptionError, match=r"shard w00000-p000000: array 'topk_logprobs'"):
+    with pytest.raises(CorruptionError, match=r"teacher part w00000-p000000: array .topk_logprobs."):
         CacheReader(url).read_shard(shard_id(0, 0), verify=True)
 
 
@@ -293,7 +293,7 @@ def test_finished_store_missing_a_counted_part_is_incomplete_and_fails_verify(tm
     os.remove(tmp_path / "cache" / "index" / f"{shard_id(0, 1)}.json")  # an index lost after the job finished
     assert not CacheReader(url).is_complete()
     (problem,) = verify_store(url)
-    assert "writer 0" in problem and "counts 2 parts but only 1" in problem
+    assert "writer 0" in problem and "finished with 2 parts but only 1" in problem
 
 
 def test_cache_dir_helpers(tmp_path):
@@ -357,11 +357,11 @@ def test_inspect_verify_and_cache_ls_commands(tmp_path):
         chunk.write_bytes(bytes(data))
     bad = runner.invoke(_cli(), ["verify", url])
     assert bad.exit_code == 1
-    assert "shard w00000-p000000: array 'residual'" in bad.output and "topk_ids" not in bad.output
+    assert "teacher part w00000-p000000: array 'residual'" in bad.output and "topk_ids" not in bad.output
     every = runner.invoke(_cli(), ["verify", url, "--all"])
     assert every.exit_code == 1
-    assert "shard w00000-p000000: array 'residual'" in every.output
-    assert "shard w00000-p000001: array 'topk_ids'" in every.output
+    assert "teacher part w00000-p000000: array 'residual'" in every.output
+    assert "teacher part w00000-p000001: array 'topk_ids'" in every.output
 
 
 def test_verify_reports_newer_shard_version(tmp_path):
@@ -376,8 +376,9 @@ def test_verify_reports_newer_shard_version(tmp_path):
     raw["format_version"] = 7
     index.write_text(json.dumps(raw))
     (problem,) = verify_store(url)
-    assert "shard w00000-p000000 has format version 7" in problem
-    assert verify_store(str(tmp_path)) == [f"{tmp_path} is not an xtcache store (no manifest.json)"]
+    assert "teacher part w00000-p000000 has format version 7" in problem
+    (problem,) = verify_store(str(tmp_path))
+    assert problem.startswith(f"{tmp_path} is not an xtcache store (no manifest.json)")
 
 
 def test_json_schema_files_match_the_models():
@@ -444,7 +445,7 @@ def test_xtcache_verify_exit_status(tmp_path):
     chunk.write_bytes(chunk.read_bytes()[:-7] + b"garbage")
     bad = run("verify", url)
     assert bad.returncode != 0
-    assert "shard w00000-p000000: array 'char_offsets'" in bad.stderr
+    assert "teacher part w00000-p000000: array 'char_offsets'" in bad.stderr
 
 
 @st.composite

@@ -28,7 +28,7 @@ WRITER = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     from schemas.models import AlignGroupMeta, Manifest
-    from xtcache import store
+    from xtcache.store import writer as store_writer
     from xtcache.store import AlignmentRecord, CacheWriter, DocRecord
 
     url, kill_at, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
@@ -59,7 +59,7 @@ WRITER = textwrap.dedent("""
     writer = CacheWriter(url, manifest, resume=resume)
     done = {m.part_index for m in writer.committed_parts()}
     calls = [0, False]  # write_array calls in part 1, counting on
-    original = store._write_array
+    original = store_writer.write_array
 
     def write_array(*args, **kwargs):
         calls[0] += calls[1]
@@ -67,7 +67,7 @@ WRITER = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         return original(*args, **kwargs)
 
-    store._write_array = write_array
+    store_writer.write_array = write_array
     for part in range(3):
         if part in done:
             continue

@@ -187,16 +187,3 @@ def default_codecs(mode: str, vocab_size: int) -> dict[str, dict[str, Any]]:
     if mode != "sampled":
         out["topk_logprobs"] = QuantizedLogProbs(bits=8, min_logprob=-24.0).to_config()
     return out
-
-
-DEFAULT_COMPRESSION = Compression(level=3, shuffle="none")
-SHUFFLED = ("topk_ids", "teacher_ids", "residual", "realized_logprob", "student_ids")
-
-
-def default_compression(array: str) -> Compression:
-    """Compression of one array by name: byte shuffle before zstd where it measured smaller.
-
-    The shuffle groups the bytes of multi-byte values by significance, so the mostly-zero high bytes
-    of id deltas and token ids compress away (bench/store_codec.py: topk_ids at k=64 shrink by a third).
-    """
-    return Compression(level=3, shuffle="byte") if array in SHUFFLED else DEFAULT_COMPRESSION

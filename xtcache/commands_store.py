@@ -15,10 +15,6 @@ from typing import Any
 
 import typer
 
-REQUIRED_ARRAYS = ("doc_pos_offsets", "doc_text_offsets", "doc_text", "teacher_ids", "char_offsets", "has_pred",
-                   "topk_ids", "residual", "realized_logprob")
-ALIGN_ARRAYS = ("doc_student_offsets", "doc_chunk_offsets", "student_ids", "student_end", "teacher_end", "exact")
-
 
 def _options(storage_options: str | None) -> dict | None:
     from xtcache.errors import ConfigError
@@ -131,148 +127,50 @@ def inspect(
 
 
 def verify_store(url: str, storage_options: dict | None = None, *, stop_first: bool = True) -> list[str]:
-    """Check every committed part (schema, version, checksums, counts, ids); return the problems found.
+    """Read every committed part and alignment part through `CacheReader` with every check on
+    (`verify=True`); return the problems found: damage, lost parts, alignment parts missing.
 
-    With `stop_first`, returns as soon as one problem is found. Uncommitted leftovers are not problems.
+    With `stop_first`, returns as soon as one problem is found. Uncommitted leftovers are not problems,
+    and neither is a store whose writers are still running (`CacheReader.incomplete` says that).
     """
-    from schemas.models import AlignGroupMeta, AlignPartMeta, Manifest, ShardMeta
     from xtcache.errors import XtcacheError
-    from xtcache.store import CacheReader, Location, _read_array, check_version, missing_parts, read_model
+    from xtcache.store import CacheReader
 
     problems: list[str] = []
-
-    class _Stop(Exception):
-        pass
-
-    def problem(msg: str) -> None:
-        problems.append(msg)
-        if stop_first:
-            raise _Stop
-
-    loc = Location(url, storage_options)
     try:
-        raw = loc.read_json("manifest.json")
-        if raw is None:
-            problem(f"{url} is not an xtcache store (no manifest.json)")
-            return problems
-        check_version(raw, f"store {url}")
-        manifest = read_model(Manifest, raw, f"{url}/manifest.json")
-        for name in loc.listdir("index"):
-            if not name.endswith(".json"):
-                continue
-            sid = name[:-5]
-            try:
-                raw = loc.read_json(f"index/{name}")
-                check_version(raw, f"shard {sid}")
-                meta = read_model(ShardMeta, raw, f"shard {sid} index")
-                _verify_shard(loc, manifest, meta, sid, problem)
-            except _Stop:
-                raise
-            except XtcacheError as e:
-                problem(str(e))
-        committed = {n[:-5] for n in loc.listdir("index") if n.endswith(".json")}
-        for fp in loc.groups():
-            try:
-                raw = loc.read_json(f"align/{fp}/group.json")
-                if raw is None:
-                    problem(f"alignment group {fp}: group.json is missing")
-                    continue
-                check_version(raw, f"alignment group {fp}")
-                read_model(AlignGroupMeta, raw, f"alignment group {fp}")
-            except _Stop:
-                raise
-            except XtcacheError as e:
-                problem(str(e))
-                continue
-            for name in loc.listdir(f"align/{fp}/index"):
-                sid = name[:-5]
-                if not name.endswith(".json") or sid not in committed:
-                    continue
-                where = f"shard {sid} (alignment {fp[:12]}..)"
-                try:
-                    raw = loc.read_json(f"align/{fp}/index/{name}")
-                    check_version(raw, where)
-                    part = read_model(AlignPartMeta, raw, where)
-                    arrays = {}
-                    for a in ALIGN_ARRAYS:
-                        if a not in part.arrays:
-                            problem(f"{where}: array {a!r} is missing from the index")
-                            continue
-                        arrays[a] = _read_array(loc, f"align/{fp}/shards/{sid}", part.arrays[a], verify=True,
-                                                shard=where)
-                    if len(arrays) == len(ALIGN_ARRAYS):
-                        if int(arrays["doc_student_offsets"][-1]) != len(arrays["student_ids"]) or \
-                                int(arrays["doc_chunk_offsets"][-1]) != len(arrays["exact"]):
-                            problem(f"{where}: array 'doc_chunk_offsets' or 'doc_student_offsets' disagrees "
-                                    "with the array lengths")
-                        if len(arrays["student_ids"]) != part.num_student_tokens or len(arrays["exact"]) != part.num_chunks:
-                            problem(f"{where}: array 'student_ids'/'exact' lengths disagree with the index counts")
-                except _Stop:
-                    raise
-                except XtcacheError as e:
-                    problem(str(e))
-        reader = CacheReader(url, storage_options)
-        for i, (counted, found) in sorted(missing_parts(reader.writer_summaries(), reader.shards).items()):
-            problem(f"writer {i}: its done marker counts {counted} parts but only {found} are committed "
-                    f"(a part index was lost); rerun that teacher-dump job with --resume after deleting "
-                    f"done/w{i:05d}.json")
-    except _Stop:
-        pass
+        reader = CacheReader(url, storage_options, problems=problems)
     except XtcacheError as e:
-        problems.append(str(e))
-    return problems
+        return [str(e)]
 
+    def checks():
+        yield from ((lambda sid=m.shard_id: reader.read_shard(sid, verify=True)) for m in reader.shards)
+        for fp in reader.alignment_groups():
+            for sid in reader.alignment_parts(fp):
+                yield lambda fp=fp, sid=sid: reader.read_alignment(fp, sid, verify=True)
+            yield lambda fp=fp: _raise_each(reader.unaligned_parts(fp), lambda sid: (
+                f"store {url}, alignment group {fp[:12]}..: no alignment part for teacher part {sid}; run "
+                f"`xtcache align {url} --student-tokenizer <student>` to add it"))
+        yield lambda: _raise_each(reader.lost_parts(), str)
 
-def _verify_shard(loc, manifest, meta, sid: str, problem) -> None:
-    """Check one teacher part; `problem(msg)` records each finding (and may stop the walk)."""
-    from xtcache import codecs
-    from xtcache.fingerprint import content_hash
-    from xtcache.store import _read_array
-
-    if meta.shard_id != sid:
-        problem(f"shard {sid}: index names shard {meta.shard_id}")
-    if meta.mode != manifest.mode or meta.k != manifest.k:
-        problem(f"shard {sid}: mode/k {meta.mode}/{meta.k} differ from the manifest's {manifest.mode}/{manifest.k}")
-    need = list(REQUIRED_ARRAYS) + (["topk_counts"] if manifest.mode == "sampled" else ["topk_logprobs"])
-    arrays = {}
-    for name in need:
-        if name not in meta.arrays:
-            problem(f"shard {sid}: array {name!r} is missing from the index")
-            continue
+    for check in checks():
+        if problems and stop_first:
+            break
         try:
-            arrays[name] = _read_array(loc, f"shards/{sid}", meta.arrays[name], verify=True, shard=sid)
-        except Exception as e:  # CorruptionError names shard and array
-            problem(str(e))
-    P, D, k = meta.num_positions, meta.num_docs, meta.k
-    shapes = {"doc_pos_offsets": (D + 1,), "doc_text_offsets": (D + 1,), "teacher_ids": (P,), "char_offsets": (P, 2),
-              "has_pred": (P,), "topk_ids": (P, k), "topk_logprobs": (P, k), "topk_counts": (P, k),
-              "residual": (P,), "realized_logprob": (P,)}
-    for name, values in arrays.items():
-        if name in shapes and values.shape != shapes[name]:
-            problem(f"shard {sid}: array {name!r} has shape {list(values.shape)}, the index counts "
-                    f"({D} documents, {P} positions, k={k}) need {list(shapes[name])}")
-    if len(meta.docs) != D:
-        problem(f"shard {sid}: index lists {len(meta.docs)} document ids for num_docs={D}")
-    if "doc_pos_offsets" in arrays and arrays["doc_pos_offsets"].shape == (D + 1,) and \
-            int(arrays["doc_pos_offsets"][-1]) != P:
-        problem(f"shard {sid}: array 'doc_pos_offsets' ends at {int(arrays['doc_pos_offsets'][-1])}, index says {P}")
-    if "has_pred" in arrays and int(arrays["has_pred"].sum()) != meta.num_predicted:
-        problem(f"shard {sid}: array 'has_pred' has {int(arrays['has_pred'].sum())} predictions, "
-                f"index says {meta.num_predicted}")
-    if "topk_ids" in arrays and meta.arrays["topk_ids"].transform is not None:
-        ids = codecs.codec_from_config(meta.arrays["topk_ids"].transform).decode(arrays["topk_ids"])
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= manifest.teacher_vocab_size):
-            problem(f"shard {sid}: array 'topk_ids' decodes to ids outside [0, {manifest.teacher_vocab_size})")
-    if "doc_text" in arrays and "doc_text_offsets" in arrays and len(meta.docs) == D:
-        blob, offs = arrays["doc_text"].tobytes(), arrays["doc_text_offsets"]
-        for i, d in enumerate(meta.docs):
-            try:
-                text = blob[int(offs[i]):int(offs[i + 1])].decode("utf-8")
-            except (UnicodeDecodeError, IndexError):
-                problem(f"shard {sid}: array 'doc_text' document {i} is not valid utf-8")
-                continue
-            if content_hash(text) != d.content_hash:
-                problem(f"shard {sid}: array 'doc_text' document {i} does not match its content hash")
+            check()
+        except _Problems as e:
+            problems.extend(e.args[0])
+        except XtcacheError as e:
+            problems.append(str(e))
+    return problems[:1] if stop_first else problems
+
+
+class _Problems(Exception):
+    """Several findings of one check."""
+
+
+def _raise_each(items: list, message) -> None:
+    if items:
+        raise _Problems([message(i) for i in items])
 
 
 def verify(
@@ -280,7 +178,9 @@ def verify(
     all_problems: bool = typer.Option(False, "--all", help="List every problem instead of stopping at the first."),
     storage_options: str = typer.Option(None, "--storage-options", help="fsspec storage options as JSON."),
 ) -> None:
-    """Check every committed shard's checksums, counts, schema and format version; exit 1 on a problem."""
+    """Read every committed part with every check on (checksums, counts, schema, format version,
+    alignment coverage, lost parts); exit 1 on a problem. A store whose writers are still running is
+    reported as incomplete (exit 0 when its committed parts check out)."""
     problems = verify_store(store, _options(storage_options), stop_first=not all_problems)
     if problems:
         for p in problems:
@@ -291,8 +191,11 @@ def verify(
     from xtcache.store import CacheReader
 
     r = CacheReader(store, _options(storage_options))
+    reasons = r.incomplete()
     typer.echo(f"{store}: OK ({len(r.shards)} shards, {sum(s.num_positions for s in r.shards):,} positions, "
-               f"{'complete' if r.is_complete() else 'incomplete'})")
+               f"{'incomplete' if reasons else 'complete'})")
+    for reason in reasons:
+        typer.echo(f"incomplete: {reason}", err=True)
 
 
 def cache_ls(

@@ -1,0 +1,82 @@
+"""The arrays of a part: the one table of names, stored dtypes, shapes, transforms and compression.
+
+Everything that writes, reads or checks arrays goes through this table: the writer
+(`xtcache/store/writer.py`) takes compression and the set of arrays from it, the reader
+(`xtcache/store/reader.py`) checks each index against it, and `schemas/STORE_FORMAT.md` sections
+4.1 and 5 are compared with it by tests/test_store_format.py.
+
+Shapes are written with the counts of a part: `D` documents, `P` teacher positions, `k` entries
+per position (the manifest's `k`), `B` text bytes, `S` student tokens, `C` chunks.
+
+    python -c "from schemas.arrays import TEACHER_ARRAYS; print([a.name for a in TEACHER_ARRAYS])"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHECKSUM_CODEC = "crc32c"
+"""The Zarr v3 bytes-to-bytes codec that ends every inner chunk's codec chain (section 4.2)."""
+
+
+@dataclass(frozen=True)
+class ArrayDef:
+    """One array of a teacher part or an alignment part."""
+
+    name: str
+    dtypes: tuple[str, ...]  # stored numpy dtype names a reader accepts
+    shape: tuple[str, ...]  # symbolic dimensions over D, P, k, B, S, C (or a number)
+    modes: tuple[str, ...] = ("topk", "full", "sampled")  # modes whose parts hold it
+    transform: str | None = None  # 'ids' or 'logprobs': an xtcache transform, configured in the manifest
+    shuffle: bool = False  # default compression: byte shuffle + zstd (blosc) instead of plain zstd
+
+    def resolve(self, counts: dict[str, int]) -> tuple[int, ...]:
+        """The concrete shape for a part's counts, e.g. {"D": 3, "P": 100, "k": 8}."""
+        out = []
+        for dim in self.shape:
+            if dim.isdigit():
+                out.append(int(dim))
+            elif dim.endswith("+1"):
+                out.append(counts[dim[:-2]] + 1)
+            else:
+                out.append(counts[dim])
+        return tuple(out)
+
+
+TEACHER_ARRAYS: tuple[ArrayDef, ...] = (
+    ArrayDef("doc_pos_offsets", ("int64",), ("D+1",)),
+    ArrayDef("doc_text_offsets", ("int64",), ("D+1",)),
+    ArrayDef("doc_text", ("uint8",), ("B",)),
+    ArrayDef("teacher_ids", ("int32",), ("P",), shuffle=True),
+    ArrayDef("char_offsets", ("int32",), ("P", "2")),
+    ArrayDef("has_pred", ("bool",), ("P",)),
+    ArrayDef("topk_ids", ("uint16", "uint32"), ("P", "k"), transform="ids", shuffle=True),
+    ArrayDef("topk_logprobs", ("uint8", "uint16", "float16", "float32"), ("P", "k"), modes=("topk", "full"),
+             transform="logprobs"),
+    ArrayDef("topk_counts", ("uint16",), ("P", "k"), modes=("sampled",)),
+    ArrayDef("residual", ("float32",), ("P",), shuffle=True),
+    ArrayDef("realized_logprob", ("float32",), ("P",), shuffle=True),
+)
+"""Arrays of `shards/{S}/`, in the order a part is written."""
+
+ALIGN_ARRAYS: tuple[ArrayDef, ...] = (
+    ArrayDef("doc_student_offsets", ("int64",), ("D+1",)),
+    ArrayDef("doc_chunk_offsets", ("int64",), ("D+1",)),
+    ArrayDef("student_ids", ("int32",), ("S",), shuffle=True),
+    ArrayDef("student_end", ("int32",), ("C",)),
+    ArrayDef("teacher_end", ("int32",), ("C",)),
+    ArrayDef("exact", ("bool",), ("C",)),
+)
+"""Arrays of `align/{F}/shards/{S}/`, in the order an alignment part is written."""
+
+
+def teacher_arrays(mode: str) -> tuple[ArrayDef, ...]:
+    """The arrays a teacher part of `mode` holds."""
+    return tuple(a for a in TEACHER_ARRAYS if mode in a.modes)
+
+
+def array_def(name: str) -> ArrayDef:
+    for a in (*TEACHER_ARRAYS, *ALIGN_ARRAYS):
+        if a.name == name:
+            return a
+    raise KeyError(name)

@@ -1,0 +1,169 @@
+"""Zarr encoding of a part's arrays, and the one checked way to read them back.
+
+Every array is one Zarr v3 shard object whose inner chunks end in a `crc32c` codec, written with
+every inner chunk present (`write_empty_chunks`), so that a read detects:
+
+- a flipped bit or a truncated object: zarr compares the crc32c of each inner chunk and of the
+  shard index and raises (reported as "damaged");
+- a missing object: zarr would return the fill value for it, so reads go through
+  `_ObjectsMustExist`, which turns an absent chunk object into an error (reported as "missing").
+
+Stores written before the crc32c codec (same format version, no `crc32c` in an array's chain) are
+read with every array compared against the sha256 in its part index instead (slower; logged once
+per store). `schemas/STORE_FORMAT.md` section 4.2 and 9 state the same rules for other readers.
+
+    python -c "from xtcache.store.arrays import array_sha256; import numpy as np; print(array_sha256(np.arange(3)))"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import numpy as np
+
+from schemas.arrays import array_def
+from schemas.models import ArraySpec, CodecConfig
+from xtcache import codecs
+from xtcache.errors import CorruptionError
+from xtcache.store_io import Location
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20  # raw bytes per inner Zarr chunk; each array of a part is one shard object
+
+
+def array_sha256(values: np.ndarray) -> str:
+    """sha256 of an array's values in C order as little-endian bytes (bool as one byte 0/1)."""
+    arr = np.ascontiguousarray(values)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return hashlib.sha256(arr.tobytes()).hexdigest()
+
+
+def default_compression(name: str) -> codecs.Compression:
+    """Compression of one array by name (schemas/arrays.py): byte shuffle before zstd where it measured
+    smaller (bench/store_codec.py: topk_ids at k=64 shrink by a third), plain zstd elsewhere."""
+    return codecs.Compression(level=3, shuffle="byte" if array_def(name).shuffle else "none")
+
+
+def write_array(loc: Location, group: str, name: str, values: np.ndarray, *,
+                compression: codecs.Compression, transform: dict | None = None) -> ArraySpec:
+    """Write one array as a single checked shard object; its ArraySpec for the part index."""
+    import zarr
+    import zarr.codecs as zc
+
+    values = np.ascontiguousarray(values)
+    row_bytes = max(1, values.dtype.itemsize * int(np.prod(values.shape[1:], dtype=np.int64)))
+    rows = max(1, min(values.shape[0], CHUNK_BYTES // row_bytes))
+    chunks = (rows, *[max(1, s) for s in values.shape[1:]])
+    n_chunks = max(1, -(-values.shape[0] // rows))
+    shards = (rows * n_chunks, *chunks[1:])
+    arr = zarr.create_array(
+        loc.zarr_store, name=f"{group}/{name}", shape=values.shape, dtype=values.dtype, chunks=chunks,
+        shards=shards, compressors=[*compression.zarr_codecs(values.dtype.itemsize), zc.Crc32cCodec()],
+        fill_value=0, attributes={"xtcache_transform": transform} if transform else {}, zarr_format=3,
+        overwrite=True, config={"write_empty_chunks": True})
+    if values.size:
+        arr[...] = values
+    return ArraySpec(
+        name=name, dtype=values.dtype.name, shape=list(values.shape), chunks=list(chunks),
+        transform=CodecConfig(**transform) if transform else None,
+        compressors=[CodecConfig(**compression.to_config())], sha256=array_sha256(values),
+        stored_bytes=loc.du(f"{group}/{name}/c"))
+
+
+class MissingObject(Exception):
+    """A chunk object that an array needs is not in the store."""
+
+
+def _checked_store(store):
+    """`store` wrapped so that reading an absent chunk object raises MissingObject (not the fill value)."""
+    from zarr.storage import WrapperStore
+
+    class _ObjectsMustExist(WrapperStore):
+        async def get(self, key, prototype, byte_range=None):
+            out = await self._store.get(key, prototype, byte_range)
+            if out is None and "/c/" in f"/{key}" and not key.endswith("zarr.json"):
+                raise MissingObject(key)
+            return out
+
+    return _ObjectsMustExist(store)
+
+
+def _has_checksum(meta) -> bool:
+    """Whether the array's inner chunks end in the crc32c codec (stores written since checked reads)."""
+    from zarr.codecs import Crc32cCodec
+
+    return any(isinstance(c, Crc32cCodec) for codec in meta.codecs for c in getattr(codec, "codecs", ()))
+
+
+_unchecked_notice: set[str] = set()
+
+
+def read_arrays(loc: Location, group: str, specs: list[ArraySpec], *, where: str,
+                sha256: bool = False) -> dict[str, np.ndarray]:
+    """Read arrays of one Zarr group concurrently, each checked; CorruptionError names `where` and the array.
+
+    Checked always: crc32c of every inner chunk and of the shard index (by zarr), presence of every
+    chunk object, shape and dtype against the index. `sha256` also compares each array's sha256
+    (always done for arrays written without crc32c).
+    """
+    import asyncio
+
+    from zarr.api import asynchronous as zarr_async
+    from zarr.core.sync import sync
+
+    store = loc.zarr_store
+    checked = _checked_store(store)
+
+    async def one(spec: ArraySpec):
+        path = f"{group}/{spec.name}"
+        try:
+            arr = await zarr_async.open_array(store=checked, path=path, mode="r")
+        except FileNotFoundError:
+            return MissingObject(f"{path}/zarr.json"), False
+        except Exception as e:  # noqa: BLE001  (zarr raises many kinds on damaged metadata)
+            return e, False
+        has_crc = _has_checksum(arr.metadata)
+        try:
+            if not has_crc:  # written before checked reads: an all-zero array may have no object
+                arr = await zarr_async.open_array(store=store, path=path, mode="r")
+            return await arr.getitem(Ellipsis), has_crc
+        except Exception as e:  # noqa: BLE001  (zarr/numcodecs raise many kinds on damaged bytes)
+            return e, has_crc
+
+    async def gather():
+        return await asyncio.gather(*(one(spec) for spec in specs))
+
+    out = {}
+    for spec, (values, has_crc) in zip(specs, sync(gather())):
+        if isinstance(values, MissingObject):
+            raise CorruptionError(f"{where}: array {spec.name!r} is missing (no object {values})")
+        if isinstance(values, Exception):
+            raise CorruptionError(f"{where}: array {spec.name!r} is damaged (cannot be read: "
+                                  f"{type(values).__name__}: {values})") from values
+        if list(values.shape) != spec.shape or values.dtype.name != spec.dtype:
+            raise CorruptionError(
+                f"{where}: array {spec.name!r} is damaged: shape {list(values.shape)} dtype {values.dtype.name}, "
+                f"its index says {spec.shape} {spec.dtype}")
+        if not has_crc and loc.url not in _unchecked_notice:
+            _unchecked_notice.add(loc.url)
+            log.warning("store %s was written before chunk checksums (crc32c): every array read is checked "
+                        "against its sha256 instead (slower)", loc.url)
+        if (sha256 or not has_crc) and array_sha256(values) != spec.sha256:
+            raise CorruptionError(f"{where}: array {spec.name!r} is damaged (sha256 mismatch with its index)")
+        out[spec.name] = values
+    return out
+
+
+def concat(parts: list[np.ndarray], dtype, tail: tuple[int, ...] = ()) -> np.ndarray:
+    if not parts:
+        return np.zeros((0, *tail), dtype=dtype)
+    return np.concatenate([np.asarray(p, dtype=dtype).reshape(-1, *tail) for p in parts])
+
+
+def offsets(lengths: list[int]) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out

@@ -1,0 +1,346 @@
+"""The writer of a teacher-cache store: `CacheWriter`, one per writer process.
+
+Each writer owns the parts "w{writer:05d}-p{part:06d}". A part becomes visible only when its index
+file `index/<shard>.json` is written, last and atomically; readers list index files only, so a
+half-written part is invisible and a rewrite of the same part on resume is deterministic. The
+arrays a part holds are the table of `schemas/arrays.py`; the layout is `schemas/STORE_FORMAT.md`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import numpy as np
+
+from schemas.arrays import ALIGN_ARRAYS, teacher_arrays
+from schemas.models import (
+    FORMAT_VERSION, AlignGroupMeta, AlignPartMeta, CodecConfig, DocId, Manifest, ShardMeta, WriterClaim, WriterDone,
+)
+from xtcache import codecs
+from xtcache.errors import FormatVersionError, StoreError, XtcacheError
+from xtcache.store.arrays import concat as _concat
+from xtcache.store.arrays import default_compression, write_array
+from xtcache.store.arrays import offsets as _offsets
+from xtcache.store.arrays import read_arrays
+from xtcache.store.reader import list_shards
+from xtcache.store.records import AlignmentRecord, DocRecord
+from xtcache.store_io import Location, check_version, now_iso, read_model
+
+log = logging.getLogger(__name__)
+
+
+def shard_id(writer_index: int, part_index: int) -> str:
+    return f"w{writer_index:05d}-p{part_index:06d}"
+
+
+
+class CacheWriter:
+    """Writes the parts of one writer index into a store; see the module docstring for the protocol."""
+
+    def __init__(self, url: str, manifest: Manifest, *, writer_index: int = 0,
+                 storage_options: dict | None = None, resume: bool = False,
+                 compression: dict[str, codecs.Compression] | None = None):
+        self.loc = Location(url, storage_options)
+        self.url = url
+        self.writer_index = writer_index
+        self.compression = compression or {}
+        self.manifest = self._open_manifest(manifest)
+        if not 0 <= writer_index < self.manifest.num_writers:
+            raise StoreError(f"writer index {writer_index} is outside [0, {self.manifest.num_writers}) "
+                             f"of the store at {url}")
+        self.ids_codec = codecs.codec_from_config(self.manifest.codecs["topk_ids"])
+        lp = self.manifest.codecs.get("topk_logprobs")
+        self.lp_codec = codecs.codec_from_config(lp) if lp is not None else None
+        self._claim(resume)
+        # groups of an existing store, plus groups this writer brings (a later run adding a student)
+        for group in [*self.manifest.alignment_groups, *manifest.alignment_groups]:
+            self._declare_group(group)
+
+    # -- setup
+
+    def _open_manifest(self, manifest: Manifest) -> Manifest:
+        manifest = manifest.model_copy(deep=True)
+        if manifest.format_version != FORMAT_VERSION:
+            raise FormatVersionError(f"cannot write format version {manifest.format_version}: "
+                                     f"this xtcache writes version {FORMAT_VERSION}")
+        if not manifest.codecs:
+            manifest.codecs = {k: CodecConfig(**v) for k, v in
+                               codecs.default_codecs(manifest.mode, manifest.teacher_vocab_size).items()}
+        if manifest.mode == "full" and manifest.k != manifest.teacher_vocab_size:
+            raise XtcacheError(f"full mode stores every id: k={manifest.k} must equal the vocab size "
+                               f"{manifest.teacher_vocab_size}")
+        if manifest.k > manifest.teacher_vocab_size:
+            raise XtcacheError(f"k={manifest.k} is larger than the teacher vocabulary "
+                               f"({manifest.teacher_vocab_size}); use --top-k at most the vocab size")
+        if manifest.mode != "sampled" and "topk_logprobs" not in manifest.codecs:
+            raise XtcacheError(f"mode {manifest.mode!r} needs a 'topk_logprobs' codec in the manifest")
+        if not manifest.created:
+            manifest.created = now_iso()
+        if not manifest.xtcache_version:
+            manifest.xtcache_version = _package_version()
+        existing = self.loc.read_json("manifest.json")
+        if existing is None:
+            if self.loc.create_exclusive("manifest.json", manifest.model_dump(mode="json")):
+                return manifest
+            existing = self.loc.read_json("manifest.json")
+        check_version(existing, f"store {self.url}")
+        have = read_model(Manifest, existing, f"{self.url}/manifest.json")
+        if have.cache_key != manifest.cache_key:
+            raise StoreError(f"store at {self.url} was written for another teacher/corpus/settings: cache key "
+                             f"{have.cache_key} != {manifest.cache_key}; use another --out")
+        return have
+
+    def _claim(self, resume: bool) -> None:
+        self.claim_path = f"claims/w{self.writer_index:05d}.json"
+        claim = WriterClaim(writer_index=self.writer_index, pid=os.getpid(), host=socket.gethostname(),
+                            time=now_iso()).model_dump()
+        if self.loc.create_exclusive(self.claim_path, claim):
+            return
+        other = self.loc.read_json(self.claim_path) or {}
+        held_by = (f"writer {self.writer_index} of store {self.url} is claimed by pid {other.get('pid')} on "
+                   f"{other.get('host')} since {other.get('time')}")
+        if not resume:
+            raise StoreError(f"{held_by}; if that process is gone, resume with --resume")
+        if other.get("host") == socket.gethostname() and _pid_alive(other.get("pid")):
+            raise StoreError(f"{held_by}, and that process is still running: --resume only takes over the "
+                             "claim of a job that died")
+        log.warning("taking over the claim of writer %d in %s (resume)", self.writer_index, self.url)
+        self.loc.write_json_atomic(self.claim_path, claim)
+
+    def _declare_group(self, group: AlignGroupMeta) -> None:
+        path = f"align/{group.fingerprint}/group.json"
+        if self.loc.read_json(path) is None:
+            g = group.model_copy()
+            g.created = g.created or now_iso()
+            self.loc.create_exclusive(path, g.model_dump(mode="json"))
+
+    # -- API
+
+    def committed_parts(self) -> list[ShardMeta]:
+        prefix = f"w{self.writer_index:05d}-"
+        return [m for m in list_shards(self.loc, self.url) if m.shard_id.startswith(prefix)]
+
+    def write_part(self, part_index: int, docs: list[DocRecord],
+                   alignments: dict[str, list[AlignmentRecord]] | None = None) -> ShardMeta:
+        """Write one part (teacher arrays + alignment groups) and commit it by writing its index last."""
+        sid = shard_id(self.writer_index, part_index)
+        alignments = alignments or {}
+        for fp, recs in alignments.items():
+            if not self.loc.exists(f"align/{fp}/group.json"):
+                raise XtcacheError(f"alignment group {fp[:12]}.. is not declared: list it in "
+                                   "Manifest.alignment_groups or call add_alignment_group")
+            if len(recs) != len(docs):
+                raise XtcacheError(f"alignment group {fp[:12]}..: {len(recs)} records for {len(docs)} documents")
+        arrays = self._encode_docs(docs)
+        self._remove_part(sid)
+        group = f"shards/{sid}"
+        specs = {name: write_array(self.loc, group, name, values, compression=self._compression(name),
+                                    transform=transform)
+                 for name, (values, transform) in arrays.items()}
+        for fp, recs in alignments.items():
+            self._write_align_part(fp, sid, recs, [len(d.teacher_ids) for d in docs])
+        stats = {"mean_topk_mass": _mean_topk_mass(docs, self.manifest.mode)}
+        meta = ShardMeta(
+            shard_id=sid, writer_index=self.writer_index, part_index=part_index, mode=self.manifest.mode,
+            k=self.manifest.k, teacher_vocab_size=self.manifest.teacher_vocab_size, num_docs=len(docs), num_positions=int(sum(len(d.teacher_ids) for d in docs)),
+            num_predicted=int(sum(int(np.count_nonzero(d.has_pred)) for d in docs)),
+            docs=[DocId(source=d.source, row=d.row, content_hash=d.content_hash) for d in docs],
+            arrays=specs, stats=stats, created=now_iso())
+        self.loc.write_json_atomic(f"index/{sid}.json", meta.model_dump(mode="json"))
+        return meta
+
+    def add_alignment_group(self, group: AlignGroupMeta, shard_id: str, records: list[AlignmentRecord]) -> None:
+        """Add (or rewrite) the alignment of one committed part for a student tokenizer."""
+        meta = self.loc.read_json(f"index/{shard_id}.json")
+        if meta is None:
+            raise StoreError(f"shard {shard_id} is not committed in {self.url}; align only committed parts")
+        shard = read_model(ShardMeta, meta, f"index/{shard_id}.json")
+        if len(records) != shard.num_docs:
+            raise XtcacheError(f"shard {shard_id} has {shard.num_docs} documents, got {len(records)} alignments")
+        existing = self.loc.read_json(f"align/{group.fingerprint}/group.json")
+        if existing is None:
+            self._declare_group(group)
+        lengths = _doc_lengths(self.loc, shard, self.url)
+        self._write_align_part(group.fingerprint, shard_id, records, lengths)
+
+    def finish(self, summary: dict | None = None) -> None:
+        """Mark this writer done (all its parts written) and release its claim."""
+        done = WriterDone(writer_index=self.writer_index, num_parts=len(self.committed_parts()),
+                          time=now_iso(), summary=summary or {})
+        self.loc.write_json_atomic(f"done/w{self.writer_index:05d}.json", done.model_dump(mode="json"))
+        self.close()
+
+    def close(self) -> None:
+        """Release the writer's claim (idempotent)."""
+        if getattr(self, "claim_path", None):
+            self.loc.remove(self.claim_path)
+            self.claim_path = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals
+
+    def _compression(self, array: str) -> codecs.Compression:
+        return self.compression.get(array) or default_compression(array)
+
+    def _remove_part(self, sid: str) -> None:
+        self.loc.remove(f"index/{sid}.json")
+        for fp in self.loc.groups():
+            self.loc.remove(f"align/{fp}/index/{sid}.json")
+            self.loc.remove_tree(f"align/{fp}/shards/{sid}")
+        self.loc.remove_tree(f"shards/{sid}")
+
+    def _encode_docs(self, docs: list[DocRecord]) -> dict[str, tuple[np.ndarray, dict | None]]:
+        m = self.manifest
+        k, V = m.k, m.teacher_vocab_size
+        for d in docs:
+            _check_doc(d, k, m.mode)
+        texts = [d.text.encode("utf-8") for d in docs]
+        has_pred = _concat([d.has_pred for d in docs], np.bool_)
+        ids = _concat([d.topk_ids for d in docs], np.int64, (k,))
+        ids[~has_pred] = 0
+        counts = None
+        if m.mode == "sampled":
+            counts = _concat([d.topk_counts for d in docs], np.uint16, (k,))
+            counts[~has_pred] = 0
+            codecs.check_ids(ids[counts > 0], V)
+            # padding (count 0) sorts after the real ids and repeats the last real id (delta 0)
+            order = np.argsort(np.where(counts > 0, ids, V), axis=1, kind="stable")
+            ids = np.take_along_axis(np.where(counts > 0, ids, 0), order, axis=1)
+            np.maximum.accumulate(ids, axis=1, out=ids)
+            counts = np.take_along_axis(counts, order, axis=1)
+        else:
+            codecs.check_ids(ids[has_pred], V)
+        deltas, order = self.ids_codec.encode(ids)
+        if counts is not None:
+            counts = np.take_along_axis(counts, order, axis=1)  # order is the identity here
+        out: dict[str, tuple[np.ndarray, dict | None]] = {
+            "doc_pos_offsets": (_offsets([len(d.teacher_ids) for d in docs]), None),
+            "doc_text_offsets": (_offsets([len(t) for t in texts]), None),
+            "doc_text": (np.frombuffer(b"".join(texts), dtype=np.uint8), None),
+            "teacher_ids": (_concat([d.teacher_ids for d in docs], np.int32), None),
+            "char_offsets": (_concat([d.char_offsets for d in docs], np.int32, (2,)), None),
+            "has_pred": (has_pred, None),
+            "topk_ids": (deltas, self.ids_codec.to_config()),
+            "residual": (_concat([d.residual for d in docs], np.float32), None),
+            "realized_logprob": (_concat([d.realized_logprob for d in docs], np.float32), None),
+        }
+        if counts is not None:
+            out["topk_counts"] = (counts, None)
+        else:
+            lp = _concat([d.topk_logprobs for d in docs], np.float32, (k,))
+            lp[~has_pred] = 0.0
+            lp = np.take_along_axis(lp, order, axis=1)
+            out["topk_logprobs"] = (self.lp_codec.encode(lp), self.lp_codec.to_config())
+        return {a.name: out[a.name] for a in teacher_arrays(m.mode)}  # the contract's order
+
+    def _write_align_part(self, fp: str, sid: str, records: list[AlignmentRecord], teacher_lengths: list[int]):
+        for i, (r, t_len) in enumerate(zip(records, teacher_lengths)):
+            a = r.alignment
+            if len(a.teacher_end) and int(a.teacher_end[-1]) != t_len:
+                raise XtcacheError(f"alignment of document {i} in shard {sid} ends at teacher token "
+                                   f"{int(a.teacher_end[-1])}, the document has {t_len}")
+            if len(a.student_end) and int(a.student_end[-1]) != len(r.student_ids):
+                raise XtcacheError(f"alignment of document {i} in shard {sid} ends at student token "
+                                   f"{int(a.student_end[-1])}, the document has {len(r.student_ids)}")
+        base = f"align/{fp}"
+        self.loc.remove(f"{base}/index/{sid}.json")
+        self.loc.remove_tree(f"{base}/shards/{sid}")
+        s_end = _concat([r.alignment.student_end for r in records], np.int32)
+        t_end = _concat([r.alignment.teacher_end for r in records], np.int32)
+        exact = _concat([r.alignment.exact for r in records], np.bool_)
+        arrays = {
+            "doc_student_offsets": _offsets([len(r.student_ids) for r in records]),
+            "doc_chunk_offsets": _offsets([len(r.alignment.student_end) for r in records]),
+            "student_ids": _concat([r.student_ids for r in records], np.int32),
+            "student_end": s_end, "teacher_end": t_end, "exact": exact,
+        }
+        assert list(arrays) == [a.name for a in ALIGN_ARRAYS], "arrays off the contract"
+        group = f"{base}/shards/{sid}"
+        specs = {n: write_array(self.loc, group, n, v, compression=self._compression(n)) for n, v in arrays.items()}
+        meta = AlignPartMeta(
+            fingerprint=fp, shard_id=sid, num_docs=len(records), num_student_tokens=len(arrays["student_ids"]),
+            num_chunks=len(s_end), chunk_shapes=chunk_shape_counts(records), num_exact=int(exact.sum()),
+            arrays=specs, created=now_iso())
+        self.loc.write_json_atomic(f"{base}/index/{sid}.json", meta.model_dump(mode="json"))
+
+
+def chunk_shape_counts(records: list[AlignmentRecord]) -> dict[str, int]:
+    """Counts of chunks by (student tokens : teacher tokens) shape: 1:1, 1:n, n:1, n:m, empty."""
+    out = {"1:1": 0, "1:n": 0, "n:1": 0, "n:m": 0, "empty": 0}
+    for r in records:
+        s = np.diff(np.asarray(r.alignment.student_end, dtype=np.int64), prepend=0)
+        t = np.diff(np.asarray(r.alignment.teacher_end, dtype=np.int64), prepend=0)
+        out["empty"] += int(np.count_nonzero((s == 0) | (t == 0)))
+        out["1:1"] += int(np.count_nonzero((s == 1) & (t == 1)))
+        out["1:n"] += int(np.count_nonzero((s == 1) & (t > 1)))
+        out["n:1"] += int(np.count_nonzero((s > 1) & (t == 1)))
+        out["n:m"] += int(np.count_nonzero((s > 1) & (t > 1)))
+    return out
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("xtcache")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _check_doc(d: DocRecord, k: int, mode: str) -> None:
+    T = len(d.teacher_ids)
+    want = {"char_offsets": (T, 2), "has_pred": (T,), "topk_ids": (T, k), "residual": (T,),
+            "realized_logprob": (T,)}
+    if mode == "sampled":
+        want["topk_counts"] = (T, k)
+        if d.topk_counts is None:
+            raise XtcacheError(f"document {d.doc_id}: sampled mode needs topk_counts")
+    else:
+        want["topk_logprobs"] = (T, k)
+        if d.topk_logprobs is None:
+            raise XtcacheError(f"document {d.doc_id}: mode {mode!r} needs topk_logprobs")
+    for name, shape in want.items():
+        got = tuple(np.shape(getattr(d, name)))
+        if got != shape and not (T == 0 and int(np.prod(got)) == 0):
+            if name == "topk_ids" and len(got) == 2 and got[0] == T:
+                raise XtcacheError(f"document {d.doc_id}: top-k width {got[1]} != k={k} of the store")
+            raise XtcacheError(f"document {d.doc_id}: {name} has shape {got}, expected {shape}")
+
+
+def _mean_topk_mass(docs: list[DocRecord], mode: str) -> float:
+    if mode == "sampled":
+        return float("nan")
+    total, n = 0.0, 0
+    for d in docs:
+        if len(d.teacher_ids) == 0:
+            continue
+        lp = np.asarray(d.topk_logprobs, dtype=np.float64)[d.has_pred]
+        total += float(np.exp(lp).sum())
+        n += lp.shape[0]
+    return total / n if n else float("nan")
+
+
+def _doc_lengths(loc: Location, shard: ShardMeta, url: str) -> list[int]:
+    offs = read_arrays(loc, f"shards/{shard.shard_id}", [shard.arrays["doc_pos_offsets"]], sha256=True,
+                       where=f"store {url}, teacher part {shard.shard_id}")["doc_pos_offsets"]
+    return np.diff(offs).tolist()
+
+
+def _pid_alive(pid) -> bool:
+    """Whether a process with this pid runs on this host (never true for our own pid: we may resume ourselves)."""
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
