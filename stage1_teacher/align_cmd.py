@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from xtcache.errors import AlignmentError, StoreError
+from xtcache.errors import AlignmentError, CorruptionError, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,12 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
     s_info = None if identity else tokenizer_info(student_tok)
     t_info = None if identity or teacher_tok is None else tokenizer_info(teacher_tok)
     done = set(reader.alignment_parts(fp)) if fp in reader.alignment_groups() else set()
+    for sid in sorted(done):  # a kept part must read back; a damaged one is aligned again
+        try:
+            reader.read_alignment(fp, sid, verify=True)
+        except CorruptionError as e:
+            log.warning("%s: aligning that part again", e)
+            done.discard(sid)
     todo = [m for m in reader.shards if m.shard_id not in done]
     stats = {"fingerprint": fp, "parts_aligned": 0, "parts_kept": len(done), "documents": 0}
     if not todo:
@@ -120,13 +126,12 @@ def ensure_groups(url: str, students, teacher_tok, storage_options: dict | None 
 
 
 def run_align(store: str, student_tokenizer: str, *, teacher_tokenizer: str | None = None,
-              storage_options: dict | None = None) -> dict:
-    """The `xtcache align` command body."""
+              storage_options: dict | None = None, allow_incomplete: bool = False) -> dict:
+    """The `xtcache align` command body: refuses an incomplete store unless `allow_incomplete`."""
     from xtcache.store import CacheReader
 
     reader = CacheReader(store, storage_options)
-    if not reader.is_complete():
-        log.warning("store %s is not complete: aligning its %d committed parts only", store, len(reader.shards))
+    reader.usable_parts(None, allow_incomplete=allow_incomplete)  # refuses, or logs "N of M parts"
     teacher_tok = _teacher_tokenizer(reader, teacher_tokenizer)
     if teacher_tok is None:
         log.info("teacher tokenizer not found: trusting the stored teacher offsets (no byte check on that side)")

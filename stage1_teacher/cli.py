@@ -105,13 +105,15 @@ def align(
     teacher_tokenizer: Optional[str] = typer.Option(
         None, "--teacher-tokenizer", help="Teacher tokenizer (default: the store's teacher, if present)."),
     storage_options: str = typer.Option("", "--storage-options", help="fsspec options as a JSON object."),
+    allow_incomplete: bool = typer.Option(
+        False, "--allow-incomplete", help="Align the committed parts of an incomplete store (a dump still running)."),
 ) -> None:
     """Add an alignment group for another student tokenizer to a store, without running the teacher."""
     import json
 
     from stage1_teacher.align_cmd import run_align
 
-    stats = run_align(store, student_tokenizer, teacher_tokenizer=teacher_tokenizer,
+    stats = run_align(store, student_tokenizer, teacher_tokenizer=teacher_tokenizer, allow_incomplete=allow_incomplete,
                       storage_options=json.loads(storage_options) if storage_options.strip() else {})
     typer.echo(f"alignment group {stats['fingerprint'][:16]}..: {stats['parts_aligned']} parts aligned "
                f"({stats['documents']} documents), {stats['parts_kept']} already present")

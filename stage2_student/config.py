@@ -37,6 +37,8 @@ class LoaderConfig:
     """DataLoader worker processes per rank (0: read in the training process)."""
     storage_options: str | None = None
     """JSON object of fsspec storage options for remote stores, e.g. '{"anon": true}'."""
+    allow_incomplete: bool = False
+    """Train on the committed parts of an incomplete store (a dump still running), saying how many of how many."""
 
 
 @dataclass(kw_only=True)
@@ -100,7 +102,7 @@ class CheckpointConfig:
     save_every: int = 0
     """Save a checkpoint every N optimizer steps (0: only at the end)."""
     resume: str | None = None
-    """Resume from a checkpoint directory, or 'latest' for the newest one under OUT/checkpoints."""
+    """Resume from a checkpoint directory, or 'latest' for the newest one under OUT/checkpoints. A checkpoint is code (DeepSpeed loads it with torch.load(weights_only=False)): resume only from checkpoints you wrote or trust."""
     export_every: int = 0
     """Also write a Hugging Face directory OUT/hf-stepN every N steps (0: only OUT/hf at the end)."""
     keep_checkpoints: int = 0

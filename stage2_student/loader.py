@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from xtcache.errors import ConfigError, StoreError
+from xtcache.errors import ConfigError, CorruptionError
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
     def __init__(self, url: str, student: str, *, seq_len: int, micro_batch_size: int, pad_id: int = 0,
                  rank: int = 0, world_size: int = 1, grad_accum: int = 1, seed: int = 0, split: str = "train",
                  holdout_fraction: float = 0.0, epochs: int | None = None, shuffle: bool | None = None,
-                 storage_options: dict | None = None, shard_cache: int = 2):
+                 storage_options: dict | None = None, shard_cache: int = 2, allow_incomplete: bool = False):
         from xtcache.store import CacheReader
 
         if seq_len < 2 or micro_batch_size < 1:
@@ -313,14 +313,15 @@ class CacheDataset(torch.utils.data.IterableDataset):
             self.student_vocab_size = self.teacher_vocab_size
         else:
             self.student_vocab_size = groups[self.fingerprint].vocab_size
-        aligned = None if self.identity else reader.alignment_parts(self.fingerprint)
+        # an incomplete store, or parts without this student's alignment, is refused (or, with
+        # allow_incomplete, read as far as it is committed: usable_parts logs "N of M parts")
+        usable = set(reader.usable_parts(None if self.identity else self.fingerprint,
+                                         allow_incomplete=allow_incomplete))
         self.shard_ids: list[str] = []
         self.plans: list[ShardPlan] = []
         self.skipped_chunks = self.documents = 0
-        missing = []
         for meta in reader.shards:
-            if aligned is not None and meta.shard_id not in aligned:
-                missing.append(meta.shard_id)
+            if meta.shard_id not in usable:
                 continue
             doc_ids = [f"{d.source}:{d.row}:{d.content_hash}" for d in meta.docs]
             keep = [i for i, doc in enumerate(doc_ids)
@@ -334,10 +335,6 @@ class CacheDataset(torch.utils.data.IterableDataset):
             if plan.num_windows:
                 self.shard_ids.append(meta.shard_id)
                 self.plans.append(plan)
-        if missing:
-            log.warning("%d committed shard(s) of %s have no alignment for student tokenizer %s.. yet and are "
-                        "NOT used (first: %s); run `xtcache align` to include them", len(missing), url,
-                        self.fingerprint[:12], missing[0])
         if self.skipped_chunks:
             log.warning("%d chunk(s) longer than --seq-len %d were skipped", self.skipped_chunks, seq_len)
         self.num_windows = sum(p.num_windows for p in self.plans)
@@ -369,7 +366,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
     def _chunk_lengths(self, reader, sid: str) -> list[np.ndarray]:
         if self.identity:
-            offs = reader.read_shard(sid).doc_pos_offsets
+            offs = reader.doc_pos_offsets(sid)
             return [np.ones(int(n), dtype=np.int64) for n in np.diff(offs)]
         al = reader.read_alignment(self.fingerprint, sid)
         out = []
@@ -397,11 +394,12 @@ class CacheDataset(torch.utils.data.IterableDataset):
                       student_ids=sd.teacher_ids, student_end=ends, teacher_end=ends,
                       exact=np.ones(ends.shape[0], dtype=bool))
         else:
-            a = self._reader.read_alignment(self.fingerprint, sid)
-            if a.doc_student_offsets.shape[0] != sd.doc_pos_offsets.shape[0]:
-                raise StoreError(f"shard {sid}: alignment for {self.fingerprint[:12]}.. has "
-                                 f"{a.doc_student_offsets.shape[0] - 1} documents, the teacher part "
-                                 f"{sd.num_docs}; re-run `xtcache align`")
+            a = self._reader.read_alignment(self.fingerprint, sid)  # checked: same documents as the part
+            t_len = np.diff(sd.doc_pos_offsets)
+            last = a.doc_chunk_offsets[1:][np.diff(a.doc_chunk_offsets) > 0] - 1
+            if np.any(a.teacher_end[last] != t_len[np.diff(a.doc_chunk_offsets) > 0]):
+                raise CorruptionError(f"store {self.url}, alignment group {self.fingerprint[:12]}.. part {sid}: "
+                                      "array 'teacher_end' does not end at the teacher part's document lengths")
             al = dict(doc_student_offsets=a.doc_student_offsets, doc_chunk_offsets=a.doc_chunk_offsets,
                       student_ids=a.student_ids, student_end=a.student_end, teacher_end=a.teacher_end, exact=a.exact)
         src = ShardSource(doc_pos_offsets=sd.doc_pos_offsets, has_pred=sd.has_pred, topk_ids=sd.topk_ids,
@@ -507,6 +505,34 @@ class CacheLoader:
                 "cannot resume the data stream: " + ", ".join(f"{k} {state.get(k)!r} -> {mine[k]!r}" for k in diff)
                 + "; resume with the settings (and committed shards) of the interrupted run")
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+
+
+def make_loaders(cfg, tokenizer, rank: int, world: int):
+    """This rank's resumable training stream and a factory of its held-out stream (or None): what
+    `xtcache train-student` reads, from a TrainConfig. Refuses, before any model loads, a --seq-len
+    above the student's max_position_embeddings and a store that is incomplete or damaged in what
+    planning reads (unless --allow-incomplete)."""
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(cfg.student), "max_position_embeddings", None)
+    if limit is not None and cfg.loader.seq_len > limit:
+        raise ConfigError(f"--seq-len {cfg.loader.seq_len} is above the student's max_position_embeddings {limit} "
+                          f"({cfg.student}/config.json); use --seq-len {limit} or less")
+    common = dict(seq_len=cfg.loader.seq_len, micro_batch_size=cfg.loader.micro_batch_size, rank=rank,
+                  world_size=world, seed=cfg.seed, storage_options=cfg.storage_options_dict,
+                  pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+                  allow_incomplete=cfg.loader.allow_incomplete)
+    fraction = cfg.eval.eval_fraction
+    train_ds = CacheDataset(cfg.cache, tokenizer, grad_accum=cfg.optim.grad_accum, split="train",
+                            holdout_fraction=fraction, **common)
+    train = CacheLoader(train_ds, num_workers=cfg.loader.num_workers)
+    if fraction > 0:
+        eval_ds = CacheDataset(cfg.cache, tokenizer, split="eval", holdout_fraction=fraction, **common)
+    elif cfg.eval.eval_cache:
+        eval_ds = CacheDataset(cfg.eval.eval_cache, tokenizer, split="all", epochs=1, shuffle=False, **common)
+    else:
+        return train, None
+    return train, lambda: CacheLoader(eval_ds, num_workers=0)
 
 
 def reshard_state(state: dict, *, rank: int, world_size: int, grad_accum: int) -> dict:

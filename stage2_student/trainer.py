@@ -684,13 +684,14 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     from transformers import AutoConfig
 
     from stage2_student import losses
+    from stage2_student.loader import make_loaders
     from xtcache.fingerprint import tokenizer_fingerprint
     from xtcache.store import CacheReader
 
     manifest = CacheReader(cfg.cache, storage_options=cfg.storage_options_dict).manifest
     student_fp = tokenizer_fingerprint(tokenizer)
     # the loader refuses a student tokenizer the cache has no alignment for, with what to run
-    train, make_eval = _make_loaders(cfg, tokenizer, rank, world)
+    train, make_eval = make_loaders(cfg, tokenizer, rank, world)
     identity = student_fp == manifest.fingerprints.get("teacher_tokenizer")
     name = resolve_loss(cfg.loss.loss, identity=identity, mode=manifest.mode)
     projection = top1_map = None
@@ -710,23 +711,3 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
         log.warning("top-1 agreement is not measured: alm on a cross-tokenizer cache has no projection map")
     return StageData(train=train, make_eval=make_eval, kd=kd_fn, kd_name=name, teacher_top1_of_student=top1_map,
                      measure_agreement=identity or projection is not None, info=info)
-
-
-def _make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
-    """This rank's resumable training stream and a factory of its held-out stream (or None)."""
-    from stage2_student.loader import CacheDataset, CacheLoader
-
-    common = dict(seq_len=cfg.loader.seq_len, micro_batch_size=cfg.loader.micro_batch_size, rank=rank,
-                  world_size=world, seed=cfg.seed, storage_options=cfg.storage_options_dict,
-                  pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    fraction = cfg.eval.eval_fraction
-    train_ds = CacheDataset(cfg.cache, tokenizer, grad_accum=cfg.optim.grad_accum, split="train",
-                            holdout_fraction=fraction, **common)
-    train = CacheLoader(train_ds, num_workers=cfg.loader.num_workers)
-    if fraction > 0:
-        eval_ds = CacheDataset(cfg.cache, tokenizer, split="eval", holdout_fraction=fraction, **common)
-    elif cfg.eval.eval_cache:
-        eval_ds = CacheDataset(cfg.eval.eval_cache, tokenizer, split="all", epochs=1, shuffle=False, **common)
-    else:
-        return train, None
-    return train, lambda: CacheLoader(eval_ds, num_workers=0)

@@ -113,6 +113,7 @@ def _write_store(path, toy_setup, teacher_tok, student_tok, *, mode="topk", n_do
                 assert np.array_equal(t_ids, docs[-1].teacher_ids)
                 aligns.append(AlignmentRecord(student_ids=s_ids.astype(np.int32), alignment=al))
             w.write_part(p, docs, {fp: aligns})
+        w.finish()
     return str(path), fp
 
 
