@@ -52,7 +52,12 @@ def store_summary(url: str, storage_options: dict | None = None) -> dict[str, An
     from xtcache.store import CacheReader
 
     r = CacheReader(url, storage_options)
+    r.check_indexes()  # indexes against the manifest and the array table; arrays are read by verify
     m = r.manifest
+    groups = r.alignment_groups()
+    warnings = r.incomplete() + [
+        f"alignment group {fp[:12]}.. covers {len(r.shards) - len(missing)} of {len(r.shards)} committed parts "
+        f"(first missing: {missing[0]})" for fp in groups for missing in [r.unaligned_parts(fp)] if missing]
     positions = sum(s.num_positions for s in r.shards)
     predicted = sum(s.num_predicted for s in r.shards)
     per_array: dict[str, int] = {}
@@ -70,7 +75,7 @@ def store_summary(url: str, storage_options: dict | None = None) -> dict[str, An
         "positions": positions, "predicted": predicted, "bytes_by_array": per_array,
         "total_array_bytes": sum(per_array.values()), "topk_bytes": topk_bytes,
         "ratio_topk_vs_raw": raw_topk / topk_bytes if topk_bytes else float("nan"),
-        "mean_topk_mass": mean_mass, "groups": r.alignment_groups(),
+        "mean_topk_mass": mean_mass, "groups": groups, "warnings": warnings,
     }
 
 
@@ -102,6 +107,10 @@ def inspect(
     print(_table(rows, ("array", "bytes", "B/position", "share")))
     print(f"top-k arrays: {s['topk_bytes'] / P:.1f} B/position vs raw fp32 values + int32 ids {m.k * 8} B/position "
           f"= {s['ratio_topk_vs_raw']:.1f}x smaller")
+    for w in s["warnings"]:
+        typer.echo(f"warning: {w}", err=True)
+    print("checked         indexes against the manifest; array bytes are checked on every read and by "
+          "`xtcache verify`")
     codec_rows = [(n, c.name, json.dumps(c.configuration, sort_keys=True)) for n, c in sorted(m.codecs.items())]
     print()
     print(_table(codec_rows, ("array", "transform", "configuration")))

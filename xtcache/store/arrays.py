@@ -141,8 +141,9 @@ def read_arrays(loc: Location, group: str, specs: list[ArraySpec], *, where: str
         if isinstance(values, MissingObject):
             raise CorruptionError(f"{where}: array {spec.name!r} is missing (no object {values})")
         if isinstance(values, Exception):
-            raise CorruptionError(f"{where}: array {spec.name!r} is damaged (cannot be read: "
-                                  f"{type(values).__name__}: {values})") from values
+            why = "crc32c mismatch" if "checksum" in str(values).lower() else \
+                f"cannot be read: {type(values).__name__}: {str(values).splitlines()[0][:200] if str(values) else ''}"
+            raise CorruptionError(f"{where}: array {spec.name!r} is damaged ({why})") from values
         if list(values.shape) != spec.shape or values.dtype.name != spec.dtype:
             raise CorruptionError(
                 f"{where}: array {spec.name!r} is damaged: shape {list(values.shape)} dtype {values.dtype.name}, "

@@ -247,6 +247,16 @@ class CacheReader:
                                   "documents")
         return self._specs(meta, teacher_arrays(m.mode), where, counts, names)
 
+    def check_indexes(self) -> None:
+        """Check every committed index against the manifest and the array table, reading no array
+        (what `xtcache inspect` can afford); CorruptionError names the first mismatch."""
+        for meta in self.shards:
+            self._teacher_specs(meta)
+        for fp in self.loc.groups():
+            for sid, part in self.alignment_parts(fp).items():
+                counts = {"D": part.num_docs, "S": part.num_student_tokens, "C": part.num_chunks}
+                self._specs(part, ALIGN_ARRAYS, self._where_align(fp, sid), counts)
+
     def doc_pos_offsets(self, sid: str) -> np.ndarray:
         """int64 [D+1] position offsets of one part's documents, without decoding anything else."""
         meta = self.shard(sid)
