@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from xtcache import codecs, toy  # noqa: E402
+from xtcache.store.arrays import default_compression  # noqa: E402
 
 CACHE = REPO / ".xtcache_bench_cache"
 TARGET_VOCAB = 80_000
@@ -199,7 +200,7 @@ def side_bytes(lp: np.ndarray, realized: np.ndarray) -> float:
     rest = np.clip(1 - np.exp(lp.astype(np.float64)).sum(1), 0, None).astype(np.float32)
     total = 0
     for name, values in (("residual", rest), ("realized_logprob", np.ascontiguousarray(realized))):
-        blobs, _ = _compress(values[:, None], codecs.default_compression(name))
+        blobs, _ = _compress(values[:, None], default_compression(name))
         total += sum(map(len, blobs))
     return total / len(lp)
 
@@ -220,11 +221,60 @@ def _records(docs: list[dict], k: int) -> list:
     return records
 
 
+def _without_crc32c(src: str, dst: str, sid: str) -> int:
+    """Copy of one part's arrays with the codec chain of stores written before checked reads (no
+    crc32c, empty chunks skipped): the unchecked baseline. Returns its stored bytes."""
+    import shutil
+
+    import zarr
+
+    shutil.copytree(src, dst)
+    total = 0
+    for path in sorted(Path(dst, "shards", sid).iterdir()):
+        if not (path / "zarr.json").is_file():
+            continue
+        arr = zarr.open_array(str(path), mode="r")
+        values, meta = arr[...], arr.metadata
+        inner = meta.codecs[0]
+        shutil.rmtree(path)
+        new = zarr.create_array(str(path.parent), name=path.name, shape=values.shape, dtype=values.dtype,
+                                chunks=inner.chunk_shape, shards=meta.chunk_grid.chunk_shape,
+                                compressors=[c for c in inner.codecs[1:] if type(c).__name__ != "Crc32cCodec"],
+                                fill_value=0, zarr_format=3, attributes=dict(arr.attrs))
+        new[...] = values
+        total += sum(f.stat().st_size for f in (path / "c").rglob("*") if f.is_file())
+    return total
+
+
+def _zarr_decode(url: str, meta) -> None:
+    """Read one part's arrays with a plain Zarr reader and invert the transforms, no other check."""
+    import zarr
+
+    group = zarr.open_group(url, mode="r", path=f"shards/{meta.shard_id}")
+    for name, spec in meta.arrays.items():
+        values = group[name][...]
+        if spec.transform is not None:
+            codecs.codec_from_config(spec.transform).decode(values)
+
+
+def _best_rate(fn, positions: int, repeat: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return positions / best
+
+
 def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 256) -> dict:
-    """Write through CacheWriter (default codecs) and read back with CacheReader.read_shard.
+    """Write through CacheWriter (default codecs) and read back, checked and unchecked side by side.
 
     Sizes come from one part of the distinct held-out documents; speeds from a part of
     `docs_per_part` documents (stage 1's default part size; the held-out documents repeated).
+    Reads: a plain Zarr read + transform decode of the part without crc32c (stores before checked
+    reads) and with it (the crc32c cost alone); `CacheReader.read_shard` (what the trainer runs:
+    crc32c, missing objects, index, offsets, id range); `read_shard(verify=True)` (what `xtcache
+    verify` runs: + sha256 of every array and the content hash of every document).
     """
     import tempfile
 
@@ -237,21 +287,26 @@ def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 
         with CacheWriter(f"{tmp}/sizes", manifest) as w:
             w.write_part(0, _records(docs, k))
         summary = store_summary(f"{tmp}/sizes")
+        sid = summary["shards"][0].shard_id
+        bytes_unchecked = _without_crc32c(f"{tmp}/sizes", f"{tmp}/sizes-unchecked", sid)
         records = _records((docs * (1 + docs_per_part // len(docs)))[:docs_per_part], k)
         t0 = time.perf_counter()
         with CacheWriter(f"{tmp}/speed", manifest) as w:
             meta = w.write_part(0, records)
         write_s = time.perf_counter() - t0
+        _without_crc32c(f"{tmp}/speed", f"{tmp}/speed-unchecked", meta.shard_id)
         reader = CacheReader(f"{tmp}/speed")
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            reader.read_shard(meta.shard_id)
-            best = min(best, time.perf_counter() - t0)
+        n = meta.num_positions
+        reads = {
+            "zarr, no crc32c": _best_rate(lambda: _zarr_decode(f"{tmp}/speed-unchecked", meta), n),
+            "zarr + crc32c": _best_rate(lambda: _zarr_decode(f"{tmp}/speed", meta), n),
+            "read_shard": _best_rate(lambda: reader.read_shard(meta.shard_id), n),
+            "read_shard verify": _best_rate(lambda: reader.read_shard(meta.shard_id, verify=True), n),
+        }
     P = summary["positions"]
-    return {"part_positions": meta.num_positions, "write": meta.num_positions / write_s,
-            "read": meta.num_positions / best, "bytes": {n: b / P for n, b in summary["bytes_by_array"].items()},
-            "total": summary["total_array_bytes"] / P}
+    return {"part_positions": n, "write": n / write_s, "reads": reads,
+            "bytes": {name: b / P for name, b in summary["bytes_by_array"].items()},
+            "total": summary["total_array_bytes"] / P, "total_unchecked": bytes_unchecked / P}
 
 
 def main() -> None:
@@ -316,12 +371,28 @@ def main() -> None:
           "(520 B at k=64) over total; side B: residual + realized log-prob")
     print()
     print("whole store (default codecs; sizes from the held-out part, speeds on a part of 256 documents; one core):")
+    rows = []
     for k in ks:
         r = store_round_trip(docs, k, vocab)
         parts = ", ".join(f"{n} {b:.1f}" for n, b in sorted(r["bytes"].items(), key=lambda kv: -kv[1]))
         print(f"  k={k:<3} {r['total']:6.1f} B/position ({parts})")
-        print(f"        part of {r['part_positions']:,} positions: write {r['write']:,.0f} pos/s, "
-              f"read+decode {r['read']:,.0f} pos/s")
+        print(f"        part of {r['part_positions']:,} positions: write {r['write']:,.0f} pos/s")
+        rows.append((k, r))
+    print()
+    print("checked reads (same part, same run; read+decode positions/s, one core):")
+    names = list(rows[0][1]["reads"])
+    hdr = f"{'k':>4} {'B/pos no crc':>12} {'B/pos crc32c':>12} " + " ".join(f"{n:>18}" for n in names) + \
+        f" {'read_shard / zarr no crc':>25}"
+    print(hdr)
+    print("-" * len(hdr))
+    for k, r in rows:
+        reads = r["reads"]
+        print(f"{k:>4} {r['total_unchecked']:>12.2f} {r['total']:>12.2f} " + " ".join(f"{reads[n]:>18,.0f}" for n in names)
+              + f" {reads['read_shard'] / reads['zarr, no crc32c']:>25.2f}")
+    print("zarr, no crc32c: a plain Zarr read of the part as written before checked reads (no check at all); "
+          "zarr + crc32c: the same with the crc32c codec; read_shard: what train-student reads (crc32c, "
+          "missing objects, index, offsets, id range); read_shard verify: what `xtcache verify` reads (+ sha256, "
+          "content hashes)")
 
 
 if __name__ == "__main__":
