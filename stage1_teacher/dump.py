@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stage1_teacher import preflight
 from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
 from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.prep import Part, Preparer, StudentSide, iter_parts, part_batches
@@ -189,6 +190,8 @@ def find_reusable(cfg: TeacherDumpConfig, plan: Plan) -> str | None:
     except StoreError:
         r = None
     if r is not None:
+        if r.manifest.cache_key != plan.cache_key and preflight.replace_stub(r, plan.out):
+            return None
         if r.manifest.cache_key != plan.cache_key:
             raise StoreError(f"--out {plan.out} holds a cache written for another teacher, corpus or settings "
                              f"(cache key {r.manifest.cache_key[:16]}.. != {plan.cache_key[:16]}..); "
@@ -303,6 +306,7 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
     from xtcache.store import CacheWriter
 
     t_start = time.perf_counter()
+    preflight.check_inputs(cfg)  # corpus rows and output location, before the teacher is hashed or loaded
     plan = make_plan(cfg)
     if cfg.dry_run:
         return dry_run(cfg, plan)

@@ -1,0 +1,96 @@
+"""Checks of `xtcache teacher-dump`'s inputs that run before anything expensive, and creates nothing.
+
+`check_inputs` runs first in `run_teacher_dump`, before the teacher is hashed or loaded: every
+`--data` file exists and its first rows hold documents under `--text-field` (an empty file, a binary
+file or a wrong field name is refused here, not after the engine started), and the output location
+(`--out`, or `--cache-dir`) is a directory that can be written. `replace_stub` lets a rerun replace
+a store that a failed run left behind without a single committed part.
+
+    python -c "from stage1_teacher.preflight import writable_location; writable_location('--out', 'out/s', None)"
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections import Counter
+
+from xtcache.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+FIRST_ROWS = 64  # rows read from each corpus file before any model loads
+
+
+def check_inputs(cfg) -> None:
+    """Refuse bad --data files and an unwritable output location (a TeacherDumpConfig), one line each."""
+    for url in cfg.input.data:
+        check_first_rows(url, cfg.input.text_field, cfg.data_options)
+    if cfg.dry_run:
+        return
+    if cfg.store.out:
+        writable_location("--out", cfg.store.out, cfg.store.storage_options)
+    elif cfg.store.cache_dir:
+        writable_location("--cache-dir", os.path.expanduser(cfg.store.cache_dir), cfg.store.storage_options)
+
+
+def check_first_rows(url: str, text_field: str, storage_options: dict | None) -> None:
+    """The file exists and at least one of its first FIRST_ROWS rows is a usable document."""
+    from stage1_teacher.corpus import Skipped, iter_corpus
+
+    skipped: Counter[str] = Counter()
+    rows = iter_corpus([url], text_field, storage_options=storage_options)
+    try:
+        for n, row in enumerate(rows):
+            if not isinstance(row, Skipped):
+                return
+            skipped[row.reason] += 1
+            if n + 1 >= FIRST_ROWS:
+                break
+    finally:
+        rows.close()
+    if not skipped:
+        raise ConfigError(f"--data {url}: the file is empty (no rows); give a corpus with documents")
+    reasons = ", ".join(f"{n} {r}" for r, n in skipped.most_common())
+    raise ConfigError(f"--data {url}: none of its first {sum(skipped.values())} rows is a usable document "
+                      f"({reasons}); check --text-field {text_field!r} and the file's format")
+
+
+def writable_location(flag: str, url: str, storage_options: dict | None) -> None:
+    """A local output path is a directory (or can be created as one) where files can be written.
+
+    Probes with a temporary file in the nearest existing directory and removes it: nothing stays
+    behind. Remote URLs are checked when first written (their permissions cannot be probed for free).
+    """
+    from xtcache.store_io import is_local, local_path
+
+    if not is_local(url):
+        return
+    path = local_path(url)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag} {url} is an existing file; give a directory for the store")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag} {url}: {parent} is a file, so the store cannot be created there")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tmp-xtcache-probe-", dir=parent)
+    except OSError as e:
+        raise ConfigError(f"{flag} {url}: cannot write under {parent} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def replace_stub(reader, url: str) -> bool:
+    """Remove the store at `url` when a failed run left it with nothing in it: no committed part, no
+    writer claim, no done marker. True when removed (the caller then writes a fresh store)."""
+    loc = reader.loc
+    if reader.shards or loc.listdir("claims") or loc.listdir("done") or any(
+            loc.listdir(f"align/{fp}/index") for fp in loc.groups()):
+        return False
+    log.warning("--out %s holds a store of another cache key without any committed part (left by a failed "
+                "run): replacing it", url)
+    loc.remove_tree("")
+    return True

@@ -1,0 +1,73 @@
+"""teacher-dump's input checks: one-line refusals before any model loads, and nothing left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from schemas.models import Manifest
+from stage1_teacher import preflight
+from xtcache.errors import ConfigError
+from xtcache.store import CacheReader, CacheWriter
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("content, field, match", [
+    (b"", "text", "the file is empty"),
+    (bytes(range(256)) * 4, "text", "invalid UTF-8"),
+    (b'{"body": "a document"}\n{"body": "another"}\n', "text", "2 missing text field"),
+    (b"\n\n   \n", "text", "empty document"),
+])
+def test_first_rows_without_a_document_are_refused(tmp_path, content, field, match):
+    f = tmp_path / "corpus.jsonl"
+    f.write_bytes(content)
+    with pytest.raises(ConfigError, match=match):
+        preflight.check_first_rows(str(f), field, None)
+
+
+def test_a_late_usable_row_is_enough(tmp_path):
+    f = tmp_path / "corpus.jsonl"
+    f.write_text('{"other": 1}\n{"text": "a document"}\n')
+    preflight.check_first_rows(str(f), "text", None)
+
+
+def test_output_locations(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is an existing file"):
+        preflight.writable_location("--out", str(tmp_path / "file"), None)
+    with pytest.raises(ConfigError, match="is a file, so the store cannot be created"):
+        preflight.writable_location("--out", str(tmp_path / "file" / "store"), None)
+    with pytest.raises(ConfigError, match="cannot write under /proc"):
+        preflight.writable_location("--out", "/proc/xtcache-test/store", None)
+    preflight.writable_location("--out", str(tmp_path / "new" / "deeper" / "store"), None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probe created nothing
+
+
+def test_a_store_without_committed_parts_is_replaced_and_one_with_parts_is_not(tmp_path):
+    from tests.test_store import make_doc
+
+    url = str(tmp_path / "stub")
+    CacheWriter(url, Manifest(cache_key="a", mode="topk", k=4, teacher_vocab_size=100)).close()
+    assert preflight.replace_stub(CacheReader(url), url) and not Path(url).exists()
+    with CacheWriter(url, Manifest(cache_key="a", mode="topk", k=4, teacher_vocab_size=100)) as w:
+        w.write_part(0, [make_doc(np.random.default_rng(0), 0, 5, 4, 100)])
+    assert not preflight.replace_stub(CacheReader(url), url) and (Path(url) / "manifest.json").exists()
+
+
+def test_teacher_dump_refuses_an_empty_corpus_before_loading_and_creates_nothing(tmp_path, toy_setup):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    out = tmp_path / "store"
+    proc = subprocess.run(
+        [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", str(toy_setup.teacher_model),
+         "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", str(data), "--out", str(out),
+         "--engine", "hf", "--top-k", "8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == f"error: --data {data}: the file is empty (no rows); give a " \
+                                                   "corpus with documents"
+    assert "Traceback" not in proc.stderr and not out.exists()
