@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from xtcache.errors import ConfigError, CorruptionError
+from xtcache.errors import ConfigError, CorruptionError, XtcacheError
 
 log = logging.getLogger(__name__)
 
@@ -247,8 +247,20 @@ def build_micro_batch(windows: list[list[tuple[ShardSource, int, int, int, bool]
     return out
 
 
-def to_tensors(batch: dict) -> dict:
+@dataclass
+class ReadFailure:
+    """An XtcacheError met while building a micro-batch (a damaged store), carried out of a worker
+    process as a value so that the caller raises it with its one-line message (torch would re-raise
+    it with the worker's traceback folded into the message)."""
+
+    error_type: type
+    message: str
+
+
+def to_tensors(batch: dict | ReadFailure) -> dict | ReadFailure:
     """Collate: numpy micro-batch -> torch tensors (`num_chunks` stays an int)."""
+    if isinstance(batch, ReadFailure):
+        return batch
     return {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in batch.items()}
 
 
@@ -452,7 +464,12 @@ class CacheDataset(torch.utils.data.IterableDataset):
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         for n, (epoch, j) in enumerate(self.positions(self.start)):
             if n % workers == worker:
-                yield self.micro_batch(epoch, j)
+                try:
+                    batch = self.micro_batch(epoch, j)
+                except XtcacheError as e:
+                    yield ReadFailure(type(e), str(e))
+                    return
+                yield batch
 
 
 class CacheLoader:
@@ -484,6 +501,8 @@ class CacheLoader:
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
                                              collate_fn=to_tensors, pin_memory=self.pin_memory, **kw)
         for batch in loader:
+            if isinstance(batch, ReadFailure):
+                raise batch.error_type(batch.message)
             self.consumed += 1
             if self.consumed == ds.batches_per_epoch:
                 self.epoch, self.consumed = self.epoch + 1, 0

@@ -167,6 +167,24 @@ def test_damaged_store(tmp_path, template, toy_setup, damage, consumer, capsys):
         assert works, f"{consumer} worked on a store with {damage}: {report}"
 
 
+def test_damage_met_in_a_worker_process_is_raised_with_its_one_line_message(tmp_path, template, toy_setup):
+    from stage2_student.config import TrainConfig
+    from stage2_student.loader import make_loaders
+    from xtcache.errors import CorruptionError
+    from xtcache.tokenizer import load_tokenizer
+
+    root = tmp_path / "cache"
+    shutil.copytree(template[0], root)
+    _flip(_object(root, f"shards/{PART}", "topk_ids"))
+    cfg = TrainConfig.from_flat({"cache": str(root), "student": str(toy_setup.student_model), "out": "unused",
+                                 "seq_len": 64, "micro_batch_size": 1, "num_workers": 2})
+    train, _ = make_loaders(cfg, load_tokenizer(toy_setup.student_model), 0, 1)
+    with pytest.raises(CorruptionError) as info:
+        for _ in zip(range(len(train)), train):
+            pass
+    assert str(info.value) == f"store {root}, teacher part {PART}: array 'topk_ids' is damaged (crc32c mismatch)"
+
+
 def test_allow_incomplete_trains_on_committed_parts_and_says_how_many(tmp_path, template, toy_setup, caplog):
     from stage2_student.config import TrainConfig
     from stage2_student.loader import make_loaders
