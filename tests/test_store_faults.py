@@ -51,6 +51,10 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
 def _edit_manifest(root: Path, **changes) -> None:
     raw = json.loads((root / "manifest.json").read_text())
     raw.update(changes)
@@ -69,9 +73,8 @@ def _damages(fp: str) -> dict:
     out["delete-object-topk_ids"] = (lambda r: _object(r, t, "topk_ids").unlink(), [PART, "'topk_ids'", "missing"])
     out["delete-object-align-student_end"] = (lambda r: _object(r, a, "student_end").unlink(),
                                               [PART, "'student_end'", "missing"])
-    out["truncate-topk_logprobs"] = (
-        lambda r: (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]))(_object(r, t, "topk_logprobs")),
-        [PART, "'topk_logprobs'", "damaged"])
+    out["truncate-topk_logprobs"] = (lambda r: _truncate(_object(r, t, "topk_logprobs")),
+                                     [PART, "'topk_logprobs'", "damaged"])
     out["delete-part-index"] = (lambda r: (r / "index" / f"{PART}.json").unlink(), ["writer 0", "2 parts", "only 1"])
     out["delete-align-index"] = (lambda r: (r / "align" / fp / "index" / f"{PART}.json").unlink(),
                                  [fp[:12], PART])

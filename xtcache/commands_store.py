@@ -151,35 +151,29 @@ def verify_store(url: str, storage_options: dict | None = None, *, stop_first: b
     except XtcacheError as e:
         return [str(e)]
 
-    def checks():
-        yield from ((lambda sid=m.shard_id: reader.read_shard(sid, verify=True)) for m in reader.shards)
+    def reads():
+        """Each read of the store, one at a time, so that `stop_first` stops after the first problem."""
+        for meta in reader.shards:
+            yield lambda sid=meta.shard_id: reader.read_shard(sid, verify=True)
         for fp in reader.alignment_groups():
             for sid in reader.alignment_parts(fp):
                 yield lambda fp=fp, sid=sid: reader.read_alignment(fp, sid, verify=True)
-            yield lambda fp=fp: _raise_each(reader.unaligned_parts(fp), lambda sid: (
-                f"store {url}, alignment group {fp[:12]}..: no alignment part for teacher part {sid}; run "
-                f"`xtcache align {url} --student-tokenizer <student>` to add it"))
-        yield lambda: _raise_each(reader.lost_parts(), str)
+            yield lambda fp=fp: [f"store {url}, alignment group {fp[:12]}..: no alignment part for teacher part "
+                                 f"{sid}; run `xtcache align {url} --student-tokenizer <student>` to add it"
+                                 for sid in reader.unaligned_parts(fp)]
+        yield reader.lost_parts
 
-    for check in checks():
+    for read in reads():
         if problems and stop_first:
             break
         try:
-            check()
-        except _Problems as e:
-            problems.extend(e.args[0])
+            found = read()
         except XtcacheError as e:
             problems.append(str(e))
+            continue
+        if isinstance(found, list):
+            problems.extend(found)
     return problems[:1] if stop_first else problems
-
-
-class _Problems(Exception):
-    """Several findings of one check."""
-
-
-def _raise_each(items: list, message) -> None:
-    if items:
-        raise _Problems([message(i) for i in items])
 
 
 def verify(
