@@ -515,3 +515,18 @@ def test_later_writer_declares_a_new_group(tmp_path):
     assert set(reader.alignment_groups()) == {g1.fingerprint, g2.fingerprint}
     assert set(reader.alignment_parts(g2.fingerprint)) == {shard_id(1, 0)}
     assert set(reader.alignment_parts(g1.fingerprint)) == {shard_id(0, 0), shard_id(1, 0)}
+
+
+def test_an_all_zero_array_has_its_object_so_losing_it_is_reported_missing(tmp_path):
+    rng = np.random.default_rng(21)
+    url = str(tmp_path / "cache")
+    doc = make_doc(rng, 0, 50, 4, 100)
+    doc.residual = np.zeros(50, np.float32)  # every value the fill value
+    with CacheWriter(url, manifest(V=100, k=4)) as w:
+        w.write_part(0, [doc])
+    obj = tmp_path / "cache" / "shards" / shard_id(0, 0) / "residual" / "c" / "0"
+    assert obj.is_file()
+    assert np.array_equal(CacheReader(url).read_shard(shard_id(0, 0)).residual, doc.residual)
+    obj.unlink()
+    with pytest.raises(CorruptionError, match=r"teacher part w00000-p000000: array 'residual' is missing \(no object"):
+        CacheReader(url).read_shard(shard_id(0, 0))
