@@ -201,9 +201,9 @@ def test_bad_requests_fail_clearly(teacher, corpus, toy_setup, tmp_path):
         dump(str(empty), corpus, tmp_path / "w", [toy_setup.student_tokenizer])
     with pytest.raises(ConfigError, match="student tokenizer"):
         dump(teacher, corpus, tmp_path / "t", [tmp_path])
-    with pytest.raises(ConfigError, match="no usable document.*--text-field 'body'"):
+    with pytest.raises(ConfigError, match="is a usable document.*--text-field 'body'"):
         dump(teacher, corpus, tmp_path / "field", [toy_setup.student_tokenizer], text_field="body")
-    assert not (tmp_path / "field" / "done").exists()  # never marked complete, never reused
+    assert not (tmp_path / "field").exists()  # refused before anything was created
     dump(teacher, corpus, tmp_path / "same", [toy_setup.student_tokenizer], top_k=4)
     other = str(build_vllm_teacher(toy_setup.root, tied=True, steps=0))
     with pytest.raises(StoreError, match="another teacher"):
