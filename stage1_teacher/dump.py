@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stage1_teacher.capture import needs_check
 from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
 from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.prep import Part, Preparer, StudentSide, iter_parts, part_batches
 from stage1_teacher.shard_plan import PLAN_FILE, obtain_plan
 from stage1_teacher.windows import window_has_pred
-from xtcache.errors import ConfigError, StoreError
+from xtcache.errors import CaptureError, ConfigError, CorruptionError, StoreError
 from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Summary:
     teacher_wait_s: float = 0.0
     input_wait_s: float = 0.0
     check_gap: float | None = None
+    check_source: str = ""
     alignment_groups_added: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -81,8 +83,9 @@ class Summary:
         capture = max(self.capture_s, 1e-9)
         out = [
             f"store               {self.store}",
-            f"capture path        {self.capture_path}" + (f" (first-batch check gap {self.check_gap:.2g})"
-                                                          if self.check_gap is not None else ""),
+            f"capture path        {self.capture_path}" + (f" (first-batch check gap {self.check_gap:.2g}: "
+                                                          f"{self.check_source})" if self.check_gap is not None
+                                                          else ""),
             f"documents           {self.documents} in {self.parts_written} new parts"
             + (f" (+{self.parts_resumed} parts kept from the interrupted run)" if self.parts_resumed else ""),
             f"positions           {self.positions} ({self.predicted} with a prediction, {self.windows} windows)",
@@ -342,7 +345,11 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
         if committed and not cfg.store.resume:
             raise ConfigError(f"--out {plan.out}: writer {cfg.store.shard_index} already has {len(committed)} "
                               "committed parts from an earlier run; pass --resume to continue it")
-        _pipeline(cfg, plan, writer, committed, summary, engines, progress)
+        checks = CheckRecords(cfg, plan) if needs_check(cfg) else None
+        _pipeline(cfg, plan, writer, committed, summary, engines, progress, checks)
+        if checks is not None and summary.check_source != "ran here":
+            rec = checks.wait_for_passed()  # parts were captured on the strength of another writer's check
+            summary.check_gap, summary.check_source = rec.max_gap, f"checked by writer {rec.writer_index}"
         summary.wall_s = time.perf_counter() - t_start
         if summary.documents == 0 and not committed and summary.skipped:
             reasons = ", ".join(f"{n} {r}" for r, n in sorted(summary.skipped.items()))
@@ -354,7 +361,78 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
     return summary
 
 
-def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engines, progress: bool) -> None:
+class CheckRecords:
+    """The store's first-batch checks of the vLLM fast path (`capture_checks/<key>.json`).
+
+    The check costs a second engine start (the prompt-log-probs reference), so a store runs it
+    once per (teacher, vLLM version, dtype, tensor-parallel size): writer 0 (or a single job) runs
+    it when no record exists and records it; the other writers start only the hidden-state engine
+    and, before marking themselves done, wait for a passed record. A writer whose key differs from
+    the recorded ones runs its own check. A failed record stops every writer.
+    """
+
+    def __init__(self, cfg: TeacherDumpConfig, plan: Plan):
+        from stage1_teacher.capture import check_key
+        from xtcache.store_io import Location
+
+        t = cfg.teacher
+        self.what = check_key(plan.fingerprints["teacher_model"], t.dtype, t.tensor_parallel_size)
+        self.loc = Location(plan.out, cfg.store.storage_options)
+        self.rel = f"capture_checks/{self.what['key']}.json"
+        self.writer = cfg.store.shard_index
+        self.checker = cfg.store.shard_index == 0 or cfg.store.num_shards == 1
+
+    def runs_here(self) -> bool:
+        """No record for this key: writer 0 checks; another writer checks only when the store holds
+        records for other keys only (writer 0 checked another vLLM version, dtype or TP size)."""
+        return self.checker or any(n.endswith(".json") for n in self.loc.listdir("capture_checks"))
+
+    def read(self):
+        from schemas.models import CaptureCheck
+        from xtcache.errors import CaptureError
+        from xtcache.store_io import read_model
+
+        raw = self.loc.read_json(self.rel)
+        rec = None if raw is None else read_model(CaptureCheck, raw, f"{self.loc.url}/{self.rel}")
+        if rec is not None and not rec.passed:
+            raise CaptureError(f"writer {rec.writer_index}'s first-batch check of the fast path failed for this teacher "
+                               f"(vLLM {rec.vllm_version}, dtype {rec.dtype}); rerun the store with --no-fast-path")
+        return rec
+
+    def write(self, check: dict) -> None:
+        from schemas.models import CaptureCheck
+        from xtcache.store_io import now_iso
+
+        rec = CaptureCheck(**{k: v for k, v in self.what.items()}, **check, writer_index=self.writer,
+                           created=now_iso())
+        if not self.loc.create_exclusive(self.rel, rec.model_dump(mode="json")):
+            log.info("a first-batch check record already exists at %s/%s", self.loc.url, self.rel)
+
+    def wait_for_passed(self):
+        from xtcache.errors import CaptureError
+
+        deadline = time.monotonic() + CHECK_WAIT_S
+        rec = self.read()
+        if rec is None:
+            log.info("waiting for writer 0's first-batch check record at %s/%s", self.loc.url, self.rel)
+        while rec is None:
+            if time.monotonic() > deadline:
+                raise CaptureError(f"no first-batch check of the fast path was recorded in {self.loc.url} within "
+                                   f"{CHECK_WAIT_S:.0f} s (writer 0 runs it); this writer's parts are committed but it "
+                                   "is not marked done: rerun it with --resume once writer 0 has run")
+            time.sleep(2.0)
+            try:
+                rec = self.read()
+            except CorruptionError:  # being written
+                rec = None
+        return rec
+
+
+CHECK_WAIT_S = 1800.0
+
+
+def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engines, progress: bool,
+              checks: CheckRecords | None) -> None:
     from stage1_teacher.capture import open_capture
 
     prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap)
@@ -445,9 +523,23 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
         if first is None:
             log.info("nothing to capture: every part is committed or the stream is empty")
         else:
-            cap = open_capture(cfg, vocab_size=plan.vocab_size, width=plan.width, window_len=plan.window_len,
-                               max_model_len=plan.max_model_len, first_batch=[w.tokens for w in first[1]],
-                               engines=engines)
+            trusted = None
+            if checks is not None:
+                rec = checks.read()
+                trusted = rec.model_dump() if rec is not None else (None if checks.runs_here() else {})
+            try:
+                cap = open_capture(cfg, vocab_size=plan.vocab_size, width=plan.width, window_len=plan.window_len,
+                                   max_model_len=plan.max_model_len, first_batch=[w.tokens for w in first[1]],
+                                   engines=engines, trusted=trusted)
+            except CaptureError as e:
+                if checks is not None and getattr(e, "check", None) is not None:
+                    checks.write(e.check)
+                raise
+            if checks is not None and cap.check is not None:
+                checks.write(cap.check)
+                summary.check_source = "ran here"
+            elif trusted:
+                summary.check_source = f"checked by writer {trusted['writer_index']}"
             summary.capture_path, summary.notes, summary.check_gap = cap.path, cap.notes, cap.check_gap
             summary.engine_start_s = cap.start_seconds
             t_pos = time.perf_counter()
