@@ -11,7 +11,13 @@ shown separately and added to the total. The row "every job reads every row (bef
 modulo scheme this plan replaced. Targets: total within 1.05x of the corpus, max/mean job bytes
 at most 1.2.
 
-    .venv/bin/python bench/shard_plan.py [--files 10000] [--jobs 1000] [--seed 0]
+`--engine-start` also runs a real two-job store with vLLM on the tests' toy teacher (one
+`xtcache teacher-dump` process per job, one after the other, each with fresh engines) and prints
+each job's engine start as its summary reports it: job 0 runs the first-batch check (reference
+engine, then hidden-state engine: what every job did before), job 1 trusts job 0's record (the
+hidden-state engine only). Run it under the machine's vLLM lock.
+
+    .venv/bin/python bench/shard_plan.py [--files 10000] [--jobs 1000] [--seed 0] [--engine-start]
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--files", type=int, default=10_000)
     p.add_argument("--jobs", type=int, default=1_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-start", action="store_true", help="also time vLLM engine starts of a two-job store")
     args = p.parse_args(argv)
 
     files = synthetic_listing(args.files, args.seed)
@@ -112,6 +119,50 @@ def main(argv: list[str]) -> None:
     row("shard_plan.json reads (jobs 1..N-1)", f"{plan_read.sum() / 1e9:.2f} GB")
     row("total bytes read / corpus bytes", f"{total / corpus:.4f} (target <= 1.05)")
     row("before (every job reads every row): total / corpus", f"{args.jobs:,}x ({args.jobs * corpus / 1e15:.2f} PB)")
+    if args.engine_start:
+        engine_start_per_job()
+
+
+def engine_start_per_job() -> None:
+    """Engine start of job 0 (checks: two engines) and job 1 (trusts the record: one engine)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from stage1_teacher.toy_teacher import build_vllm_teacher
+    from xtcache import toy
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import TEST_CACHE, TEST_SPEC  # the tests' toy setup, built once
+
+    setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
+    teacher = str(build_vllm_teacher(setup.root))
+    texts = [json.loads(line)["text"] for line in open(setup.heldout_jsonl)][:16]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = []
+        for i in range(2):
+            path = Path(tmp) / f"part{i}.jsonl"
+            path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[i * 8:(i + 1) * 8]))
+            data += ["--data", str(path)]
+        for job in (0, 1):
+            args = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", teacher, "--student-tokenizer",
+                    str(setup.student_tokenizer), *data, "--out", f"{tmp}/store", "--dtype", "float32",
+                    "--top-k", "8", "--max-seq-len", "256", "--num-shards", "2", "--shard-index", str(job)]
+            t0 = time.perf_counter()
+            p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+            wall = time.perf_counter() - t0
+            if p.returncode != 0:
+                raise SystemExit(f"job {job} failed:\n{(p.stdout + p.stderr)[-3000:]}")
+            start = float(re.search(r"engine start ([0-9.]+) s", p.stdout).group(1))
+            check = re.search(r"first-batch check gap [^:]+: ([^)]+)\)", p.stdout).group(1)
+            rows.append((job, start, wall, check))
+    print("\n| job | engine start (s) | process wall (s) | first-batch check |\n| --- | ---: | ---: | --- |")
+    for job, start, wall, check in rows:
+        print(f"| {job} | {start:.1f} | {wall:.1f} | {check} |")
+    print(f"| job 1 / job 0 engine start | {rows[1][1] / rows[0][1]:.2f} | | |")
 
 
 if __name__ == "__main__":

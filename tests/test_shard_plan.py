@@ -290,3 +290,40 @@ def test_four_jobs_write_the_same_documents_as_one(teacher, toy_setup, mixed_cor
     assert "shard_plan" not in single_manifest.settings and single_manifest.shard_plan is None
     with pytest.raises(ConfigError, match="planned for 4 jobs"):
         _dump(teacher, mixed_corpus, many, students, num_shards=2, shard_index=0)
+
+
+def test_kill_and_resume_of_one_job_gives_the_same_store(teacher, toy_setup, mixed_corpus, tmp_path):
+    """SIGKILL job 1 of 2 after its first commits, resume it: the store equals one job's run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    data = [a for p in mixed_corpus for a in ("--data", p)]
+    out = tmp_path / "two"
+    base = ["--teacher", teacher, "--student-tokenizer", str(toy_setup.student_tokenizer), *data, "--engine", "hf",
+            "--max-seq-len", "96", "--window-overlap", "16", "--docs-per-part", "1", "--top-k", "8", "--out", str(out),
+            "--num-shards", "2"]
+
+    def cli(*extra):
+        return subprocess.Popen([sys.executable, "-m", "xtcache.cli", "teacher-dump", *base, *extra], cwd=repo,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    p = cli("--shard-index", "0")
+    assert p.wait(timeout=600) == 0, p.stdout.read().decode()[-3000:]
+    p = cli("--shard-index", "1")
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None and len(list((out / "index").glob("w00001-*.json"))) < 2:
+        time.sleep(0.05)
+    assert p.poll() is None, "job 1 finished before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    p = cli("--shard-index", "1", "--resume")
+    log = p.communicate(timeout=600)[0].decode()
+    assert p.returncode == 0 and "parts kept" in log, log[-3000:]
+    one = tmp_path / "one"
+    _dump(teacher, mixed_corpus, one, [toy_setup.student_tokenizer], docs_per_part=1)
+    _assert_same_docs(_store_docs(one), _store_docs(out))
