@@ -389,7 +389,6 @@ class CheckRecords:
 
     def read(self):
         from schemas.models import CaptureCheck
-        from xtcache.errors import CaptureError
         from xtcache.store_io import read_model
 
         raw = self.loc.read_json(self.rel)
@@ -403,14 +402,11 @@ class CheckRecords:
         from schemas.models import CaptureCheck
         from xtcache.store_io import now_iso
 
-        rec = CaptureCheck(**{k: v for k, v in self.what.items()}, **check, writer_index=self.writer,
-                           created=now_iso())
+        rec = CaptureCheck(**self.what, **check, writer_index=self.writer, created=now_iso())
         if not self.loc.create_exclusive(self.rel, rec.model_dump(mode="json")):
             log.info("a first-batch check record already exists at %s/%s", self.loc.url, self.rel)
 
     def wait_for_passed(self):
-        from xtcache.errors import CaptureError
-
         deadline = time.monotonic() + CHECK_WAIT_S
         rec = self.read()
         if rec is None:
