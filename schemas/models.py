@@ -60,6 +60,49 @@ class AlignGroupMeta(_Model):
     created: str = Field(default="", description="ISO 8601 UTC time the group was declared.")
 
 
+class ShardPlanMeta(_Model):
+    """The shard plan the store's writers read the corpus by (`shard_plan.json` holds all of it)."""
+
+    fingerprint: str = Field(description="sha256 of the plan: corpus listing (names, sizes, Parquet row groups), "
+                                         "number of jobs and every job's ranges.")
+    num_jobs: int = Field(ge=1, description="Jobs (writers) the corpus was split for.")
+    num_files: int = Field(ge=0, description="Corpus files in the listing.")
+    corpus_bytes: int = Field(ge=0, description="Bytes the plan reads in total (Parquet: the text column).")
+    max_job_bytes: int = Field(ge=0, description="Bytes read by the job with the most.")
+
+
+class ShardPlanFile(_Model):
+    """`shard_plan.json`: the corpus listing and every job's contiguous ranges, stored by writer 0."""
+
+    format_version: int = FORMAT_VERSION
+    num_jobs: int = Field(ge=1)
+    fingerprint: str = Field(description="Same as the manifest's shard_plan.fingerprint.")
+    corpus_fingerprint: str = Field(default="", description="corpus_fingerprint() of the files, taken by writer 0.")
+    files: list[dict[str, Any]] = Field(
+        description="Per file: name (base name), size, format and, for Parquet, row_groups as [rows, text bytes].")
+    jobs: list[list[list[int]]] = Field(
+        description="Per job: ranges [file, first row group, end row group) (whole-file formats: [file, 0, 1]).")
+
+
+class CaptureCheck(_Model):
+    """`capture_checks/<key>.json`: one first-batch check of the vLLM fast path, trusted by the other
+    writers and resumed jobs whose teacher, vLLM version, dtype and tensor-parallel size match."""
+
+    format_version: int = FORMAT_VERSION
+    key: str = Field(description="sha256 of teacher_model, vllm_version, dtype and tensor_parallel_size.")
+    teacher_model: str = Field(description="model_fingerprint of the teacher that was checked.")
+    vllm_version: str
+    dtype: str
+    tensor_parallel_size: int = Field(ge=1)
+    passed: bool = Field(description="False: the fast path disagreed with the reference; writers refuse to finish.")
+    max_gap: float | None = Field(default=None, description="Largest |fast - reference| log-prob gap measured.")
+    tolerance: float
+    windows: int = Field(ge=0, description="First-batch windows compared.")
+    reference: str = Field(description="What the fast path was compared against.")
+    writer_index: int = Field(ge=0, description="Writer that ran the check.")
+    created: str = Field(default="", description="ISO 8601 UTC time of the check.")
+
+
 class Manifest(_Model):
     """The store-wide settings; written once when the store is created."""
 
@@ -81,6 +124,8 @@ class Manifest(_Model):
         default_factory=list, description="Alignment groups written together with the teacher parts.")
     created: str = Field(default="", description="ISO 8601 UTC creation time.")
     xtcache_version: str = Field(default="", description="Version of xtcache that created the store.")
+    shard_plan: ShardPlanMeta | None = Field(
+        default=None, description="The plan the writers split the corpus by (None: written by one job).")
 
 
 class DocId(_Model):
@@ -155,4 +200,6 @@ EXPORTED_MODELS: dict[str, type[BaseModel]] = {
     "codec_config": CodecConfig,
     "writer_claim": WriterClaim,
     "writer_done": WriterDone,
+    "shard_plan": ShardPlanFile,
+    "capture_check": CaptureCheck,
 }

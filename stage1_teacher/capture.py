@@ -7,7 +7,9 @@ to turn its raw per-window output into `head.Targets`.
   log-probs (the reference), that engine is shut down, the hidden-state engine is started and
   its log-probs (via the teacher's lm_head) must agree with the reference within the tolerance,
   else `CaptureError`. One engine at a time keeps peak memory at one engine (two coexist on a CPU
-  host, but on a GPU each reserves its own memory fraction).
+  host, but on a GPU each reserves its own memory fraction). The check costs a second engine
+  start, so a store runs it once: given a passed `trusted` check of the same teacher, vLLM
+  version, dtype and tensor-parallel size (`check_key`), only the hidden-state engine starts.
 * Architectures whose head the fast path cannot reproduce fall back to prompt log-probs, with a
   WARNING and a note in the summary; full and sampled modes then ask vLLM for the whole
   vocabulary (exact, slow).
@@ -48,6 +50,7 @@ class Capture:
     path: str = ""
     notes: list[str] = field(default_factory=list)
     check_gap: float | None = None
+    check: dict | None = None  # the first-batch check run here (None: trusted or not needed)
     start_seconds: float = 0.0
     owned: bool = True  # close the engine at the end (False when a test shares it)
 
@@ -195,9 +198,31 @@ class EngineCache:
         self.engines.clear()
 
 
+def check_key(teacher_model: str, dtype: str, tensor_parallel_size: int) -> dict:
+    """What a first-batch check of the fast path depends on, and its sha256 (`key`)."""
+    import hashlib
+    import json
+
+    import vllm
+
+    d = {"teacher_model": teacher_model, "vllm_version": vllm.__version__, "dtype": dtype,
+         "tensor_parallel_size": tensor_parallel_size}
+    return {**d, "key": hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()}
+
+
+def needs_check(cfg) -> bool:
+    """True when the configured path starts with a first-batch check (vLLM fast path)."""
+    return cfg.teacher.engine == "vllm" and cfg.teacher.fast_path
+
+
 def open_capture(cfg, *, vocab_size: int, width: int, window_len: int, max_model_len: int,
-                 first_batch: list[np.ndarray], engines: EngineCache | None = None) -> Capture:
-    """Start the configured capture path; for the vLLM fast path, check it on `first_batch`."""
+                 first_batch: list[np.ndarray], engines: EngineCache | None = None,
+                 trusted: dict | None = None) -> Capture:
+    """Start the configured capture path; for the vLLM fast path, check it on `first_batch`, unless
+    `trusted` (a passed check record of the same `check_key`, or {} to defer to one) is given.
+
+    The check run here is returned in `Capture.check` (max gap, tolerance, windows; on failure the
+    CaptureError carries it as `.check`) for the caller to record."""
     t = cfg.teacher
     c = cfg.capture
     t0 = time.perf_counter()
@@ -239,6 +264,12 @@ def open_capture(cfg, *, vocab_size: int, width: int, window_len: int, max_model
         cap.start_seconds = time.perf_counter() - t0
         return cap
 
+    if trusted is not None:  # the store holds a passed check of this teacher, vLLM, dtype and TP
+        eng = make(("vllm-hidden", opts), lambda: VllmHiddenEngine(opts))
+        cap = Capture(engine=eng, kind="hidden", head=head, notes=notes, check_gap=trusted.get("max_gap"),
+                      path="vLLM hidden states + teacher lm_head (exact)", **common)
+        cap.start_seconds = time.perf_counter() - t0
+        return cap
     sample = first_batch[:CHECK_WINDOWS]
     ref_engine = make(("vllm-plp", opts, CHECK_K), lambda: VllmPromptLogprobEngine(opts, min(CHECK_K, model_vocab)))
     try:
@@ -249,15 +280,19 @@ def open_capture(cfg, *, vocab_size: int, width: int, window_len: int, max_model
     eng = make(("vllm-hidden", opts), lambda: VllmHiddenEngine(opts))
     start = time.perf_counter() - t0
     tol = t.check_tolerance if t.check_tolerance is not None else default_tolerance(t.dtype)
+    check = {"tolerance": tol, "windows": len(sample), "reference": f"vLLM prompt log-probs (top {CHECK_K})"}
     try:
         gap = compare_with_reference(eng.run(sample), reference, head, tol)
-    except BaseException:
+    except BaseException as e:
         if engines is None:
             eng.close()
+        if isinstance(e, CaptureError):
+            e.check = {**check, "passed": False, "max_gap": None}
         raise
     log.info("fast path checked against vLLM prompt log-probs on %d windows: max gap %.3g (tolerance %g)",
              len(sample), gap, tol)
     cap = Capture(engine=eng, kind="hidden", head=head, notes=notes, check_gap=gap,
+                  check={**check, "passed": True, "max_gap": gap},
                   path="vLLM hidden states + teacher lm_head (exact)", **common)
     cap.start_seconds = start
     return cap

@@ -54,8 +54,10 @@ def teacher_dump(
     data_storage_options: str = typer.Option(
         "", "--data-storage-options", help="fsspec options for remote --data (JSON); default: --storage-options."),
     docs_per_part: int = typer.Option(256, "--docs-per-part", help="Documents per store part (unit of --resume)."),
-    shard_index: int = typer.Option(0, "--shard-index", help="This job's writer index in [0, --num-shards)."),
-    num_shards: int = typer.Option(1, "--num-shards", help="Parallel jobs filling the store."),
+    shard_index: Optional[int] = typer.Option(
+        None, "--shard-index", help="This job's index in [0, --num-shards) (default: Slurm array, indexed Job, RANK)."),
+    num_shards: Optional[int] = typer.Option(
+        None, "--num-shards", help="Parallel jobs, each reading its share (default: Slurm count, WORLD_SIZE, 1)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run (keeps committed parts)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Count documents/positions, estimate size; no teacher."),
     config: Optional[str] = typer.Option(None, "--config", help="YAML or TOML file with any of these options."),

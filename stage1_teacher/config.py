@@ -83,10 +83,13 @@ class StoreConfig:
     --data-storage-options is given."""
     docs_per_part: int = 256
     """Documents per store part (the unit of commit and of --resume)."""
-    shard_index: int = 0
-    """This job's writer index in [0, --num-shards): parallel jobs write disjoint shards."""
-    num_shards: int = 1
-    """Parallel jobs filling the store; document i goes to writer i mod N."""
+    shard_index: int | None = None
+    """This job's writer index in [0, --num-shards); default: from the launcher (Slurm array, Kubernetes
+    indexed Job, RANK), else 0."""
+    num_shards: int | None = None
+    """Parallel jobs filling the store, each reading its own byte-balanced ranges of the corpus; default:
+    from the launcher (Slurm array count, WORLD_SIZE), else 1."""
+    shard_source = ""  # not a setting: where shard_index / num_shards came from (set by TeacherDumpConfig)
     resume: bool = False
     """Continue a killed run: keep its committed parts, redo the rest."""
 
@@ -134,6 +137,12 @@ class TeacherDumpConfig:
             raise ValueError(f"--gpu-memory-utilization {t.gpu_memory_utilization}: must be in (0, 1]")
         if t.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size {t.tensor_parallel_size}: must be at least 1")
+        if s.num_shards is not None and s.num_shards < 1:
+            raise ValueError(f"--num-shards {s.num_shards}: must be at least 1")
+        if not s.shard_source:
+            from stage1_teacher.shard_plan import launcher_index
+
+            s.shard_index, s.num_shards, s.shard_source = launcher_index(s.shard_index, s.num_shards)
         if s.num_shards < 1 or not 0 <= s.shard_index < s.num_shards:
             raise ValueError(f"--shard-index {s.shard_index}: must be in [0, --num-shards {s.num_shards})")
         if s.docs_per_part < 1:
@@ -207,7 +216,8 @@ def build_config(values: dict[str, Any]) -> TeacherDumpConfig:
     return TeacherDumpConfig(**top, **{name: _section_type(name)(**kw) for name, kw in sections.items()})
 
 
-_NULLABLE = {"data_storage_options", "gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "enforce_eager",
+_NULLABLE = {"shard_index", "num_shards", "data_storage_options", "gpu_memory_utilization", "max_num_batched_tokens",
+             "max_model_len", "enforce_eager",
              "check_tolerance", "out", "cache_dir"}
 
 
@@ -239,8 +249,10 @@ def expand_globs(paths: list[str], storage_options: dict | None = None) -> list[
     return out
 
 
-def settings_for_fingerprint(cfg: TeacherDumpConfig, *, window_len: int, boundary_tokenizers: list[str]) -> dict:
-    """The capture settings that change what is stored (part of the cache key)."""
+def settings_for_fingerprint(cfg: TeacherDumpConfig, *, window_len: int, boundary_tokenizers: list[str],
+                             shard_plan: str = "") -> dict:
+    """The capture settings that change what is stored (part of the cache key); with several jobs,
+    the shard plan's fingerprint (which job writes which rows)."""
     c = cfg.capture
     return {
         "mode": c.mode, "top_k": c.top_k if c.mode == "topk" else None,
@@ -248,5 +260,6 @@ def settings_for_fingerprint(cfg: TeacherDumpConfig, *, window_len: int, boundar
         "seed": c.seed if c.mode == "sampled" else None,
         "max_seq_len": window_len, "window_overlap": c.window_overlap, "dtype": cfg.teacher.dtype,
         "docs_per_part": cfg.store.docs_per_part, "num_shards": cfg.store.num_shards,
+        **({"shard_plan": shard_plan} if cfg.store.num_shards > 1 else {}),
         "window_cut_tokenizers": boundary_tokenizers, "text_field": cfg.input.text_field,
     }

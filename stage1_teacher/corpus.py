@@ -6,6 +6,9 @@ that file, and a hash of its text. Rows that cannot become a document (missing o
 field, invalid UTF-8, empty text) are yielded as `Skipped` with a reason, so the caller can count
 them in its summary instead of dropping them silently.
 
+Parallel jobs read only their share: `iter_corpus(..., plan=, job=)` opens the ranges that
+`stage1_teacher.shard_plan` gave the job (Parquet row groups, whole files otherwise).
+
 Files are local paths or fsspec URLs (s3://bucket/corpus.parquet, gs://..., with the dump's
 `--storage-options`); remote files are streamed, never downloaded whole.
 
@@ -117,15 +120,30 @@ def _text_of(source: str, row: int, value) -> Document | Skipped:
     return Document(source, row, value)
 
 
-def _iter_parquet(f, path: str, source: str, text_field: str, batch_rows: int):
+def _iter_parquet(f, path: str, source: str, text_field: str, batch_rows: int, groups: tuple[int, int] | None = None,
+                  planned: tuple | None = None):
+    """Rows of row groups [groups[0], groups[1]) (None: all), numbered from their row in the file.
+
+    `planned`: the (rows, bytes) per row group the shard plan saw; a file that changed since is refused.
+    """
     import pyarrow.parquet as pq
+
+    from xtcache.errors import StoreError
 
     pf = pq.ParquetFile(f)
     if text_field not in pf.schema_arrow.names:
         raise ConfigError(f"--data {path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); "
                           "set --text-field")
-    row = 0
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=[text_field]):
+    md = pf.metadata
+    counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+    if planned is not None and counts != [n for n, _ in planned]:
+        raise StoreError(f"--data {path}: its row groups differ from the shard plan's; the corpus changed since the "
+                         "plan, start a new --out")
+    start, stop = groups if groups is not None else (0, len(counts))
+    if start == stop:
+        return
+    row = sum(counts[:start])
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=[text_field], row_groups=range(start, stop)):
         yield from _iter_arrow_column(batch.column(0), source, row)
         row += batch.num_rows
 
@@ -202,12 +220,24 @@ def _iter_text(f, source: str):
 
 
 def iter_corpus(files: list[str], text_field: str = "text", *, batch_rows: int = 1024,
-                storage_options: dict | None = None) -> Iterator[Document | Skipped]:
-    """Every row of every file, in order, as a Document or a Skipped row (streaming)."""
+                storage_options: dict | None = None, plan=None, job: int = 0) -> Iterator[Document | Skipped]:
+    """Every row of every file, in order, as a Document or a Skipped row (streaming).
+
+    With a `shard_plan.ShardPlan`, only job `job`'s ranges are opened and read (Parquet: its row
+    groups; other formats: its whole files), with the same row numbers as a read of everything.
+    """
     from xtcache.store_io import file_system
 
-    names = check_sources(files, storage_options)
-    for url, source in zip(files, names):
+    if plan is None:
+        names = check_sources(files, storage_options)
+        todo = [(url, source, None, None) for url, source in zip(files, names)]
+    else:
+        from stage1_teacher.shard_plan import check_own_files
+
+        check_own_files(plan, files, job, storage_options)
+        todo = [(files[r.file], plan.files[r.file].name, (r.start, r.stop), plan.files[r.file].row_groups)
+                for r in plan.jobs[job]]
+    for url, source, groups, planned in todo:
         fmt = file_format(url)
         fs, path = file_system(url, storage_options)
         local = is_local(url)
@@ -217,7 +247,7 @@ def iter_corpus(files: list[str], text_field: str = "text", *, batch_rows: int =
         # remote: no read-ahead cache (fsspec's default fetches 50 MiB past every range pyarrow asks for)
         with fs.open(path, "rb", **({} if local else {"cache_type": "none"})) as f:
             if fmt == "parquet":
-                yield from _iter_parquet(f, url, source, text_field, batch_rows)
+                yield from _iter_parquet(f, url, source, text_field, batch_rows, groups, planned)
             elif fmt == "arrow":
                 yield from _iter_arrow(f, url, source, text_field, batch_rows)
             elif fmt == "jsonl":

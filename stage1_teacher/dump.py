@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stage1_teacher import preflight
+from stage1_teacher.capture import needs_check
 from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
 from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.prep import Part, Preparer, StudentSide, iter_parts, part_batches
+from stage1_teacher.shard_plan import PLAN_FILE, obtain_plan
 from stage1_teacher.windows import window_has_pred
-from xtcache.errors import ConfigError, StoreError
+from xtcache.errors import CaptureError, ConfigError, CorruptionError, StoreError
 from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class Summary:
     teacher_wait_s: float = 0.0
     input_wait_s: float = 0.0
     check_gap: float | None = None
+    check_source: str = ""
     alignment_groups_added: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -81,8 +84,9 @@ class Summary:
         capture = max(self.capture_s, 1e-9)
         out = [
             f"store               {self.store}",
-            f"capture path        {self.capture_path}" + (f" (first-batch check gap {self.check_gap:.2g})"
-                                                          if self.check_gap is not None else ""),
+            f"capture path        {self.capture_path}" + (f" (first-batch check gap {self.check_gap:.2g}: "
+                                                          f"{self.check_source})" if self.check_gap is not None
+                                                          else ""),
             f"documents           {self.documents} in {self.parts_written} new parts"
             + (f" (+{self.parts_resumed} parts kept from the interrupted run)" if self.parts_resumed else ""),
             f"positions           {self.positions} ({self.predicted} with a prediction, {self.windows} windows)",
@@ -115,6 +119,7 @@ class Plan:
     fingerprints: dict
     settings: dict
     out: str
+    shard_plan: object  # shard_plan.ShardPlan
 
 
 def make_plan(cfg: TeacherDumpConfig) -> Plan:
@@ -156,15 +161,18 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
                     "lower --docs-per-part if that does not fit", part_bytes / (1 << 30), cfg.store.docs_per_part,
                     window_len, width)
     boundary = sorted(s.fingerprint for s in students if not s.identity)
-    settings = settings_for_fingerprint(cfg, window_len=window_len, boundary_tokenizers=boundary)
+    s = cfg.store
+    shards = obtain_plan(cfg.input.data, cfg.input.text_field, num_jobs=s.num_shards, job=s.shard_index, out=s.out,
+                         storage_options=cfg.data_options, store_options=s.storage_options, dry_run=cfg.dry_run)
+    settings = settings_for_fingerprint(cfg, window_len=window_len, boundary_tokenizers=boundary,
+                                        shard_plan=shards.fingerprint)
     fingerprints = {"teacher_model": fpr.model_fingerprint(t.teacher), "teacher_tokenizer": t_fp,
-                    "corpus": fpr.corpus_fingerprint(cfg.input.data, cfg.data_options),
-                    "settings": fpr.settings_fingerprint(settings)}
+                    "corpus": shards.corpus_fingerprint, "settings": fpr.settings_fingerprint(settings)}
     key = fpr.cache_key(**fingerprints)
-    out = cfg.store.out or cache_path_for(cfg.store.cache_dir, key)
+    out = s.out or cache_path_for(s.cache_dir, key)
     return Plan(teacher_tok=teacher_tok, students=students, vocab_size=vocab_size, width=width,
                 window_len=window_len, max_model_len=max_model_len, cache_key=key, fingerprints=fingerprints,
-                settings=settings, out=out)
+                settings=settings, out=out, shard_plan=shards)
 
 
 def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
@@ -178,7 +186,8 @@ def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
                     num_samples=cfg.capture.num_samples if cfg.capture.mode == "sampled" else None,
                     num_writers=cfg.store.num_shards, teacher_name=cfg.teacher.teacher,
                     fingerprints=plan.fingerprints, settings=plan.settings, alignment_groups=groups,
-                    xtcache_version=getattr(xtcache, "__version__", ""))
+                    xtcache_version=getattr(xtcache, "__version__", ""),
+                    shard_plan=plan.shard_plan.meta() if cfg.store.num_shards > 1 else None)
 
 
 def find_reusable(cfg: TeacherDumpConfig, plan: Plan) -> str | None:
@@ -192,6 +201,10 @@ def find_reusable(cfg: TeacherDumpConfig, plan: Plan) -> str | None:
     if r is not None:
         if r.manifest.cache_key != plan.cache_key and preflight.replace_stub(r, plan.out):
             return None
+        had = r.manifest.shard_plan
+        if had is not None and had.fingerprint != plan.shard_plan.fingerprint:
+            raise StoreError(f"--out {plan.out} was filled under another shard plan ({had.num_jobs} jobs, fingerprint "
+                             f"{had.fingerprint[:12]}..); a store keeps one plan: use another --out")
         if r.manifest.cache_key != plan.cache_key:
             raise StoreError(f"--out {plan.out} holds a cache written for another teacher, corpus or settings "
                              f"(cache key {r.manifest.cache_key[:16]}.. != {plan.cache_key[:16]}..); "
@@ -215,9 +228,9 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
     prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap)
     docs = positions = windows = student_tokens = chunks = 0
     skipped: dict[str, int] = {}
-    rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options)
-    for part in iter_parts(rows, prep, shard_index=cfg.store.shard_index, num_shards=cfg.store.num_shards,
-                           docs_per_part=cfg.store.docs_per_part):
+    rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options, plan=plan.shard_plan,
+                       job=cfg.store.shard_index)
+    for part in iter_parts(rows, prep, docs_per_part=cfg.store.docs_per_part):
         for s in part.skipped:
             skipped[s.reason] = skipped.get(s.reason, 0) + 1
         for pd in part.docs:
@@ -324,14 +337,23 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
         return summary
     if cfg.store.cache_dir and not cfg.store.out:
         log.info("writing cache %s", plan.out)
+    log.info("job %d of %d (index from %s): %d corpus ranges, %d of %d bytes", cfg.store.shard_index,
+             cfg.store.num_shards, cfg.store.shard_source, len(plan.shard_plan.jobs[cfg.store.shard_index]),
+             plan.shard_plan.job_bytes()[cfg.store.shard_index], plan.shard_plan.corpus_bytes())
     writer = CacheWriter(plan.out, manifest_for(cfg, plan), writer_index=cfg.store.shard_index,
                          storage_options=cfg.store.storage_options, resume=cfg.store.resume)
     try:
+        if cfg.store.num_shards > 1:
+            _store_plan(plan, cfg.store.storage_options)
         committed = {m.part_index: m for m in writer.committed_parts()}
         if committed and not cfg.store.resume:
             raise ConfigError(f"--out {plan.out}: writer {cfg.store.shard_index} already has {len(committed)} "
                               "committed parts from an earlier run; pass --resume to continue it")
-        _pipeline(cfg, plan, writer, committed, summary, engines, progress)
+        checks = CheckRecords(cfg, plan) if needs_check(cfg) else None
+        _pipeline(cfg, plan, writer, committed, summary, engines, progress, checks)
+        if checks is not None and summary.check_source != "ran here":
+            rec = checks.wait_for_passed()  # parts were captured on the strength of another writer's check
+            summary.check_gap, summary.check_source = rec.max_gap, f"checked by writer {rec.writer_index}"
         summary.wall_s = time.perf_counter() - t_start
         if summary.documents == 0 and not committed and summary.skipped:
             reasons = ", ".join(f"{n} {r}" for r, n in sorted(summary.skipped.items()))
@@ -343,7 +365,74 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
     return summary
 
 
-def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engines, progress: bool) -> None:
+class CheckRecords:
+    """The store's first-batch checks of the vLLM fast path (`capture_checks/<key>.json`).
+
+    The check costs a second engine start (the prompt-log-probs reference), so a store runs it
+    once per (teacher, vLLM version, dtype, tensor-parallel size): writer 0 (or a single job) runs
+    it when no record exists and records it; the other writers start only the hidden-state engine
+    and, before marking themselves done, wait for a passed record. A writer whose key differs from
+    the recorded ones runs its own check. A failed record stops every writer.
+    """
+
+    def __init__(self, cfg: TeacherDumpConfig, plan: Plan):
+        from stage1_teacher.capture import check_key
+        from xtcache.store_io import Location
+
+        t = cfg.teacher
+        self.what = check_key(plan.fingerprints["teacher_model"], t.dtype, t.tensor_parallel_size)
+        self.loc = Location(plan.out, cfg.store.storage_options)
+        self.rel = f"capture_checks/{self.what['key']}.json"
+        self.writer = cfg.store.shard_index
+        self.checker = cfg.store.shard_index == 0 or cfg.store.num_shards == 1
+
+    def runs_here(self) -> bool:
+        """No record for this key: writer 0 checks; another writer checks only when the store holds
+        records for other keys only (writer 0 checked another vLLM version, dtype or TP size)."""
+        return self.checker or any(n.endswith(".json") for n in self.loc.listdir("capture_checks"))
+
+    def read(self):
+        from schemas.models import CaptureCheck
+        from xtcache.store_io import read_model
+
+        raw = self.loc.read_json(self.rel)
+        rec = None if raw is None else read_model(CaptureCheck, raw, f"{self.loc.url}/{self.rel}")
+        if rec is not None and not rec.passed:
+            raise CaptureError(f"writer {rec.writer_index}'s first-batch check of the fast path failed for this teacher "
+                               f"(vLLM {rec.vllm_version}, dtype {rec.dtype}); rerun the store with --no-fast-path")
+        return rec
+
+    def write(self, check: dict) -> None:
+        from schemas.models import CaptureCheck
+        from xtcache.store_io import now_iso
+
+        rec = CaptureCheck(**self.what, **check, writer_index=self.writer, created=now_iso())
+        if not self.loc.create_exclusive(self.rel, rec.model_dump(mode="json")):
+            log.info("a first-batch check record already exists at %s/%s", self.loc.url, self.rel)
+
+    def wait_for_passed(self):
+        deadline = time.monotonic() + CHECK_WAIT_S
+        rec = self.read()
+        if rec is None:
+            log.info("waiting for writer 0's first-batch check record at %s/%s", self.loc.url, self.rel)
+        while rec is None:
+            if time.monotonic() > deadline:
+                raise CaptureError(f"no first-batch check of the fast path was recorded in {self.loc.url} within "
+                                   f"{CHECK_WAIT_S:.0f} s (writer 0 runs it); this writer's parts are committed but it "
+                                   "is not marked done: rerun it with --resume once writer 0 has run")
+            time.sleep(2.0)
+            try:
+                rec = self.read()
+            except CorruptionError:  # being written
+                rec = None
+        return rec
+
+
+CHECK_WAIT_S = 1800.0
+
+
+def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engines, progress: bool,
+              checks: CheckRecords | None) -> None:
     from stage1_teacher.capture import open_capture
 
     prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap)
@@ -353,7 +442,7 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
     q_post: queue.Queue = queue.Queue(maxsize=2)
     q_write: queue.Queue = queue.Queue(maxsize=2)
     lock = threading.Lock()
-    bar = _progress_bar(cfg, progress)
+    bar = _progress_bar(cfg, plan.shard_plan, progress)
 
     def guarded(fn):
         def run():
@@ -367,9 +456,9 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
         return run
 
     def produce():
-        rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options)
-        for part in iter_parts(rows, prep, shard_index=cfg.store.shard_index, num_shards=cfg.store.num_shards,
-                               docs_per_part=cfg.store.docs_per_part):
+        rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options,
+                           plan=plan.shard_plan, job=cfg.store.shard_index)
+        for part in iter_parts(rows, prep, docs_per_part=cfg.store.docs_per_part):
             with lock:
                 for s in part.skipped:
                     summary.skipped[s.reason] = summary.skipped.get(s.reason, 0) + 1
@@ -434,9 +523,23 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
         if first is None:
             log.info("nothing to capture: every part is committed or the stream is empty")
         else:
-            cap = open_capture(cfg, vocab_size=plan.vocab_size, width=plan.width, window_len=plan.window_len,
-                               max_model_len=plan.max_model_len, first_batch=[w.tokens for w in first[1]],
-                               engines=engines)
+            trusted = None
+            if checks is not None:
+                rec = checks.read()
+                trusted = rec.model_dump() if rec is not None else (None if checks.runs_here() else {})
+            try:
+                cap = open_capture(cfg, vocab_size=plan.vocab_size, width=plan.width, window_len=plan.window_len,
+                                   max_model_len=plan.max_model_len, first_batch=[w.tokens for w in first[1]],
+                                   engines=engines, trusted=trusted)
+            except CaptureError as e:
+                if checks is not None and getattr(e, "check", None) is not None:
+                    checks.write(e.check)
+                raise
+            if checks is not None and cap.check is not None:
+                checks.write(cap.check)
+                summary.check_source = "ran here"
+            elif trusted:
+                summary.check_source = f"checked by writer {trusted['writer_index']}"
             summary.capture_path, summary.notes, summary.check_gap = cap.path, cap.notes, cap.check_gap
             summary.engine_start_s = cap.start_seconds
             t_pos = time.perf_counter()
@@ -521,6 +624,15 @@ def _share_cpu_with_vllm(cfg):
     return lambda: torch.set_num_threads(before)
 
 
+def _store_plan(plan: Plan, storage_options: dict) -> None:
+    """The store keeps the plan its writers read by (written here when no writer 0 stored it first)."""
+    from xtcache.store_io import Location
+
+    loc = Location(plan.out, storage_options)
+    if loc.read_json(PLAN_FILE) is None:
+        loc.create_exclusive(PLAN_FILE, plan.shard_plan.as_json())
+
+
 def _check_committed(meta, part: Part) -> None:
     want = [(d.doc.source, d.doc.row, d.doc.content_hash) for d in part.docs]
     have = [(d.source, d.row, d.content_hash) for d in meta.docs]
@@ -529,41 +641,34 @@ def _check_committed(meta, part: Part) -> None:
                          "(the corpus or --docs-per-part changed since the interrupted run); start a new --out")
 
 
-def _progress_bar(cfg: TeacherDumpConfig, enabled: bool):
+def _progress_bar(cfg: TeacherDumpConfig, shard_plan, enabled: bool):
     if not enabled:
         return None
     from tqdm import tqdm
 
-    total = _count_rows(cfg.input.data, cfg.data_options)
-    if total is not None:
-        total = (total - cfg.store.shard_index + cfg.store.num_shards - 1) // cfg.store.num_shards
-    return tqdm(total=total, unit="doc", dynamic_ncols=True, mininterval=1.0)
+    return tqdm(total=_count_rows(shard_plan, cfg), unit="doc", dynamic_ncols=True, mininterval=1.0)
 
 
-def _count_rows(files: list[str], storage_options: dict) -> int | None:
-    """Rows in the corpus files (cheap: metadata or a newline count), for the progress bar's ETA.
-
-    None (no ETA) for Arrow files and for remote text files, which would have to be read twice.
-    """
-    from xtcache.store_io import file_system, is_local
+def _count_rows(shard_plan, cfg: TeacherDumpConfig) -> int | None:
+    """Rows of this job's ranges (cheap: the plan's row-group counts or a newline count of its local
+    files), for the progress bar's ETA. None (no ETA) for Arrow files and for remote text files,
+    which would have to be read twice."""
+    from xtcache.store_io import is_local, local_path
 
     total = 0
-    for url in files:
-        low = url.lower()
-        try:
-            fs, path = file_system(url, storage_options)
-            if low.endswith(".parquet"):
-                import pyarrow.parquet as pq
-
-                with fs.open(path, "rb") as f:
-                    total += pq.ParquetFile(f).metadata.num_rows
-            elif low.endswith((".arrow", ".feather", ".ipc")) or not is_local(url):
-                return None
-            else:
-                with open(path, "rb") as f:
-                    total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 22), b""))
-        except OSError:
+    for r in shard_plan.jobs[cfg.store.shard_index]:
+        rows = shard_plan.range_rows(r)
+        url = cfg.input.data[r.file]
+        if rows is not None:
+            total += rows
+        elif shard_plan.files[r.file].format == "arrow" or not is_local(url):
             return None
+        else:
+            try:
+                with open(local_path(url), "rb") as f:
+                    total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 22), b""))
+            except OSError:
+                return None
     return total
 
 

@@ -1,10 +1,10 @@
 """Document preparation for `xtcache teacher-dump`: tokenize, align, plan windows, form parts.
 
-A writer's stream is every corpus row whose ordinal (over all files, in order) is congruent to
-its `--shard-index` modulo `--num-shards`. Usable documents of that stream are grouped into parts
-of `--docs-per-part` documents: part j holds documents [j * P, (j + 1) * P) of the stream, a
-fixed run that does not depend on timing, batching or interruptions, so a resumed run rewrites
-exactly the parts an uninterrupted one would. Rows that cannot be used (see `corpus.Skipped`,
+A writer's stream is the rows of the corpus ranges its shard plan gives it (see
+`stage1_teacher.shard_plan`: contiguous Parquet row groups or whole files), in order. Usable
+documents of that stream are grouped into parts of `--docs-per-part` documents: part j holds
+documents [j * P, (j + 1) * P) of the stream, a fixed run that does not depend on timing,
+batching or interruptions, so a resumed run rewrites exactly the parts an uninterrupted one would. Rows that cannot be used (see `corpus.Skipped`,
 plus documents of fewer than 2 teacher tokens and texts the tokenizers cannot align) are skipped
 with a reason, deterministically.
 
@@ -180,10 +180,8 @@ def _is_identity(students: list[StudentSide], fp: str) -> bool:
     return any(s.fingerprint == fp and s.identity for s in students)
 
 
-def iter_parts(rows, preparer: Preparer, *, shard_index: int, num_shards: int, docs_per_part: int,
-               committed: set[int] | None = None) -> Iterator[Part]:
-    """Parts of this writer's stream, in order. Parts in `committed` come with `docs` of Documents only
-    prepared enough to check their ids (no windows are needed for them)."""
+def iter_parts(rows, preparer: Preparer, *, docs_per_part: int) -> Iterator[Part]:
+    """Parts of this writer's stream of rows (`corpus.iter_corpus` over its plan ranges), in order."""
     pending: list[Document] = []
     skipped: list[Skipped] = []
     ready: list[PreparedDoc] = []
@@ -195,9 +193,7 @@ def iter_parts(rows, preparer: Preparer, *, shard_index: int, num_shards: int, d
             (skipped if isinstance(item, Skipped) else ready).append(item)
         pending = []
 
-    for ordinal, item in enumerate(rows):
-        if ordinal % num_shards != shard_index:
-            continue
+    for item in rows:
         if isinstance(item, Skipped):
             skipped.append(item)
             continue

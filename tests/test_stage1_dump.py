@@ -41,7 +41,8 @@ def corpus(toy_setup, tmp_path_factory):
 
 
 def dump(teacher, corpus, out, students, **kw):
-    values = {"teacher": teacher, "student_tokenizer": [str(s) for s in students], "data": [corpus],
+    values = {"teacher": teacher, "student_tokenizer": [str(s) for s in students],
+              "data": corpus if isinstance(corpus, list) else [corpus],
               "out": str(out), "engine": "hf", "max_seq_len": 160, "window_overlap": 32, "docs_per_part": 8,
               "top_k": 16, **kw}
     return run_teacher_dump(build_config(values), progress=False)
@@ -210,23 +211,34 @@ def test_bad_requests_fail_clearly(teacher, corpus, toy_setup, tmp_path):
         dump(other, corpus, tmp_path / "same", [toy_setup.student_tokenizer], top_k=4)
 
 
+def two_files(corpus, root: Path) -> list[str]:
+    """The corpus cut into two JSONL files (a plan never splits a JSONL file between jobs)."""
+    lines = Path(corpus).read_bytes().splitlines(keepends=True)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "a.jsonl").write_bytes(b"".join(lines[:14]))
+    (root / "b.jsonl").write_bytes(b"".join(lines[14:]))
+    return [str(root / "a.jsonl"), str(root / "b.jsonl")]
+
+
 def test_parallel_shards_are_disjoint_and_claims_exclusive(teacher, corpus, toy_setup, tmp_path):
     from xtcache.store import CacheWriter
 
     out = tmp_path / "par"
-    dump(teacher, corpus, out, [toy_setup.student_tokenizer], num_shards=2, shard_index=1)
+    data = two_files(corpus, tmp_path / "data")
+    dump(teacher, data, out, [toy_setup.student_tokenizer], num_shards=2, shard_index=0)
     r, _ = read_all(out)
     assert not r.is_complete()
-    # while another process holds writer 0, a second job for the same shard is refused
-    holder = CacheWriter(str(out), r.manifest, writer_index=0)
+    # while another process holds writer 1, a second job for the same shard is refused
+    holder = CacheWriter(str(out), r.manifest, writer_index=1)
     try:
         with pytest.raises(StoreError, match="claimed"):
-            dump(teacher, corpus, out, [toy_setup.student_tokenizer], num_shards=2, shard_index=0)
+            dump(teacher, data, out, [toy_setup.student_tokenizer], num_shards=2, shard_index=1)
     finally:
         holder.close()
-    dump(teacher, corpus, out, [toy_setup.student_tokenizer], num_shards=2, shard_index=0)
+    dump(teacher, data, out, [toy_setup.student_tokenizer], num_shards=2, shard_index=1)
     r, shards = read_all(out)
     assert r.is_complete()
+    assert {m.writer_index for m in r.shards} == {0, 1}
     ids = [d for s in shards for d in s.doc_ids()]
     assert len(ids) == len(set(ids)) == 24
 
@@ -317,10 +329,11 @@ def test_two_jobs_fill_disjoint_shards_concurrently(teacher, corpus, toy_setup, 
     from xtcache.commands_store import verify_store
 
     out = tmp_path / "conc"
-    base = ["--teacher", teacher, "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", corpus,
+    a, b = two_files(corpus, tmp_path / "data")
+    base = ["--teacher", teacher, "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", a, "--data", b,
             "--engine", "hf", "--top-k", "8", "--docs-per-part", "4", "--max-seq-len", "256", "--out", str(out),
             "--num-shards", "2"]
-    jobs = [_cli(base + ["--shard-index", str(i)]) for i in range(2)]
+    jobs = [_cli(base + ["--shard-index", str(i)]) for i in (1, 0)]  # writer 1 waits for writer 0's plan
     logs = [j.communicate(timeout=300)[0].decode() for j in jobs]
     assert [j.returncode for j in jobs] == [0, 0], "\n".join(l[-2000:] for l in logs)
     r, shards = read_all(out)

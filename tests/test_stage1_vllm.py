@@ -193,3 +193,53 @@ def test_kill_and_resume_with_vllm(teacher, corpus, toy_setup, engines, tmp_path
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert f"+{committed} parts kept" in done.stdout
     assert _index_hashes(out) == want
+
+
+def test_first_batch_check_runs_once_per_store(teacher, corpus, toy_setup, engines, tmp_path):
+    """Writer 0 runs the fast path's first-batch check (reference engine + hidden engine) and records
+    it; writer 1 starts only the hidden-state engine and trusts the record; a failed record stops
+    a writer before any engine starts."""
+    from schemas.models import CaptureCheck
+
+    lines = Path(corpus).read_text().splitlines(keepends=True)
+    data = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    data[0].write_text("".join(lines[:8]))
+    data[1].write_text("".join(lines[8:]))
+    requested = []
+    real_get = engines.get
+
+    def get(key, factory):
+        requested.append(key[0])
+        return real_get(key, factory)
+
+    engines.get = get
+    try:
+        def job(out, i):
+            cfg = build_config({"teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer)],
+                                "data": [str(p) for p in data], "out": str(out), "engine": "vllm", "dtype": "float32",
+                                "top_k": 8, "max_seq_len": 256, "docs_per_part": 4, "num_shards": 2,
+                                "shard_index": i})
+            requested.clear()
+            return run_teacher_dump(cfg, engines=engines, progress=False), list(requested)
+
+        s0, kinds0 = job(tmp_path / "store", 0)
+        assert kinds0 == ["vllm-plp", "vllm-hidden"] and s0.check_source == "ran here"
+        (rec_path,) = (tmp_path / "store" / "capture_checks").glob("*.json")
+        rec = CaptureCheck.model_validate_json(rec_path.read_text())
+        assert rec.passed and rec.writer_index == 0 and rec.max_gap == s0.check_gap and rec.dtype == "float32"
+        s1, kinds1 = job(tmp_path / "store", 1)
+        assert kinds1 == ["vllm-hidden"] and s1.check_source == "checked by writer 0" and s1.check_gap == rec.max_gap
+        from xtcache.store import CacheReader
+
+        assert CacheReader(str(tmp_path / "store")).is_complete()
+        # a failed check recorded in a store stops its writers before they start an engine
+        bad = tmp_path / "bad"
+        (bad / "capture_checks").mkdir(parents=True)
+        (bad / "capture_checks" / rec_path.name).write_text(rec.model_copy(update={"passed": False}).model_dump_json())
+        from xtcache.errors import CaptureError
+
+        with pytest.raises(CaptureError, match="check of the fast path failed"):
+            job(bad, 0)
+        assert requested == []
+    finally:
+        engines.get = real_get
