@@ -130,11 +130,11 @@ def test_a_step_without_valid_chunks_raises_instead_of_a_silent_zero_kd():
     import torch
 
     from stage2_student.losses import NoValidChunksError
+    from stage2_student.objective import Objective
     from stage2_student.trainer import Trainer
 
     batch = {"num_chunks": 0, "labels": torch.tensor([[5, 6, -100]]), "input_ids": torch.tensor([[1, 5, 6]])}
-    stub = types.SimpleNamespace(step=3, data=types.SimpleNamespace(kd=object()),
-                                 cfg=types.SimpleNamespace(loss=types.SimpleNamespace(loss="pkl")),
-                                 _counts=Trainer._counts, _all_reduce=lambda values: [float(v) for v in values])
+    stub = types.SimpleNamespace(step=3, data=types.SimpleNamespace(objective=Objective("kl")),
+                                 all_reduce=lambda values: [float(v) for v in values])
     with pytest.raises(NoValidChunksError, match="optimizer step 4.*--seq-len"):
         Trainer.train_step(stub, [batch, dict(batch)])
