@@ -138,7 +138,7 @@ def worker(spec: dict) -> dict:
         step_s = statistics.median(times)
         return {"name": spec["name"], "step_ms": 1000 * step_s, "peak_mib": peak / 2**20,
                 "trainer_pos_s": positions / len(times) / step_s, "loader_pos_s": loader_pos_s,
-                "kd_loss": data.kd_name, "device": str(trainer.device)}
+                "kd_loss": data.objective.kind, "device": str(trainer.device)}
     finally:
         teardown_distributed()
 
@@ -149,6 +149,7 @@ def build_inputs(root: Path, args) -> dict:
     from tests.test_train_kd import build_hf_cache
 
     from xtcache import toy
+    from xtcache.tokenizer import load_tokenizer
 
     setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
     same_student = root / "student_same_tok"
@@ -160,6 +161,9 @@ def build_inputs(root: Path, args) -> dict:
     return {
         "cross_student": str(setup.student_model), "same_student": str(same_student),
         "topk": build_hf_cache(root / "topk", setup.teacher_model, setup.train_jsonl, [setup.student_tokenizer], **kw),
+        # full vocabulary: every teacher id stored (k = V, residual 0), as `--mode full` holds it
+        "full": build_hf_cache(root / "full", setup.teacher_model, setup.train_jsonl, [setup.student_tokenizer],
+                               k=len(load_tokenizer(setup.teacher_tokenizer)), max_docs=args.docs),
         "sampled": build_hf_cache(root / "sampled", setup.teacher_model, setup.train_jsonl, [], mode="sampled",
                                   num_samples=args.k, **kw),
     }
@@ -189,14 +193,16 @@ def main() -> None:
                 ("cross", "pkl", inputs["topk"], inputs["cross_student"]),
                 ("cross", "alm", inputs["topk"], inputs["cross_student"]),
                 ("same", "ce", inputs["topk"], inputs["same_student"]),
+                ("cross", "pkl full", inputs["full"], inputs["cross_student"]),
                 ("same", "kl", inputs["topk"], inputs["same_student"]),
+                ("same", "kl full", inputs["full"], inputs["same_student"]),
                 ("same", "rkl", inputs["topk"], inputs["same_student"]),
                 ("same", "jsd", inputs["topk"], inputs["same_student"]),
                 ("same", "sampled", inputs["sampled"], inputs["same_student"])]
         results = []
         for student_kind, loss, cache, student in runs:
-            config = {"cache": cache, "student": student, "out": str(root / f"run_{student_kind}_{loss}"),
-                      "loss": loss, "ce_weight": 1.0 if loss == "ce" else 0.1, "seq_len": args.seq_len,
+            config = {"cache": cache, "student": student, "out": str(root / f"run_{student_kind}_{loss.replace(' ', '_')}"),
+                      "loss": loss.split()[0], "ce_weight": 1.0 if loss == "ce" else 0.1, "seq_len": args.seq_len,
                       "micro_batch_size": args.micro_batch_size, "max_steps": 1000, "lr": 1e-3,
                       "zero_stage": 2, "bf16": args.bf16, "num_workers": args.num_workers}
             spec = {"name": f"{student_kind}/{loss}", "config": config, "steps": args.steps, "warmup": args.warmup,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 LOSSES = ("auto", "pkl", "kl", "rkl", "jsd", "sampled", "alm", "ce")
-"""`--loss` choices. auto: pkl for cross-tokenizer caches, sampled for sampled caches, kl otherwise;
+"""`--loss` choices. auto: pkl for cross-tokenizer caches (sampled ones too), sampled for same-tokenizer sampled caches, kl otherwise;
 ce: next-token cross entropy only (no teacher term)."""
 
 

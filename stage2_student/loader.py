@@ -526,34 +526,6 @@ class CacheLoader:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 
-def make_loaders(cfg, tokenizer, rank: int, world: int):
-    """This rank's resumable training stream and a factory of its held-out stream (or None): what
-    `xtcache train-student` reads, from a TrainConfig. Refuses, before any model loads, a --seq-len
-    above the student's max_position_embeddings and a store that is incomplete or damaged in what
-    planning reads (unless --allow-incomplete)."""
-    from transformers import AutoConfig
-
-    limit = getattr(AutoConfig.from_pretrained(cfg.student), "max_position_embeddings", None)
-    if limit is not None and cfg.loader.seq_len > limit:
-        raise ConfigError(f"--seq-len {cfg.loader.seq_len} is above the student's max_position_embeddings {limit} "
-                          f"({cfg.student}/config.json); use --seq-len {limit} or less")
-    common = dict(seq_len=cfg.loader.seq_len, micro_batch_size=cfg.loader.micro_batch_size, rank=rank,
-                  world_size=world, seed=cfg.seed, storage_options=cfg.storage_options_dict,
-                  pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-                  allow_incomplete=cfg.loader.allow_incomplete)
-    fraction = cfg.eval.eval_fraction
-    train_ds = CacheDataset(cfg.cache, tokenizer, grad_accum=cfg.optim.grad_accum, split="train",
-                            holdout_fraction=fraction, **common)
-    train = CacheLoader(train_ds, num_workers=cfg.loader.num_workers)
-    if fraction > 0:
-        eval_ds = CacheDataset(cfg.cache, tokenizer, split="eval", holdout_fraction=fraction, **common)
-    elif cfg.eval.eval_cache:
-        eval_ds = CacheDataset(cfg.eval.eval_cache, tokenizer, split="all", epochs=1, shuffle=False, **common)
-    else:
-        return train, None
-    return train, lambda: CacheLoader(eval_ds, num_workers=0)
-
-
 def reshard_state(state: dict, *, rank: int, world_size: int, grad_accum: int) -> dict:
     """A loader state saved at one world size, for rank `rank` of `world_size` ranks.
 

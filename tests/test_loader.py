@@ -295,23 +295,23 @@ def test_loader_batch_feeds_projected_kl_and_alm(store, student_tokenizer, teach
     import torch
 
     from stage2_student import losses
+    from stage2_student.objective import Objective
     from xtcache.projection import build_projection
 
     url, fp = store
     batch = next(iter(L.CacheLoader(_dataset(url, fp, epochs=1))))
     op = losses.ProjectionOperator(build_projection(student_tokenizer, teacher_tokenizer).to_torch_sparse(2048))
     logits = torch.randn(*batch["input_ids"].shape, len(student_tokenizer), requires_grad=True)
-    pkl = losses.projected_kl(logits, batch["student_chunk"], batch["teacher_ids"], batch["teacher_logprobs"],
-                              batch["teacher_residual"], batch["teacher_chunk"], batch["num_chunks"], op,
-                              temperature=2.0, row_chunk=16)
-    alm = losses.chunk_likelihood_loss(logits, batch["labels"], batch["student_chunk"], batch["teacher_realized"],
-                                       batch["teacher_chunk"], batch["num_chunks"])
-    assert pkl.count.item() == alm.count.item() == batch["num_chunks"] > 0
-    (pkl.total + alm.total).backward()
+    vocab = logits.shape[-1]
+    pkl = Objective("pkl", temperature=2.0, projection=op, row_chunk=16)
+    alm = Objective("alm")
+    pkl_sum, _ = pkl.sums(logits, pkl.prepare(batch, vocab=vocab))
+    alm_sum, _ = alm.sums(logits, alm.prepare(batch, vocab=vocab))
+    assert batch["num_chunks"] > 0 and torch.isfinite(pkl_sum + alm_sum)
+    (pkl_sum + alm_sum).backward()
     touched = logits.grad.abs().sum(-1) > 0
     assert torch.equal(touched, batch["student_chunk"] >= 0)  # gradient exactly at the valid chunks' logits
-    agree, n = losses.top1_agreement(logits, batch["student_chunk"], batch["teacher_ids"], batch["teacher_logprobs"],
-                                     batch["teacher_chunk"], batch["num_chunks"], student_to_teacher=op.student_top)
+    agree, n = pkl.agreement(logits, pkl.prepare(batch, vocab=vocab))
     assert 0 <= agree.item() <= n.item() == batch["num_chunks"]
 
 

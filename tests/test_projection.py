@@ -150,9 +150,18 @@ def test_import_nemo_format(toy_map, tmp_path, student_tokenizer, teacher_tokeni
     path = tmp_path / "nemo.pt"
     likelihoods = torch.from_numpy(toy_map.weights * 3.0)  # unnormalized, as a file may hold them
     torch.save({"indices": torch.from_numpy(toy_map.indices), "likelihoods": likelihoods}, path)
-    pm = import_nemo(path, student_tokenizer, teacher_tokenizer)
+    pm, changes = import_nemo(path, student_tokenizer, teacher_tokenizer)
     assert np.array_equal(pm.indices, toy_map.indices) and np.allclose(pm.weights, toy_map.weights, atol=1e-6)
-    assert np.array_equal(pm.exact, toy_map.exact)
+    assert np.array_equal(pm.exact, toy_map.exact) and changes["duplicate_entries_merged"] == 0
+    # a row naming one teacher id twice (as real NeMo-RL maps do): merged, weights summed, counted
+    dup_idx, dup_w = toy_map.indices.copy(), toy_map.weights.copy()
+    row = int(np.nonzero((dup_idx[:, 0] >= 0) & (dup_idx[:, 1] < 0))[0][0])
+    dup_idx[row, 1], dup_w[row, :2] = dup_idx[row, 0], [0.25, 0.75]
+    torch.save({"indices": torch.from_numpy(dup_idx), "likelihoods": torch.from_numpy(dup_w)}, path)
+    merged, changes = import_nemo(path, student_tokenizer, teacher_tokenizer)
+    assert changes["duplicate_entries_merged"] == 1 and changes["rows_with_duplicates"] == 1
+    assert merged.indices[row, 0] == dup_idx[row, 0] and merged.indices[row, 1] == -1
+    assert merged.weights[row, 0] == pytest.approx(1.0)
     bad = toy_map.indices.copy()
     bad[3, 0] = len(teacher_tokenizer) + 5
     torch.save({"indices": torch.from_numpy(bad), "likelihoods": likelihoods}, path)

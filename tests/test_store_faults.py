@@ -8,7 +8,7 @@ damaged the way disks, object stores and people damage stores, then handed to ea
   incomplete stores, never claim the arrays are fine);
 - align: `xtcache align` (with the teacher tokenizer: reads every teacher part; with the stored
   student tokenizer: checks the parts it keeps and re-aligns a damaged one);
-- train-student: `stage2_student.loader.make_loaders`, the data wiring `xtcache train-student`
+- train-student: `stage2_student.data.make_loaders`, the data wiring `xtcache train-student`
   runs before any model loads, read for one whole epoch as the trainer would.
 
 Each cell either works (and then the result is checked) or raises an XtcacheError whose one-line
@@ -120,7 +120,7 @@ def _run(consumer: str, url: str, fp: str, toy_setup, capsys) -> str:
         teacher = run_align(url, str(toy_setup.teacher_tokenizer))  # reads every teacher part
         return json.dumps([ours, teacher])
     from stage2_student.config import TrainConfig
-    from stage2_student.loader import make_loaders
+    from stage2_student.data import make_loaders
     from xtcache.tokenizer import load_tokenizer
 
     cfg = TrainConfig.from_flat({"cache": url, "student": str(toy_setup.student_model), "out": "unused",
@@ -172,7 +172,7 @@ def test_damaged_store(tmp_path, template, toy_setup, damage, consumer, capsys):
 
 def test_damage_met_in_a_worker_process_is_raised_with_its_one_line_message(tmp_path, template, toy_setup):
     from stage2_student.config import TrainConfig
-    from stage2_student.loader import make_loaders
+    from stage2_student.data import make_loaders
     from xtcache.errors import CorruptionError
     from xtcache.tokenizer import load_tokenizer
 
@@ -190,7 +190,7 @@ def test_damage_met_in_a_worker_process_is_raised_with_its_one_line_message(tmp_
 
 def test_allow_incomplete_trains_on_committed_parts_and_says_how_many(tmp_path, template, toy_setup, caplog):
     from stage2_student.config import TrainConfig
-    from stage2_student.loader import make_loaders
+    from stage2_student.data import make_loaders
     from xtcache.tokenizer import load_tokenizer
 
     root = tmp_path / "cache"
@@ -210,7 +210,7 @@ def test_seq_len_above_the_students_positions_is_refused(tmp_path, template, toy
     from transformers import AutoConfig
 
     from stage2_student.config import TrainConfig
-    from stage2_student.loader import make_loaders
+    from stage2_student.data import make_loaders
     from xtcache.errors import ConfigError
     from xtcache.tokenizer import load_tokenizer
 

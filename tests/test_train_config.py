@@ -130,11 +130,31 @@ def test_a_step_without_valid_chunks_raises_instead_of_a_silent_zero_kd():
     import torch
 
     from stage2_student.losses import NoValidChunksError
+    from stage2_student.objective import Objective
     from stage2_student.trainer import Trainer
 
     batch = {"num_chunks": 0, "labels": torch.tensor([[5, 6, -100]]), "input_ids": torch.tensor([[1, 5, 6]])}
-    stub = types.SimpleNamespace(step=3, data=types.SimpleNamespace(kd=object()),
-                                 cfg=types.SimpleNamespace(loss=types.SimpleNamespace(loss="pkl")),
-                                 _counts=Trainer._counts, _all_reduce=lambda values: [float(v) for v in values])
+    stub = types.SimpleNamespace(step=3, data=types.SimpleNamespace(objective=Objective("kl")),
+                                 all_reduce=lambda values: [float(v) for v in values])
     with pytest.raises(NoValidChunksError, match="optimizer step 4.*--seq-len"):
         Trainer.train_step(stub, [batch, dict(batch)])
+
+
+def test_trainer_state_of_the_previous_version_loads_and_a_newer_one_is_refused(tmp_path):
+    """Version 1 records (written before the objective was recorded) still resume; unknown versions
+    are refused with the version needed."""
+    from stage2_student.checkpoint import TRAINER_STATE_VERSION, read_trainer_state, resume_point
+    from xtcache.errors import ConfigError
+
+    ckpt = tmp_path / "checkpoints" / "step3"
+    ckpt.mkdir(parents=True)
+    loader = {"next_micro_batch": 6, "seed": 0}
+    (ckpt / "trainer_state_rank0.json").write_text(json.dumps({"step": 3, "world": 1, "loader": loader}))
+    (tmp_path / "checkpoints" / "latest").write_text("step3")
+    point = resume_point(tmp_path, "latest", rank=0, world=1, grad_accum=2)
+    assert point.state == {"version": TRAINER_STATE_VERSION, "step": 3, "world": 1, "loader": loader,
+                           "objective": None}
+    assert point.loader == loader and not point.reshard
+    (ckpt / "trainer_state_rank0.json").write_text(json.dumps({"version": 99, "step": 3, "world": 1, "loader": {}}))
+    with pytest.raises(ConfigError, match="version 99"):
+        read_trainer_state(ckpt / "trainer_state_rank0.json")

@@ -95,9 +95,12 @@ def import_(
 
     s_tok = load_tokenizer(student_tokenizer, "student")
     t_tok = load_tokenizer(teacher_tokenizer, "teacher")
-    pm = import_nemo(source, s_tok, t_tok)
+    pm, changes = import_nemo(source, s_tok, t_tok)
     pm.save(out)
     typer.echo(format_report(pm, s_tok, t_tok))
+    typer.echo(f"  import: {changes['duplicate_entries_merged']} duplicated teacher ids merged in "
+               f"{changes['rows_with_duplicates']} rows (weights summed); {changes['rows_targeting_u_fffd']} rows map "
+               "to partial-UTF-8 teacher tokens (U+FFFD when decoded), kept")
     typer.echo(f"wrote {out}")
 
 

@@ -305,8 +305,14 @@ def _top_k(rows, cols, vals, v_s, v_t, k) -> tuple[np.ndarray, np.ndarray]:
     return indices, weights
 
 
-def import_nemo(path: str | Path, student_tok, teacher_tok) -> ProjectionMap:
-    """Read a NeMo-RL projection file (`indices` Long[V_s, k], -1 padded; `likelihoods` Float[V_s, k])."""
+def import_nemo(path: str | Path, student_tok, teacher_tok) -> tuple[ProjectionMap, dict]:
+    """Read a NeMo-RL projection file (`indices` Long[V_s, k], -1 padded; `likelihoods` Float[V_s, k]).
+
+    Returns the map and what the import changed or found: duplicated teacher ids within a row are
+    merged (weights summed; `duplicate_entries_merged`, `rows_with_duplicates`), and rows that map
+    to teacher tokens that are not text on their own (byte fragments, U+FFFD when decoded) are
+    counted (`rows_targeting_u_fffd`) and kept.
+    """
     import torch
 
     try:
@@ -337,14 +343,38 @@ def import_nemo(path: str | Path, student_tok, teacher_tok) -> ProjectionMap:
         indices, weights = indices[:v_s], weights[:v_s]
     weights = np.where(indices >= 0, weights, 0).astype(np.float32)
     validate(indices, weights, v_t, where=str(path), normalized=False)
-    sums = weights.sum(axis=1, keepdims=True)
-    np.divide(weights, sums, out=weights, where=sums > 0)
+    # a row may name one teacher id twice (real NeMo-RL maps do on inexact rows): merge, summing weights
+    r, j = np.nonzero(indices >= 0)
+    pairs = r * v_t + indices[r, j]
+    unique_pairs, first_at, counts = np.unique(pairs, return_index=True, return_counts=True)
+    dup_rows = np.unique(unique_pairs[counts > 1] // v_t)
+    indices, weights = _top_k(r, indices[r, j], weights[r, j].astype(np.float64), v_s, v_t, indices.shape[1])
     s_pieces, t_pieces = _pieces(s_info), _pieces(t_info)
+    # targets whose bytes are not text on their own (decoded, they read U+FFFD): reported, kept
+    fffd_ids = np.array([i for i, piece in enumerate(t_pieces) if not _is_text(piece)], dtype=np.int64)
+    fffd_rows = np.unique(np.nonzero(np.isin(indices, fffd_ids) & (indices >= 0))[0])
+    report = {"duplicate_entries_merged": int((counts - 1).sum()), "rows_with_duplicates": int(dup_rows.size),
+              "rows_targeting_u_fffd": int(fffd_rows.size)}
+    if report["duplicate_entries_merged"]:
+        log.warning("%s: merged %d duplicated teacher ids in %d rows (weights summed)", path,
+                    report["duplicate_entries_merged"], report["rows_with_duplicates"])
+    if fffd_rows.size:
+        log.warning("%s: %d rows map to teacher tokens that are partial UTF-8 (U+FFFD when decoded)", path,
+                    fffd_rows.size)
     single = (indices[:, 0] >= 0) & ((weights[:, 0] > 1 - 1e-6))
     exact = np.array([bool(single[i]) and s_pieces[i] != b"" and s_pieces[i] == t_pieces[int(indices[i, 0])]
                       for i in range(v_s)])
-    return ProjectionMap(indices=indices, weights=weights, exact=exact, student_fingerprint=s_info.fingerprint,
-                         teacher_fingerprint=t_info.fingerprint, teacher_vocab_size=v_t)
+    pm = ProjectionMap(indices=indices, weights=weights, exact=exact, student_fingerprint=s_info.fingerprint,
+                       teacher_fingerprint=t_info.fingerprint, teacher_vocab_size=v_t)
+    return pm, report
+
+
+def _is_text(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def coverage(pm: ProjectionMap) -> dict:
