@@ -3,7 +3,7 @@
     python bench/quality.py                          # the full table (README), about 15 min on 2 CPU cores
     python bench/quality.py --quick                  # a smoke run: few documents and steps, one seed
     python bench/quality.py --teacher T --student S --student-same-tok S2 --train-data a.jsonl \
-        --heldout-data b.jsonl --steps 2000 --seq-len 1024     # the same table on real models
+        --heldout-data b.jsonl --train-docs 20000 --steps 2000 --seq-len 1024   # the same table on real models
 
 Every row trains the same student for the same steps, on the same windows in the same order,
 with the same optimizer (AdamW, warmup + cosine), through the product's own trainer: what
@@ -388,7 +388,9 @@ def run(args) -> dict:
     from xtcache.store import CacheReader
     from xtcache.tokenizer import load_tokenizer
 
-    s = QUICK if args.quick else Settings(steps=args.steps, seq_len=args.seq_len, seeds=args.seeds)
+    s = QUICK if args.quick else Settings(steps=args.steps, seq_len=args.seq_len, seeds=args.seeds, lr=args.lr,
+                                          micro_batch_size=args.micro_batch_size, train_docs=args.train_docs,
+                                          heldout_docs=args.heldout_docs)
     work = Path(args.workdir)
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -427,6 +429,8 @@ def run(args) -> dict:
     # fixed held-out batches: evaluation targets and gradient probes, built once
     same_eval = [teacher.fill(b, renormalise=True) for b in batches(held_stores["top8"]["path"], teacher_tok, s,
                                                                     s.eval_batches)]
+    same_eval_store = [{**b, "teacher_residual": torch.zeros_like(b["teacher_residual"])}
+                       for b in batches(held_stores["full"]["path"], teacher_tok, s, s.eval_batches)]
     cross_eval = []
     for b in batches(held_stores["full"]["path"], cross_tok, s, s.eval_batches):
         cross_eval.append({**b, "teacher_residual": torch.zeros_like(b["teacher_residual"])})
@@ -462,10 +466,12 @@ def run(args) -> dict:
             probe_loss = {"online": "kl"}.get(row.loss, row.loss)
             if row.cross:
                 m = heldout(final, cross_eval, "pkl", projection)
+                m["kl_store"], m["kl"] = m["kl"], None
                 pb = cross_probes["top64"]
                 ref_loss, ref_pb, ref_g0 = "pkl", cross_ref_probe, grads0["cross"]
             else:
                 m = heldout(final, same_eval, "kl")
+                m["kl_store"] = heldout(final, same_eval_store, "kl")["kl"]
                 pb = ref_probe if row.loss == "online" else probes[row.store]
                 ref_loss, ref_pb, ref_g0 = "kl", ref_probe, grads0["same"]
             g0 = gradient(initial, probe_loss, pb, projection if row.cross else None)
@@ -474,12 +480,12 @@ def run(args) -> dict:
             rec = {"row": row.name, "seed": seed, "key": row.key, "cross": row.cross, "loss": row.loss,
                    "bytes_per_position": None if row.loss == "online" or (row.loss == "ce") else
                    stores[row.store]["bytes_per_position"],
-                   "heldout_kl": m["kl"], "heldout_ce": m["ce"], "cos_step0": cosine(g0, ref_g0),
+                   "heldout_kl": m["kl"], "heldout_kl_store": m["kl_store"], "heldout_ce": m["ce"], "cos_step0": cosine(g0, ref_g0),
                    "cos_last": cosine(g1, r1), "train_s": summary["wall_s"],
                    "final_train_ce": None}
             results.append(rec)
-            log.info("%s seed %d: held-out KL %.4f CE %.4f cos %.3f/%.3f (%.0f s)", row.name, seed, m["kl"], m["ce"],
-                     rec["cos_step0"], rec["cos_last"], summary["wall_s"])
+            log.info("%s seed %d: held-out KL live %s store %.4f CE %.4f cos %.3f/%.3f (%.0f s)", row.name, seed,
+                     m["kl"], m["kl_store"], m["ce"], rec["cos_step0"], rec["cos_last"], summary["wall_s"])
     report = {"settings": s.__dict__, "results": results, "stores": stores, "held_stores": held_stores,
               "wall_s": time.perf_counter() - t_start, "setup_s": t_setup, "dump_s": t_dump, "train_s": t_train,
               "machine": machine(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
@@ -506,22 +512,23 @@ def summarise(report: dict) -> list[dict]:
     by = {}
     for r in res:
         by.setdefault(r["row"], []).append(r)
-    kl = {(r["row"], r["seed"]): r["heldout_kl"] for r in res}
     lines = []
     for row in ROWS:
         rs = by.get(row.name)
         if not rs:
             continue
-        shares = []
-        if not row.cross:
-            for r in rs:
+        line = {"row": row.name, "cross": row.cross, "seeds": len(rs), "bytes_per_position": rs[0]["bytes_per_position"]}
+        for col in ("heldout_kl", "heldout_kl_store", "heldout_ce", "cos_step0", "cos_last"):
+            values = [r[col] for r in rs if r[col] is not None]
+            line[col] = _mean_sd(values) if values else None
+        for col, share in (("heldout_kl", "share"), ("heldout_kl_store", "share_store")):
+            kl = {(r["row"], r["seed"]): r[col] for r in res}
+            shares = []
+            for r in rs if not row.cross else []:
                 base, ref = kl.get(("CE only", r["seed"])), kl.get(("online full KD (reference)", r["seed"]))
                 if base is not None and ref is not None and base != ref:
-                    shares.append((base - r["heldout_kl"]) / (base - ref))
-        line = {"row": row.name, "cross": row.cross, "seeds": len(rs), "bytes_per_position": rs[0]["bytes_per_position"]}
-        for col in ("heldout_kl", "heldout_ce", "cos_step0", "cos_last"):
-            line[col] = _mean_sd([r[col] for r in rs])
-        line["share"] = _mean_sd(shares) if shares else None
+                    shares.append((base - r[col]) / (base - ref))
+            line[share] = _mean_sd(shares) if shares else None
         lines.append(line)
     return lines
 
@@ -533,10 +540,13 @@ def _cell(v, fmt: str) -> str:
     return format(mean, fmt) + ("" if sd is None else f" ± {format(sd, fmt)}")
 
 
-def noise_notes(report: dict) -> list[str]:
+COLUMN = {"heldout_kl": "held-out KL (live teacher)", "heldout_kl_store": "held-out KL (full store)"}
+
+
+def noise_notes(report: dict, col: str = "heldout_kl") -> list[str]:
     """Paired differences (same seed) between key rows, against their spread over seeds."""
     res = report["results"]
-    kl = {(r["row"], r["seed"]): r["heldout_kl"] for r in res}
+    kl = {(r["row"], r["seed"]): r[col] for r in res if r[col] is not None}
     seeds = sorted({r["seed"] for r in res})
     notes = []
     ref = "online full KD (reference)"
@@ -547,12 +557,12 @@ def noise_notes(report: dict) -> list[str]:
         mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
         se = sd / math.sqrt(len(diffs))
         verdict = "within noise" if abs(mean) <= 2 * se else ("worse than" if mean > 0 else "better than")
-        notes.append(f"{name} vs online full KD: held-out KL difference {mean:+.4f} ± {sd:.4f} (sd over "
+        notes.append(f"{name} vs online full KD: {COLUMN[col]} difference {mean:+.4f} ± {sd:.4f} (sd over "
                      f"{len(diffs)} paired seeds; 2 standard errors = {2 * se:.4f}): {verdict} the reference")
     spread = [statistics.stdev([kl[(name, sd)] for sd in seeds if (name, sd) in kl])
               for name in (ref, "cached full", "cached top-64 + rest") if sum((name, sd) in kl for sd in seeds) > 1]
     if spread:
-        notes.append(f"seed spread (sd) of the key rows' held-out KL: {min(spread):.4f} to {max(spread):.4f}; "
+        notes.append(f"seed spread (sd) of the key rows' {COLUMN[col]}: {min(spread):.4f} to {max(spread):.4f}; "
                      "single-seed rows closer than about twice that to another row are not distinguishable")
     return notes
 
@@ -563,21 +573,24 @@ def markdown(report: dict) -> str:
     out = [f"Measured {report['date']} on {report['machine']}; {s['steps']} steps x {s['micro_batch_size']} windows x "
            f"{s['seq_len']} tokens, {s['train_docs']} training and {s['heldout_docs']} held-out documents; "
            f"total {report['wall_s']:.0f} s.", "",
-           "| row | bytes/position | held-out KL | held-out CE | share of online gain | grad cos step 0 | grad cos last |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| row | bytes/position | held-out KL (live teacher) | share of online gain | held-out KL (full store) "
+           "| share of online gain | held-out CE | grad cos step 0 | grad cos last |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for ln in lines:
         bpp = "0 (no teacher)" if ln["row"].endswith("CE only") else (
             "teacher in the loop" if ln["bytes_per_position"] is None else f"{ln['bytes_per_position']:,.1f}")
         seeds = f" ({ln['seeds']} seeds)" if ln["seeds"] > 1 else ""
-        out.append(f"| {ln['row']}{seeds} | {bpp} | {_cell(ln['heldout_kl'], '.4f')} | {_cell(ln['heldout_ce'], '.4f')} "
-                   f"| {_cell(ln['share'], '.0%') if ln['share'] else 'n/a'} | {_cell(ln['cos_step0'], '.3f')} "
-                   f"| {_cell(ln['cos_last'], '.3f')} |")
-    out += ["", "Held-out KL: same-tokenizer rows, token-level KL(teacher || student) over the teacher's full vocabulary "
-            "with the teacher's log-probs from a live forward; cross-tokenizer rows, chunk-level projected KL "
-            "against a full-vocabulary store of the held-out documents (a different measure: compare cross-tokenizer "
-            "rows among themselves only). Gradient cosines are to online full KD (cross-tokenizer rows: to P-KL on "
+        out.append(f"| {ln['row']}{seeds} | {bpp} | {_cell(ln['heldout_kl'], '.4f')} | {_cell(ln['share'], '.0%')} "
+                   f"| {_cell(ln['heldout_kl_store'], '.4f')} | {_cell(ln['share_store'], '.0%')} "
+                   f"| {_cell(ln['heldout_ce'], '.4f')} | {_cell(ln['cos_step0'], '.3f')} | {_cell(ln['cos_last'], '.3f')} |")
+    out += ["", "Held-out KL (live teacher): token-level KL(teacher || student) over the teacher's full vocabulary, "
+            "the teacher's log-probs from a live forward on the student's own held-out windows (the context the online "
+            "row trains with). Held-out KL (full store): the same against a full-vocabulary store of the held-out "
+            "documents, whose teacher read whole documents (the context the cached rows train with; 8-bit log-probs); "
+            "for cross-tokenizer rows it is the chunk-level projected KL, a different measure: compare cross-tokenizer "
+            "rows among themselves only. Gradient cosines are to online full KD (cross-tokenizer rows: to P-KL on "
             "the full-vocabulary store) on fixed held-out batches.", ""]
-    out += [f"- {n}" for n in noise_notes(report)]
+    out += [f"- {n}" for n in noise_notes(report, "heldout_kl") + noise_notes(report, "heldout_kl_store")]
     return "\n".join(out) + "\n"
 
 
@@ -592,7 +605,7 @@ def plot(report: dict, png: Path) -> None:
     for ax, cross, title in ((axes[0], False, "same tokenizer: token-level KL to the teacher"),
                              (axes[1], True, "cross tokenizer: chunk-level projected KL")):
         for ln in (x for x in lines if x["cross"] == cross):
-            y, sd = ln["heldout_kl"]
+            y, sd = ln["heldout_kl_store" if cross else "heldout_kl"]
             if ln["bytes_per_position"] is None:  # no store: a horizontal line
                 ax.axhline(y, ls="--" if "online" in ln["row"] else ":", color="k" if "online" in ln["row"] else "r",
                            label=ln["row"])
@@ -600,7 +613,7 @@ def plot(report: dict, png: Path) -> None:
             ax.errorbar(ln["bytes_per_position"], y, yerr=sd or 0, fmt="o", capsize=3, label=ln["row"])
         ax.set_xscale("log")
         ax.set_xlabel("cache bytes / position (log)")
-        ax.set_ylabel("held-out KL")
+        ax.set_ylabel("held-out KL (full store)" if cross else "held-out KL (live teacher)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -618,6 +631,10 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=Settings.steps)
     p.add_argument("--seq-len", type=int, default=Settings.seq_len)
     p.add_argument("--seeds", type=int, default=Settings.seeds)
+    p.add_argument("--lr", type=float, default=Settings.lr)
+    p.add_argument("--micro-batch-size", type=int, default=Settings.micro_batch_size)
+    p.add_argument("--train-docs", type=int, default=Settings.train_docs, help="the first N training documents")
+    p.add_argument("--heldout-docs", type=int, default=Settings.heldout_docs, help="the first N held-out documents")
     p.add_argument("--teacher", help="a real teacher directory (default: the demo's toy teacher)")
     p.add_argument("--student", help="with --teacher: a student with its own tokenizer (cross-tokenizer rows)")
     p.add_argument("--student-same-tok", help="with --teacher: a student on the teacher's tokenizer")
