@@ -25,12 +25,16 @@ def test_small_demo_distilled_student_beats_ce_baseline():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads((workdir / "demo_result.json").read_text())
     kd, ce = result["distilled"], result["baseline"]
-    # the same number of steps for both runs, evaluated on the same held-out documents
+    # the same number of steps for both runs, evaluated on the same held-out full-vocabulary cache
     assert kd["steps"] == ce["steps"] > 0
     assert kd["first_eval"]["kl"] == pytest.approx(ce["first_eval"]["kl"])
-    # distillation from the cache pulls the student towards the teacher, well beyond CE alone
+    # distillation from the cache pulls the student towards the teacher's full distribution, beyond CE
+    # alone (at this size by little: 2.34 vs 2.35, from 3.42)
     assert kd["final_eval_kl"] < ce["final_eval_kl"]
-    assert kd["final_eval_kl"] < 0.5 * kd["first_eval"]["kl"]
+    assert kd["final_eval_kl"] < 0.75 * kd["first_eval"]["kl"]
     assert os.path.getsize(result["png"]) > 10_000
     assert "distilled student is ahead on held-out KL" in proc.stdout
     assert result["bytes_per_position"] > 0
+    # the KL is against every teacher id of the held-out documents, and the table says so
+    assert result["eval_cache_mb"] > 0 and result["eval_cache_docs"] > 0
+    assert "projected KL to the teacher's FULL distribution" in proc.stdout

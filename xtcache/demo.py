@@ -8,13 +8,19 @@ What it does, all on this machine and with no downloads:
    two different byte-level BPE tokenizers on it (teacher: single digits, no BOS; student: digits in
    groups of 1-3, BOS), and pre-trains a tiny Qwen2 teacher so it is clearly better than a fresh
    student; all of this is cached under the work directory and reused on the next run;
-2. `xtcache teacher-dump` with vLLM (cross-tokenizer, top-k) over the corpus: on a second run the
-   cache is found by its key and the teacher does not run again;
+2. `xtcache teacher-dump` with vLLM (cross-tokenizer, top-k) over the training documents, and a
+   full-vocabulary cache (`--mode full`, every teacher id) of the held-out documents, the
+   evaluation reference: on a second run both are found by their keys and the teacher does not
+   run again;
 3. `xtcache projection build` (student -> teacher vocabulary map);
 4. `xtcache train-student` with DeepSpeed twice, for the same number of steps: distilled from the
-   cache (projected KL + CE) and a CE-only baseline, both evaluated on the same held-out documents;
+   top-k cache (projected KL + CE) and a CE-only baseline, both evaluated (`--eval-cache`) on the
+   full-vocabulary cache of the held-out documents;
 5. prints a table (teacher positions/s, bytes/position, cache size, student steps/s, held-out CE
-   and held-out KL to the teacher for both runs) and writes `demo_curves.png`.
+   and held-out KL to the teacher for both runs) and writes `demo_curves.png`. The held-out KL is
+   the chunk-level projected KL (P-KL: the student's distribution projected onto the teacher
+   vocabulary, averaged per chunk) against the teacher's full distribution, not against a top-k
+   bucket (which would be a coarse lower bound of it).
 
 Every stage runs as its own `xtcache` subprocess, exactly as a user would run it.
 """
@@ -35,7 +41,6 @@ import typer
 
 log = logging.getLogger(__name__)
 
-EVAL_FRACTION = 0.1  # documents held out from student training (by document id) for evaluation
 
 
 @dataclass(frozen=True)
@@ -79,15 +84,15 @@ def _xtcache(*args: str) -> None:
         raise SystemExit(f"demo step failed (exit {rc}): xtcache {' '.join(args)}")
 
 
-def _dump(setup, data: list[Path], out: Path, size: DemoSize) -> dict:
-    """teacher-dump into `out` (reused when complete for the same key); returns its summary."""
+def _dump(setup, data: list[Path], out: Path, capture: list[str]) -> dict:
+    """teacher-dump with vLLM into `out` (reused when complete for the same key); returns its summary."""
     from xtcache.errors import StoreError
     from xtcache.store import CacheReader
 
     reused_before = _is_complete(out)
     args = ["teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
-            str(setup.student_tokenizer), *[a for f in data for a in ("--data", str(f))], "--out", str(out), "--mode", "topk",
-            "--top-k", str(size.top_k), "--max-seq-len", "512", "--engine", "vllm", "--dtype", "float32"]
+            str(setup.student_tokenizer), *[a for f in data for a in ("--data", str(f))], "--out", str(out), *capture,
+            "--max-seq-len", "512", "--engine", "vllm", "--dtype", "float32"]
     try:
         _xtcache(*args)
     except SystemExit as failed:
@@ -120,10 +125,10 @@ def _is_complete(url: Path) -> bool:
         return False
 
 
-def _train(setup, cache: Path, projection: Path, out: Path, size: DemoSize, *, kd: bool) -> dict:
+def _train(setup, cache: Path, eval_cache: Path, projection: Path, out: Path, size: DemoSize, *, kd: bool) -> dict:
     if out.exists():
         shutil.rmtree(out)
-    args = ["train-student", "--cache", str(cache), "--eval-fraction", str(EVAL_FRACTION), "--student",
+    args = ["train-student", "--cache", str(cache), "--eval-cache", str(eval_cache), "--student",
             str(setup.student_model), "--out", str(out), "--projection", str(projection),
             "--seq-len", str(size.seq_len), "--micro-batch-size", str(size.micro_batch_size),
             "--max-steps", str(size.student_steps), "--lr", str(size.lr), "--warmup-steps", "10",
@@ -175,9 +180,12 @@ def run_demo(workdir: Path, size_name: str) -> dict:
     setup = toy.build_toy_setup(workdir / "artifacts", spec)
     t_setup = time.perf_counter() - t0
 
-    log.info("step 2/5: teacher-dump with vLLM")
+    log.info("step 2/5: teacher-dump with vLLM: top-%d of the training documents, every id of the held-out ones",
+             size.top_k)
     cache = workdir / "caches" / f"toy-{spec.key()}-k{size.top_k}"
-    dump = _dump(setup, [setup.train_jsonl, setup.heldout_jsonl], cache, size)
+    dump = _dump(setup, [setup.train_jsonl], cache, ["--mode", "topk", "--top-k", str(size.top_k)])
+    eval_cache = workdir / "caches" / f"toy-{spec.key()}-heldout-full"
+    eval_dump = _dump(setup, [setup.heldout_jsonl], eval_cache, ["--mode", "full"])
 
     log.info("step 3/5: projection build")
     projection = workdir / f"projection-{spec.key()}.safetensors"
@@ -186,8 +194,8 @@ def run_demo(workdir: Path, size_name: str) -> dict:
 
     log.info("step 4/5: train-student, distilled from the cache and CE-only, %d steps each", size.student_steps)
     runs = {"distilled (P-KL + CE)": workdir / "runs" / "distilled", "baseline (CE only)": workdir / "runs" / "baseline"}
-    kd = _train(setup, cache, projection, runs["distilled (P-KL + CE)"], size, kd=True)
-    ce = _train(setup, cache, projection, runs["baseline (CE only)"], size, kd=False)
+    kd = _train(setup, cache, eval_cache, projection, runs["distilled (P-KL + CE)"], size, kd=True)
+    ce = _train(setup, cache, eval_cache, projection, runs["baseline (CE only)"], size, kd=False)
 
     log.info("step 5/5: report")
     png = workdir / "demo_curves.png"
@@ -197,6 +205,8 @@ def run_demo(workdir: Path, size_name: str) -> dict:
         "teacher_positions_per_s": dump.get("positions_per_s"),
         "bytes_per_position": dump.get("bytes_per_position"),
         "cache_mb": dump["bytes"] / 1e6,
+        "eval_cache_mb": eval_dump["bytes"] / 1e6,
+        "eval_cache_docs": eval_dump.get("documents"),
         "distilled": kd,
         "baseline": ce,
         "png": str(png),
@@ -222,10 +232,15 @@ def _print_table(r: dict) -> None:
         "xtcache demo",
         f"  teacher (vLLM)          {teacher}",
         f"  cache                   {_fmt(r['bytes_per_position'], '.1f')} bytes/position, {r['cache_mb']:.2f} MB",
+        f"  held-out reference      every teacher id of {_fmt(r['eval_cache_docs'], 'd')} held-out documents, "
+        f"{r['eval_cache_mb']:.2f} MB",
         "",
-        f"  {'student run':<24}{'steps/s':>9}{'held-out CE':>13}{'held-out KL to teacher':>24}",
-        f"  {'baseline (CE only)':<24}{_fmt(ce.get('steps_per_s'), '.2f'):>9}{_fmt(ce.get('final_eval_ce')):>13}{_fmt(kl_ce):>24}",
-        f"  {'distilled (P-KL + CE)':<24}{_fmt(kd.get('steps_per_s'), '.2f'):>9}{_fmt(kd.get('final_eval_ce')):>13}{_fmt(kl_kd):>24}",
+        f"  {'student run':<24}{'steps/s':>9}{'held-out CE':>13}{'held-out KL to teacher*':>25}",
+        f"  {'baseline (CE only)':<24}{_fmt(ce.get('steps_per_s'), '.2f'):>9}{_fmt(ce.get('final_eval_ce')):>13}{_fmt(kl_ce):>25}",
+        f"  {'distilled (P-KL + CE)':<24}{_fmt(kd.get('steps_per_s'), '.2f'):>9}{_fmt(kd.get('final_eval_ce')):>13}{_fmt(kl_kd):>25}",
+        "",
+        "  * chunk-level projected KL to the teacher's FULL distribution (every teacher id, from the held-out",
+        "    full-vocabulary cache), per chunk of the held-out documents; CE: nats per student token",
         "",
     ]
     if kl_kd is not None and kl_ce is not None:

@@ -1,0 +1,662 @@
+"""Does a cached teacher train a student as well as the teacher in the loop? Quality against bytes.
+
+    python bench/quality.py                          # the full table (README), about 15 min on 2 CPU cores
+    python bench/quality.py --quick                  # a smoke run: few documents and steps, one seed
+    python bench/quality.py --teacher T --student S --student-same-tok S2 --train-data a.jsonl \
+        --heldout-data b.jsonl --train-docs 20000 --steps 2000 --seq-len 1024   # the same table on real models
+
+Every row trains the same student for the same steps, on the same windows in the same order,
+with the same optimizer (AdamW, warmup + cosine), through the product's own trainer: what
+`xtcache train-student` runs (`stage2_student.trainer`: `open_stage_data`, `Trainer`, DeepSpeed
+ZeRO-2 on one rank, the product's loader and `make_kd_loss`), in this process, one row after the
+other in one process group (no subprocess start per row). A row differs from the others only in
+what fills the teacher side of each batch:
+
+| row | teacher side of a batch |
+| --- | --- |
+| CE only | nothing (`--loss ce`) |
+| online full KD | a live transformers forward of the teacher on the batch's windows, full vocabulary (the reference) |
+| cached full / top-k + rest / sampled | the store written by stage 1 (`run_teacher_dump`, engine hf) with that `--mode` |
+| cached top-k renormalised | the top-64 store, teacher and student both renormalised over the k ids, no rest bucket (how axolotl and Atropos use top-k; a comparison row, not an xtcache loss) |
+| cross-tokenizer rows | a student with its own tokenizer on the top-64 store: P-KL, ALM, CE only |
+
+How the identical loop is kept: every row gets its `StageData` from the product's
+`open_stage_data` on its store (the hook `trainer.train(cfg, make_data)` also takes). The online row reads the top-8 store only for its windows (the
+packing depends on the student tokens, which are the same in every same-tokenizer store, checked
+below) and `LiveTeacher` replaces the teacher arrays of each micro-batch by the teacher's
+log-probs over all its tokenizer's ids, exactly the arrays a full-vocabulary store holds (the
+lm_head's padding columns go to the residual), unquantized. The renormalised row swaps the KD
+function for `kd_sum("renorm", ...)`. Nothing else changes. One difference is inherent: the
+packer splits documents across windows, and the student reads each piece without the text before
+it; the teacher in the loop reads what the student reads, while the cache's teacher read whole
+documents (windows of 512 tokens), so pieces after a split get targets with more context from a
+cache than online (tests/test_cache_equivalence.py checks the equivalence where contexts match).
+
+Columns:
+- bytes/position: stored bytes of the row's training store over its teacher positions.
+- held-out KL: same-tokenizer rows: KL(teacher || student) per predicted token over the
+  teacher tokenizer's full vocabulary (padding columns dropped, renormalised), the teacher's
+  log-probs from a live forward of the teacher itself on held-out documents. Cross-tokenizer
+  rows: chunk-level projected KL (the P-KL measure: student distributions projected onto the
+  teacher vocabulary through W, chunk averages, every teacher id) against a full-vocabulary
+  store of the held-out documents (8-bit log-probs, max abs error 0.047). The two are different
+  measures and are not compared with each other.
+- held-out CE: the student's next-token cross-entropy on its own tokens of the held-out documents.
+- share of online gain: (KL(CE only) - KL(row)) / (KL(CE only) - KL(online full KD)), same seed.
+- gradient cosine: cosine between the gradient (all student parameters) of the row's objective and
+  that of online full KD (kl x 1.0 + CE x 0.1) on fixed batches (the first held-out micro-batches),
+  at the initial student and at the row's final student. Cross-tokenizer rows: against P-KL x 1.0 +
+  CE x 0.1 on the full-vocabulary held-out store.
+
+The key rows (CE only, online full KD, cached full, cached top-64) run on 3 seeds (seed s: the
+student initialised with seed 1 + s and data order s); the table gives mean +- standard
+deviation and says which differences are within that spread. Writes `quality.md`, `quality.json`
+and `quality.png` (held-out KL against bytes/position) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+log = logging.getLogger("bench.quality")
+
+KD_WEIGHT, CE_WEIGHT = 1.0, 0.1  # every KD row trains on KD x 1.0 + CE x 0.1 (NeMo-RL's defaults)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    store: str | None  # key of the training store; None: no store (online reads the top-8 one for its windows)
+    loss: str  # ce | kl | sampled | renorm | pkl | alm | online
+    cross: bool = False
+    key: bool = False  # run on every seed
+
+
+ROWS = [
+    Row("CE only", "top8", "ce", key=True),
+    Row("online full KD (reference)", None, "online", key=True),
+    Row("cached full", "full", "kl", key=True),
+    Row("cached top-8 + rest", "top8", "kl"),
+    Row("cached top-64 + rest", "top64", "kl", key=True),
+    Row("cached top-256 + rest", "top256", "kl"),
+    Row("cached top-64 renormalised (no rest)", "top64", "renorm"),
+    Row("cached sampled n=16", "sampled16", "sampled"),
+    Row("cached sampled n=64", "sampled64", "sampled"),
+    Row("cross-tok: P-KL top-64", "top64", "pkl", cross=True),
+    Row("cross-tok: ALM (top-64 store)", "top64", "alm", cross=True),
+    Row("cross-tok: CE only", "top64", "ce", cross=True),
+]
+
+STORES = {"full": dict(mode="full"), "top8": dict(mode="topk", top_k=8), "top64": dict(mode="topk", top_k=64),
+          "top256": dict(mode="topk", top_k=256), "sampled16": dict(mode="sampled", num_samples=16),
+          "sampled64": dict(mode="sampled", num_samples=64)}
+
+
+@dataclass(frozen=True)
+class Settings:
+    steps: int = 120
+    seq_len: int = 128
+    micro_batch_size: int = 8
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    train_docs: int = 120
+    heldout_docs: int = 40
+    eval_batches: int = 5
+    probe_batches: int = 2
+    seeds: int = 3
+
+
+QUICK = Settings(steps=6, warmup_steps=2, train_docs=24, heldout_docs=8, eval_batches=1, probe_batches=1, seeds=1)
+
+
+# --------------------------------------------------------------------------------------------
+# the one place the bench calls the product's losses
+
+
+def kd_sum(loss: str, logits, batch: dict, projection=None):
+    """Sum over the batch's valid chunks of the KD term `loss`, from stage2_student.losses.
+
+    kl / sampled / pkl / alm are `losses.make_kd_loss` as the trainer builds it. "renorm" is the
+    peers' top-k loss built from the product's primitives: KL(p_K || q_K) with the teacher's and
+    the student's probabilities both renormalised over the k stored ids and no rest bucket.
+    """
+    import torch
+
+    from stage2_student import losses
+
+    if loss != "renorm":
+        return losses.make_kd_loss(loss, projection=projection)(logits, batch)
+    c = int(batch["num_chunks"])
+    flat = logits.reshape(-1, logits.shape[-1])
+    rows = losses.same_tokenizer_rows(batch["student_chunk"], c)[batch["teacher_chunk"]]
+    log_q = losses.student_support_logprobs(flat, rows, batch["teacher_ids"])  # [R, k], exact full-vocab log q
+    log_q = log_q - torch.logsumexp(log_q, dim=-1, keepdim=True)
+    log_p, _ = losses.temper_teacher(batch["teacher_logprobs"], torch.zeros_like(batch["teacher_residual"]))
+    return (log_p.exp() * (log_p - log_q.to(log_p.dtype))).sum()
+
+
+def objective(loss: str, logits, batch: dict, projection=None):
+    """The training objective of a row on one batch (means over this batch): what the trainer minimises."""
+    from stage2_student import losses
+
+    ce = losses.cross_entropy(logits, batch["labels"])
+    if loss == "ce":
+        return ce.total / ce.count
+    kd = kd_sum(loss, logits, batch, projection)
+    return KD_WEIGHT * kd / int(batch["num_chunks"]) + CE_WEIGHT * ce.total / ce.count
+
+
+# --------------------------------------------------------------------------------------------
+# the teacher in the loop
+
+
+class LiveTeacher:
+    """Fills a same-tokenizer micro-batch's teacher arrays from a transformers forward of the teacher.
+
+    The arrays are those of a full-vocabulary store, unquantized: every id of the teacher's
+    tokenizer with its T=1 log-prob; the lm_head's padding columns (beyond the tokenizer) make up
+    the residual. `renormalise=True` drops them instead (residual 0): the held-out KL's target.
+    """
+
+    def __init__(self, model_dir: str | Path, vocab: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.vocab = vocab
+
+    def fill(self, batch: dict, *, renormalise: bool = False) -> dict:
+        import torch
+
+        from stage2_student import losses
+        from stage2_student.trainer import model_inputs
+
+        with torch.no_grad():
+            logp = torch.log_softmax(self.model(**model_inputs(batch)).logits.float(), dim=-1)
+        logp = logp.reshape(-1, logp.shape[-1])
+        c = int(batch["num_chunks"])
+        rows = losses.same_tokenizer_rows(batch["student_chunk"], c)[batch["teacher_chunk"]]  # [R]
+        lp = logp[rows]  # [R, V_head]
+        out = dict(batch)
+        out["teacher_ids"] = torch.arange(self.vocab).expand(rows.numel(), self.vocab)
+        out["teacher_logprobs"] = lp[:, :self.vocab].contiguous()
+        pad = torch.logsumexp(lp[:, self.vocab:], dim=-1).exp() if lp.shape[1] > self.vocab else torch.zeros(len(rows))
+        out["teacher_residual"] = torch.zeros_like(pad) if renormalise else pad
+        labels = batch["labels"].reshape(-1)[rows]
+        out["teacher_realized"] = lp.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+        return out
+
+
+class LiveStream:
+    """The product's training stream with each micro-batch's teacher side from `LiveTeacher`."""
+
+    def __init__(self, stream, teacher: LiveTeacher):
+        self.stream, self.teacher = stream, teacher
+
+    def __iter__(self):
+        for batch in self.stream:
+            yield self.teacher.fill(batch)
+
+    def __len__(self):
+        return len(self.stream)
+
+    def state_dict(self):
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state):
+        self.stream.load_state_dict(state)
+
+
+# --------------------------------------------------------------------------------------------
+# stores, students, training
+
+
+def first_docs(src: Path, dst: Path, n: int) -> Path:
+    lines = src.read_text(encoding="utf-8").splitlines(keepends=True)
+    if len(lines) < n:
+        raise SystemExit(f"{src} has {len(lines)} documents, fewer than the {n} asked for")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if not dst.exists() or dst.read_text(encoding="utf-8") != "".join(lines[:n]):
+        dst.write_text("".join(lines[:n]), encoding="utf-8")
+    return dst
+
+
+def dump(teacher: Path, students: list[Path], data: Path, out: Path, spec: dict) -> dict:
+    """A store written by stage 1 itself (transformers engine, float32); reused when complete."""
+    from stage1_teacher.config import CaptureConfig, InputConfig, StoreConfig, TeacherConfig, TeacherDumpConfig
+    from stage1_teacher.dump import run_teacher_dump
+    from xtcache.errors import StoreError
+    from xtcache.store import CacheReader
+
+    try:
+        complete = CacheReader(str(out)).is_complete()
+    except StoreError:
+        complete = False
+    if not complete:
+        shutil.rmtree(out, ignore_errors=True)
+        cfg = TeacherDumpConfig(
+            student_tokenizer=[str(s) for s in students], input=InputConfig(data=[str(data)]),
+            teacher=TeacherConfig(teacher=str(teacher), engine="hf", dtype="float32"),
+            capture=CaptureConfig(max_seq_len=512, **spec), store=StoreConfig(out=str(out), docs_per_part=64))
+        run_teacher_dump(cfg, progress=False)
+    reader = CacheReader(str(out))
+    positions = sum(int(n) for s in reader.shards for n in [reader.doc_pos_offsets(s.shard_id)[-1]])
+    return {"path": str(out), "bytes": reader.total_bytes(), "positions": positions,
+            "bytes_per_position": reader.total_bytes() / positions}
+
+
+def make_student(tokenizer: Path, out: Path, seed: int, like: Path) -> Path:
+    """A fresh tiny Llama on `tokenizer`, shaped like the demo's student (`like`)."""
+    from transformers import AutoConfig
+
+    from xtcache import toy
+
+    if not (out / "config.json").exists():
+        cfg = AutoConfig.from_pretrained(str(like))
+        toy.build_tiny_model("llama", tokenizer, out, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
+                             intermediate=cfg.intermediate_size, seed=seed)
+    return out
+
+
+def train_row(row: Row, store: str, student: Path, out: Path, s: Settings, seed: int, *, teacher=None,
+              projection: Path | None = None) -> dict:
+    """One row through the product's trainer; returns its summary (hf_dir: the final student)."""
+    from stage2_student.config import TrainConfig
+    from stage2_student.trainer import Trainer, load_tokenizer, open_stage_data, setup_distributed
+
+    shutil.rmtree(out, ignore_errors=True)
+    flat = {"cache": store, "student": str(student), "out": str(out), "seed": seed, "seq_len": s.seq_len,
+            "micro_batch_size": s.micro_batch_size, "max_steps": s.steps, "lr": s.lr,
+            "warmup_steps": s.warmup_steps, "zero_stage": 2, "projection": str(projection) if projection else None}
+    if row.loss == "ce":
+        flat.update(loss="ce", ce_weight=1.0)
+    else:
+        flat.update(loss={"online": "kl", "renorm": "kl"}.get(row.loss, row.loss), kd_weight=KD_WEIGHT,
+                    ce_weight=CE_WEIGHT)
+    cfg = TrainConfig.from_flat(flat)
+
+    def make_data(cfg, tokenizer, rank, world):
+        data = open_stage_data(cfg, tokenizer, rank, world)
+        if row.loss == "online":
+            data.train = LiveStream(data.train, teacher)
+        elif row.loss == "renorm":
+            data.kd = lambda logits, batch: kd_sum("renorm", logits, batch)
+            data.kd_name = "renorm"
+        return data
+
+    t0 = time.perf_counter()
+    # what trainer.train(cfg, make_data) does, minus tearing the process group down: DeepSpeed keeps
+    # its groups for the process, so every row of the bench trains in the one single-rank group
+    rank, _, world = setup_distributed()
+    summary = Trainer(cfg, make_data(cfg, load_tokenizer(cfg.student), rank, world), rank=rank, world=world).run()
+    summary["wall_s"] = time.perf_counter() - t0
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# measures
+
+
+def batches(store: str, tokenizer: Path, s: Settings, n: int) -> list[dict]:
+    """The first `n` micro-batches of a store's documents, in stored order (the held-out reading)."""
+    from stage2_student.loader import CacheDataset, to_tensors
+
+    ds = CacheDataset(store, str(tokenizer), seq_len=s.seq_len, micro_batch_size=s.micro_batch_size, split="all",
+                      epochs=1, shuffle=False)
+    out = []
+    for b in ds:
+        out.append(to_tensors(b))
+        if len(out) == n:
+            break
+    return out
+
+
+def load_model(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def heldout(model, evals: list[dict], loss: str, projection=None) -> dict:
+    """Held-out KL (sum over chunks / chunks, `loss` against full-vocabulary targets) and CE."""
+    import torch
+
+    from stage2_student import losses
+    from stage2_student.trainer import model_inputs
+
+    kl = chunks = ce = tokens = 0.0
+    model.eval()
+    with torch.no_grad():
+        for b in evals:
+            logits = model(**model_inputs(b)).logits
+            kl += float(kd_sum(loss, logits, b, projection))
+            chunks += int(b["num_chunks"])
+            c = losses.cross_entropy(logits, b["labels"])
+            ce, tokens = ce + float(c.total), tokens + float(c.count)
+    return {"kl": kl / chunks, "ce": ce / tokens}
+
+
+def gradient(model, loss: str, probes: list[dict], projection=None):
+    import torch
+
+    from stage2_student.trainer import model_inputs
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    model.train()
+    for b in probes:
+        value = objective(loss, model(**model_inputs(b)).logits, b, projection)
+        for t, g in zip(total, torch.autograd.grad(value, params)):
+            t += g
+    return torch.cat([t.reshape(-1) for t in total])
+
+
+def cosine(a, b) -> float:
+    import torch
+
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
+# --------------------------------------------------------------------------------------------
+# the run
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float | None]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def run(args) -> dict:
+    import torch
+
+    from stage2_student.losses import ProjectionOperator
+    from xtcache import demo, projection as xproj, toy
+    from xtcache.store import CacheReader
+    from xtcache.tokenizer import load_tokenizer
+
+    s = QUICK if args.quick else Settings(steps=args.steps, seq_len=args.seq_len, seeds=args.seeds, lr=args.lr,
+                                          micro_batch_size=args.micro_batch_size, train_docs=args.train_docs,
+                                          heldout_docs=args.heldout_docs)
+    work = Path(args.workdir)
+    t_start = time.perf_counter()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.teacher:
+        teacher_dir, cross_student, same_student = Path(args.teacher), Path(args.student), Path(args.student_same_tok)
+        teacher_tok, cross_tok = teacher_dir, cross_student
+        train_src, held_src = Path(args.train_data), Path(args.heldout_data)
+    else:
+        setup = toy.build_toy_setup(work / "artifacts", demo._toy_spec(demo.SIZES["default"]))
+        teacher_dir, teacher_tok, cross_tok = setup.teacher_model, setup.teacher_tokenizer, setup.student_tokenizer
+        cross_student, same_student = setup.student_model, None
+        train_src, held_src = setup.train_jsonl, setup.heldout_jsonl
+    t_setup = time.perf_counter() - t_start
+    log.info("setup ready (%.0f s)", t_setup)
+    tag = f"d{s.train_docs}-h{s.heldout_docs}"
+    train_data = first_docs(train_src, work / "quality" / "data" / f"train-{tag}.jsonl", s.train_docs)
+    held_data = first_docs(held_src, work / "quality" / "data" / f"heldout-{tag}.jsonl", s.heldout_docs)
+
+    t0 = time.perf_counter()
+    stores, held_stores = {}, {}
+    for key, spec in STORES.items():
+        stores[key] = dump(teacher_dir, [cross_tok], train_data, work / "quality" / "stores" / f"train-{tag}-{key}", spec)
+        held_stores[key] = dump(teacher_dir, [cross_tok], held_data, work / "quality" / "stores" / f"held-{tag}-{key}", spec)
+        log.info("store %s: %.1f bytes/position", key, stores[key]["bytes_per_position"])
+    t_dump = time.perf_counter() - t0
+    log.info("stores ready (%.0f s)", t_dump)
+
+    vocab = len(load_tokenizer(teacher_tok))
+    teacher = LiveTeacher(teacher_dir, vocab)
+    proj_path = work / "quality" / "projection.safetensors"
+    if not proj_path.exists():
+        xproj.build_projection(load_tokenizer(cross_tok), load_tokenizer(teacher_tok)).save(proj_path)
+    w = xproj.ProjectionMap.load(proj_path).to_torch_sparse(CacheReader(held_stores["full"]["path"]).manifest.teacher_vocab_size)
+    projection = ProjectionOperator(w)
+
+    # fixed held-out batches: evaluation targets and gradient probes, built once
+    same_eval = [teacher.fill(b, renormalise=True) for b in batches(held_stores["top8"]["path"], teacher_tok, s,
+                                                                    s.eval_batches)]
+    same_eval_store = [{**b, "teacher_residual": torch.zeros_like(b["teacher_residual"])}
+                       for b in batches(held_stores["full"]["path"], teacher_tok, s, s.eval_batches)]
+    cross_eval = []
+    for b in batches(held_stores["full"]["path"], cross_tok, s, s.eval_batches):
+        cross_eval.append({**b, "teacher_residual": torch.zeros_like(b["teacher_residual"])})
+    ref_probe = [teacher.fill(b) for b in batches(held_stores["top8"]["path"], teacher_tok, s, s.probe_batches)]
+    cross_ref_probe = batches(held_stores["full"]["path"], cross_tok, s, s.probe_batches)
+    probes = {key: batches(st["path"], teacher_tok, s, s.probe_batches) for key, st in held_stores.items()}
+    cross_probes = {"top64": batches(held_stores["top64"]["path"], cross_tok, s, s.probe_batches)}
+    for key, pb in probes.items():  # every same-tokenizer store packs the same windows
+        assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(pb, ref_probe)), key
+
+    results = []
+    t_train = 0.0
+    for seed in range(s.seeds):
+        if args.teacher:  # given students: the seed varies the data order only
+            same, cross = same_student, cross_student
+        else:  # fresh toy students, initialised with seed 1 + seed
+            same = make_student(teacher_tok, work / "quality" / "students" / f"same-seed{seed}", 1 + seed, cross_student)
+            cross = make_student(cross_tok, work / "quality" / "students" / f"cross-seed{seed}", 1 + seed, cross_student)
+        grads0 = {"same": gradient(load_model(same), "kl", ref_probe),
+                  "cross": gradient(load_model(cross), "pkl", cross_ref_probe, projection)}
+        for row in ROWS:
+            if seed > 0 and not row.key:
+                continue
+            store = stores[row.store or "top8"]["path"]
+            student = cross if row.cross else same
+            t0 = time.perf_counter()
+            summary = train_row(row, store, student, work / "quality" / "runs" / f"seed{seed}" / row.name.replace(" ", "_")
+                                .replace("/", "_").replace(":", ""), s, seed, teacher=teacher,
+                                projection=proj_path if row.cross else None)
+            t_train += time.perf_counter() - t0
+            final = load_model(summary["hf_dir"])
+            initial = load_model(student)
+            probe_loss = {"online": "kl"}.get(row.loss, row.loss)
+            if row.cross:
+                m = heldout(final, cross_eval, "pkl", projection)
+                m["kl_store"], m["kl"] = m["kl"], None
+                pb = cross_probes["top64"]
+                ref_loss, ref_pb, ref_g0 = "pkl", cross_ref_probe, grads0["cross"]
+            else:
+                m = heldout(final, same_eval, "kl")
+                m["kl_store"] = heldout(final, same_eval_store, "kl")["kl"]
+                pb = ref_probe if row.loss == "online" else probes[row.store]
+                ref_loss, ref_pb, ref_g0 = "kl", ref_probe, grads0["same"]
+            g0 = gradient(initial, probe_loss, pb, projection if row.cross else None)
+            g1 = gradient(final, probe_loss, pb, projection if row.cross else None)
+            r1 = gradient(final, ref_loss, ref_pb, projection if row.cross else None)
+            rec = {"row": row.name, "seed": seed, "key": row.key, "cross": row.cross, "loss": row.loss,
+                   "bytes_per_position": None if row.loss == "online" or (row.loss == "ce") else
+                   stores[row.store]["bytes_per_position"],
+                   "heldout_kl": m["kl"], "heldout_kl_store": m["kl_store"], "heldout_ce": m["ce"], "cos_step0": cosine(g0, ref_g0),
+                   "cos_last": cosine(g1, r1), "train_s": summary["wall_s"],
+                   "final_train_ce": None}
+            results.append(rec)
+            log.info("%s seed %d: held-out KL live %s store %.4f CE %.4f cos %.3f/%.3f (%.0f s)", row.name, seed,
+                     m["kl"], m["kl_store"], m["ce"], rec["cos_step0"], rec["cos_last"], summary["wall_s"])
+    report = {"settings": s.__dict__, "results": results, "stores": stores, "held_stores": held_stores,
+              "wall_s": time.perf_counter() - t_start, "setup_s": t_setup, "dump_s": t_dump, "train_s": t_train,
+              "machine": machine(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    return report
+
+
+def machine() -> str:
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    return f"{os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__}, " + \
+        ("CUDA " + torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+
+
+# --------------------------------------------------------------------------------------------
+# table and plot
+
+
+def summarise(report: dict) -> list[dict]:
+    """One line per row: means over seeds (key rows) and the share of the online gain per seed."""
+    res = report["results"]
+    by = {}
+    for r in res:
+        by.setdefault(r["row"], []).append(r)
+    lines = []
+    for row in ROWS:
+        rs = by.get(row.name)
+        if not rs:
+            continue
+        line = {"row": row.name, "cross": row.cross, "seeds": len(rs), "bytes_per_position": rs[0]["bytes_per_position"]}
+        for col in ("heldout_kl", "heldout_kl_store", "heldout_ce", "cos_step0", "cos_last"):
+            values = [r[col] for r in rs if r[col] is not None]
+            line[col] = _mean_sd(values) if values else None
+        for col, share in (("heldout_kl", "share"), ("heldout_kl_store", "share_store")):
+            kl = {(r["row"], r["seed"]): r[col] for r in res}
+            shares = []
+            for r in rs if not row.cross else []:
+                base, ref = kl.get(("CE only", r["seed"])), kl.get(("online full KD (reference)", r["seed"]))
+                if base is not None and ref is not None and base != ref:
+                    shares.append((base - r[col]) / (base - ref))
+            line[share] = _mean_sd(shares) if shares else None
+        lines.append(line)
+    return lines
+
+
+def _cell(v, fmt: str) -> str:
+    if v is None:
+        return "n/a"
+    mean, sd = v
+    return format(mean, fmt) + ("" if sd is None else f" ± {format(sd, fmt)}")
+
+
+COLUMN = {"heldout_kl": "held-out KL (live teacher)", "heldout_kl_store": "held-out KL (full store)"}
+
+
+def noise_notes(report: dict, col: str = "heldout_kl") -> list[str]:
+    """Paired differences (same seed) between key rows, against their spread over seeds."""
+    res = report["results"]
+    kl = {(r["row"], r["seed"]): r[col] for r in res if r[col] is not None}
+    seeds = sorted({r["seed"] for r in res})
+    notes = []
+    ref = "online full KD (reference)"
+    for name in ("cached full", "cached top-64 + rest", "CE only"):
+        diffs = [kl[(name, sd)] - kl[(ref, sd)] for sd in seeds if (name, sd) in kl and (ref, sd) in kl]
+        if len(diffs) < 2:
+            continue
+        mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+        se = sd / math.sqrt(len(diffs))
+        verdict = "within noise" if abs(mean) <= 2 * se else ("worse than" if mean > 0 else "better than")
+        notes.append(f"{name} vs online full KD: {COLUMN[col]} difference {mean:+.4f} ± {sd:.4f} (sd over "
+                     f"{len(diffs)} paired seeds; 2 standard errors = {2 * se:.4f}): {verdict} the reference")
+    spread = [statistics.stdev([kl[(name, sd)] for sd in seeds if (name, sd) in kl])
+              for name in (ref, "cached full", "cached top-64 + rest") if sum((name, sd) in kl for sd in seeds) > 1]
+    if spread:
+        notes.append(f"seed spread (sd) of the key rows' {COLUMN[col]}: {min(spread):.4f} to {max(spread):.4f}; "
+                     "single-seed rows closer than about twice that to another row are not distinguishable")
+    return notes
+
+
+def markdown(report: dict) -> str:
+    lines = summarise(report)
+    s = report["settings"]
+    out = [f"Measured {report['date']} on {report['machine']}; {s['steps']} steps x {s['micro_batch_size']} windows x "
+           f"{s['seq_len']} tokens, {s['train_docs']} training and {s['heldout_docs']} held-out documents; "
+           f"total {report['wall_s']:.0f} s.", "",
+           "| row | bytes/position | held-out KL (live teacher) | share of online gain | held-out KL (full store) "
+           "| share of online gain | held-out CE | grad cos step 0 | grad cos last |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for ln in lines:
+        bpp = "0 (no teacher)" if ln["row"].endswith("CE only") else (
+            "teacher in the loop" if ln["bytes_per_position"] is None else f"{ln['bytes_per_position']:,.1f}")
+        seeds = f" ({ln['seeds']} seeds)" if ln["seeds"] > 1 else ""
+        out.append(f"| {ln['row']}{seeds} | {bpp} | {_cell(ln['heldout_kl'], '.4f')} | {_cell(ln['share'], '.0%')} "
+                   f"| {_cell(ln['heldout_kl_store'], '.4f')} | {_cell(ln['share_store'], '.0%')} "
+                   f"| {_cell(ln['heldout_ce'], '.4f')} | {_cell(ln['cos_step0'], '.3f')} | {_cell(ln['cos_last'], '.3f')} |")
+    out += ["", "Held-out KL (live teacher): token-level KL(teacher || student) over the teacher's full vocabulary, "
+            "the teacher's log-probs from a live forward on the student's own held-out windows (the context the online "
+            "row trains with). Held-out KL (full store): the same against a full-vocabulary store of the held-out "
+            "documents, whose teacher read whole documents (the context the cached rows train with; 8-bit log-probs); "
+            "for cross-tokenizer rows it is the chunk-level projected KL, a different measure: compare cross-tokenizer "
+            "rows among themselves only. Gradient cosines are to online full KD (cross-tokenizer rows: to P-KL on "
+            "the full-vocabulary store) on fixed held-out batches.", ""]
+    out += [f"- {n}" for n in noise_notes(report, "heldout_kl") + noise_notes(report, "heldout_kl_store")]
+    return "\n".join(out) + "\n"
+
+
+def plot(report: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = summarise(report)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, cross, title in ((axes[0], False, "same tokenizer: token-level KL to the teacher"),
+                             (axes[1], True, "cross tokenizer: chunk-level projected KL")):
+        for ln in (x for x in lines if x["cross"] == cross):
+            y, sd = ln["heldout_kl_store" if cross else "heldout_kl"]
+            if ln["bytes_per_position"] is None:  # no store: a horizontal line
+                ax.axhline(y, ls="--" if "online" in ln["row"] else ":", color="k" if "online" in ln["row"] else "r",
+                           label=ln["row"])
+                continue
+            ax.errorbar(ln["bytes_per_position"], y, yerr=sd or 0, fmt="o", capsize=3, label=ln["row"])
+        ax.set_xscale("log")
+        ax.set_xlabel("cache bytes / position (log)")
+        ax.set_ylabel("held-out KL (full store)" if cross else "held-out KL (live teacher)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workdir", default=str(REPO / ".xtcache_bench_cache"),
+                   help="toy artifacts, stores and runs (reused)")
+    p.add_argument("--out", default=str(REPO / "bench" / "results"), help="where quality.md/.json/.png go")
+    p.add_argument("--quick", action="store_true", help="a smoke run (few documents and steps, one seed)")
+    p.add_argument("--steps", type=int, default=Settings.steps)
+    p.add_argument("--seq-len", type=int, default=Settings.seq_len)
+    p.add_argument("--seeds", type=int, default=Settings.seeds)
+    p.add_argument("--lr", type=float, default=Settings.lr)
+    p.add_argument("--micro-batch-size", type=int, default=Settings.micro_batch_size)
+    p.add_argument("--train-docs", type=int, default=Settings.train_docs, help="the first N training documents")
+    p.add_argument("--heldout-docs", type=int, default=Settings.heldout_docs, help="the first N held-out documents")
+    p.add_argument("--teacher", help="a real teacher directory (default: the demo's toy teacher)")
+    p.add_argument("--student", help="with --teacher: a student with its own tokenizer (cross-tokenizer rows)")
+    p.add_argument("--student-same-tok", help="with --teacher: a student on the teacher's tokenizer")
+    p.add_argument("--train-data", help="with --teacher: training documents (.jsonl, field text)")
+    p.add_argument("--heldout-data", help="with --teacher: held-out documents (.jsonl, field text)")
+    args = p.parse_args(argv)
+    if args.teacher and not all([args.student, args.student_same_tok, args.train_data, args.heldout_data]):
+        p.error("--teacher needs --student, --student-same-tok, --train-data and --heldout-data")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("stage1_teacher", "stage2_student", "xtcache", "DeepSpeed", "deepspeed", "torch", "transformers"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    report = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.json").write_text(json.dumps(report, indent=2, default=str))
+    md = markdown(report)
+    (out / "quality.md").write_text(md)
+    plot(report, out / "quality.png")
+    print(md)
+    print(f"wrote {out / 'quality.md'}, {out / 'quality.json'}, {out / 'quality.png'}")
+
+
+if __name__ == "__main__":
+    main()
