@@ -10,7 +10,7 @@ else
 VLLM_EXTRA := cpu
 endif
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo lint test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,12 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/xtcache demo
 
-test: setup
+# The layers (import-linter contracts in pyproject.toml) and the lint rules, before any test runs.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
+
+test: lint
 	$(PY) -m pytest -q tests
 
 bench: setup

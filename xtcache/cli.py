@@ -1,33 +1,65 @@
-"""The `xtcache` command line: one typer app composed from the commands of each part.
+"""The `xtcache` command line: the app layer, composed from the commands of each part.
 
     xtcache --help
 
-Each command lives beside the code it drives (store, projection, stage 1, stage 2, demo) and
-imports its heavy dependencies (vLLM, DeepSpeed, torch) inside the function, so `xtcache --help`
-and `xtcache inspect` start fast.
+Layers (enforced by import-linter, see `[tool.importlinter]` in pyproject.toml and
+docs/architecture.md): `schemas` <- the `xtcache` core <- `stage1_teacher`, `stage2_student` <-
+this app and the demo. The core never imports a stage; this module is the one place that names
+the stages' commands, and it imports a stage only inside `_stage_command`, when that command is
+listed or run. Every command imports its heavy dependencies (vLLM, DeepSpeed, torch) inside its
+function, so `xtcache --help` and `xtcache inspect` start fast.
 """
 
 from __future__ import annotations
 
 import logging
 
+import click
 import typer
+from typer.core import TyperGroup
 
-from stage1_teacher import cli as stage1_cli
-from stage2_student import cli as stage2_cli
 from xtcache import commands_projection, commands_store, demo
+
+
+def _stage_command(name: str) -> click.Command:
+    """The click command `name` of a stage, built from the stage's own typer function."""
+    if name in ("teacher-dump", "align"):
+        from stage1_teacher import cli as stage1_cli
+
+        fn = stage1_cli.teacher_dump if name == "teacher-dump" else stage1_cli.align
+    else:
+        from stage2_student import cli as stage2_cli
+
+        fn = stage2_cli.train_student
+    one = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    one.command(name)(fn)
+    return typer.main.get_command(one)
+
+
+STAGE_COMMANDS = ("teacher-dump", "align", "train-student")
+
+
+class _AppGroup(TyperGroup):
+    """The root group: its own commands plus the stages' commands, loaded when asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *STAGE_COMMANDS])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in STAGE_COMMANDS:
+            return _stage_command(name)
+        return super().get_command(ctx, name)
+
 
 app = typer.Typer(
     name="xtcache",
+    cls=_AppGroup,
     help="Offline, reusable, cross-tokenizer teacher caches for knowledge distillation.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
 cache_app = typer.Typer(help="Caches found under a cache directory.", no_args_is_help=True)
 
-app.command("teacher-dump")(stage1_cli.teacher_dump)
-app.command("align")(stage1_cli.align)
-app.command("train-student")(stage2_cli.train_student)
 app.command("inspect")(commands_store.inspect)
 app.command("verify")(commands_store.verify)
 cache_app.command("ls")(commands_store.cache_ls)

@@ -17,10 +17,11 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _commands(group, prefix: str):
-    for name in sorted(group.commands):
-        cmd = group.commands[name]
+    ctx = group.make_context(prefix, [], resilient_parsing=True)
+    for name in sorted(group.list_commands(ctx)):  # the app group loads the stages' commands on demand
+        cmd = group.get_command(ctx, name)
         path = f"{prefix} {name}"
-        if hasattr(cmd, "commands"):  # a command group (typer may ship its own click)
+        if hasattr(cmd, "list_commands"):  # a command group (typer may ship its own click)
             yield from _commands(cmd, path)
         else:
             yield path, cmd
