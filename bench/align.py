@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from xtcache import toy
-from xtcache.align import _align_flat, _encode_flat, align_offsets, alignment_stats, tokenizer_info
+from xtcache.align import align_flat, encode_flat, align_offsets, alignment_stats, tokenizer_info
 
 
 def timed(fn):
@@ -40,15 +40,15 @@ def bench_pair(name: str, s_tok, t_tok, docs: list[str], repeat: int) -> dict:
     s_info, t_info = tokenizer_info(s_tok), tokenizer_info(t_tok)
 
     def tokenize():
-        return (_encode_flat(s_tok, docs, add_special_tokens=True, side="student"),
-                _encode_flat(t_tok, docs, add_special_tokens=True, side="teacher"))
+        return (encode_flat(s_tok, docs, add_special_tokens=True, side="student"),
+                encode_flat(t_tok, docs, add_special_tokens=True, side="teacher"))
 
     _, (s_flat, t_flat) = timed(tokenize)  # warm-up
     split = lambda flat, k: np.split(flat[k], np.cumsum(flat[2])[:-1])  # noqa: E731
     s_split, s_offs, t_split, t_offs = split(s_flat, 0), split(s_flat, 1), split(t_flat, 0), split(t_flat, 1)
 
     def batch():
-        return _align_flat(docs, (*s_flat, None), (*t_flat, None), s_info, t_info)
+        return align_flat(docs, (*s_flat, None), (*t_flat, None), s_info, t_info)
 
     def per_doc():
         return [align_offsets(d, a, ao, b, bo, student_info=s_info, teacher_info=t_info)

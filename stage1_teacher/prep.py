@@ -167,11 +167,11 @@ def _encode(tok, texts: list[str], side: str) -> tuple[list[np.ndarray], list[np
 
     Uses xtcache.align's encoder so offsets are untrimmed exactly as the aligner expects.
     """
-    from xtcache.align import _encode_flat
+    from xtcache.align import encode_flat
 
     if not texts:
         return [], []
-    ids, offsets, counts = _encode_flat(tok, texts, add_special_tokens=True, side=side)
+    ids, offsets, counts = encode_flat(tok, texts, add_special_tokens=True, side=side)
     cuts = np.cumsum(counts)[:-1]
     return (np.split(ids.astype(np.int32), cuts), np.split(offsets.astype(np.int32), cuts))
 

@@ -433,7 +433,7 @@ def align_batch(texts: list[str], student_ids, student_offsets, teacher_ids, tea
     t = _flat(teacher_ids, teacher_offsets, teacher_special_masks)
     if not (len(texts) == s[2].shape[0] == t[2].shape[0]):
         raise AlignmentError(f"{len(texts)} texts but {s[2].shape[0]} student and {t[2].shape[0]} teacher token lists")
-    return _align_flat(list(texts), s, t, student_info, teacher_info)
+    return align_flat(list(texts), s, t, student_info, teacher_info)
 
 
 def _text_bytes(text: str) -> tuple[np.ndarray, np.ndarray]:
@@ -450,7 +450,10 @@ def _text_bytes(text: str) -> tuple[np.ndarray, np.ndarray]:
     return raw, np.concatenate(([0], np.cumsum(char_bytes)))
 
 
-def _align_flat(texts, s_flat, t_flat, s_info, t_info) -> list[Alignment]:
+def align_flat(texts, s_flat, t_flat, s_info, t_info) -> list[Alignment]:
+    """Align many documents whose tokens come flat: `s_flat`/`t_flat` are (ids [N], offsets [N, 2],
+    per-document counts [D], special mask [N] or None), as `encode_flat` returns them (stage 1 encodes
+    once and aligns each batch with this)."""
     n_docs = len(texts)
     if n_docs == 0:
         return []
@@ -541,11 +544,11 @@ def align_offsets(text: str, student_ids, student_offsets, teacher_ids, teacher_
 
 def encode_with_offsets(tokenizer, text: str, *, add_special_tokens: bool = True, side: str = "tokenizer"):
     """(ids int64 [N], offsets int64 [N, 2]) from a fast tokenizer's Rust backend, no truncation."""
-    ids, offsets, _ = _encode_flat(tokenizer, [text], add_special_tokens=add_special_tokens, side=side)
+    ids, offsets, _ = encode_flat(tokenizer, [text], add_special_tokens=add_special_tokens, side=side)
     return ids, offsets
 
 
-def _encode_flat(tokenizer, texts: list[str], *, add_special_tokens: bool, side: str):
+def encode_flat(tokenizer, texts: list[str], *, add_special_tokens: bool, side: str):
     """Flat ids int64 [N], offsets int64 [N, 2] and per-document counts int64 [D] for a batch."""
     backend = _offsets_backend(tokenizer, require_fast(tokenizer, side))
     if backend.truncation is not None:
@@ -568,14 +571,14 @@ def align_texts(texts: list[str], student_tok, teacher_tok, *, add_special_token
         return []
     s_info = tokenizer_info(student_tok)
     t_info = tokenizer_info(teacher_tok)
-    s_ids, s_off, s_counts = _encode_flat(student_tok, texts, add_special_tokens=add_special_tokens,
+    s_ids, s_off, s_counts = encode_flat(student_tok, texts, add_special_tokens=add_special_tokens,
                                           side="student tokenizer")
     s_split = np.split(s_ids, np.cumsum(s_counts)[:-1])
     if s_info.fingerprint == t_info.fingerprint:
         return [(ids, ids.copy(), identity_alignment(ids.shape[0])) for ids in s_split]
-    t_ids, t_off, t_counts = _encode_flat(teacher_tok, texts, add_special_tokens=add_special_tokens,
+    t_ids, t_off, t_counts = encode_flat(teacher_tok, texts, add_special_tokens=add_special_tokens,
                                           side="teacher tokenizer")
-    aligns = _align_flat(texts, (s_ids, s_off, s_counts, None), (t_ids, t_off, t_counts, None), s_info, t_info)
+    aligns = align_flat(texts, (s_ids, s_off, s_counts, None), (t_ids, t_off, t_counts, None), s_info, t_info)
     return list(zip(s_split, np.split(t_ids, np.cumsum(t_counts)[:-1]), aligns))
 
 
