@@ -290,6 +290,17 @@ def test_four_jobs_write_the_same_documents_as_one(teacher, toy_setup, mixed_cor
     assert "shard_plan" not in single_manifest.settings and single_manifest.shard_plan is None
     with pytest.raises(ConfigError, match="planned for 4 jobs"):
         _dump(teacher, mixed_corpus, many, students, num_shards=2, shard_index=0)
+    # verify checks each writer's documents against its plan ranges: sound as written, and a plan
+    # whose jobs were swapped around puts documents outside their writer's ranges
+    from xtcache.commands_store import verify_store
+
+    assert verify_store(str(many), stop_first=False) == []
+    plan_file = many / "shard_plan.json"
+    swapped = json.loads(plan_file.read_text())
+    swapped["jobs"] = swapped["jobs"][::-1]
+    plan_file.write_text(json.dumps(swapped))
+    problems = verify_store(str(many), stop_first=False)
+    assert problems and all("outside writer" in p and "shard-plan ranges" in p for p in problems), problems
 
 
 def test_kill_and_resume_of_one_job_gives_the_same_store(teacher, toy_setup, mixed_corpus, tmp_path):

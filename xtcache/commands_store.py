@@ -151,10 +151,16 @@ def verify_store(url: str, storage_options: dict | None = None, *, stop_first: b
     except XtcacheError as e:
         return [str(e)]
 
+    owned = rows_owned_by_writer(reader.loc.read_json("shard_plan.json"), url)
+
+    def read_part(meta):
+        data = reader.read_shard(meta.shard_id, verify=True)
+        return [] if owned is None else outside_plan(data, owned, meta.writer_index, url)
+
     def reads():
         """Each read of the store, one at a time, so that `stop_first` stops after the first problem."""
         for meta in reader.shards:
-            yield lambda sid=meta.shard_id: reader.read_shard(sid, verify=True)
+            yield lambda meta=meta: read_part(meta)
         for fp in reader.alignment_groups():
             for sid in reader.alignment_parts(fp):
                 yield lambda fp=fp, sid=sid: reader.read_alignment(fp, sid, verify=True)
@@ -174,6 +180,46 @@ def verify_store(url: str, storage_options: dict | None = None, *, stop_first: b
         if isinstance(found, list):
             problems.extend(found)
     return problems[:1] if stop_first else problems
+
+
+def rows_owned_by_writer(plan: dict | None, url: str) -> dict[int, dict[str, tuple[int, int | None]]] | None:
+    """From a store's `shard_plan.json` (written when N jobs filled it): for each writer, the corpus
+    rows its plan gave it, as {file base name: (first row, end row or None for the whole file)}."""
+    if plan is None:
+        return None
+    from schemas.models import ShardPlanFile
+    from xtcache.errors import StoreError
+
+    try:
+        p = ShardPlanFile.model_validate(plan)
+    except ValueError as e:
+        raise StoreError(f"store {url}: shard_plan.json does not match its schema ({e})") from None
+    owned: dict[int, dict[str, tuple[int, int | None]]] = {}
+    for job, ranges in enumerate(p.jobs):
+        for file_index, first_group, end_group in ranges:
+            entry = p.files[file_index]
+            groups = entry.get("row_groups")
+            if groups:  # Parquet: a contiguous run of row groups
+                rows = [int(g[0]) for g in groups]
+                span = (sum(rows[:first_group]), sum(rows[:end_group]))
+            else:  # a whole file
+                span = (0, None)
+            owned.setdefault(job, {})[entry["name"]] = span
+    return owned
+
+
+def outside_plan(data, owned: dict, writer: int, url: str) -> list[str]:
+    """Documents of a part that its writer's shard-plan ranges do not cover (none in a sound store)."""
+    mine = owned.get(writer, {})
+    bad = []
+    for doc in data.docs:
+        first, end = mine.get(doc.source, (0, -1))
+        if doc.row < first or (end is not None and doc.row >= end):
+            bad.append(f"{doc.source}:{doc.row}")
+    if not bad:
+        return []
+    return [f"store {url}, teacher part {data.shard_id}: {len(bad)} documents outside writer {writer}'s shard-plan "
+            f"ranges (first: {bad[0]})"]
 
 
 def verify(
