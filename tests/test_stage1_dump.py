@@ -191,7 +191,7 @@ def test_dry_run_counts_without_teacher(teacher, corpus, toy_setup, tmp_path):
 
 
 def test_bad_requests_fail_clearly(teacher, corpus, toy_setup, tmp_path):
-    from stage1_teacher.toy_teacher import build_vllm_teacher
+    from xtcache.testing.toy_teacher import build_vllm_teacher
 
     with pytest.raises(ConfigError, match="--top-k"):
         dump(teacher, corpus, tmp_path / "k", [toy_setup.student_tokenizer], top_k=100000)
@@ -305,7 +305,7 @@ def test_kill_and_resume_equals_uninterrupted_run(teacher, corpus, toy_setup, tm
 def test_teacher_with_bos_gets_a_bos_in_front_of_every_window(corpus, toy_setup, tmp_path):
     """A Llama-style teacher (BOS first): later windows start with BOS, so every row has a prediction."""
     from stage1_teacher.windows import plan_windows
-    from xtcache import toy
+    from xtcache.testing import toy
 
     teacher = tmp_path / "bos_teacher"
     toy.build_tiny_model("llama", toy_setup.student_tokenizer, teacher, hidden=64, heads=2, kv_heads=1,
