@@ -8,7 +8,8 @@ import time
 def measure_rate(loader, num_batches: int) -> dict:
     """Iterate `num_batches` micro-batches and report the loader's rate alone (no model).
 
-    Returns micro-batches/s, positions/s (attention-mask tokens), valid chunks/s and seconds.
+    Returns the counts (micro-batches, positions: attention-mask tokens, valid chunks), the
+    seconds, and each count per second.
     """
     t0 = time.perf_counter()
     n = positions = chunks = 0
@@ -19,5 +20,5 @@ def measure_rate(loader, num_batches: int) -> dict:
         if n >= num_batches:
             break
     dt = max(time.perf_counter() - t0, 1e-9)
-    return {"micro_batches": n, "seconds": dt, "micro_batches_per_s": n / dt, "positions_per_s": positions / dt,
-            "chunks_per_s": chunks / dt}
+    return {"micro_batches": n, "positions": positions, "chunks": chunks, "seconds": dt,
+            "micro_batches_per_s": n / dt, "positions_per_s": positions / dt, "chunks_per_s": chunks / dt}
