@@ -8,12 +8,15 @@ fresh clone.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 from xtcache.testing import toy
-from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
+from xtcache.testing.suite import REPO, TEST_CACHE, TEST_SPEC
 
 # Property tests draw the same examples on every run, so `make test` cannot flake; set
 # HYPOTHESIS_PROFILE=explore to search with fresh random examples while developing.
@@ -61,6 +64,28 @@ def teacher(toy_setup) -> str:
     from xtcache.testing.toy_teacher import build_vllm_teacher
 
     return str(build_vllm_teacher(toy_setup.root))
+
+
+def teacher_dump(out: Path, toy_setup, jsonl: Path, n_docs: int) -> str:
+    """Stage 1 itself (`xtcache teacher-dump --engine hf`) on the first `n_docs` documents of `jsonl`."""
+    data = out.with_suffix(".jsonl")
+    data.write_text("".join(Path(jsonl).read_text().splitlines(keepends=True)[:n_docs]))
+    cmd = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", str(toy_setup.teacher_model),
+           "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", str(data), "--out", str(out),
+           "--mode", "topk", "--top-k", "16", "--engine", "hf", "--docs-per-part", "16"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def kd_caches(toy_setup, tmp_path_factory):
+    """(train store, held-out store) of the toy teacher, aligned for the toy student's tokenizer.
+
+    Defined here, once, so that every stage 2 test module shares the two stage 1 runs."""
+    root = tmp_path_factory.mktemp("kd_cache")
+    return (teacher_dump(root / "train", toy_setup, toy_setup.train_jsonl, 48),
+            teacher_dump(root / "held", toy_setup, toy_setup.heldout_jsonl, 12))
 
 
 def has_cuda() -> bool:

@@ -20,26 +20,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def teacher_dump(out: Path, toy_setup, jsonl: Path, n_docs: int) -> str:
-    """Stage 1 itself (`xtcache teacher-dump --engine hf`) on the first `n_docs` documents of `jsonl`."""
-    data = out.with_suffix(".jsonl")
-    data.write_text("".join(Path(jsonl).read_text().splitlines(keepends=True)[:n_docs]))
-    cmd = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", str(toy_setup.teacher_model),
-           "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", str(data), "--out", str(out),
-           "--mode", "topk", "--top-k", "16", "--engine", "hf", "--docs-per-part", "16"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return str(out)
-
-
-@pytest.fixture(scope="session")
-def kd_caches(toy_setup, tmp_path_factory):
-    """(train store, held-out store) of the toy teacher, aligned for the toy student's tokenizer."""
-    root = tmp_path_factory.mktemp("kd_cache")
-    return (teacher_dump(root / "train", toy_setup, toy_setup.train_jsonl, 48),
-            teacher_dump(root / "held", toy_setup, toy_setup.heldout_jsonl, 12))
-
-
 def run_stage2(out: Path, *flags: str, nproc: int = 1) -> dict:
     """`python -m stage2_student FLAGS` (under torchrun when nproc > 1); returns summary and metrics."""
     cmd = [sys.executable, "-m", "stage2_student", "--out", str(out), *flags]
