@@ -10,7 +10,7 @@ else
 VLLM_EXTRA := cpu
 endif
 
-.PHONY: setup demo lint test bench clean
+.PHONY: setup demo lint test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,13 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
 
+# Everything CI needs; the slowest tests are listed at the end.
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
+
+# While developing: the fast tier only (no vLLM engines, no torchrun).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: setup
 	$(PY) bench/store_codec.py

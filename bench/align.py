@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from xtcache import toy
-from xtcache.align import align_flat, encode_flat, align_offsets, alignment_stats, tokenizer_info
+from xtcache.align import align_flat, align_offsets, alignment_stats, encode_flat, tokenizer_info
+from xtcache.testing import toy
 
 
 def timed(fn):

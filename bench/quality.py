@@ -262,7 +262,7 @@ def make_student(tokenizer: Path, out: Path, seed: int, like: Path) -> Path:
     """A fresh tiny Llama on `tokenizer`, shaped like the demo's student (`like`)."""
     from transformers import AutoConfig
 
-    from xtcache import toy
+    from xtcache.testing import toy
 
     if not (out / "config.json").exists():
         cfg = AutoConfig.from_pretrained(str(like))
@@ -384,7 +384,8 @@ def run(args) -> dict:
     import torch
 
     from stage2_student.losses import ProjectionOperator
-    from xtcache import demo, projection as xproj, toy
+    from xtcache import demo, projection as xproj
+    from xtcache.testing import toy
     from xtcache.store import CacheReader
     from xtcache.tokenizer import load_tokenizer
 

@@ -132,11 +132,9 @@ def engine_start_per_job() -> None:
     import subprocess
     import tempfile
 
-    from stage1_teacher.toy_teacher import build_vllm_teacher
-    from xtcache import toy
-
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import TEST_CACHE, TEST_SPEC  # the tests' toy setup, built once
+    from xtcache.testing import toy
+    from xtcache.testing.suite import TEST_CACHE, TEST_SPEC  # the tests' toy setup, built once
+    from xtcache.testing.toy_teacher import build_vllm_teacher
 
     setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
     teacher = str(build_vllm_teacher(setup.root))

@@ -27,8 +27,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from xtcache import codecs, toy  # noqa: E402
+from xtcache import codecs  # noqa: E402
 from xtcache.store.arrays import default_compression  # noqa: E402
+from xtcache.testing import toy  # noqa: E402
 
 CACHE = REPO / ".xtcache_bench_cache"
 TARGET_VOCAB = 80_000

@@ -104,7 +104,7 @@ def bench_dump(teacher: str, student: str, corpus: str, k: int, max_len: int, dt
 def measure(teacher: str, student: str, texts: list[str], args) -> dict:
     """All five paths on one teacher, back to back."""
     from stage1_teacher.head import read_config
-    from stage1_teacher.toy_teacher import head_share
+    from xtcache.testing.toy_teacher import head_share
 
     with tempfile.TemporaryDirectory() as tmp:
         corpus = f"{tmp}/corpus.jsonl"
@@ -137,17 +137,15 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--shapes", default="toy,proportioned",
-                   help="toy teacher shapes to measure, comma-separated (stage1_teacher.toy_teacher.SHAPES)")
+                   help="toy teacher shapes to measure, comma-separated (xtcache.testing.toy_teacher.SHAPES)")
     p.add_argument("--teacher", default=None, help="measure this teacher directory instead of the toy shapes")
     p.add_argument("--student-tokenizer", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    from stage1_teacher.toy_teacher import build_vllm_teacher
-    from xtcache import toy
-
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import TEST_CACHE, TEST_SPEC  # the tests' toy setup, built once
+    from xtcache.testing import toy
+    from xtcache.testing.suite import TEST_CACHE, TEST_SPEC  # the tests' toy setup, built once
+    from xtcache.testing.toy_teacher import build_vllm_teacher
 
     setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
     student = args.student_tokenizer or str(setup.student_tokenizer)

@@ -14,7 +14,7 @@ per process) and prints one table:
 - peak MiB: on GPU `torch.cuda.max_memory_allocated`; on CPU, 16 B/parameter (fp32 weights,
   gradients, AdamW m and v) plus the peak of live tensor bytes during one step, counted by a
   torch dispatch mode (CPU has no allocator statistics); ratio to CE-only (target <= 1.1x);
-- loader positions/s (`stage2_student.loader.measure_rate`, no model, same clock, in-process
+- loader positions/s (`xtcache.testing.rates.measure_rate`, no model, same clock, in-process
   reading: --num-workers 0) against the positions/s the trainer consumes (target >= 10x).
 """
 
@@ -94,8 +94,8 @@ def worker(spec: dict) -> dict:
     import torch
 
     from stage2_student.config import TrainConfig
-    from stage2_student.loader import measure_rate
     from stage2_student.trainer import Trainer, load_tokenizer, open_stage_data, setup_distributed, teardown_distributed
+    from xtcache.testing.rates import measure_rate
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
@@ -145,10 +145,9 @@ def worker(spec: dict) -> dict:
 
 def build_inputs(root: Path, args) -> dict:
     """Toy models, a same-tokenizer student and the three caches."""
-    from tests.conftest import TEST_CACHE, TEST_SPEC
-    from tests.test_train_kd import build_hf_cache
-
-    from xtcache import toy
+    from xtcache.testing import toy
+    from xtcache.testing.caches import build_hf_cache
+    from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
     from xtcache.tokenizer import load_tokenizer
 
     setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)

@@ -544,21 +544,3 @@ def reshard_state(state: dict, *, rank: int, world_size: int, grad_accum: int) -
     if rest:
         raise ConfigError("the checkpoint was saved in the middle of an accumulated step; resume at its own world size")
     return {**state, "rank": rank, "world_size": world_size, "grad_accum": grad_accum, "consumed": steps * grad_accum}
-
-
-def measure_rate(loader, num_batches: int) -> dict:
-    """Iterate `num_batches` micro-batches and report the loader's rate alone (no model).
-
-    Returns micro-batches/s, positions/s (attention-mask tokens), valid chunks/s and seconds.
-    """
-    t0 = time.perf_counter()
-    n = positions = chunks = 0
-    for batch in loader:
-        positions += int(batch["attention_mask"].sum())
-        chunks += int(batch["num_chunks"])
-        n += 1
-        if n >= num_batches:
-            break
-    dt = max(time.perf_counter() - t0, 1e-9)
-    return {"micro_batches": n, "seconds": dt, "micro_batches_per_s": n / dt, "positions_per_s": positions / dt,
-            "chunks_per_s": chunks / dt}

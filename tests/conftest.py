@@ -1,33 +1,28 @@
 """Shared test fixtures: the toy corpus, two different tokenizers and tiny models, built once.
 
-Artifacts are cached in `.xtcache_test_cache/` at the repository root (git-ignored), so a second
-local `make test` reuses them; CI builds them once per fresh clone.
+The setup itself (`TEST_SPEC`, cached under `TEST_CACHE`) lives in `xtcache.testing.suite` so the
+benchmarks reuse it; a second local `make test` reuses the artifacts, CI builds them once per
+fresh clone.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
-from xtcache import toy
+from xtcache.testing import toy
+from xtcache.testing.suite import REPO, TEST_CACHE, TEST_SPEC
 
 # Property tests draw the same examples on every run, so `make test` cannot flake; set
 # HYPOTHESIS_PROFILE=explore to search with fresh random examples while developing.
 settings.register_profile("repeatable", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
-
-REPO = Path(__file__).resolve().parents[1]
-TEST_CACHE = Path(os.environ.get("XTCACHE_TEST_CACHE", REPO / ".xtcache_test_cache"))
-
-# Small enough to build in well under a minute on 2 CPU cores, trained enough that the teacher's
-# distributions are far from uniform (real top-k structure for codecs and distillation tests).
-TEST_SPEC = toy.ToySpec(num_docs=300, doc_chars=1200, teacher_vocab=2048, student_vocab=1536,
-                        teacher_hidden=64, teacher_layers=2, student_hidden=64, student_layers=2,
-                        teacher_steps=150, teacher_seq_len=128)
 
 
 @pytest.fixture(scope="session")
@@ -66,9 +61,31 @@ def sp_tokenizer(toy_setup, tmp_path_factory):
 @pytest.fixture(scope="session")
 def teacher(toy_setup) -> str:
     """A vLLM-servable teacher with a padded lm_head, next to the toy setup (built once)."""
-    from stage1_teacher.toy_teacher import build_vllm_teacher
+    from xtcache.testing.toy_teacher import build_vllm_teacher
 
     return str(build_vllm_teacher(toy_setup.root))
+
+
+def teacher_dump(out: Path, toy_setup, jsonl: Path, n_docs: int) -> str:
+    """Stage 1 itself (`xtcache teacher-dump --engine hf`) on the first `n_docs` documents of `jsonl`."""
+    data = out.with_suffix(".jsonl")
+    data.write_text("".join(Path(jsonl).read_text().splitlines(keepends=True)[:n_docs]))
+    cmd = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", str(toy_setup.teacher_model),
+           "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", str(data), "--out", str(out),
+           "--mode", "topk", "--top-k", "16", "--engine", "hf", "--docs-per-part", "16"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def kd_caches(toy_setup, tmp_path_factory):
+    """(train store, held-out store) of the toy teacher, aligned for the toy student's tokenizer.
+
+    Defined here, once, so that every stage 2 test module shares the two stage 1 runs."""
+    root = tmp_path_factory.mktemp("kd_cache")
+    return (teacher_dump(root / "train", toy_setup, toy_setup.train_jsonl, 48),
+            teacher_dump(root / "held", toy_setup, toy_setup.heldout_jsonl, 12))
 
 
 def has_cuda() -> bool:

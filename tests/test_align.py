@@ -256,8 +256,11 @@ def test_sentencepiece_literal_metaspace_char_is_inexact_not_an_error(sp_tokeniz
     check_partition(a, len(s_ids), len(t_ids))
     begin = np.concatenate(([0], a.char_end[:-1]))
     holds = (begin <= 2) & (a.char_end > 2)
-    assert holds.any() and not a.exact[holds].any()
-    assert a.exact[(a.char_end <= 1)].all() or a.exact[(a.char_end <= 1) & (a.char_end > begin)].all()
+    assert holds.sum() == 1 and not a.exact[holds].any()  # the chunk holding the literal "▁" is inexact
+    # and only that chunk: every other chunk with text is exact, and together they cover the rest of the text
+    assert a.exact[(a.char_end > begin) & ~holds].all()
+    assert int(((a.char_end - begin) * a.exact).sum()) == len(text) - int((a.char_end - begin)[holds].sum())
+    assert int((a.char_end - begin)[holds].sum()) == 1
 
 
 # --- tokenizers the aligner must refuse or handle ----------------------------------------------

@@ -82,9 +82,9 @@ def test_full_cache_loss_and_gradient_equal_online_kd_within_stated_error(toy_se
 
     from stage2_student.loader import CacheDataset, to_tensors
     from stage2_student.trainer import model_inputs
-    from xtcache import toy
     from xtcache.codecs import codec_from_config
     from xtcache.store import CacheReader
+    from xtcache.testing import toy
     from xtcache.tokenizer import load_tokenizer
 
     manifest = CacheReader(full_store).manifest

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import TEST_CACHE
+from xtcache.testing.suite import TEST_CACHE
 
 pytestmark = pytest.mark.slow
 

@@ -285,9 +285,20 @@ def test_sampled_store_gives_counts(tmp_path, toy_setup, teacher_tokenizer, stud
 
 
 def test_measure_rate_counts_positions(store):
+    """The benchmarks' loader rate counts the attention-mask tokens and chunks of the batches it read."""
+    from xtcache.testing.rates import measure_rate
+
     url, fp = store
-    out = L.measure_rate(L.CacheLoader(_dataset(url, fp)), 3)
-    assert out["micro_batches"] == 3 and out["positions_per_s"] > 0
+    out = measure_rate(L.CacheLoader(_dataset(url, fp)), 3)
+    first = []
+    for batch in L.CacheLoader(_dataset(url, fp)):  # the same seed: the same first batches
+        first.append(batch)
+        if len(first) == 3:
+            break
+    assert out["micro_batches"] == 3
+    assert out["positions"] == sum(int(b["attention_mask"].sum()) for b in first) > 0
+    assert out["chunks"] == sum(int(b["num_chunks"]) for b in first) > 0
+    assert out["positions_per_s"] == pytest.approx(out["positions"] / out["seconds"])
 
 
 def test_loader_batch_feeds_projected_kl_and_alm(store, student_tokenizer, teacher_tokenizer):

@@ -57,7 +57,8 @@ def test_dump_to_s3_then_verify_inspect_and_train_from_s3(toy_setup, s3_endpoint
     assert sum(m.num_docs for m in reader.shards) == len(toy_setup.heldout_jsonl.read_text().splitlines())
 
     verify = _xtcache("verify", url, "--storage-options", opts)
-    assert "ok" in (verify.stdout + verify.stderr).lower()
+    positions = sum(m.num_positions for m in reader.shards)  # every committed part checked out, the store finished
+    assert verify.stdout.strip() == f"{url}: OK ({len(reader.shards)} shards, {positions:,} positions, complete)"
     inspect = _xtcache("inspect", url, "--storage-options", opts)
     assert "documents" in inspect.stdout.lower()
 

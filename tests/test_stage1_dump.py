@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,7 +66,9 @@ def read_all(url):
     return r, [r.read_shard(m.shard_id, verify=True) for m in r.shards]
 
 
-def test_topk_cross_and_same_tokenizer_match_transformers(teacher, corpus, toy_setup, tmp_path):
+def test_topk_cross_and_same_tokenizer_match_transformers(teacher, corpus, toy_setup, tmp_path, student_tokenizer,
+                                                          teacher_tokenizer):
+    from xtcache.align import align_text
     from xtcache.commands_store import verify_store
 
     s = dump(teacher, corpus, tmp_path / "s", [toy_setup.student_tokenizer, toy_setup.teacher_tokenizer],
@@ -95,8 +98,16 @@ def test_topk_cross_and_same_tokenizer_match_transformers(teacher, corpus, toy_s
         if g.identity:
             assert np.array_equal(a.student_ids, shards[0].teacher_ids)
             assert np.array_equal(a.student_end, a.teacher_end)
-        else:
-            assert a.num_chunks if hasattr(a, "num_chunks") else len(a.student_end) > 0
+        else:  # each document's chunks: the aligner's on its text, partitioning both token sequences
+            for i in range(shards[0].num_docs):
+                d, rec = shards[0].doc(i), a.record(i)
+                s_ids, t_ids, want = align_text(d.text, student_tokenizer, teacher_tokenizer)
+                assert np.array_equal(t_ids, d.teacher_ids) and np.array_equal(rec.student_ids, s_ids)
+                for name in ("student_end", "teacher_end", "exact"):
+                    assert np.array_equal(getattr(rec.alignment, name), getattr(want, name)), (i, name)
+                ends = rec.alignment
+                assert ends.student_end[-1] == len(s_ids) and ends.teacher_end[-1] == len(d.teacher_ids)
+                assert (np.diff(ends.student_end) > 0).all() and (np.diff(ends.teacher_end) > 0).all()
 
 
 def test_full_mode_windows_store_each_row_once(teacher, corpus, toy_setup, tmp_path):
@@ -171,9 +182,24 @@ def test_align_command_equals_dumping_with_both_tokenizers(teacher, corpus, toy_
         for name in ("student_ids", "student_end", "teacher_end", "exact"):
             assert np.array_equal(getattr(a1, name), getattr(a2, name)), name
     # a cross-tokenizer group added later equals the one written by the dump
+    dump(teacher, corpus, tmp_path / "ident", [toy_setup.teacher_tokenizer])
+    res = CliRunner().invoke(app, ["align", str(tmp_path / "ident"), "--student-tokenizer",
+                                   str(toy_setup.student_tokenizer)])
+    assert res.exit_code == 0, res.output
+    r3, _ = read_all(tmp_path / "ident")
+    fp = tokenizer_fingerprint(toy_setup.student_tokenizer)
+    assert not r3.alignment_groups()[fp].identity
+    for m in r3.shards:
+        a3, a2 = r3.read_alignment(fp, m.shard_id, verify=True), r2.read_alignment(fp, m.shard_id)
+        assert len(a3.student_end) > 0
+        for name in ("doc_student_offsets", "doc_chunk_offsets", "student_ids", "student_end", "teacher_end",
+                     "exact"):
+            assert np.array_equal(getattr(a3, name), getattr(a2, name)), name
+    # a group the store already has is left as it is
     res = CliRunner().invoke(app, ["align", str(tmp_path / "one"), "--student-tokenizer",
                                    str(toy_setup.student_tokenizer)])
-    assert "already present" in res.output
+    assert res.exit_code == 0, res.output
+    assert re.search(rf"\b0 parts aligned \(0 documents\), {len(r1.shards)} already present", res.output), res.output
 
 
 def test_dry_run_counts_without_teacher(teacher, corpus, toy_setup, tmp_path):
@@ -191,7 +217,7 @@ def test_dry_run_counts_without_teacher(teacher, corpus, toy_setup, tmp_path):
 
 
 def test_bad_requests_fail_clearly(teacher, corpus, toy_setup, tmp_path):
-    from stage1_teacher.toy_teacher import build_vllm_teacher
+    from xtcache.testing.toy_teacher import build_vllm_teacher
 
     with pytest.raises(ConfigError, match="--top-k"):
         dump(teacher, corpus, tmp_path / "k", [toy_setup.student_tokenizer], top_k=100000)
@@ -305,7 +331,7 @@ def test_kill_and_resume_equals_uninterrupted_run(teacher, corpus, toy_setup, tm
 def test_teacher_with_bos_gets_a_bos_in_front_of_every_window(corpus, toy_setup, tmp_path):
     """A Llama-style teacher (BOS first): later windows start with BOS, so every row has a prediction."""
     from stage1_teacher.windows import plan_windows
-    from xtcache import toy
+    from xtcache.testing import toy
 
     teacher = tmp_path / "bos_teacher"
     toy.build_tiny_model("llama", toy_setup.student_tokenizer, teacher, hidden=64, heads=2, kv_heads=1,

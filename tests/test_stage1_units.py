@@ -137,7 +137,7 @@ def test_teacher_head_reproduces_hf_logits(toy_setup, tied):
     from transformers import AutoModelForCausalLM
 
     from stage1_teacher.head import TeacherHead
-    from stage1_teacher.toy_teacher import build_vllm_teacher
+    from xtcache.testing.toy_teacher import build_vllm_teacher
 
     path = build_vllm_teacher(toy_setup.root, tied=tied, steps=0 if tied else 120)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

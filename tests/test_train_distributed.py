@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.test_train_kd import REPO, kd_caches, run_stage2  # noqa: F401  (kd_caches is a fixture)
+from tests.test_train_kd import REPO, run_stage2
 
 
 def flags(toy_setup, caches, **extra) -> list[str]:

@@ -67,7 +67,7 @@ SIZES = {
 
 
 def _toy_spec(size: DemoSize):
-    from xtcache import toy
+    from xtcache.testing import toy
 
     return toy.ToySpec(num_docs=size.num_docs, doc_chars=1500, teacher_vocab=2048, student_vocab=1536,
                        teacher_hidden=size.teacher_hidden, teacher_layers=2, student_hidden=64, student_layers=2,
@@ -169,7 +169,7 @@ def _plot(runs: dict[str, Path], png: Path) -> None:
 
 def run_demo(workdir: Path, size_name: str) -> dict:
     """Run the demo; returns the numbers of its table (the test reads them)."""
-    from xtcache import toy
+    from xtcache.testing import toy
 
     size = SIZES[size_name]
     workdir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""A toy teacher with a padded lm_head, built next to a `xtcache.toy` setup, for stage 1 tests.
+"""A toy teacher with a padded lm_head, built next to a `xtcache.testing.toy` setup, for stage 1 tests.
 
 Real checkpoints pad the lm_head beyond the tokenizer (Qwen3: 151,936 columns for 151,669
 tokens); the toy teacher does not. This builds a Qwen2 teacher with the toy teacher tokenizer,
@@ -12,7 +12,7 @@ than its whole transformer body, which no real teacher does. "proportioned" (6 l
 256) gives the head the share of forward compute that 1.5B-8B teachers have (see
 `head_share`), for benchmarks whose ratios should carry over to real teachers.
 
-    python -m stage1_teacher.toy_teacher .xtcache_test_cache/toy-XXXX
+    python -m xtcache.testing.toy_teacher .xtcache_test_cache/toy-XXXX
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def head_share(config: dict) -> float:
 def build_vllm_teacher(toy_root: str | Path, *, tied: bool = False, steps: int = 120, seed: int = 0,
                        shape: str = "toy") -> Path:
     """Directory of a vLLM-servable teacher next to the toy setup at `toy_root` (built once)."""
-    from xtcache import toy
+    from xtcache.testing import toy
 
     if shape not in SHAPES:
         raise ValueError(f"unknown toy teacher shape {shape!r}: use one of {', '.join(SHAPES)}")

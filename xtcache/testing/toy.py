@@ -6,7 +6,7 @@ Qwen2 (teacher) and Llama (student) configs from `transformers`. Tests, benchmar
 `xtcache demo` all build their artifacts here, so every part of xtcache is exercised on the same
 kind of data.
 
-    python -c "from xtcache import toy; print(toy.build_toy_setup('/tmp/toy'))"
+    python -c "from xtcache.testing import toy; print(toy.build_toy_setup('/tmp/toy'))"
 """
 
 from __future__ import annotations
