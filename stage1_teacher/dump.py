@@ -34,6 +34,7 @@ from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
 from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.prep import Part, Preparer, StudentSide, iter_parts, part_batches
 from stage1_teacher.shard_plan import PLAN_FILE, obtain_plan
+from schemas.models import support_width
 from stage1_teacher.windows import window_has_pred
 from xtcache.errors import CaptureError, ConfigError, CorruptionError, StoreError
 from xtcache.tokenizer import load_tokenizer
@@ -142,10 +143,10 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
         if any(s.fingerprint == fp for s in students):
             continue
         students.append(StudentSide(name=path, tokenizer=tok, fingerprint=fp, identity=fp == t_fp))
-    if c.mode == "topk" and c.top_k > vocab_size:
-        raise ConfigError(f"--top-k {c.top_k} is larger than the teacher vocabulary ({vocab_size}); "
-                          "use --mode full to store every id")
-    width = {"topk": c.top_k, "full": vocab_size, "sampled": min(c.num_samples, vocab_size)}[c.mode]
+    try:
+        width = support_width(c.mode, c.top_k, c.num_samples, vocab_size)  # the store's k
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     max_pos = int(model_cfg.get("max_position_embeddings") or model_cfg.get("text_config", {}).get(
         "max_position_embeddings") or (c.max_seq_len + 1))
     max_model_len = t.max_model_len or min(c.max_seq_len + 1, max_pos)
