@@ -192,12 +192,12 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
     V = min(vocab_size, v_model)
     block_rows = block_rows or max(16, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, v_model)))
     try:
-        width = support_width(mode, k, num_samples, V)
+        k = support_width(mode, k, num_samples, V)
     except ValueError as e:
         raise CaptureError(str(e)) from None
-    ids = np.zeros((n, width), dtype=np.int32)
-    logprobs = np.zeros((n, width), dtype=np.float32) if mode != "sampled" else None
-    counts = np.zeros((n, width), dtype=np.uint16) if mode == "sampled" else None
+    ids = np.zeros((n, k), dtype=np.int32)
+    logprobs = np.zeros((n, k), dtype=np.float32) if mode != "sampled" else None
+    counts = np.zeros((n, k), dtype=np.uint16) if mode == "sampled" else None
     residual = np.zeros(n, dtype=np.float32)
     realized = np.zeros(n, dtype=np.float32)
     targets = torch.as_tensor(np.asarray(targets, dtype=np.int64), device=rows.device)
