@@ -14,12 +14,24 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 FORMAT_VERSION = 1
 """Version of the on-disk layout; written to the manifest and to every part's metadata."""
 
 Mode = Literal["topk", "full", "sampled"]
+
+
+def support_width(mode: str, top_k: int, num_samples: int, vocab_size: int) -> int:
+    """The store's `k` (entries per teacher position) for a capture: `--top-k` in topk mode, the
+    vocabulary V in full mode, min(`--num-samples`, V) in sampled mode.
+
+    The one place that checks "k at most the vocabulary": ValueError naming --top-k otherwise.
+    """
+    if mode == "topk" and top_k > vocab_size:
+        raise ValueError(f"--top-k {top_k} is larger than the teacher vocabulary ({vocab_size}); "
+                         "use --mode full to store every id")
+    return {"topk": top_k, "full": vocab_size, "sampled": min(num_samples, vocab_size)}[mode]
 
 
 class _Model(BaseModel):
@@ -109,7 +121,8 @@ class Manifest(_Model):
     format_version: int = FORMAT_VERSION
     cache_key: str = Field(description="cache_key() of teacher, tokenizer, corpus and capture settings.")
     mode: Mode = Field(description="'topk', 'full' (k = teacher vocab) or 'sampled' (ids + counts).")
-    k: int = Field(ge=1, description="Entries per teacher position (top-k width, V in full mode, max unique draws).")
+    k: int = Field(ge=1, description="Entries per teacher position: --top-k in topk mode, V in full mode, "
+                                     "min(--num-samples, V) in sampled mode (support_width).")
     teacher_vocab_size: int = Field(ge=1, description="Teacher vocabulary size V; every stored id is in [0, V).")
     num_samples: int | None = Field(default=None, description="Draws per position in sampled mode.")
     num_writers: int = Field(default=1, ge=1, description="Writers that fill the store (shards w00000..).")
@@ -126,6 +139,13 @@ class Manifest(_Model):
     xtcache_version: str = Field(default="", description="Version of xtcache that created the store.")
     shard_plan: ShardPlanMeta | None = Field(
         default=None, description="The plan the writers split the corpus by (None: written by one job).")
+
+    @model_validator(mode="after")
+    def _k_is_a_support_width(self) -> "Manifest":
+        if support_width(self.mode, self.k, self.k, self.teacher_vocab_size) != self.k:
+            raise ValueError(f"mode {self.mode}: k={self.k} does not fit the teacher vocabulary "
+                             f"{self.teacher_vocab_size} (full mode stores every id: k = V; otherwise k <= V)")
+        return self
 
 
 class DocId(_Model):

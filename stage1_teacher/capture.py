@@ -215,7 +215,7 @@ def needs_check(cfg) -> bool:
     return cfg.teacher.engine == "vllm" and cfg.teacher.fast_path
 
 
-def open_capture(cfg, *, vocab_size: int, width: int, window_len: int, max_model_len: int,
+def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len: int,
                  first_batch: list[np.ndarray], engines: EngineCache | None = None,
                  trusted: dict | None = None) -> Capture:
     """Start the configured capture path; for the vLLM fast path, check it on `first_batch`, unless
@@ -226,7 +226,7 @@ def open_capture(cfg, *, vocab_size: int, width: int, window_len: int, max_model
     t = cfg.teacher
     c = cfg.capture
     t0 = time.perf_counter()
-    common = dict(mode=c.mode, k=width, vocab_size=vocab_size, num_samples=c.num_samples, seed=c.seed,
+    common = dict(mode=c.mode, k=k, vocab_size=vocab_size, num_samples=c.num_samples, seed=c.seed,
                   owned=engines is None)
 
     def make(key, factory):
@@ -258,7 +258,7 @@ def open_capture(cfg, *, vocab_size: int, width: int, window_len: int, max_model
             notes.append(msg)
     model_vocab = head.model_vocab if head is not None else _model_vocab(t.teacher, vocab_size)
     if head is None:
-        kk = reference_k(c.mode, width, model_vocab, vocab_size)
+        kk = reference_k(c.mode, k, model_vocab, vocab_size)
         eng = make(("vllm-plp", opts, kk), lambda: VllmPromptLogprobEngine(opts, kk))
         cap = Capture(engine=eng, kind="logprobs", path=f"vLLM prompt log-probs (k={kk})", notes=notes, **common)
         cap.start_seconds = time.perf_counter() - t0

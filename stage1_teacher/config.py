@@ -1,20 +1,21 @@
 """Configuration of `xtcache teacher-dump`: one kw-only dataclass, nested by concern.
 
-Every leaf field has exactly one command-line flag of the same name (`top_k` <-> `--top-k`); a
-config file (`--config run.yaml` or `.toml`) uses the same keys, either flat (`top_k: 64` or
-`top-k: 64`) or nested by section (`capture: {top_k: 64}`). Flags given on the command line win
-over the file, the file wins over the defaults. Cross-field checks live in `__post_init__` and
-raise ValueError naming the flag.
+Every leaf field has exactly one command-line flag of the same name (`top_k` <-> `--top-k`) whose
+help text is the field's docstring; `xtcache.cliconfig` makes the typer options and reads a config
+file (`--config run.yaml`, `.toml` or `.json`) with the same keys, flat (`top_k: 64` or `top-k: 64`)
+or nested by section (`capture: {top_k: 64}`). Flags given on the command line win over the file,
+the file wins over the defaults. Cross-field checks live in `__post_init__` and raise ValueError
+naming the flag.
 
-    python -c "from stage1_teacher.config import leaf_fields; print(sorted(leaf_fields()))"
+    python -c "from xtcache.cliconfig import leaf_fields; from stage1_teacher.config import TeacherDumpConfig as C; print(list(leaf_fields(C)))"
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from xtcache.cliconfig import from_flat
 
 MODES = ("topk", "full", "sampled")
 ENGINES = ("vllm", "hf")
@@ -32,7 +33,7 @@ class InputConfig:
 
 @dataclass(kw_only=True)
 class TeacherConfig:
-    teacher: str = ""
+    teacher: str
     """Teacher model directory (Hugging Face layout with safetensors weights and tokenizer)."""
     engine: str = "vllm"
     """Capture engine: 'vllm' (fast, default) or 'hf' (transformers forward)."""
@@ -51,7 +52,7 @@ class TeacherConfig:
     fast_path: bool = True
     """vLLM: capture hidden states and apply the teacher's lm_head (exact, fast); off: prompt log-probs."""
     check_tolerance: float | None = None
-    """Largest allowed |fast - reference| log-prob gap on the first batch; default by dtype (fp32 1e-3, else 0.05)."""
+    """Largest allowed |fast - reference| log-prob gap on the first batch; default by dtype (fp32 1e-3, else 0.5)."""
 
 
 @dataclass(kw_only=True)
@@ -99,7 +100,7 @@ class TeacherDumpConfig:
     student_tokenizer: list[str] = field(default_factory=list)
     """Student tokenizer directories (repeatable); one alignment group each."""
     input: InputConfig = field(default_factory=InputConfig)
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    teacher: TeacherConfig
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     dry_run: bool = False
@@ -115,8 +116,6 @@ class TeacherDumpConfig:
             raise ValueError("--student-tokenizer: give at least one student tokenizer directory")
         if not self.input.data:
             raise ValueError("--data: give at least one corpus file")
-        if not t.teacher:
-            raise ValueError("--teacher: give the teacher model directory")
         if t.engine not in ENGINES:
             raise ValueError(f"--engine {t.engine}: use one of {', '.join(ENGINES)}")
         if c.mode not in MODES:
@@ -149,76 +148,12 @@ class TeacherDumpConfig:
             raise ValueError(f"--docs-per-part {s.docs_per_part}: must be at least 1")
         if not s.out and not s.cache_dir:
             raise ValueError("--out: give the store path (or --cache-dir to keep it among reusable caches)")
-
-
-SECTIONS = ("input", "teacher", "capture", "store")
-
-
-def leaf_fields() -> dict[str, str | None]:
-    """Every flag-backed field name -> its section ('capture', ...) or None for top-level fields."""
-    out: dict[str, str | None] = {}
-    for f in dataclasses.fields(TeacherDumpConfig):
-        if f.name in SECTIONS:
-            for g in dataclasses.fields(f.type if isinstance(f.type, type) else _section_type(f.name)):
-                out[g.name] = f.name
-        else:
-            out[f.name] = None
-    return out
-
-
-def _section_type(name: str) -> type:
-    return {"input": InputConfig, "teacher": TeacherConfig, "capture": CaptureConfig, "store": StoreConfig}[name]
-
-
-def read_config_file(path: str) -> dict[str, Any]:
-    """Flat {field: value} from a YAML, TOML or JSON file (flat or sectioned keys, '-' or '_')."""
-    from xtcache.config_file import read_mapping
-    from xtcache.errors import ConfigError
-
-    data = read_mapping(path)
-    leaves = leaf_fields()
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        name = key.replace("-", "_")
-        if name in SECTIONS and isinstance(value, dict):
-            for sub, v in value.items():
-                sname = sub.replace("-", "_")
-                if leaves.get(sname, "?") != name:
-                    raise ConfigError(f"--config {path}: unknown key {key}.{sub}")
-                flat[sname] = v
-        elif name in leaves:
-            flat[name] = value
-        else:
-            raise ConfigError(f"--config {path}: unknown key {key!r} (keys mirror the command-line flags)")
-    return flat
+        self.input.data = expand_globs(self.input.data, self.data_options)
 
 
 def build_config(values: dict[str, Any]) -> TeacherDumpConfig:
-    """A TeacherDumpConfig from flat {field: value}; missing fields keep their defaults."""
-    leaves = leaf_fields()
-    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    top: dict[str, Any] = {}
-    for name, value in values.items():
-        if name not in leaves:
-            raise ValueError(f"unknown setting {name!r}")
-        if value is None and name not in _NULLABLE:
-            continue
-        if name == "storage_options" and isinstance(value, str):
-            value = json.loads(value) if value.strip() else {}
-        if name == "data_storage_options" and isinstance(value, str):
-            value = json.loads(value) if value.strip() else None
-        if name in ("data", "student_tokenizer") and isinstance(value, str):
-            value = [value]
-        (sections[leaves[name]] if leaves[name] else top)[name] = value
-    if "data" in sections["input"]:
-        sections["input"]["data"] = expand_globs(list(sections["input"]["data"]), data_options(
-            sections["input"].get("data_storage_options"), sections["store"].get("storage_options")))
-    return TeacherDumpConfig(**top, **{name: _section_type(name)(**kw) for name, kw in sections.items()})
-
-
-_NULLABLE = {"shard_index", "num_shards", "data_storage_options", "gpu_memory_utilization", "max_num_batched_tokens",
-             "max_model_len", "enforce_eager",
-             "check_tolerance", "out", "cache_dir"}
+    """A TeacherDumpConfig from flat {field: value} (what `teacher-dump` builds from flags and --config)."""
+    return from_flat(TeacherDumpConfig, values)
 
 
 def data_options(data_storage_options: dict | None, storage_options: dict | None) -> dict:

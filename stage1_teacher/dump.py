@@ -34,6 +34,7 @@ from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
 from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.prep import Part, Preparer, StudentSide, iter_parts, part_batches
 from stage1_teacher.shard_plan import PLAN_FILE, obtain_plan
+from schemas.models import support_width
 from stage1_teacher.windows import window_has_pred
 from xtcache.errors import CaptureError, ConfigError, CorruptionError, StoreError
 from xtcache.tokenizer import load_tokenizer
@@ -112,7 +113,7 @@ class Plan:
     teacher_tok: object
     students: list[StudentSide]
     vocab_size: int
-    width: int
+    k: int  # the store's k: --top-k in topk mode, V in full, min(--num-samples, V) in sampled
     window_len: int
     max_model_len: int
     cache_key: str
@@ -142,10 +143,10 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
         if any(s.fingerprint == fp for s in students):
             continue
         students.append(StudentSide(name=path, tokenizer=tok, fingerprint=fp, identity=fp == t_fp))
-    if c.mode == "topk" and c.top_k > vocab_size:
-        raise ConfigError(f"--top-k {c.top_k} is larger than the teacher vocabulary ({vocab_size}); "
-                          "use --mode full to store every id")
-    width = {"topk": c.top_k, "full": vocab_size, "sampled": min(c.num_samples, vocab_size)}[c.mode]
+    try:
+        k = support_width(c.mode, c.top_k, c.num_samples, vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     max_pos = int(model_cfg.get("max_position_embeddings") or model_cfg.get("text_config", {}).get(
         "max_position_embeddings") or (c.max_seq_len + 1))
     max_model_len = t.max_model_len or min(c.max_seq_len + 1, max_pos)
@@ -155,11 +156,11 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
                     c.max_seq_len, max_pos, window_len)
     if c.window_overlap > window_len - 3:
         raise ConfigError(f"--window-overlap {c.window_overlap}: must be below the window of {window_len} - 2")
-    part_bytes = cfg.store.docs_per_part * window_len * width * 8
+    part_bytes = cfg.store.docs_per_part * window_len * k * 8
     if part_bytes > 8 << 30:
         log.warning("one part may hold up to %.0f GiB of targets in memory (%d docs x %d tokens x %d ids); "
                     "lower --docs-per-part if that does not fit", part_bytes / (1 << 30), cfg.store.docs_per_part,
-                    window_len, width)
+                    window_len, k)
     boundary = sorted(s.fingerprint for s in students if not s.identity)
     s = cfg.store
     shards = obtain_plan(cfg.input.data, cfg.input.text_field, num_jobs=s.num_shards, job=s.shard_index, out=s.out,
@@ -170,7 +171,7 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
                     "corpus": shards.corpus_fingerprint, "settings": fpr.settings_fingerprint(settings)}
     key = fpr.cache_key(**fingerprints)
     out = s.out or cache_path_for(s.cache_dir, key)
-    return Plan(teacher_tok=teacher_tok, students=students, vocab_size=vocab_size, width=width,
+    return Plan(teacher_tok=teacher_tok, students=students, vocab_size=vocab_size, k=k,
                 window_len=window_len, max_model_len=max_model_len, cache_key=key, fingerprints=fingerprints,
                 settings=settings, out=out, shard_plan=shards)
 
@@ -182,7 +183,7 @@ def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
 
     groups = [AlignGroupMeta(fingerprint=s.fingerprint, tokenizer_name=s.name, vocab_size=len(s.tokenizer),
                              identity=s.identity) for s in plan.students]
-    return Manifest(cache_key=plan.cache_key, mode=cfg.capture.mode, k=plan.width, teacher_vocab_size=plan.vocab_size,
+    return Manifest(cache_key=plan.cache_key, mode=cfg.capture.mode, k=plan.k, teacher_vocab_size=plan.vocab_size,
                     num_samples=cfg.capture.num_samples if cfg.capture.mode == "sampled" else None,
                     num_writers=cfg.store.num_shards, teacher_name=cfg.teacher.teacher,
                     fingerprints=plan.fingerprints, settings=plan.settings, alignment_groups=groups,
@@ -247,7 +248,7 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
         lp_bytes = 1 if codec["topk_logprobs"]["configuration"].get("bits", 16) <= 8 else 2
     if cfg.capture.mode == "sampled":
         lp_bytes = 2  # uint16 counts
-    per_position = plan.width * (id_bytes + lp_bytes) + 4 + 8 + 1 + 4 + 4
+    per_position = plan.k * (id_bytes + lp_bytes) + 4 + 8 + 1 + 4 + 4
     raw = positions * per_position + student_tokens * 4 + chunks * 9
     return {"documents": docs, "positions": positions, "windows": windows, "skipped": skipped,
             "student_tokens": student_tokens, "chunks": chunks, "estimated_bytes_before_compression": raw,
@@ -260,15 +261,15 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
 class _PartState:
     """Per-document output arrays of one part, filled batch by batch by the post thread."""
 
-    def __init__(self, part: Part, width: int, mode: str):
+    def __init__(self, part: Part, k: int, mode: str):
         self.part = part
         self.arrays = []
         for pd in part.docs:
             T = pd.num_tokens
             self.arrays.append({
-                "has_pred": np.zeros(T, dtype=bool), "ids": np.zeros((T, width), dtype=np.int32),
-                "logprobs": None if mode == "sampled" else np.zeros((T, width), dtype=np.float32),
-                "counts": np.zeros((T, width), dtype=np.uint16) if mode == "sampled" else None,
+                "has_pred": np.zeros(T, dtype=bool), "ids": np.zeros((T, k), dtype=np.int32),
+                "logprobs": None if mode == "sampled" else np.zeros((T, k), dtype=np.float32),
+                "counts": np.zeros((T, k), dtype=np.uint16) if mode == "sampled" else None,
                 "residual": np.zeros(T, dtype=np.float32), "realized": np.full(T, np.nan, dtype=np.float32)})
 
     def records(self):
@@ -471,7 +472,7 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
                 if bar is not None:
                     bar.update(len(part.docs))
                 continue
-            state = _PartState(part, plan.width, cfg.capture.mode)
+            state = _PartState(part, plan.k, cfg.capture.mode)
             batches = part_batches(part, prep, cfg.capture.batch_tokens)
             for i, b in enumerate(batches):
                 _put(q_in, (state, b, i == len(batches) - 1), stop)
@@ -528,7 +529,7 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
                 rec = checks.read()
                 trusted = rec.model_dump() if rec is not None else (None if checks.runs_here() else {})
             try:
-                cap = open_capture(cfg, vocab_size=plan.vocab_size, width=plan.width, window_len=plan.window_len,
+                cap = open_capture(cfg, vocab_size=plan.vocab_size, k=plan.k, window_len=plan.window_len,
                                    max_model_len=plan.max_model_len, first_batch=[w.tokens for w in first[1]],
                                    engines=engines, trusted=trusted)
             except CaptureError as e:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schemas.models import support_width
 from xtcache.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -190,12 +191,13 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
     v_model = head.model_vocab if head is not None else int(rows.shape[1])
     V = min(vocab_size, v_model)
     block_rows = block_rows or max(16, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, v_model)))
-    if mode == "topk" and k > V:
-        raise CaptureError(f"--top-k {k} is larger than the teacher vocabulary ({V})")
-    width = {"topk": k, "full": V, "sampled": min(num_samples, V)}[mode]
-    ids = np.zeros((n, width), dtype=np.int32)
-    logprobs = np.zeros((n, width), dtype=np.float32) if mode != "sampled" else None
-    counts = np.zeros((n, width), dtype=np.uint16) if mode == "sampled" else None
+    try:
+        k = support_width(mode, k, num_samples, V)
+    except ValueError as e:
+        raise CaptureError(str(e)) from None
+    ids = np.zeros((n, k), dtype=np.int32)
+    logprobs = np.zeros((n, k), dtype=np.float32) if mode != "sampled" else None
+    counts = np.zeros((n, k), dtype=np.uint16) if mode == "sampled" else None
     residual = np.zeros(n, dtype=np.float32)
     realized = np.zeros(n, dtype=np.float32)
     targets = torch.as_tensor(np.asarray(targets, dtype=np.int64), device=rows.device)

@@ -2,10 +2,10 @@
 what follows from it alone (the DeepSpeed JSON, the learning-rate schedule).
 
 Every leaf field has exactly one command-line flag, its name with dashes (`kd_weight` ->
-`--kd-weight`); flag names are unique across sections, so a config file may use flat keys
-(`kd-weight: 0.5`) or nested sections (`loss: {kd_weight: 0.5}`). Precedence: flags given on the
-command line, then the `--config` file, then the defaults below. `tests/test_train_config.py`
-checks that the typer options of `stage2_student.cli.train_student` and these fields stay in sync.
+`--kd-weight`), whose help text is the field's docstring: `xtcache.cliconfig` makes the typer
+options of `xtcache train-student` from these fields. Flag names are unique across sections, so a
+config file may use flat keys (`kd-weight: 0.5`) or nested sections (`loss: {kd_weight: 0.5}`).
+Precedence: flags given on the command line, then the `--config` file, then the defaults below.
 
     from stage2_student.config import TrainConfig
     cfg = TrainConfig.from_flat({"cache": "s3://b/c", "student": "dir", "out": "run", "lr": 1e-4})
@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from xtcache.cliconfig import flatten, from_flat
 
 LOSSES = ("auto", "pkl", "kl", "rkl", "jsd", "sampled", "alm", "ce")
 """`--loss` choices. auto: pkl for cross-tokenizer caches (sampled ones too), sampled for same-tokenizer sampled caches, kl otherwise;
@@ -35,7 +37,7 @@ class LoaderConfig:
     """Windows per micro-batch on each data-parallel rank."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: read in the training process)."""
-    storage_options: str | None = None
+    storage_options: dict[str, Any] | None = None
     """JSON object of fsspec storage options for remote stores, e.g. '{"anon": true}'."""
     allow_incomplete: bool = False
     """Train on the committed parts of an incomplete store (a dump still running), saying how many of how many."""
@@ -184,17 +186,6 @@ class TrainConfig:
             raise ValueError(f"--eval-fraction {e.eval_fraction}: must lie in [0, 1)")
         if e.eval_fraction > 0 and e.eval_cache:
             raise ValueError("--eval-fraction and --eval-cache both given: choose one")
-        if lo.storage_options is not None:
-            try:
-                parsed = json.loads(lo.storage_options)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"--storage-options: not JSON ({err})") from None
-            if not isinstance(parsed, dict):
-                raise ValueError("--storage-options: must be a JSON object")
-
-    @property
-    def storage_options_dict(self) -> dict | None:
-        return None if self.loader.storage_options is None else json.loads(self.loader.storage_options)
 
     @property
     def has_eval(self) -> bool:
@@ -207,66 +198,14 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def leaf_fields(cls) -> dict[str, tuple[str | None, dataclasses.Field]]:
-        """Every flag-bearing field: name -> (section or None, field)."""
-        out: dict[str, tuple[str | None, dataclasses.Field]] = {}
-        for f in dataclasses.fields(cls):
-            section_type = _SECTIONS.get(f.name)
-            if section_type is None:
-                out[f.name] = (None, f)
-                continue
-            for sub in dataclasses.fields(section_type):
-                assert sub.name not in out, f"flag name {sub.name} used twice"
-                out[sub.name] = (f.name, sub)
-        return out
-
-    @classmethod
     def from_flat(cls, values: dict[str, Any]) -> "TrainConfig":
         """Build from flat keys (field names; dashes allowed); unknown keys raise ValueError."""
-        leaves = cls.leaf_fields()
-        top: dict[str, Any] = {}
-        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
-        for key, value in values.items():
-            name = key.replace("-", "_")
-            if name not in leaves:
-                raise ValueError(f"unknown setting {key!r}: see `xtcache train-student --help`")
-            section, _ = leaves[name]
-            (sections[section] if section else top)[name] = value
-        return cls(**top, **{name: _SECTIONS[name](**vals) for name, vals in sections.items()})
+        return from_flat(cls, values)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        """Build from `to_dict()` output or a config file (nested sections and flat keys mixed)."""
-        return cls.from_flat(flatten(data))
-
-
-_SECTIONS = {"loader": LoaderConfig, "loss": LossConfig, "optim": OptimConfig,
-             "deepspeed": DeepSpeedConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig}
-
-
-def flatten(data: dict[str, Any]) -> dict[str, Any]:
-    """Nested sections to flat keys: {"loss": {"kd_weight": 1}} -> {"kd_weight": 1}.
-
-    A section key whose value is not a dict is kept as a leaf (`deepspeed: ds.json` is the
-    --deepspeed flag, `loss: pkl` the --loss flag).
-    """
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        name = key.replace("-", "_")
-        if name in _SECTIONS and isinstance(value, dict):
-            for sub_key, sub_value in value.items():
-                flat[sub_key.replace("-", "_")] = sub_value
-        else:
-            flat[name] = value
-    return flat
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Flat settings from a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) file."""
-    from xtcache.config_file import read_mapping
-
-    data = read_mapping(path)
-    return flatten(data)
+        """Build from `to_dict()` output or a config file's mapping (nested sections and flat keys mixed)."""
+        return from_flat(cls, flatten(cls, data))
 
 
 def deepspeed_config(cfg: TrainConfig, num_params: int | None = None) -> dict:

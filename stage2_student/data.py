@@ -88,7 +88,7 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     from xtcache.fingerprint import tokenizer_fingerprint
     from xtcache.store import CacheReader
 
-    manifest = CacheReader(cfg.cache, storage_options=cfg.storage_options_dict).manifest
+    manifest = CacheReader(cfg.cache, storage_options=cfg.loader.storage_options).manifest
     student_fp = tokenizer_fingerprint(tokenizer)
     # the loader refuses a student tokenizer the cache has no alignment for, with what to run
     train, make_eval = make_loaders(cfg, tokenizer, rank, world)
@@ -134,7 +134,7 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
         raise ConfigError(f"--seq-len {cfg.loader.seq_len} is above the student's max_position_embeddings {limit} "
                           f"({cfg.student}/config.json); use --seq-len {limit} or less")
     common = dict(seq_len=cfg.loader.seq_len, micro_batch_size=cfg.loader.micro_batch_size, rank=rank,
-                  world_size=world, seed=cfg.seed, storage_options=cfg.storage_options_dict,
+                  world_size=world, seed=cfg.seed, storage_options=cfg.loader.storage_options,
                   pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
                   allow_incomplete=cfg.loader.allow_incomplete)
     fraction = cfg.eval.eval_fraction

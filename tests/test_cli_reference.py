@@ -1,13 +1,30 @@
-"""The README's CLI reference is the one the typer app generates (it cannot drift)."""
+"""The README's CLI reference and the frozen CLI surface are the ones the typer app generates.
+
+`docs/cli-surface.json` lists every command's arguments and flags with type, default and whether
+they are required or repeatable; users' scripts depend on exactly this, so a change to it must be
+deliberate: regenerate with `python -m xtcache.clidoc --write` and review the diff.
+"""
+
+import json
 
 from xtcache import clidoc
+
+REGENERATE = "run `python -m xtcache.clidoc --write` and review the diff (README.md, docs/cli-surface.json)"
 
 
 def test_readme_cli_reference_matches_the_app():
     text = clidoc.README.read_text(encoding="utf-8")
-    assert clidoc.readme_section(text) == clidoc.cli_reference_markdown(), (
-        "README.md's CLI reference is stale: run `python -m xtcache.clidoc --write`"
-    )
+    assert clidoc.readme_section(text) == clidoc.cli_reference_markdown(), f"README.md's CLI reference is stale: {REGENERATE}"
+
+
+def test_cli_surface_is_frozen():
+    frozen = json.loads(clidoc.SURFACE.read_text(encoding="utf-8"))
+    now = json.loads(clidoc.cli_surface_json())
+    changes = [f"{cmd} {name}: {frozen.get(cmd, {}).get(name)} -> {now.get(cmd, {}).get(name)}"
+               for cmd in sorted(set(frozen) | set(now))
+               for name in sorted(set(frozen.get(cmd, {})) | set(now.get(cmd, {})))
+               if frozen.get(cmd, {}).get(name) != now.get(cmd, {}).get(name)]
+    assert not changes, "the command-line surface changed:\n  " + "\n  ".join(changes) + f"\nIf deliberate: {REGENERATE}"
 
 
 def test_every_command_is_documented():

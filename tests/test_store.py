@@ -231,10 +231,11 @@ def test_uncommitted_part_is_invisible(tmp_path):
 
 def test_bad_inputs_raise_xtcache_errors(tmp_path):
     rng = np.random.default_rng(6)
-    with pytest.raises(XtcacheError, match="k=9 is larger than the teacher vocabulary"):
-        CacheWriter(str(tmp_path / "a"), manifest(k=9, V=8))
-    with pytest.raises(XtcacheError, match="full mode stores every id"):
-        CacheWriter(str(tmp_path / "b"), manifest(mode="full", k=8, V=10))
+    with pytest.raises(ValueError, match="--top-k 9 is larger than the teacher vocabulary"):
+        manifest(k=9, V=8)
+    for mode, k in (("full", 8), ("sampled", 11)):
+        with pytest.raises(ValueError, match=f"mode {mode}: k={k} does not fit the teacher vocabulary 10"):
+            manifest(mode=mode, k=k, V=10)
     doc = make_doc(rng, 0, 5, 8, 5000)
     doc.topk_ids[2, 3] = 5000
     with CacheWriter(str(tmp_path / "c"), manifest(V=5000)) as w:

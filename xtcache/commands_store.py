@@ -15,19 +15,7 @@ from typing import Any
 
 import typer
 
-
-def _options(storage_options: str | None) -> dict | None:
-    from xtcache.errors import ConfigError
-
-    if not storage_options:
-        return None
-    try:
-        value = json.loads(storage_options)
-    except ValueError as e:
-        raise ConfigError(f"--storage-options {storage_options!r} is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError("--storage-options must be a JSON object, e.g. '{\"anon\": true}'")
-    return value
+from xtcache.cliconfig import STORAGE_OPTIONS_HELP, parse_storage_options
 
 
 def _human(n: float) -> str:
@@ -81,10 +69,10 @@ def store_summary(url: str, storage_options: dict | None = None) -> dict[str, An
 
 def inspect(
     store: str = typer.Argument(..., help="Store path or fsspec URL."),
-    storage_options: str = typer.Option(None, "--storage-options", help="fsspec storage options as JSON."),
+    storage_options: str = typer.Option(None, "--storage-options", help=STORAGE_OPTIONS_HELP),
 ) -> None:
     """Print what a teacher-cache store holds: sizes, compression, alignment groups, fingerprints."""
-    s = store_summary(store, _options(storage_options))
+    s = store_summary(store, parse_storage_options(storage_options))
     m = s["manifest"]
     P = max(1, s["positions"])
     print(f"store           {store}")
@@ -225,12 +213,12 @@ def outside_plan(data, owned: dict, writer: int, url: str) -> list[str]:
 def verify(
     store: str = typer.Argument(..., help="Store path or fsspec URL."),
     all_problems: bool = typer.Option(False, "--all", help="List every problem instead of stopping at the first."),
-    storage_options: str = typer.Option(None, "--storage-options", help="fsspec storage options as JSON."),
+    storage_options: str = typer.Option(None, "--storage-options", help=STORAGE_OPTIONS_HELP),
 ) -> None:
     """Read every committed part with every check on (checksums, counts, schema, format version,
     alignment coverage, lost parts); exit 1 on a problem. A store whose writers are still running is
     reported as incomplete (exit 0 when its committed parts check out)."""
-    problems = verify_store(store, _options(storage_options), stop_first=not all_problems)
+    problems = verify_store(store, parse_storage_options(storage_options), stop_first=not all_problems)
     if problems:
         for p in problems:
             typer.echo(f"error: {p}", err=True)
@@ -239,7 +227,7 @@ def verify(
         raise SystemExit(1)  # not typer.Exit: xtcache.cli.main runs click with standalone_mode=False
     from xtcache.store import CacheReader
 
-    r = CacheReader(store, _options(storage_options))
+    r = CacheReader(store, parse_storage_options(storage_options))
     reasons = r.incomplete()
     typer.echo(f"{store}: OK ({len(r.shards)} shards, {sum(s.num_positions for s in r.shards):,} positions, "
                f"{'incomplete' if reasons else 'complete'})")
@@ -249,7 +237,7 @@ def verify(
 
 def cache_ls(
     cache_dir: str = typer.Option("~/.cache/xtcache", "--cache-dir", help="Directory (or URL) holding caches."),
-    storage_options: str = typer.Option(None, "--storage-options", help="fsspec storage options as JSON."),
+    storage_options: str = typer.Option(None, "--storage-options", help=STORAGE_OPTIONS_HELP),
 ) -> None:
     """List the teacher caches under a cache directory."""
     import os
@@ -258,7 +246,7 @@ def cache_ls(
 
     if "://" not in cache_dir:
         cache_dir = os.path.expanduser(cache_dir)
-    infos = list_caches(cache_dir, _options(storage_options))
+    infos = list_caches(cache_dir, parse_storage_options(storage_options))
     if not infos:
         typer.echo(f"no caches under {cache_dir}")
         return

@@ -58,9 +58,7 @@ def missing_parts(done: dict[int, WriterDone], shards: list[ShardMeta]) -> dict[
 
 
 def _check_manifest(m: Manifest, url: str) -> None:
-    if m.k > m.teacher_vocab_size or (m.mode == "full" and m.k != m.teacher_vocab_size):
-        raise CorruptionError(f"store {url}: manifest.json is inconsistent: mode {m.mode} k={m.k} with teacher "
-                              f"vocabulary {m.teacher_vocab_size}")
+    # k against the vocabulary: Manifest's own validator (schemas.models.support_width)
     need = {"topk_ids"} | ({"topk_logprobs"} if m.mode != "sampled" else set())
     if not need <= set(m.codecs):
         raise CorruptionError(f"store {url}: manifest.json names no transform for {sorted(need - set(m.codecs))} "

@@ -68,12 +68,6 @@ class CacheWriter:
         if not manifest.codecs:
             manifest.codecs = {k: CodecConfig(**v) for k, v in
                                codecs.default_codecs(manifest.mode, manifest.teacher_vocab_size).items()}
-        if manifest.mode == "full" and manifest.k != manifest.teacher_vocab_size:
-            raise XtcacheError(f"full mode stores every id: k={manifest.k} must equal the vocab size "
-                               f"{manifest.teacher_vocab_size}")
-        if manifest.k > manifest.teacher_vocab_size:
-            raise XtcacheError(f"k={manifest.k} is larger than the teacher vocabulary "
-                               f"({manifest.teacher_vocab_size}); use --top-k at most the vocab size")
         if manifest.mode != "sampled" and "topk_logprobs" not in manifest.codecs:
             raise XtcacheError(f"mode {manifest.mode!r} needs a 'topk_logprobs' codec in the manifest")
         if not manifest.created:
