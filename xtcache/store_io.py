@@ -39,7 +39,10 @@ def read_model(model, raw: dict, where: str):
     try:
         return model.model_validate(raw)
     except ValidationError as e:
-        raise StoreError(f"{where} does not match the xtcache schema: {e}") from None
+        first = e.errors()[0]
+        field = ".".join(str(x) for x in first.get("loc", ())) or "(the object)"
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise StoreError(f"{where} does not match the xtcache schema: {field}: {first.get('msg', '')}{more}") from None
 
 
 def is_local(path: str) -> bool:
