@@ -149,7 +149,7 @@ def main() -> None:
 
     setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
     student = args.student_tokenizer or str(setup.student_tokenizer)
-    texts = [json.loads(l)["text"] for l in open(setup.train_jsonl)][:args.docs]
+    texts = [json.loads(line)["text"] for line in open(setup.train_jsonl)][:args.docs]
     if args.teacher:
         teachers = {Path(args.teacher).name: args.teacher}
     else:

@@ -39,7 +39,7 @@ class LiveBytes:
     """Peak bytes of tensor storages created while active and still referenced (CPU stand-in)."""
 
     def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC2701 (torch has no public name for it)
 
         tracker = self
 
@@ -55,7 +55,7 @@ class LiveBytes:
 
     def _see(self, out) -> None:
         import torch
-        from torch.utils._pytree import tree_flatten
+        from torch.utils._pytree import tree_flatten  # noqa: PLC2701 (torch has no public name for it)
 
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided:

@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 
 def _teacher_tokenizer(reader, teacher_tokenizer: str | None):
     """The store's teacher tokenizer when it can be found (for byte checks); None otherwise."""
-    from xtcache.tokenizer import load_tokenizer
     from xtcache.fingerprint import tokenizer_fingerprint
+    from xtcache.tokenizer import load_tokenizer
 
     path = teacher_tokenizer or reader.manifest.teacher_name
     want = reader.manifest.fingerprints.get("teacher_tokenizer")
@@ -45,10 +45,10 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
     """Write the alignment group of one student tokenizer for every committed part; returns stats."""
     from schemas.models import AlignGroupMeta
     from stage1_teacher.prep import _encode
-    from xtcache.tokenizer import load_tokenizer
     from xtcache.align import identity_alignment, tokenizer_info
     from xtcache.fingerprint import tokenizer_fingerprint
     from xtcache.store import AlignmentRecord, CacheReader, CacheWriter
+    from xtcache.tokenizer import load_tokenizer
 
     reader = reader or CacheReader(url, storage_options)
     student_tok = student_tok or load_tokenizer(student_path, "student tokenizer")

@@ -180,7 +180,7 @@ def _iter_arrow(f, path: str, source: str, text_field: str, batch_rows: int):
             row += batch.num_rows
 
 
-def _lines(f, block: int = 1 << 22):
+def read_lines(f, block: int = 1 << 22):
     """Lines of a binary file (without the newline), read in 4 MiB blocks: remote files' readline
     would copy their whole read-ahead buffer for every line."""
     tail = b""
@@ -196,7 +196,7 @@ def _lines(f, block: int = 1 << 22):
 
 
 def _iter_jsonl(f, source: str, text_field: str):
-    for row, line in enumerate(_lines(f)):
+    for row, line in enumerate(read_lines(f)):
         try:
             obj = json.loads(line.decode("utf-8"))
         except UnicodeDecodeError:
@@ -215,7 +215,7 @@ def _iter_jsonl(f, source: str, text_field: str):
 
 
 def _iter_text(f, source: str):
-    for row, line in enumerate(_lines(f)):
+    for row, line in enumerate(read_lines(f)):
         yield _text_of(source, row, line.rstrip(b"\r"))
 
 

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from schemas.models import support_width
 from stage1_teacher import preflight
 from stage1_teacher.capture import needs_check
 from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
 from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.prep import Part, Preparer, StudentSide, iter_parts, part_batches
 from stage1_teacher.shard_plan import PLAN_FILE, obtain_plan
-from schemas.models import support_width
 from stage1_teacher.windows import window_has_pred
 from xtcache.errors import CaptureError, ConfigError, CorruptionError, StoreError
 from xtcache.tokenizer import load_tokenizer
@@ -177,9 +177,8 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
 
 
 def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
-    from schemas.models import AlignGroupMeta, Manifest
-
     import xtcache
+    from schemas.models import AlignGroupMeta, Manifest
 
     groups = [AlignGroupMeta(fingerprint=s.fingerprint, tokenizer_name=s.name, vocab_size=len(s.tokenizer),
                              identity=s.identity) for s in plan.students]
@@ -295,7 +294,7 @@ def _put(q: queue.Queue, item, stop: threading.Event) -> float:
             return time.perf_counter() - t0
         except queue.Full:
             if stop.is_set():
-                raise _Stopped()
+                raise _Stopped() from None
 
 
 def _get(q: queue.Queue, stop: threading.Event):
@@ -304,7 +303,7 @@ def _get(q: queue.Queue, stop: threading.Event):
             return q.get(timeout=0.2)
         except queue.Empty:
             if stop.is_set():
-                raise _Stopped()
+                raise _Stopped() from None
 
 
 class _Stopped(Exception):

@@ -163,10 +163,10 @@ def plan_shards(files: list[FileEntry], num_jobs: int, corpus_fingerprint: str =
 
 def list_corpus(urls: list[str], text_field: str, storage_options: dict | None = None) -> list[FileEntry]:
     """The planner's listing: sizes, and for Parquet the row groups from the footer (no data pages)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from stage1_teacher.corpus import check_sources, file_format
     from xtcache.store_io import file_system, is_local
-
-    from concurrent.futures import ThreadPoolExecutor
 
     names = check_sources(urls, storage_options)
 

@@ -145,7 +145,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        o, lo, l, d, c, e = self.optim, self.loader, self.loss, self.deepspeed, self.checkpoint, self.eval
+        o, lo, loss, d, c, e = self.optim, self.loader, self.loss, self.deepspeed, self.checkpoint, self.eval
         positive = {"--seq-len": lo.seq_len, "--micro-batch-size": lo.micro_batch_size,
                     "--grad-accum": o.grad_accum, "--max-steps": o.max_steps}
         for flag, value in positive.items():
@@ -157,8 +157,8 @@ class TrainConfig:
                         "--save-every": c.save_every, "--eval-every": e.eval_every,
                         "--export-every": c.export_every, "--keep-checkpoints": c.keep_checkpoints,
                         "--eval-batches": e.eval_batches, "--grad-clip": o.grad_clip,
-                        "--weight-decay": o.weight_decay, "--kd-weight": l.kd_weight,
-                        "--ce-weight": l.ce_weight}
+                        "--weight-decay": o.weight_decay, "--kd-weight": loss.kd_weight,
+                        "--ce-weight": loss.ce_weight}
         for flag, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"{flag} {value}: must not be negative")
@@ -168,17 +168,17 @@ class TrainConfig:
             raise ValueError(f"--min-lr-ratio {o.min_lr_ratio}: must lie in [0, 1]")
         if o.warmup_steps > o.max_steps:
             raise ValueError(f"--warmup-steps {o.warmup_steps}: more than --max-steps {o.max_steps}")
-        if l.loss not in LOSSES:
-            raise ValueError(f"--loss {l.loss!r}: choose one of {', '.join(LOSSES)}")
-        if l.temperature <= 0:
-            raise ValueError(f"--temperature {l.temperature}: must be positive")
-        if not 0.0 < l.jsd_beta < 1.0:
-            raise ValueError(f"--jsd-beta {l.jsd_beta}: must lie strictly between 0 and 1")
-        if l.alm_tau <= 0:
-            raise ValueError(f"--alm-tau {l.alm_tau}: must be positive")
-        if l.loss == "ce" and l.ce_weight == 0:
+        if loss.loss not in LOSSES:
+            raise ValueError(f"--loss {loss.loss!r}: choose one of {', '.join(LOSSES)}")
+        if loss.temperature <= 0:
+            raise ValueError(f"--temperature {loss.temperature}: must be positive")
+        if not 0.0 < loss.jsd_beta < 1.0:
+            raise ValueError(f"--jsd-beta {loss.jsd_beta}: must lie strictly between 0 and 1")
+        if loss.alm_tau <= 0:
+            raise ValueError(f"--alm-tau {loss.alm_tau}: must be positive")
+        if loss.loss == "ce" and loss.ce_weight == 0:
             raise ValueError("--loss ce with --ce-weight 0: nothing to train on; give --ce-weight > 0")
-        if l.loss != "ce" and l.kd_weight == 0 and not l.dynamic_scaling and l.ce_weight == 0:
+        if loss.loss != "ce" and loss.kd_weight == 0 and not loss.dynamic_scaling and loss.ce_weight == 0:
             raise ValueError("--kd-weight 0 and --ce-weight 0: nothing to train on")
         if d.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {d.zero_stage}: choose 0, 1, 2 or 3")

@@ -28,8 +28,15 @@ from stage2_student.data import StageData, open_stage_data
 from stage2_student.evaluation import evaluate
 from stage2_student.export import export_hf
 from stage2_student.losses import NoValidChunksError
-from stage2_student.student import (count_parameters, load_student, load_tokenizer, model_inputs,  # noqa: F401
-                                    setup_distributed, teardown_distributed, to_device)
+from stage2_student.student import (  # noqa: F401
+    count_parameters,
+    load_student,
+    load_tokenizer,
+    model_inputs,
+    setup_distributed,
+    teardown_distributed,
+    to_device,
+)
 from xtcache.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xtcache.align import (Alignment, align_batch, align_offsets, align_text, align_texts, alignment_stats,
-                           encode_with_offsets, identity_alignment, tokenizer_info)
+from xtcache.align import (
+    Alignment,
+    align_batch,
+    align_offsets,
+    align_text,
+    align_texts,
+    alignment_stats,
+    encode_with_offsets,
+    identity_alignment,
+    tokenizer_info,
+)
 from xtcache.errors import AlignmentError, XtcacheError
 
 PIECES = ["a", "Z", "é", "ß", "ñ", "ж", "Ω", "ا", "ب", "中", "文", "字", "日本", "😀", "👍🏽", "🇫🇷", "\u0301",

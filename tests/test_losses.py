@@ -514,7 +514,7 @@ def test_the_objective_never_reads_a_tensor_back(monkeypatch):
 
 def test_one_logits_sized_gradient_buffer_in_backward():
     """KD and CE share one pass and one [N, V] gradient buffer."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC2701 (torch has no public name for it)
 
     gen = torch.Generator().manual_seed(16)
     n = 12

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.test_train_kd import run_stage2
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ import pytest
 from stage1_teacher.config import build_config
 from stage1_teacher.corpus import Document, iter_corpus
 from stage1_teacher.dump import run_teacher_dump
-from stage1_teacher.shard_plan import (FileEntry, ShardPlan, build_plan, launcher_index, obtain_plan, plan_shards)
+from stage1_teacher.shard_plan import FileEntry, ShardPlan, build_plan, launcher_index, obtain_plan, plan_shards
 from xtcache.errors import ConfigError, StoreError
 
 # ------------------------------------------------------------------------------ the plan itself
@@ -223,7 +223,7 @@ def mixed_corpus(toy_setup, tmp_path_factory):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    texts = [json.loads(l)["text"] for l in open(toy_setup.heldout_jsonl)][:30]
+    texts = [json.loads(line)["text"] for line in open(toy_setup.heldout_jsonl)][:30]
     root = tmp_path_factory.mktemp("mixed")
     a = root / "a.parquet"
     pq.write_table(pa.table({"text": texts[:10] + [None, ""]}), a, row_group_size=3)

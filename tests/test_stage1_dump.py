@@ -32,7 +32,7 @@ QUANT_TOL = 24.0 / 255 / 2 + 1e-4  # half a step of the default 8-bit log-prob c
 def corpus(toy_setup, tmp_path_factory):
     """24 held-out documents plus rows that must be skipped."""
     path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
-    texts = [json.loads(l)["text"] for l in open(toy_setup.heldout_jsonl)][:24]
+    texts = [json.loads(line)["text"] for line in open(toy_setup.heldout_jsonl)][:24]
     with open(path, "wb") as f:
         for i, t in enumerate(texts):
             f.write((json.dumps({"text": t}) + "\n").encode())
@@ -361,7 +361,7 @@ def test_two_jobs_fill_disjoint_shards_concurrently(teacher, corpus, toy_setup, 
             "--num-shards", "2"]
     jobs = [_cli(base + ["--shard-index", str(i)]) for i in (1, 0)]  # writer 1 waits for writer 0's plan
     logs = [j.communicate(timeout=300)[0].decode() for j in jobs]
-    assert [j.returncode for j in jobs] == [0, 0], "\n".join(l[-2000:] for l in logs)
+    assert [j.returncode for j in jobs] == [0, 0], "\n".join(log[-2000:] for log in logs)
     r, shards = read_all(out)
     assert r.is_complete() and verify_store(str(out)) == []
     writers = {m.writer_index for m in r.shards}

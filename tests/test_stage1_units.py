@@ -18,7 +18,6 @@ from stage1_teacher.windows import common_boundaries, plan_windows, window_has_p
 from xtcache.cliconfig import read_config_file
 from xtcache.errors import ConfigError
 
-
 # ------------------------------------------------------------------------------------ windows
 
 
@@ -350,11 +349,11 @@ def test_lines_across_block_boundaries_and_file_url_globs(tmp_path):
     import io
 
     from stage1_teacher.config import expand_globs
-    from stage1_teacher.corpus import _lines
+    from stage1_teacher.corpus import read_lines
 
     data = b'{"text": "a"}\n\n{"text": "bc"}\r\nlast'
-    assert list(_lines(io.BytesIO(data), block=3)) == data.split(b"\n")
-    assert list(_lines(io.BytesIO(data + b"\n"), block=5)) == data.split(b"\n")
+    assert list(read_lines(io.BytesIO(data), block=3)) == data.split(b"\n")
+    assert list(read_lines(io.BytesIO(data + b"\n"), block=5)) == data.split(b"\n")
     for name in ("b.jsonl", "a.jsonl"):
         (tmp_path / name).write_text('{"text": "x"}\n')
     assert expand_globs([f"file://{tmp_path}/*.jsonl"]) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]

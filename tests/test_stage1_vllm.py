@@ -32,7 +32,7 @@ QUANT_TOL = 24.0 / 255 / 2 + 1e-3  # half a step of the 8-bit log-prob codec, pl
 @pytest.fixture(scope="module")
 def corpus(toy_setup, tmp_path_factory):
     path = tmp_path_factory.mktemp("vcorpus") / "docs.jsonl"
-    texts = [json.loads(l)["text"] for l in open(toy_setup.heldout_jsonl)][:16]
+    texts = [json.loads(line)["text"] for line in open(toy_setup.heldout_jsonl)][:16]
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return str(path)
 

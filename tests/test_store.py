@@ -19,7 +19,14 @@ from schemas.models import FORMAT_VERSION, AlignGroupMeta, Manifest
 from xtcache.codecs import FloatLogProbs, QuantizedLogProbs, SortedDeltaIds
 from xtcache.errors import CorruptionError, FormatVersionError, StoreError, XtcacheError
 from xtcache.store import (
-    AlignmentRecord, CacheReader, CacheWriter, DocRecord, cache_path_for, find_cache, list_caches, shard_id,
+    AlignmentRecord,
+    CacheReader,
+    CacheWriter,
+    DocRecord,
+    cache_path_for,
+    find_cache,
+    list_caches,
+    shard_id,
 )
 
 
@@ -437,8 +444,9 @@ def test_xtcache_verify_exit_status(tmp_path):
     url = str(tmp_path / "cache")
     with CacheWriter(url, manifest(V=5000)) as w:
         w.write_part(0, [make_doc(rng, 0, 30, 8, 5000)])
-    run = lambda *a: subprocess.run([sys.executable, "-m", "xtcache.cli", *a], capture_output=True, text=True,
-                                    timeout=120)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "xtcache.cli", *a], capture_output=True, text=True, timeout=120)
+
     good = run("verify", url)
     assert good.returncode == 0, good.stderr
     chunk = next(p for p in (tmp_path / "cache" / "shards" / shard_id(0, 0) / "char_offsets" / "c").rglob("*")

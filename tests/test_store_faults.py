@@ -25,10 +25,9 @@ import numpy as np
 import pytest
 
 from schemas.arrays import ALIGN_ARRAYS, teacher_arrays
+from tests.test_loader import _write_store
 from xtcache.errors import XtcacheError
 from xtcache.store import CacheReader, shard_id
-
-from tests.test_loader import _write_store
 
 PART = shard_id(0, 1)  # the damaged part (the second of two)
 

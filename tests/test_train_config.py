@@ -16,6 +16,7 @@ from stage2_student.config import TrainConfig, deepspeed_config, lr_lambda
 from xtcache.cliconfig import read_config_file
 from xtcache.errors import ConfigError
 
+
 def test_flags_override_config_file_and_file_overrides_defaults(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr("stage2_student.trainer.train", lambda cfg: seen.update(cfg=cfg))

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.test_train_kd import REPO, run_stage2
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 import logging
 import weakref
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 

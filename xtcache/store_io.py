@@ -19,7 +19,6 @@ from schemas.models import FORMAT_VERSION
 from xtcache.errors import CorruptionError, FormatVersionError, StoreError
 
 
-
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 

@@ -12,7 +12,13 @@ Split along the store contract (`schemas/STORE_FORMAT.md`):
 """
 
 from schemas.models import (
-    FORMAT_VERSION, AlignGroupMeta, AlignPartMeta, ArraySpec, CodecConfig, Manifest, ShardMeta,
+    FORMAT_VERSION,
+    AlignGroupMeta,
+    AlignPartMeta,
+    ArraySpec,
+    CodecConfig,
+    Manifest,
+    ShardMeta,
 )
 from xtcache.store.caches import CacheInfo, cache_path_for, find_cache, list_caches
 from xtcache.store.reader import CacheReader

@@ -16,14 +16,21 @@ import numpy as np
 
 from schemas.arrays import ALIGN_ARRAYS, teacher_arrays
 from schemas.models import (
-    FORMAT_VERSION, AlignGroupMeta, AlignPartMeta, CodecConfig, DocId, Manifest, ShardMeta, WriterClaim, WriterDone,
+    FORMAT_VERSION,
+    AlignGroupMeta,
+    AlignPartMeta,
+    CodecConfig,
+    DocId,
+    Manifest,
+    ShardMeta,
+    WriterClaim,
+    WriterDone,
 )
 from xtcache import codecs
 from xtcache.errors import FormatVersionError, StoreError, XtcacheError
 from xtcache.store.arrays import concat as _concat
-from xtcache.store.arrays import default_compression, write_array
+from xtcache.store.arrays import default_compression, read_arrays, write_array
 from xtcache.store.arrays import offsets as _offsets
-from xtcache.store.arrays import read_arrays
 from xtcache.store.reader import list_shards
 from xtcache.store.records import AlignmentRecord, DocRecord
 from xtcache.store_io import Location, check_version, now_iso, read_model
