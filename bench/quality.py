@@ -8,7 +8,7 @@
 Every row trains the same student for the same steps, on the same windows in the same order,
 with the same optimizer (AdamW, warmup + cosine), through the product's own trainer: what
 `xtcache train-student` runs (`stage2_student.trainer`: `open_stage_data`, `Trainer`, DeepSpeed
-ZeRO-2 on one rank, the product's loader and `make_kd_loss`), in this process, one row after the
+ZeRO-2 on one rank, the product's loader and `Objective`), in this process, one row after the
 other in one process group (no subprocess start per row). A row differs from the others only in
 what fills the teacher side of each batch:
 
@@ -25,8 +25,8 @@ How the identical loop is kept: every row gets its `StageData` from the product'
 packing depends on the student tokens, which are the same in every same-tokenizer store, checked
 below) and `LiveTeacher` replaces the teacher arrays of each micro-batch by the teacher's
 log-probs over all its tokenizer's ids, exactly the arrays a full-vocabulary store holds (the
-lm_head's padding columns go to the residual), unquantized. The renormalised row swaps the KD
-function for `kd_sum("renorm", ...)`. Nothing else changes. One difference is inherent: the
+lm_head's padding columns go to the residual), unquantized. The renormalised row swaps the
+objective for `RenormalisedTopK`, the product's objective fed renormalised targets. Nothing else changes. One difference is inherent: the
 packer splits documents across windows, and the student reads each piece without the text before
 it; the teacher in the loop reads what the student reads, while the cache's teacher read whole
 documents (windows of 512 tokens), so pieces after a split get targets with more context from a
@@ -123,40 +123,66 @@ QUICK = Settings(steps=6, warmup_steps=2, train_docs=24, heldout_docs=8, eval_ba
 
 
 # --------------------------------------------------------------------------------------------
-# the one place the bench calls the product's losses
+# the one place the bench builds the product's objective
 
 
-def kd_sum(loss: str, logits, batch: dict, projection=None):
-    """Sum over the batch's valid chunks of the KD term `loss`, from stage2_student.losses.
+def chunk_rows(batch: dict):
+    """Flat logit position of each teacher row of a same-tokenizer batch (chunk c has one logit)."""
+    import torch
 
-    kl / sampled / pkl / alm are `losses.make_kd_loss` as the trainer builds it. "renorm" is the
-    peers' top-k loss built from the product's primitives: KL(p_K || q_K) with the teacher's and
-    the student's probabilities both renormalised over the k stored ids and no rest bucket.
+    sc = batch["student_chunk"].reshape(-1)
+    pos = torch.nonzero(sc >= 0).squeeze(1)
+    at = torch.empty_like(pos)
+    at[sc[pos]] = pos
+    return at[batch["teacher_chunk"]]
+
+
+def make_objective(loss: str, projection=None):
+    """The product's `Objective` of a row (what its training minimises: KD x 1.0 + CE x 0.1, or CE only)."""
+    from stage2_student.objective import Objective
+
+    if loss == "renorm":
+        return _renormalised_topk()(kd_weight=KD_WEIGHT, ce_weight=CE_WEIGHT)
+    if loss == "ce":
+        return Objective(None, ce_weight=1.0)
+    return Objective({"online": "kl"}.get(loss, loss), kd_weight=KD_WEIGHT, ce_weight=CE_WEIGHT, projection=projection)
+
+
+def _renormalised_topk():
+    """The comparison row's objective class (the peers' top-k loss, not an xtcache loss), built on the product's.
+
+    KL(p_K || q_K), teacher and student both renormalised over the k stored ids, no rest bucket:
+    the product's KL objective with the teacher's residual set to 0 (its support alone, renormalised)
+    and, for the KD term only, the student's logits outside the k ids lowered by 1e4 (their
+    probability is then exactly 0 in fp32, so its softmax is its renormalisation over the k ids).
+    CE and top-1 agreement read the unchanged logits.
     """
     import torch
 
-    from stage2_student import losses
+    from stage2_student.objective import Objective
 
-    if loss != "renorm":
-        return losses.make_kd_loss(loss, projection=projection)(logits, batch)
-    c = int(batch["num_chunks"])
-    flat = logits.reshape(-1, logits.shape[-1])
-    rows = losses.same_tokenizer_rows(batch["student_chunk"], c)[batch["teacher_chunk"]]
-    log_q = losses.student_support_logprobs(flat, rows, batch["teacher_ids"])  # [R, k], exact full-vocab log q
-    log_q = log_q - torch.logsumexp(log_q, dim=-1, keepdim=True)
-    log_p, _ = losses.temper_teacher(batch["teacher_logprobs"], torch.zeros_like(batch["teacher_residual"]))
-    return (log_p.exp() * (log_p - log_q.to(log_p.dtype))).sum()
+    class RenormalisedTopK(Objective):
+        def __init__(self, **kw):
+            super().__init__("kl", **kw)
+            self.kind = "renorm"  # its own name in the metrics; the evaluation then measures KL apart
 
+        def prepare(self, batch, *, vocab):
+            zero = {"teacher_residual": torch.zeros_like(batch["teacher_residual"])}
+            prep = super().prepare({**batch, **zero}, vocab=vocab)
+            prep.teacher["renorm_at"] = chunk_rows(batch)  # travels to the device with the teacher arrays
+            return prep
 
-def objective(loss: str, logits, batch: dict, projection=None):
-    """The training objective of a row on one batch (means over this batch): what the trainer minimises."""
-    from stage2_student import losses
+        def sums(self, logits, prep):
+            flat = logits.reshape(-1, logits.shape[-1])
+            ids, at = prep.teacher["teacher_ids"], prep.teacher["renorm_at"]
+            valid = ids >= 0
+            low = torch.full_like(flat, -1e4)
+            low[at[:, None].expand_as(ids)[valid], ids[valid]] = 0.0
+            kd, _ = super().sums(flat + low, prep)
+            _, ce = super().sums(flat, prep)
+            return kd, ce
 
-    ce = losses.cross_entropy(logits, batch["labels"])
-    if loss == "ce":
-        return ce.total / ce.count
-    kd = kd_sum(loss, logits, batch, projection)
-    return KD_WEIGHT * kd / int(batch["num_chunks"]) + CE_WEIGHT * ce.total / ce.count
+    return RenormalisedTopK
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,14 +207,12 @@ class LiveTeacher:
     def fill(self, batch: dict, *, renormalise: bool = False) -> dict:
         import torch
 
-        from stage2_student import losses
-        from stage2_student.trainer import model_inputs
+        from stage2_student.student import model_inputs
 
         with torch.no_grad():
             logp = torch.log_softmax(self.model(**model_inputs(batch)).logits.float(), dim=-1)
         logp = logp.reshape(-1, logp.shape[-1])
-        c = int(batch["num_chunks"])
-        rows = losses.same_tokenizer_rows(batch["student_chunk"], c)[batch["teacher_chunk"]]  # [R]
+        rows = chunk_rows(batch)  # [R]
         lp = logp[rows]  # [R, V_head]
         out = dict(batch)
         out["teacher_ids"] = torch.arange(self.vocab).expand(rows.numel(), self.vocab)
@@ -275,7 +299,9 @@ def train_row(row: Row, store: str, student: Path, out: Path, s: Settings, seed:
               projection: Path | None = None) -> dict:
     """One row through the product's trainer; returns its summary (hf_dir: the final student)."""
     from stage2_student.config import TrainConfig
-    from stage2_student.trainer import Trainer, load_tokenizer, open_stage_data, setup_distributed
+    from stage2_student.data import open_stage_data
+    from stage2_student.student import load_tokenizer, setup_distributed
+    from stage2_student.trainer import Trainer
 
     shutil.rmtree(out, ignore_errors=True)
     flat = {"cache": store, "student": str(student), "out": str(out), "seed": seed, "seq_len": s.seq_len,
@@ -293,8 +319,7 @@ def train_row(row: Row, store: str, student: Path, out: Path, s: Settings, seed:
         if row.loss == "online":
             data.train = LiveStream(data.train, teacher)
         elif row.loss == "renorm":
-            data.kd = lambda logits, batch: kd_sum("renorm", logits, batch)
-            data.kd_name = "renorm"
+            data.objective = make_objective("renorm")
         return data
 
     t0 = time.perf_counter()
@@ -333,34 +358,38 @@ def load_model(path):
 
 
 def heldout(model, evals: list[dict], loss: str, projection=None) -> dict:
-    """Held-out KL (sum over chunks / chunks, `loss` against full-vocabulary targets) and CE."""
+    """Held-out KL (the objective's `loss` term summed over chunks / chunks, against full-vocabulary
+    targets) and CE (per labelled token), both from the product's `Objective`."""
     import torch
 
-    from stage2_student import losses
-    from stage2_student.trainer import model_inputs
+    from stage2_student.objective import Objective
+    from stage2_student.student import model_inputs
 
+    measure = Objective(loss, ce_weight=0.0, projection=projection)
     kl = chunks = ce = tokens = 0.0
     model.eval()
     with torch.no_grad():
         for b in evals:
             logits = model(**model_inputs(b)).logits
-            kl += float(kd_sum(loss, logits, b, projection))
-            chunks += int(b["num_chunks"])
-            c = losses.cross_entropy(logits, b["labels"])
-            ce, tokens = ce + float(c.total), tokens + float(c.count)
+            kd_sum, ce_sum = measure.sums(logits, measure.prepare(b, vocab=logits.shape[-1]))
+            c, t = measure.counts(b)
+            kl, chunks, ce, tokens = kl + float(kd_sum), chunks + c, ce + float(ce_sum), tokens + t
     return {"kl": kl / chunks, "ce": ce / tokens}
 
 
 def gradient(model, loss: str, probes: list[dict], projection=None):
     import torch
 
-    from stage2_student.trainer import model_inputs
+    from stage2_student.student import model_inputs
 
+    obj = make_objective(loss, projection)
     params = [p for p in model.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
     model.train()
-    for b in probes:
-        value = objective(loss, model(**model_inputs(b)).logits, b, projection)
+    for b in probes:  # the objective of each batch alone: normalised by its own chunks and tokens
+        logits = model(**model_inputs(b)).logits
+        chunks, tokens = obj.counts(b)
+        value, _ = obj(logits, obj.prepare(b, vocab=logits.shape[-1]), chunks_total=chunks, tokens_total=tokens)
         for t, g in zip(total, torch.autograd.grad(value, params)):
             t += g
     return torch.cat([t.reshape(-1) for t in total])
@@ -384,9 +413,10 @@ def run(args) -> dict:
     import torch
 
     from stage2_student.losses import ProjectionOperator
-    from xtcache import demo, projection as xproj
-    from xtcache.testing import toy
+    from xtcache import demo
+    from xtcache import projection as xproj
     from xtcache.store import CacheReader
+    from xtcache.testing import toy
     from xtcache.tokenizer import load_tokenizer
 
     s = QUICK if args.quick else Settings(steps=args.steps, seq_len=args.seq_len, seeds=args.seeds, lr=args.lr,

@@ -116,8 +116,13 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     log.info("cache %s: mode %s k=%d, %s-tokenizer, KD loss %s%s", cfg.cache, manifest.mode, manifest.k,
              "same" if caps.same_tokenizer else "cross", name,
              " (training on CE only)" if cfg.loss.loss == "ce" else "")
+    # held-out batches from --eval-cache are measured over what that store holds (e.g. a full cache: exact)
+    eval_caps = caps
+    if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
+        eval_mode = CacheReader(cfg.eval.eval_cache, storage_options=cfg.loader.storage_options).manifest.mode
+        eval_caps = Capabilities(same_tokenizer=caps.same_tokenizer, mode=eval_mode)
     return StageData(train=train, objective=objective, make_eval=make_eval, measure=measure,
-                     measure_definition=measure_definition(caps) if measure is not None else None, info=info)
+                     measure_definition=measure_definition(eval_caps) if measure is not None else None, info=info)
 
 
 def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):

@@ -428,6 +428,7 @@ def _block_terms(spec: _Spec, z_rows: Tensor, blk: Block, teacher: dict) -> Tens
         support = torch.zeros((m, vocab + 1), dtype=torch.bool, device=z.device)
         support.scatter_(1, torch.where(valid, ids, vocab), True)  # padding lands in the extra column
         log_q_rest = losses.rest_logprob(zt, lse, support[:, :vocab])  # [m]
+        log_p, p_rest = _drop_unreachable_rest(log_p, p_rest, support[:, :vocab].all(dim=-1))
         log_p_all = torch.cat([log_p, _log(p_rest)[:, None]], dim=-1)  # [m, k+1]
         log_q_all = torch.cat([log_q, log_q_rest[:, None]], dim=-1)
         kind = "kl" if spec.kind == "sampled" else spec.kind
@@ -439,6 +440,18 @@ def _log(p: Tensor) -> Tensor:
     """log p with -inf at 0 and no NaN in backward."""
     pos = p > 0
     return torch.where(pos, torch.log(torch.where(pos, p, torch.ones_like(p))), torch.full_like(p, -math.inf))
+
+
+def _drop_unreachable_rest(log_p: Tensor, p_rest: Tensor, no_rest: Tensor) -> tuple[Tensor, Tensor]:
+    """The teacher over its support alone on rows whose student has no mass outside it (`no_rest`).
+
+    There, the teacher's rest is mass on ids the student does not have (a full cache keeps the
+    mass of the teacher lm_head's padding columns as its residual): it is dropped and the support
+    renormalised, rather than a KL of +inf against a student rest of exactly 0.
+    """
+    drop = no_rest & (p_rest > 0)
+    shift = torch.where(drop, torch.log1p(-p_rest.clamp(max=1.0 - 1e-7)), torch.zeros_like(p_rest))
+    return log_p - shift[:, None], torch.where(drop, torch.zeros_like(p_rest), p_rest)
 
 
 def _pkl_block(zt: Tensor, lse: Tensor, blk: Block, log_p: Tensor, p_rest: Tensor, projection, cdt) -> Tensor:
@@ -465,7 +478,10 @@ def _pkl_block(zt: Tensor, lse: Tensor, blk: Block, log_p: Tensor, p_rest: Tenso
     outside = torch.ones((n_c, v_t + 1), dtype=cdt, device=dev).scatter_(1, blk.support, 0.0)[:, :v_t]
     w_out = torch.sparse.mm(w, outside.t()) + unmapped[:, None]  # [V_s, C]
     q_rest_c = (p_bar * w_out.t()).sum(dim=-1)  # [C]
-    log_p_all = torch.cat([_log(p_c).view(n_c, width), _log(p_rest_c)[:, None]], dim=-1)  # [C, K+1]
+    p_c = p_c.view(n_c, width)
+    no_rest = (w_out == 0).all(dim=0)  # [C] every student id's mass lands inside the chunk's support
+    log_pc, p_rest_c = _drop_unreachable_rest(_log(p_c), p_rest_c, no_rest)
+    log_p_all = torch.cat([log_pc, _log(p_rest_c)[:, None]], dim=-1)  # [C, K+1]
     log_q_all = torch.cat([q_c.clamp(min=losses.PROB_FLOOR).log(), _log(q_rest_c)[:, None]], dim=-1)
     return losses.divergence("kl", log_p_all, log_q_all).sum()
 
