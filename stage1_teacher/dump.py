@@ -351,8 +351,11 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
                               "committed parts from an earlier run; pass --resume to continue it")
         checks = CheckRecords(cfg, plan) if needs_check(cfg) else None
         _pipeline(cfg, plan, writer, committed, summary, engines, progress, checks)
-        if checks is not None and summary.check_source != "ran here":
-            rec = checks.wait_for_passed()  # parts were captured on the strength of another writer's check
+        # parts captured on the strength of another writer's check (deferred here, or by an earlier
+        # run of this writer when nothing was left to capture) wait for its passed record
+        if checks is not None and (summary.check_source == DEFERRED or
+                                   (summary.check_source == "" and not checks.checker)):
+            rec = checks.wait_for_passed()
             summary.check_gap, summary.check_source = rec.max_gap, f"checked by writer {rec.writer_index}"
         summary.wall_s = time.perf_counter() - t_start
         if summary.documents == 0 and not committed and summary.skipped:
@@ -429,6 +432,7 @@ class CheckRecords:
 
 
 CHECK_WAIT_S = 1800.0
+DEFERRED = "deferred to writer 0's record"
 
 
 def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engines, progress: bool,
@@ -538,8 +542,12 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
             if checks is not None and cap.check is not None:
                 checks.write(cap.check)
                 summary.check_source = "ran here"
+            elif cap.kind != "hidden":  # the prompt log-probs path is the reference itself
+                summary.check_source = "not needed (prompt log-probs)"
             elif trusted:
                 summary.check_source = f"checked by writer {trusted['writer_index']}"
+            elif trusted is not None:
+                summary.check_source = DEFERRED
             summary.capture_path, summary.notes, summary.check_gap = cap.path, cap.notes, cap.check_gap
             summary.engine_start_s = cap.start_seconds
             t_pos = time.perf_counter()
