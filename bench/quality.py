@@ -18,7 +18,7 @@ what fills the teacher side of each batch:
 | online full KD | a live transformers forward of the teacher on the batch's windows, full vocabulary (the reference) |
 | cached full / top-k + rest / sampled | the store written by stage 1 (`run_teacher_dump`, engine hf) with that `--mode` |
 | cached top-k renormalised | the top-64 store, teacher and student both renormalised over the k ids, no rest bucket (how axolotl and Atropos use top-k; a comparison row, not an xtcache loss) |
-| cross-tokenizer rows | a student with its own tokenizer on the top-64 store: P-KL, ALM, CE only |
+| cross-tokenizer rows | a student with its own tokenizer on the top-64 store (P-KL, ALM, CE only) and on the sampled n=64 store (P-KL over the sampled targets, the `auto` loss of a sampled cross-tokenizer cache, and ALM) |
 
 How the identical loop is kept: every row gets its `StageData` from the product's
 `open_stage_data` on its store (the hook `trainer.train(cfg, make_data)` also takes). The online row reads the top-8 store only for its windows (the
@@ -97,6 +97,8 @@ ROWS = [
     Row("cached sampled n=64", "sampled64", "sampled"),
     Row("cross-tok: P-KL top-64", "top64", "pkl", cross=True),
     Row("cross-tok: ALM (top-64 store)", "top64", "alm", cross=True),
+    Row("cross-tok: P-KL sampled n=64", "sampled64", "pkl", cross=True),
+    Row("cross-tok: ALM (sampled n=64 store)", "sampled64", "alm", cross=True),
     Row("cross-tok: CE only", "top64", "ce", cross=True),
 ]
 
@@ -468,7 +470,8 @@ def run(args) -> dict:
     ref_probe = [teacher.fill(b) for b in batches(held_stores["top8"]["path"], teacher_tok, s, s.probe_batches)]
     cross_ref_probe = batches(held_stores["full"]["path"], cross_tok, s, s.probe_batches)
     probes = {key: batches(st["path"], teacher_tok, s, s.probe_batches) for key, st in held_stores.items()}
-    cross_probes = {"top64": batches(held_stores["top64"]["path"], cross_tok, s, s.probe_batches)}
+    cross_probes = {key: batches(held_stores[key]["path"], cross_tok, s, s.probe_batches)
+                    for key in {row.store for row in ROWS if row.cross}}
     for key, pb in probes.items():  # every same-tokenizer store packs the same windows
         assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(pb, ref_probe)), key
 
@@ -498,7 +501,7 @@ def run(args) -> dict:
             if row.cross:
                 m = heldout(final, cross_eval, "pkl", projection)
                 m["kl_store"], m["kl"] = m["kl"], None
-                pb = cross_probes["top64"]
+                pb = cross_probes[row.store]
                 ref_loss, ref_pb, ref_g0 = "pkl", cross_ref_probe, grads0["cross"]
             else:
                 m = heldout(final, same_eval, "kl")
