@@ -3,7 +3,8 @@
 1. two `teacher-dump` jobs (`--shard-index i --num-shards 2`) read their share of a corpus from the
    bucket and fill one store in the bucket; job 1 is killed with SIGKILL after it committed a part
    and resumed with `--resume`;
-2. `xtcache verify` on the s3:// URL passes, and the store holds every document of the corpus once;
+2. `xtcache verify` on the s3:// URL passes, the store holds every document of the corpus once, its
+   corpus fingerprint equals that of the same files on a local disk, and `xtcache inspect` reads it;
 3. `train-student` under `torchrun` with two ranks trains from the bucket and exports the student.
 
 Every command is its own subprocess and reaches the bucket only through `--storage-options`, as a
@@ -67,8 +68,11 @@ def test_two_jobs_one_killed_and_resumed_then_verify_then_torchrun_from_the_buck
     opts = json.dumps(options)
     lines = toy_setup.heldout_jsonl.read_text().splitlines()
     half = len(lines) // 2
+    local = []
     for i, part in enumerate((lines[:half], lines[half:])):  # two corpus files: one per job under the plan
         fs.pipe(f"{BUCKET}/corpus/part-{i}.jsonl", ("\n".join(part) + "\n").encode())
+        local.append(tmp_path / f"part-{i}.jsonl")
+        local[-1].write_text("\n".join(part) + "\n")
     url = f"s3://{BUCKET}/caches/toy"
     dump = ["teacher-dump", "--teacher", str(toy_setup.teacher_model), "--student-tokenizer",
             str(toy_setup.student_tokenizer), "--data", f"s3://{BUCKET}/corpus/*.jsonl", "--out", url,
@@ -95,11 +99,17 @@ def test_two_jobs_one_killed_and_resumed_then_verify_then_torchrun_from_the_buck
     _finish(_xtcache(*dump, "--shard-index", "1", "--resume"), "job 1 resumed")
 
     log = _finish(_xtcache("verify", url, "--storage-options", opts), "verify")
-    assert "incomplete" not in log.lower()
+    from xtcache.fingerprint import corpus_fingerprint
     from xtcache.store import CacheReader
 
     reader = CacheReader(url, options)
     assert reader.is_complete()
+    positions = sum(m.num_positions for m in reader.shards)  # every committed part checked out, the store finished
+    assert log.strip().splitlines()[-1] == f"{url}: OK ({len(reader.shards)} shards, {positions:,} positions, complete)"
+    # the corpus streamed from the bucket: the same fingerprint as the same files on a local disk
+    assert reader.manifest.fingerprints["corpus"] == corpus_fingerprint(local)
+    inspect = _finish(_xtcache("inspect", url, "--storage-options", opts), "inspect")
+    assert "documents" in inspect.lower()
     assert {m.writer_index for m in reader.shards} == {0, 1}
     docs = [d for m in reader.shards for d in reader.read_shard(m.shard_id).doc_ids()]
     usable = sum(1 for line in lines if json.loads(line).get("text"))
