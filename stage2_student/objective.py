@@ -457,12 +457,13 @@ def _pkl_block(zt: Tensor, lse: Tensor, blk: Block, ids: Tensor, log_p: Tensor, 
     w, wt, unmapped = projection.matrices(cdt)
     v_t = wt.shape[0]
     t_w = blk.t_w.to(cdt)  # [M] 1 / rows of the row's chunk
-    # teacher: chunk average of the rows' probabilities, scattered into [C, V_t + 1] (padding: column V_t)
-    flat = torch.where(ids >= 0, ids, v_t) + (blk.trl * (v_t + 1))[:, None]  # [M, k]
+    p_rows = log_p.exp()  # [M, k] (0 at padding)
+    # teacher: K_c and p_c scattered into [C, V_t + 1] (padding: column V_t)
+    flat = (torch.where(ids >= 0, ids, v_t) + (blk.trl * (v_t + 1))[:, None]).reshape(-1)  # [M k]
     p_c = torch.zeros(n_c * (v_t + 1), dtype=cdt, device=dev).index_put_(
-        (flat.reshape(-1),), (log_p.exp() * t_w[:, None]).reshape(-1), accumulate=True).view(n_c, v_t + 1)[:, :v_t]
+        (flat,), (p_rows * t_w[:, None]).reshape(-1), accumulate=True).view(n_c, v_t + 1)[:, :v_t]
     in_k = torch.zeros(n_c * (v_t + 1), dtype=torch.bool, device=dev).index_put_(
-        (flat.reshape(-1),), torch.ones((), dtype=torch.bool, device=dev)).view(n_c, v_t + 1)[:, :v_t]  # [C, V_t] K_c
+        (flat,), torch.ones((), dtype=torch.bool, device=dev)).view(n_c, v_t + 1)[:, :v_t]  # [C, V_t] K_c
     del flat
     p_rest_c = torch.zeros(n_c, dtype=cdt, device=dev).index_add(0, blk.trl, p_rest * t_w)
     # student: chunk-averaged softmax, projected through W
@@ -475,10 +476,13 @@ def _pkl_block(zt: Tensor, lse: Tensor, blk: Block, ids: Tensor, log_p: Tensor, 
     drop = no_rest & (p_rest_c > 0)  # as _drop_unreachable_rest: renormalise K_c, no rest
     scale = torch.where(drop, 1.0 / (1.0 - p_rest_c.clamp(max=1.0 - 1e-7)), torch.ones_like(p_rest_c))  # [C]
     p_rest_c = torch.where(drop, torch.zeros_like(p_rest_c), p_rest_c)
-    p_c = p_c * scale[:, None]  # [C, V_t], 0 outside K_c: terms there vanish without a mask
-    # KL over K_c + rest = sum p log p - sum p log q: the teacher's part needs no graph
-    kd = torch.xlogy(p_c, p_c).sum() - (p_c * q_c.clamp(min=losses.PROB_FLOOR).log()).sum()
-    return kd + losses.divergence("kl", _log(p_rest_c)[:, None], _log(q_rest_c)[:, None]).sum()
+    # KL over K_c = sum p log p - sum p log q. The teacher's part needs no graph: with p = s p_c,
+    # sum p log p = s sum p_c log p_c + s log s sum p_c. The cross part, linear in p_c, is summed
+    # over the rows' stored entries (p_c is their t_w-weighted sum): O(M k), not O(C V_t)
+    entropy = (scale * torch.xlogy(p_c, p_c).sum(dim=-1) + torch.xlogy(scale, scale) * p_c.sum(dim=-1)).sum()
+    q_at = q_c[blk.trl[:, None], ids.clamp(min=0)]  # [M, k]
+    cross = (p_rows * (t_w * scale[blk.trl])[:, None] * q_at.clamp(min=losses.PROB_FLOOR).log()).sum()
+    return entropy - cross + losses.divergence("kl", _log(p_rest_c)[:, None], _log(q_rest_c)[:, None]).sum()
 
 
 __all__ = ["Capabilities", "Objective", "Prepared", "resolve_kind", "measure_definition", "NoValidChunksError",
