@@ -145,9 +145,10 @@ def divergence(kind: str, log_p: Tensor, log_q: Tensor, *, beta: float = 0.5) ->
       jsd: beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q
            (generalized JSD, Agarwal et al. 2024, the form of TRL's generalized_jsd_loss)
     """
-    p, q = log_p.exp(), log_q.exp()
+    p = log_p.exp()
     if kind == "kl":
         return _kl_terms(p, log_p, log_q).sum(dim=-1)
+    q = log_q.exp()
     if kind == "rkl":
         return _kl_terms(q, log_q, log_p.clamp(min=LOG_FLOOR)).sum(dim=-1)
     if kind == "jsd":  # -1e4: a finite stand-in for log 0 (exp underflows to 0 exactly), no NaN in backward

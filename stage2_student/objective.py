@@ -264,7 +264,7 @@ class Objective:
                 sel = np.nonzero(pos_block == b)[0]
                 rows, chunks_of_rows = pos_in[sel], pos_chunk[sel]
                 ce_loc = np.searchsorted(rows, ce_b)
-                fields = self._plan_cross_block(rows, chunks_of_rows, t_rows, tch, tids, labels, vocab)
+                fields = self._plan_cross_block(rows, chunks_of_rows, t_rows, tch, labels)
             pos = np.concatenate([rows, extra]).astype(np.int64)
             ce_loc = np.concatenate([ce_loc, rows.size + np.arange(extra.size)]).astype(np.int64)
             blocks.append(Block(pos=torch.from_numpy(pos), ce_loc=torch.from_numpy(ce_loc),
@@ -278,33 +278,20 @@ class Objective:
                 "no student token maps onto any teacher id stored for this batch: the projection map "
                 "was built for other tokenizers or is empty; check `xtcache projection inspect`")
 
-    def _plan_cross_block(self, rows, chunks_of_rows, t_rows, tch, tids, labels, vocab) -> dict:
-        """Index plan of a cross-tokenizer block: chunk-local ids, teacher support, W entries."""
+    @staticmethod
+    def _plan_cross_block(rows, chunks_of_rows, t_rows, tch, labels) -> dict:
+        """Index plan of a cross-tokenizer block: chunk-local ids of its rows and weights, O(rows), never
+        O(rows x k) (the teacher's support is scattered on the device, block by block)."""
         chunks = np.unique(chunks_of_rows)
         cl = np.searchsorted(chunks, chunks_of_rows)  # [P] chunk-local index of each row
         n_c = chunks.size
         npos = np.bincount(cl, minlength=n_c).astype(np.float64)
         trl = np.searchsorted(chunks, tch[t_rows])  # [M]
         nrows = np.bincount(trl, minlength=n_c).astype(np.float64)
-        fields = dict(n_kd=int(rows.size), n_c=n_c, t_sel=_rows_selector(t_rows), cl=torch.from_numpy(cl),
-                      trl=torch.from_numpy(trl), inv_npos=torch.from_numpy(1.0 / npos),
-                      t_w=torch.from_numpy(1.0 / nrows[trl]),
-                      a_lab=torch.from_numpy(np.maximum(labels[rows], 0).astype(np.int64)))
-        if self.kind != "pkl":
-            return fields
-        vt_size, k = self.projection.teacher_vocab, tids.shape[1]
-        ids = tids[t_rows]
-        vr, vj = np.nonzero(ids >= 0)
-        keys, inv = np.unique(trl[vr] * vt_size + ids[vr, vj], return_inverse=True)  # [U] (chunk, teacher id)
-        u_c = keys // vt_size
-        kc = np.bincount(u_c, minlength=n_c)
-        u_slot = np.arange(keys.size) - (np.cumsum(kc) - kc)[u_c]
-        width = max(int(kc.max()) if kc.size else 1, 1)
-        support = np.full((n_c, width), vt_size, dtype=np.int64)  # padding: the extra column V_t
-        support[u_c, u_slot] = keys % vt_size
-        fields.update(width=width, support=torch.from_numpy(support), p_src=torch.from_numpy(vr * k + vj),
-                      p_tgt=torch.from_numpy(trl[vr] * width + u_slot[inv.reshape(-1)]))
-        return fields
+        return dict(n_kd=int(rows.size), n_c=n_c, t_sel=_rows_selector(t_rows), cl=torch.from_numpy(cl),
+                    trl=torch.from_numpy(trl), inv_npos=torch.from_numpy(1.0 / npos),
+                    t_w=torch.from_numpy(1.0 / nrows[trl]),
+                    a_lab=torch.from_numpy(np.maximum(labels[rows], 0).astype(np.int64)))
 
     def _plan_agreement(self, batch, sc, n_chunks) -> dict:
         """First logit position and the teacher's top-1 id (at the chunk's first row) of every chunk."""
@@ -421,7 +408,7 @@ def _block_terms(spec: _Spec, z_rows: Tensor, blk: Block, teacher: dict) -> Tens
     valid = torch.isfinite(log_p1)
     log_p, p_rest = losses.temper_teacher(log_p1, resid, t, tail=spec.tail, valid=valid)  # [M, k], [M]
     if spec.kind == "pkl":
-        kd = _pkl_block(zt, lse, blk, log_p, p_rest, spec.projection, cdt)
+        kd = _pkl_block(zt, lse, blk, ids, log_p, p_rest, spec.projection, cdt)
     else:
         vocab = zt.shape[1]
         log_q = (zt.gather(1, ids.clamp(min=0)) - lse[:, None]).masked_fill(~valid, -math.inf)  # [m, k]
@@ -454,36 +441,48 @@ def _drop_unreachable_rest(log_p: Tensor, p_rest: Tensor, no_rest: Tensor) -> tu
     return log_p - shift[:, None], torch.where(drop, torch.zeros_like(p_rest), p_rest)
 
 
-def _pkl_block(zt: Tensor, lse: Tensor, blk: Block, log_p: Tensor, p_rest: Tensor, projection, cdt) -> Tensor:
+def _pkl_block(zt: Tensor, lse: Tensor, blk: Block, ids: Tensor, log_p: Tensor, p_rest: Tensor, projection,
+               cdt) -> Tensor:
     """Projected KL of a block's chunks (docs/losses.md), with sparse matmuls by W and an exact rest.
 
-    q_c = W^T pbar_c over the chunk's support, pbar_c = mean of the chunk's student softmaxes;
+    p_c = mean of the chunk's teacher rows over K_c, the union of their stored ids (dense over the
+    teacher vocabulary for the block's chunks only: [C, V_t], no per-entry index plan);
+    q_c = W^T pbar_c over K_c, pbar_c = mean of the chunk's student softmaxes;
     q_c(rest) = sum_s pbar_c(s) w_out_c(s), w_out_c = W (1 - 1_{K_c}) + 1_unmapped: a sum of
     non-negative terms (the share of each student token's mass that falls outside K_c), never
     1 - sum(q_c), so it keeps its digits at any outside mass.
     """
-    n_c, width = blk.n_c, blk.width
+    n_c = blk.n_c
     dev = zt.device
     w, wt, unmapped = projection.matrices(cdt)
     v_t = wt.shape[0]
-    # teacher: chunk average of the rows' probabilities over the chunk's union support
-    p_c = torch.zeros(n_c * width, dtype=cdt, device=dev).index_add(
-        0, blk.p_tgt, log_p.exp().reshape(-1)[blk.p_src] * blk.t_w.to(cdt)[blk.p_src // log_p.shape[1]])
-    p_rest_c = torch.zeros(n_c, dtype=cdt, device=dev).index_add(0, blk.trl, p_rest * blk.t_w.to(cdt))
+    t_w = blk.t_w.to(cdt)  # [M] 1 / rows of the row's chunk
+    p_rows = log_p.exp()  # [M, k] (0 at padding)
+    # teacher: K_c and p_c scattered into [C, V_t + 1] (padding: column V_t)
+    flat = (torch.where(ids >= 0, ids, v_t) + (blk.trl * (v_t + 1))[:, None]).reshape(-1)  # [M k]
+    p_c = torch.zeros(n_c * (v_t + 1), dtype=cdt, device=dev).index_put_(
+        (flat,), (p_rows * t_w[:, None]).reshape(-1), accumulate=True).view(n_c, v_t + 1)[:, :v_t]
+    in_k = torch.zeros(n_c * (v_t + 1), dtype=torch.bool, device=dev).index_put_(
+        (flat,), torch.ones((), dtype=torch.bool, device=dev)).view(n_c, v_t + 1)[:, :v_t]  # [C, V_t] K_c
+    del flat
+    p_rest_c = torch.zeros(n_c, dtype=cdt, device=dev).index_add(0, blk.trl, p_rest * t_w)
     # student: chunk-averaged softmax, projected through W
     p_bar = torch.zeros((n_c, zt.shape[1]), dtype=cdt, device=dev).index_add(
         0, blk.cl, (zt - lse[:, None]).exp()) * blk.inv_npos.to(cdt)[:, None]  # [C, V_s]
-    q_t = torch.sparse.mm(wt, p_bar.t())  # [V_t, C]
-    q_c = torch.cat([q_t.t(), torch.zeros((n_c, 1), dtype=cdt, device=dev)], dim=1).gather(1, blk.support)  # [C, K]
-    outside = torch.ones((n_c, v_t + 1), dtype=cdt, device=dev).scatter_(1, blk.support, 0.0)[:, :v_t]
-    w_out = torch.sparse.mm(w, outside.t()) + unmapped[:, None]  # [V_s, C]
+    q_c = torch.sparse.mm(wt, p_bar.t()).t()  # [C, V_t]
+    w_out = torch.sparse.mm(w, (~in_k).to(cdt).t()) + unmapped[:, None]  # [V_s, C]
     q_rest_c = (p_bar * w_out.t()).sum(dim=-1)  # [C]
-    p_c = p_c.view(n_c, width)
     no_rest = (w_out == 0).all(dim=0)  # [C] every student id's mass lands inside the chunk's support
-    log_pc, p_rest_c = _drop_unreachable_rest(_log(p_c), p_rest_c, no_rest)
-    log_p_all = torch.cat([log_pc, _log(p_rest_c)[:, None]], dim=-1)  # [C, K+1]
-    log_q_all = torch.cat([q_c.clamp(min=losses.PROB_FLOOR).log(), _log(q_rest_c)[:, None]], dim=-1)
-    return losses.divergence("kl", log_p_all, log_q_all).sum()
+    drop = no_rest & (p_rest_c > 0)  # as _drop_unreachable_rest: renormalise K_c, no rest
+    scale = torch.where(drop, 1.0 / (1.0 - p_rest_c.clamp(max=1.0 - 1e-7)), torch.ones_like(p_rest_c))  # [C]
+    p_rest_c = torch.where(drop, torch.zeros_like(p_rest_c), p_rest_c)
+    # KL over K_c = sum p log p - sum p log q. The teacher's part needs no graph: with p = s p_c,
+    # sum p log p = s sum p_c log p_c + s log s sum p_c. The cross part, linear in p_c, is summed
+    # over the rows' stored entries (p_c is their t_w-weighted sum): O(M k), not O(C V_t)
+    entropy = (scale * torch.xlogy(p_c, p_c).sum(dim=-1) + torch.xlogy(scale, scale) * p_c.sum(dim=-1)).sum()
+    q_at = q_c[blk.trl[:, None], ids.clamp(min=0)]  # [M, k]
+    cross = (p_rows * (t_w * scale[blk.trl])[:, None] * q_at.clamp(min=losses.PROB_FLOOR).log()).sum()
+    return entropy - cross + losses.divergence("kl", _log(p_rest_c)[:, None], _log(q_rest_c)[:, None]).sum()
 
 
 __all__ = ["Capabilities", "Objective", "Prepared", "resolve_kind", "measure_definition", "NoValidChunksError",

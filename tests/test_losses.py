@@ -454,9 +454,17 @@ def _memory_case(case: str, n: int, vocab: int, gen):
     return Objective(kind, projection=projection, row_chunk=8), batch
 
 
+def _plan_bytes(prep) -> int:
+    """Bytes of the host-side index plan, which `Prepared.to` moves to the device with the micro-batch."""
+    tensors = [v for b in prep.blocks for v in b.__dict__.values() if isinstance(v, torch.Tensor)]
+    tensors += list((prep.agree or {}).values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 @pytest.mark.parametrize("case", ["topk k=1", "topk k=16", "full", "sampled", "pkl topk", "pkl full", "alm", "ce"])
 def test_peak_extra_memory_is_within_two_row_blocks(case):
-    """Forward + backward of the loss hold at most 2 x [row_chunk, V] fp32 besides the logits' gradient."""
+    """Forward + backward of the loss hold at most 2 x [row_chunk, V] fp32 besides the logits' gradient;
+    the index plan that goes to the device with the micro-batch is O(rows), whatever k."""
     gen = torch.Generator().manual_seed(19)
     n, vocab = 48, 256  # 6 row blocks; the logits (48 KiB) are 3x the bound, so keeping any [n, V] copy fails
     obj, batch = _memory_case(case, n, vocab, gen)
@@ -474,6 +482,9 @@ def test_peak_extra_memory_is_within_two_row_blocks(case):
     extra = _peak_bytes(step) - logits.numel() * logits.element_size()  # minus the gradient buffer
     bound = 2 * obj.row_chunk * vocab * 4
     assert extra <= bound, f"{case}: {extra / bound:.2f} x the bound"
+    # the plan moves to the device with the micro-batch: a few int64 per row and chunk, nothing per
+    # stored teacher entry (a P-KL plan once took 24 B per (row, stored id): 6x a full cache's fp32 log-probs)
+    assert _plan_bytes(prep) <= 12 * 8 * n, f"{case}: plan of {_plan_bytes(prep) / n:.0f} B per row"
 
 
 # --------------------------------------------------------------------------------------------
