@@ -1,0 +1,157 @@
+"""Chat templates in the style of the main model families, on the toy tokenizers, and a chat corpus.
+
+The templates are written here in the manner of the families' own (ChatML with thinking and tool
+calls as Qwen3 renders them, Llama-3 headers with an injected default system text and trimmed
+content, Gemma turns, Mistral `[INST]`); they are not copies of the released files. `chat_tokenizer`
+adds a family's special tokens to one of the toy byte-level tokenizers and saves it with the
+template, so everything stays local.
+
+    python -c "from xtcache.testing.chat import chat_corpus; print(chat_corpus(2)[0])"
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+# HF compiles templates with trim_blocks and lstrip_blocks: a newline right after a block tag is
+# dropped, so newlines that follow a tag are written as {{ "\n" }}
+NL = '{{ "\\n" }}'
+
+CHATML_THINKING = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>" + NL +
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>" + NL +
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant" + NL +
+    "{% if m.reasoning_content and loop.index0 > ns.last_user %}<think>" + NL +
+    "{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content or '' }}"
+    "{% for tc in m.tool_calls or [] %}" + NL + "<tool_call>" + NL +
+    "{\"name\": \"{{ tc.function.name }}\", \"arguments\": {{ tc.function.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>" + NL +
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>" + NL +
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>" + NL + "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant" + NL + "{% endif %}"
+)
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>" + NL + "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant" + NL + "{% endif %}"
+)
+
+LLAMA3 = (
+    "{{ bos_token }}"
+    "{% if messages[0].role == 'system' %}{% set sys = messages[0].content | trim %}{% set msgs = messages[1:] %}"
+    "{% else %}{% set sys = 'Cutting Knowledge Date: December 2023' %}{% set msgs = messages %}{% endif %}"
+    "<|start_header_id|>system<|end_header_id|>\n\n{{ sys }}"
+    "{% if tools %}\n\nYou may call these functions:" + NL + "{% for t in tools %}{{ t | tojson }}" + NL +
+    "{% endfor %}{% endif %}<|eot_id|>"
+    "{% for m in msgs %}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>"
+    + NL + NL +
+    "{% if m.tool_calls %}{% for tc in m.tool_calls %}"
+    "{\"name\": \"{{ tc.function.name }}\", \"parameters\": {{ tc.function.arguments | tojson }}}{% endfor %}"
+    "{% else %}{{ (m.content or '') | trim }}{% endif %}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>" + NL + NL + "{% endif %}"
+)
+
+GEMMA = (
+    "{{ bos_token }}"
+    "{% for m in messages %}{% if m.role != 'system' %}"
+    "<start_of_turn>{{ 'model' if m.role == 'assistant' else 'user' }}" + NL +
+    "{% if loop.index0 == 1 and messages[0].role == 'system' %}{{ messages[0].content }}" + NL + NL + "{% endif %}"
+    "{% if m.role == 'tool' %}Tool result: {% endif %}"
+    "{{ (m.content or '') | trim }}<end_of_turn>" + NL + "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model" + NL + "{% endif %}"
+)
+
+MISTRAL = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}[INST] "
+    "{% if loop.index0 == 1 and messages[0].role == 'system' %}{{ messages[0].content }}" + NL + NL + "{% endif %}"
+    "{{ m.content }} [/INST]"
+    "{% elif m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
+    "{% elif m.role == 'system' and loop.index0 == 0 %}"
+    "{% else %}{{ raise_exception('Only system, user and assistant roles are supported') }}{% endif %}"
+    "{% endfor %}"
+)
+
+FAMILIES = {
+    # name: (template, special tokens added, bos, eos)
+    "chatml-thinking": (CHATML_THINKING, ["<|im_start|>", "<|im_end|>"], None, "<|im_end|>"),
+    "chatml": (CHATML, ["<|im_start|>", "<|im_end|>"], None, "<|im_end|>"),
+    "llama3": (LLAMA3, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+               "<|begin_of_text|>", "<|eot_id|>"),
+    "gemma": (GEMMA, ["<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>"),
+    "mistral": (MISTRAL, ["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
+}
+
+
+def chat_tokenizer(base_dir: str | Path, family: str, out_dir: str | Path):
+    """The tokenizer of `base_dir` with `family`'s special tokens and chat template, saved to `out_dir`."""
+    from transformers import AutoTokenizer
+
+    template, specials, bos, eos = FAMILIES[family]
+    tok = AutoTokenizer.from_pretrained(str(base_dir))
+    have = set(tok.get_vocab())
+    tok.add_special_tokens({"additional_special_tokens": [s for s in specials if s not in have]})
+    if bos is not None:
+        tok.bos_token = bos
+    tok.eos_token = eos
+    tok.chat_template = template
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out_dir))
+    return AutoTokenizer.from_pretrained(str(out_dir))
+
+
+WORDS = ("the cache stores teacher log-probs per position so a student can learn from them later; "
+         "alignment cuts two tokenizations into chunks of the same text, and 123 + 4567 = 4690 "
+         "while a byte-level merge keeps naïve café 東京 intact").split()
+
+
+def _sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def chat_corpus(n: int, *, seed: int = 0, tools_every: int = 3) -> list[dict]:
+    """`n` conversations `{"messages": [...], ("tools": [...])}` with system prompts, several turns,
+    reasoning on assistant turns and, every `tools_every`-th row, a tool call and its result."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        msgs = []
+        if rng.random() < 0.6:
+            msgs.append({"role": "system", "content": "You are a careful assistant. " + _sentence(rng, 5)})
+        row: dict = {}
+        for turn in range(rng.randint(1, 3)):
+            msgs.append({"role": "user", "content": _sentence(rng, rng.randint(4, 14)) + "?"})
+            if tools_every and i % tools_every == 0 and turn == 0:
+                row["tools"] = [{"type": "function", "function": {
+                    "name": "lookup", "description": "Look a word up.",
+                    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}]
+                msgs.append({"role": "assistant", "content": "Let me look that up.",
+                             "tool_calls": [{"type": "function", "function": {
+                                 "name": "lookup", "arguments": {"word": rng.choice(WORDS)}}}]})
+                msgs.append({"role": "tool", "name": "lookup", "content": _sentence(rng, 6)})
+            m = {"role": "assistant", "content": _sentence(rng, rng.randint(6, 30)) + "."}
+            if rng.random() < 0.5:
+                m["reasoning_content"] = "First, " + _sentence(rng, rng.randint(3, 10))
+            msgs.append(m)
+        row["messages"] = msgs
+        rows.append(row)
+    return rows
+
+
+def write_chat_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    path = Path(path)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
