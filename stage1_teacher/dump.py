@@ -176,7 +176,8 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
                     window_len, k)
     boundary = sorted(s.fingerprint for s in students if not s.identity)
     s = cfg.store
-    shards = obtain_plan(cfg.input.data, messages_field or cfg.input.text_field, num_jobs=s.num_shards, job=s.shard_index, out=s.out,
+    shards = obtain_plan(cfg.input.data, messages_field or cfg.input.text_field, num_jobs=s.num_shards, job=s.shard_index,
+                         out=s.out,
                          storage_options=cfg.data_options, store_options=s.storage_options, dry_run=cfg.dry_run)
     settings = settings_for_fingerprint(cfg, window_len=window_len, boundary_tokenizers=boundary,
                                         shard_plan=shards.fingerprint, conversation=conversation)
@@ -186,7 +187,7 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
     out = s.out or cache_path_for(s.cache_dir, key)
     return Plan(teacher_tok=teacher_tok, students=students, vocab_size=vocab_size, k=k,
                 window_len=window_len, max_model_len=max_model_len, cache_key=key, fingerprints=fingerprints,
-                settings=settings, out=out, shard_plan=shards)
+                settings=settings, out=out, shard_plan=shards, messages_field=messages_field)
 
 
 def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
@@ -376,8 +377,10 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
         summary.wall_s = time.perf_counter() - t_start
         if summary.documents == 0 and not committed and summary.skipped:
             reasons = ", ".join(f"{n} {r}" for r, n in sorted(summary.skipped.items()))
-            raise ConfigError(f"no usable document in --data (skipped: {reasons}); check --text-field "
-                              f"{cfg.input.text_field!r} and the corpus files")
+            field_flag = (f"--messages-field {plan.messages_field!r}" if plan.messages_field else
+                          f"--text-field {cfg.input.text_field!r}")
+            raise ConfigError(f"no usable document in --data (skipped: {reasons}); check {field_flag} and the "
+                              "corpus files")
         writer.finish(summary.as_dict())
     finally:
         writer.close()

@@ -241,7 +241,7 @@ def locate(text: str, conv: dict) -> Located:
     return out
 
 
-def _shared(a: list[Piece], b: list[Piece]) -> list[tuple[Piece, Piece]]:
+def shared_pieces(a: list[Piece], b: list[Piece]) -> list[tuple[Piece, Piece]]:
     """Pieces found on both sides with the same text (a side that kept whitespace the other trimmed
     is narrowed to the trimmed core)."""
     by_key = {(p.msg, p.field): p for p in b}
@@ -286,7 +286,7 @@ class ConversationAlignment:
 def _layout(s: Rendering, t: Rendering, conv: dict):
     """Region tables of both sides for one conversation: per side (starts, ends, virtual starts,
     virtual lengths, is_piece, role code) in rendered coordinates, and the virtual text length."""
-    pairs = _shared(s.located.pieces, t.located.pieces)
+    pairs = shared_pieces(s.located.pieces, t.located.pieces)
     roles = [role_code(m.get("role", "")) for m in conv["messages"]]
     last_asst = max((i for i, r in enumerate(roles) if r == ROLE_ASSISTANT), default=-1)
     code = [r | (LAST_ASSISTANT if i == last_asst else 0) for i, r in enumerate(roles)]
@@ -384,12 +384,50 @@ def align_conversations(convs: list[dict], students: list[Rendering], teachers: 
         voffs, straddle, region = _map_tokens(offs, tab)
         voffs = voffs - np.repeat(v_base, counts)[:, None]
         ids = np.concatenate([r.ids for r in side] + [np.zeros(0, np.int64)])
-        out_maps.append((ids, voffs, counts, straddle, tab[region, 5] if region.shape[0] else np.zeros(0, np.int64)))
+        out_maps.append((ids, voffs, counts, straddle, tab[region, 5] if region.shape[0] else np.zeros(0, np.int64),
+                         offs))
     texts = [" " * n for n in vlens]  # only the lengths matter: the offsets are trusted, not byte-checked
-    (s_ids, s_v, s_counts, s_flag, s_role), (t_ids, t_v, t_counts, t_flag, _) = out_maps
+    (s_ids, s_v, s_counts, s_flag, s_role, s_offs), (t_ids, t_v, t_counts, t_flag, _, t_offs) = out_maps
     aligns = align_flat(texts, (s_ids, s_v, s_counts, s_flag), (t_ids, t_v, t_counts, t_flag), None, None)
+    wrong = misaligned_chars(aligns, students, teachers, (s_counts, s_offs), (t_counts, t_offs))
+    for st, w in zip(shared, wrong.tolist()):
+        st["misaligned_chars"] = w
     roles = np.split(s_role.astype(np.uint8), np.cumsum(s_counts)[:-1])
     return [ConversationAlignment(a, r, st) for a, r, st in zip(aligns, roles, shared)]
+
+
+def misaligned_chars(aligns, students, teachers, s_side, t_side) -> np.ndarray:
+    """Per conversation: characters of exact content chunks whose two sides' rendered text differs
+    (0 unless the alignment is wrong): the check behind `inspect`'s "misaligned" count. Numpy over
+    every exact chunk of the batch (end-of-turn pairs are not content and are left out)."""
+    n_docs = len(aligns)
+    ends, sides = [], []
+    for (counts, offs), rends, key in ((s_side, students, "student_end"), (t_side, teachers, "teacher_end")):
+        base = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        e = np.concatenate([getattr(a, key).astype(np.int64) + b for a, b in zip(aligns, base)] + [np.zeros(0, np.int64)])
+        first = np.concatenate([np.concatenate(([0], getattr(a, key)[:-1].astype(np.int64))) + b
+                                for a, b in zip(aligns, base)] + [np.zeros(0, np.int64)])
+        marker = np.concatenate([r.markers for r in rends] + [np.zeros(0, bool)])
+        ends.append((first, e, marker))
+        joined = "\x00".join(r.text for r in rends) + "\x00"
+        sides.append((offs, np.frombuffer(joined.encode("utf-32-le"), dtype="<u4")))
+    doc = np.repeat(np.arange(n_docs), [a.num_chunks for a in aligns])
+    exact = np.concatenate([a.exact for a in aligns] + [np.zeros(0, bool)])
+    (sf, se, sm), (tf, te, tm) = ends
+    sel = exact & (se > sf) & (te > tf)
+    sel[sel] &= ~sm[sf[sel]] & ~tm[tf[sel]]
+    (so, s_cp), (to, t_cp) = sides
+    a_s, b_s = so[sf[sel], 0], so[se[sel] - 1, 1]
+    a_t, b_t = to[tf[sel], 0], to[te[sel] - 1, 1]
+    width = b_s - a_s
+    bad = width != (b_t - a_t)
+    same = ~bad & (width > 0)
+    if same.any():
+        w = width[same]
+        step = np.arange(int(w.sum())) - np.repeat(np.cumsum(w) - w, w)
+        diff = s_cp[np.repeat(a_s[same], w) + step] != t_cp[np.repeat(a_t[same], w) + step]
+        bad[np.flatnonzero(same)[np.add.reduceat(diff, np.concatenate(([0], np.cumsum(w)[:-1]))) > 0]] = True
+    return np.bincount(doc[sel][bad], weights=width[bad], minlength=n_docs).astype(np.int64)
 
 
 def rendering(tokenizer, text: str, conv: dict, markers: np.ndarray | None = None, *, side: str = "tokenizer",

@@ -28,8 +28,9 @@ def check_version(raw: dict, what: str) -> None:
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if version not in READ_VERSIONS:
         raise FormatVersionError(
-            f"{what} has format version {version!r}; this xtcache reads format versions "
-            f"{', '.join(map(str, READ_VERSIONS))} only: upgrade xtcache (newer stores) or re-create the cache")
+            f"{what} has format version {version!r}; this xtcache reads format version {max(READ_VERSIONS)} and "
+            f"earlier ({', '.join(map(str, READ_VERSIONS))}) only: upgrade xtcache (newer stores) or re-create "
+            "the cache")
 
 
 def read_model(model, raw: dict, where: str):

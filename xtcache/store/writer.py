@@ -292,7 +292,7 @@ def conversation_counts(records: list[AlignmentRecord], roles: np.ndarray) -> di
     """Character counts of a conversation part's alignment and its student tokens by role."""
     from xtcache.chat import LAST_ASSISTANT, ROLE_NAMES
 
-    out = {k: 0 for k in ("content_chars", "shared_chars", "unaligned_chars", "unaligned_spans")}
+    out = {k: 0 for k in ("content_chars", "shared_chars", "unaligned_chars", "unaligned_spans", "misaligned_chars")}
     for r in records:
         for k in out:
             out[k] += int((r.stats or {}).get(k, 0))
