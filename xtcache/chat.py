@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -202,26 +203,27 @@ class Located:
     content_chars: int = 0
     unaligned_chars: int = 0
     unaligned_spans: int = 0
+    texts: list = field(default_factory=list)  # message_texts() of the conversation
 
 
 def message_texts(conv: dict) -> list[tuple[int, int, str]]:
     """(message, field, text) of every non-empty reasoning and content string, in order."""
     out = []
     for i, m in enumerate(conv["messages"]):
-        for f in REASONING_FIELDS:
-            if isinstance(m.get(f), str) and m[f]:
-                out.append((i, 0, m[f]))
-                break
-        if isinstance(m.get("content"), str) and m["content"]:
-            out.append((i, 1, m["content"]))
+        r = m.get("reasoning_content") or m.get("reasoning") or m.get("thinking")
+        if r and isinstance(r, str):
+            out.append((i, 0, r))
+        c = m.get("content")
+        if c and isinstance(c, str):
+            out.append((i, 1, c))
     return out
 
 
 def locate(text: str, conv: dict) -> Located:
     """Find each message text of `conv` in `text`, in order from a cursor."""
-    out = Located([])
+    out = Located([], texts=message_texts(conv))
     cursor = 0
-    for msg, fld, s in message_texts(conv):
+    for msg, fld, s in out.texts:
         out.content_chars += len(s)
         at = text.find(s, cursor)
         found = s
@@ -273,7 +275,12 @@ class Rendering:
     ids: np.ndarray  # int64 [N]
     offsets: np.ndarray  # int64 [N, 2] character offsets in `text`
     located: Located
-    markers: np.ndarray  # bool [N] end-of-turn candidates (special added tokens)
+    marker_ids: np.ndarray  # int64: the tokenizer's end-of-turn candidates (special added tokens)
+
+    @property
+    def markers(self) -> np.ndarray:
+        """bool [N]: the tokens that are end-of-turn candidates."""
+        return np.isin(self.ids, self.marker_ids)
 
 
 @dataclass
@@ -283,58 +290,78 @@ class ConversationAlignment:
     stats: dict = field(default_factory=dict)
 
 
-def _layout(s: Rendering, t: Rendering, conv: dict):
-    """Region tables of both sides for one conversation: per side (starts, ends, virtual starts,
-    virtual lengths, is_piece, role code) in rendered coordinates, and the virtual text length."""
+def _layout(s: Rendering, t: Rendering, conv: dict, marks, out, v: int, bases: tuple[int, int]) -> tuple[int, dict]:
+    """Append the regions of one conversation to `out` (per side: rows (start, end, vstart, vlen,
+    is_piece, role) in batch coordinates: rendered offsets plus `bases`, virtual starts from `v`);
+    `marks` per side: sorted starts and ends of its end-of-turn candidates. Empty regions are left
+    out. Returns the virtual end and the text counts."""
     pairs = shared_pieces(s.located.pieces, t.located.pieces)
-    roles = [role_code(m.get("role", "")) for m in conv["messages"]]
+    roles = [_ROLE_CODES.get(m.get("role"), ROLE_OTHER) for m in conv["messages"]]
     last_asst = max((i for i, r in enumerate(roles) if r == ROLE_ASSISTANT), default=-1)
-    code = [r | (LAST_ASSISTANT if i == last_asst else 0) for i, r in enumerate(roles)]
-    regions = ([], [])  # per side: lists of (start, end, vstart, vlen, piece, role)
-    v = 0
-    prev = (0, 0)  # end of the previous piece on each side
+    if last_asst >= 0:
+        roles[last_asst] |= LAST_ASSISTANT
+    out_s, out_t = out
+    bs, bt = bases
+    (ms_start, ms_end), (mt_start, mt_end) = marks
+    ps = pt = 0  # end of the previous piece on each side
     prev_msg = -1
-    sides = (s, t)
-    for g in range(len(pairs) + 1):
-        nxt = pairs[g] if g < len(pairs) else None
-        gap = [(prev[k], nxt[k].start if nxt else len(sides[k].text)) for k in (0, 1)]
-        ends_turn = prev_msg >= 0 and (nxt is None or nxt[0].msg != prev_msg)
-        eot = [None, None]
+    n = len(pairs)
+    shared = 0
+    for g in range(n + 1):
+        if g < n:
+            p, q = pairs[g]
+            es, et = p.start, q.start
+            ends_turn = prev_msg >= 0 and p.msg != prev_msg
+        else:
+            es, et = len(s.text), len(t.text)
+            ends_turn = prev_msg >= 0
+        eot_s = eot_t = None
         if ends_turn:
-            for k in (0, 1):
-                r = sides[k]
-                if r.ids.shape[0]:
-                    cand = np.flatnonzero(r.markers & (r.offsets[:, 0] >= gap[k][0]) & (r.offsets[:, 1] <= gap[k][1])
-                                          & (r.offsets[:, 1] > r.offsets[:, 0]))
-                    if cand.shape[0]:
-                        eot[k] = (int(r.offsets[cand[0], 0]), int(r.offsets[cand[0], 1]))
-        in_turn = prev_msg >= 0 and (not ends_turn or eot[0] is not None)
-        turn_role = code[prev_msg] if prev_msg >= 0 else ROLE_TEMPLATE
-        pre = [(gap[k][0], eot[k][0] if eot[k] else gap[k][1]) for k in (0, 1)]
-        post = [(eot[k][1], gap[k][1]) if eot[k] else (gap[k][1], gap[k][1]) for k in (0, 1)]
-        for k in (0, 1):
-            regions[k].append((*pre[k], v, pre[k][1] - pre[k][0], False, turn_role if in_turn else ROLE_TEMPLATE))
-            v += pre[k][1] - pre[k][0]
-        if eot[0] or eot[1]:
-            for k in (0, 1):
-                if eot[k]:
-                    regions[k].append((*eot[k], v, 1, False, turn_role))
+            j = bisect_left(ms_start, ps)
+            if j < len(ms_start) and ms_end[j] <= es:
+                eot_s = (ms_start[j], ms_end[j])
+            j = bisect_left(mt_start, pt)
+            if j < len(mt_start) and mt_end[j] <= et:
+                eot_t = (mt_start[j], mt_end[j])
+        turn_role = roles[prev_msg] if prev_msg >= 0 else ROLE_TEMPLATE
+        pre_role = turn_role if prev_msg >= 0 and (not ends_turn or eot_s is not None) else ROLE_TEMPLATE
+        e1 = eot_s[0] if eot_s else es
+        if e1 > ps:
+            out_s.append((ps + bs, e1 + bs, v, e1 - ps, 0, pre_role))
+            v += e1 - ps
+        e2 = eot_t[0] if eot_t else et
+        if e2 > pt:
+            out_t.append((pt + bt, e2 + bt, v, e2 - pt, 0, pre_role))
+            v += e2 - pt
+        if eot_s or eot_t:
+            if eot_s:
+                out_s.append((eot_s[0] + bs, eot_s[1] + bs, v, 1, 0, turn_role))
+            if eot_t:
+                out_t.append((eot_t[0] + bt, eot_t[1] + bt, v, 1, 0, turn_role))
             v += 1
-        for k in (0, 1):
-            regions[k].append((*post[k], v, post[k][1] - post[k][0], False, ROLE_TEMPLATE))
-            v += post[k][1] - post[k][0]
-        if nxt is not None:
-            for k in (0, 1):
-                regions[k].append((nxt[k].start, nxt[k].end, v, nxt[k].end - nxt[k].start, True, code[nxt[0].msg]))
-            v += nxt[0].end - nxt[0].start
-            prev = (nxt[0].end, nxt[1].end)
-            prev_msg = nxt[0].msg
+        a1 = eot_s[1] if eot_s else es
+        if es > a1:
+            out_s.append((a1 + bs, es + bs, v, es - a1, 0, ROLE_TEMPLATE))
+            v += es - a1
+        a2 = eot_t[1] if eot_t else et
+        if et > a2:
+            out_t.append((a2 + bt, et + bt, v, et - a2, 0, ROLE_TEMPLATE))
+            v += et - a2
+        if g < n:
+            width = p.end - p.start
+            role = roles[p.msg]
+            out_s.append((p.start + bs, p.end + bs, v, width, 1, role))
+            out_t.append((q.start + bt, q.end + bt, v, width, 1, role))
+            v += width
+            shared += width
+            ps, pt = p.end, q.end
+            prev_msg = p.msg
+    texts = s.located.texts
+    content = sum(len(x) for _, _, x in texts)
     got = {(p.msg, p.field): p.end - p.start for p, _ in pairs}
-    texts = message_texts(conv)
-    stats = {"content_chars": sum(len(x) for _, _, x in texts), "shared_chars": sum(got.values()),
-             "unaligned_spans": sum(got.get((m, f), 0) < len(x) for m, f, x in texts)}
-    stats["unaligned_chars"] = stats["content_chars"] - stats["shared_chars"]
-    return regions, v, stats
+    spans = sum(1 for m, f, x in texts if got.get((m, f), 0) < len(x))
+    return v, {"content_chars": content, "shared_chars": shared, "unaligned_spans": spans,
+               "unaligned_chars": content - shared}
 
 
 def _map_tokens(offsets: np.ndarray, table: np.ndarray):
@@ -357,66 +384,93 @@ def _map_tokens(offsets: np.ndarray, table: np.ndarray):
     return np.stack([va, vb], axis=1), straddle, region
 
 
+@dataclass
+class _Flat:
+    """One side of a batch: tokens concatenated, offsets shifted into the joined texts."""
+
+    ids: np.ndarray
+    offs: np.ndarray  # batch-global character offsets (document d starts at base[d])
+    counts: np.ndarray
+    base: np.ndarray
+    markers: np.ndarray  # bool [N]
+
+
+def _flat_side(side: list[Rendering]) -> tuple[_Flat, list]:
+    counts = np.fromiter((r.ids.shape[0] for r in side), dtype=np.int64, count=len(side))
+    base = np.concatenate(([0], np.cumsum([len(r.text) + 1 for r in side])[:-1])).astype(np.int64)
+    ids = np.concatenate([r.ids for r in side] + [np.zeros(0, np.int64)])
+    offs = np.concatenate([r.offsets.reshape(-1, 2) for r in side] + [np.zeros((0, 2), np.int64)])
+    offs = offs + np.repeat(base, counts)[:, None]
+    markers = np.isin(ids, side[0].marker_ids) & (offs[:, 1] > offs[:, 0])
+    mk = np.flatnonzero(markers)
+    doc_of = np.searchsorted(np.cumsum(counts), mk, side="right")
+    local = offs[mk] - base[doc_of][:, None]
+    cuts = np.searchsorted(doc_of, np.arange(1, len(side)))
+    spans = [(a.tolist(), b.tolist()) for a, b in zip(np.split(local[:, 0], cuts), np.split(local[:, 1], cuts))]
+    return _Flat(ids, offs, counts, base, markers), spans
+
+
 def align_conversations(convs: list[dict], students: list[Rendering], teachers: list[Rendering]) -> list[
         ConversationAlignment]:
     """Chunks and student roles of many conversations, each rendered by the student and the teacher
-    (one vectorized `align_flat` walk over the batch)."""
+    (one vectorized `align_flat` walk over the batch; all renderings of a side from one tokenizer)."""
     if not convs:
         return []
-    tables = ([], [])
-    vlens, shared = [], []
-    for conv, s, t in zip(convs, students, teachers):
-        regions, v, st = _layout(s, t, conv)
-        vlens.append(v)
-        shared.append(st)
-        for k in (0, 1):
-            tab = np.array(regions[k], dtype=np.int64).reshape(-1, 6)
-            tables[k].append(tab)
-    out_maps = []
-    for k, side in enumerate((students, teachers)):
-        # batch-global coordinates: rendered offsets by text base, virtual offsets by virtual base
-        r_base = np.concatenate(([0], np.cumsum([len(r.text) + 1 for r in side])[:-1]))
-        v_base = np.concatenate(([0], np.cumsum(vlens)[:-1]))
-        tab = np.concatenate([tb + np.array([rb, rb, vb, 0, 0, 0]) for tb, rb, vb in zip(tables[k], r_base, v_base)])
-        counts = np.array([r.ids.shape[0] for r in side], dtype=np.int64)
-        offs = np.concatenate([r.offsets.reshape(-1, 2) for r in side] + [np.zeros((0, 2), np.int64)])
-        offs = offs + np.repeat(r_base, counts)[:, None]
-        voffs, straddle, region = _map_tokens(offs, tab)
-        voffs = voffs - np.repeat(v_base, counts)[:, None]
-        ids = np.concatenate([r.ids for r in side] + [np.zeros(0, np.int64)])
-        out_maps.append((ids, voffs, counts, straddle, tab[region, 5] if region.shape[0] else np.zeros(0, np.int64),
-                         offs))
+    (fs, s_spans), (ft, t_spans) = _flat_side(students), _flat_side(teachers)
+    rows: tuple[list, list] = ([], [])
+    v_base, vlens, stats = [], [], []
+    v = 0
+    s_base, t_base = fs.base.tolist(), ft.base.tolist()
+    for d, (conv, s, t) in enumerate(zip(convs, students, teachers)):
+        end, st = _layout(s, t, conv, (s_spans[d], t_spans[d]), rows, v, (s_base[d], t_base[d]))
+        v_base.append(v)
+        vlens.append(end - v)
+        stats.append(st)
+        v = end
+    v_base = np.asarray(v_base, dtype=np.int64)
+    mapped = []
+    for k, f in enumerate((fs, ft)):
+        tab = np.array(rows[k], dtype=np.int64).reshape(-1, 6)
+        voffs, straddle, region = _map_tokens(f.offs, tab)
+        voffs = voffs - np.repeat(v_base, f.counts)[:, None]
+        mapped.append((voffs, straddle, tab[region, 5]))
     texts = [" " * n for n in vlens]  # only the lengths matter: the offsets are trusted, not byte-checked
-    (s_ids, s_v, s_counts, s_flag, s_role, s_offs), (t_ids, t_v, t_counts, t_flag, _, t_offs) = out_maps
-    aligns = align_flat(texts, (s_ids, s_v, s_counts, s_flag), (t_ids, t_v, t_counts, t_flag), None, None)
-    wrong = misaligned_chars(aligns, students, teachers, (s_counts, s_offs), (t_counts, t_offs))
-    for st, w in zip(shared, wrong.tolist()):
+    (s_v, s_flag, s_role), (t_v, t_flag, _) = mapped
+    aligns = align_flat(texts, (fs.ids, s_v, fs.counts, s_flag), (ft.ids, t_v, ft.counts, t_flag), None, None)
+    wrong = misaligned_chars(aligns, students, teachers, fs, ft)
+    for st, w in zip(stats, wrong.tolist()):
         st["misaligned_chars"] = w
-    roles = np.split(s_role.astype(np.uint8), np.cumsum(s_counts)[:-1])
-    return [ConversationAlignment(a, r, st) for a, r, st in zip(aligns, roles, shared)]
+    roles = np.split(s_role.astype(np.uint8), np.cumsum(fs.counts)[:-1])
+    return [ConversationAlignment(a, r, st) for a, r, st in zip(aligns, roles, stats)]
 
 
-def misaligned_chars(aligns, students, teachers, s_side, t_side) -> np.ndarray:
+def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering], fs: _Flat | None = None,
+                     ft: _Flat | None = None) -> np.ndarray:
     """Per conversation: characters of exact content chunks whose two sides' rendered text differs
     (0 unless the alignment is wrong): the check behind `inspect`'s "misaligned" count. Numpy over
     every exact chunk of the batch (end-of-turn pairs are not content and are left out)."""
     n_docs = len(aligns)
+    fs = fs or _flat_side(students)[0]
+    ft = ft or _flat_side(teachers)[0]
     ends, sides = [], []
-    for (counts, offs), rends, key in ((s_side, students, "student_end"), (t_side, teachers, "teacher_end")):
-        base = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        e = np.concatenate([getattr(a, key).astype(np.int64) + b for a, b in zip(aligns, base)] + [np.zeros(0, np.int64)])
-        first = np.concatenate([np.concatenate(([0], getattr(a, key)[:-1].astype(np.int64))) + b
-                                for a, b in zip(aligns, base)] + [np.zeros(0, np.int64)])
-        marker = np.concatenate([r.markers for r in rends] + [np.zeros(0, bool)])
-        ends.append((first, e, marker))
+    for f, rends, key in ((fs, students, "student_end"), (ft, teachers, "teacher_end")):
+        tok_base = np.concatenate(([0], np.cumsum(f.counts)[:-1]))
+        e = np.concatenate([getattr(a, key).astype(np.int64) + b for a, b in zip(aligns, tok_base.tolist())]
+                           + [np.zeros(0, np.int64)])
+        n_chunks = np.array([a.num_chunks for a in aligns], dtype=np.int64)
+        first = np.concatenate(([0], e[:-1])) if e.shape[0] else e
+        starts_doc = np.cumsum(n_chunks) - n_chunks
+        has = n_chunks > 0
+        first[starts_doc[has]] = tok_base[has]
+        ends.append((first, e))
         joined = "\x00".join(r.text for r in rends) + "\x00"
-        sides.append((offs, np.frombuffer(joined.encode("utf-32-le"), dtype="<u4")))
+        sides.append((f.offs, f.markers, np.frombuffer(joined.encode("utf-32-le"), dtype="<u4")))
     doc = np.repeat(np.arange(n_docs), [a.num_chunks for a in aligns])
     exact = np.concatenate([a.exact for a in aligns] + [np.zeros(0, bool)])
-    (sf, se, sm), (tf, te, tm) = ends
+    (sf, se), (tf, te) = ends
+    (so, sm, s_cp), (to, tm, t_cp) = sides
     sel = exact & (se > sf) & (te > tf)
     sel[sel] &= ~sm[sf[sel]] & ~tm[tf[sel]]
-    (so, s_cp), (to, t_cp) = sides
     a_s, b_s = so[sf[sel], 0], so[se[sel] - 1, 1]
     a_t, b_t = to[tf[sel], 0], to[te[sel] - 1, 1]
     width = b_s - a_s
@@ -444,4 +498,4 @@ def rendering(tokenizer, text: str, conv: dict, markers: np.ndarray | None = Non
     if markers is None:
         markers = np.asarray(turn_marker_ids(tokenizer), dtype=np.int64)
     return Rendering(text, ids, np.asarray(offs, dtype=np.int64).reshape(-1, 2), locate(text, conv),
-                     np.isin(ids, markers))
+                     np.asarray(markers, dtype=np.int64))
