@@ -317,3 +317,11 @@ def test_tokenizer_without_template_and_rejected_rows(chat_run, chat_toks, toy_s
                 "--data", data, "--out", tmp_path / "m", "--engine", "hf", "--top-k", "4", "--max-seq-len", "256")
     assert "chat template rejected the row: 14" in proc.stdout + proc.stderr
     assert "row 0 of chat.jsonl (student template" in proc.stderr
+
+
+def test_the_documented_example_is_what_the_code_renders(chat_toks):
+    from xtcache.testing.chat import DOC_BEGIN, DOC_END, doc_example
+
+    doc = (REPO / "docs" / "conversations.md").read_text(encoding="utf-8")
+    shown = doc[doc.index(DOC_BEGIN):doc.index(DOC_END) + len(DOC_END)]
+    assert shown == doc_example(chat_toks[("chatml-thinking", "teacher")][1], chat_toks[("llama3", "student")][1])

@@ -364,6 +364,29 @@ def _layout(s: Rendering, t: Rendering, conv: dict, marks, out, v: int, bases: t
                "unaligned_chars": content - shared}
 
 
+def segments(s: Rendering, t: Rendering, conv: dict) -> list[tuple[str, str, str, int]]:
+    """How one conversation's two renderings are laid out for alignment, in order: (student text,
+    teacher text, kind, role code) with kind 'template' (one side only: no KD), 'content' (the same
+    message text on both sides: exact chunks) or 'turn end' (the two end-of-turn markers, paired).
+    For documentation and debugging; `align_conversations` does the same work for a batch."""
+    marks = []
+    for r in (s, t):
+        m = r.markers & (r.offsets[:, 1] > r.offsets[:, 0])
+        marks.append((r.offsets[m, 0].tolist(), r.offsets[m, 1].tolist()))
+    rows: tuple[list, list] = ([], [])
+    _layout(s, t, conv, marks, rows, 0, (0, 0))
+    by_v: dict[int, list] = {}
+    for k, side in enumerate(rows):
+        for a, b, v, _, piece, role in side:
+            entry = by_v.setdefault(v, ["", "", "template", role])
+            entry[k] = (s, t)[k].text[a:b]
+            if piece:
+                entry[2] = "content"
+            elif b - a and entry[0] and entry[1] and not piece:
+                entry[2] = "turn end"
+    return [tuple(by_v[v]) for v in sorted(by_v)]
+
+
 def _map_tokens(offsets: np.ndarray, table: np.ndarray):
     """Virtual offsets [N, 2], straddle flags [N] and region index [N] of one side's tokens
     (batch-global coordinates) given its region table rows (start, end, vstart, vlen, piece, role)."""
