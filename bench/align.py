@@ -119,7 +119,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=400)
     ap.add_argument("--doc-chars", type=int, default=2000)
-    ap.add_argument("--chats", type=int, default=400, help="conversations for the conversation row")
+    ap.add_argument("--chats", type=int, default=400, help="conversations for the conversation rows")
+    ap.add_argument("--long-turns", type=int, default=12,
+                    help="most turns of the long conversations' row (the short row has 1-3 turns)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--work", default=None, help="directory for the trained tokenizers (default: a temp dir)")
     args = ap.parse_args()
@@ -141,8 +143,11 @@ def main() -> None:
 
         s_chat = chat_tokenizer(work / "student", "llama3", work / "student-llama3")
         t_chat = chat_tokenizer(work / "teacher", "chatml-thinking", work / "teacher-chatml")
-        rows.append(bench_conversations("conversations: Llama-3 template -> ChatML template", s_chat, t_chat,
+        rows.append(bench_conversations("conversations, 1-3 turns: Llama-3 -> ChatML template", s_chat, t_chat,
                                         chat_corpus(args.chats), args.repeat))
+        rows.append(bench_conversations(f"conversations, 1-{args.long_turns} turns: Llama-3 -> ChatML template",
+                                        s_chat, t_chat, chat_corpus(args.chats, max_turns=args.long_turns),
+                                        args.repeat))
     chars = sum(len(d) for d in docs)
     print(f"\n{len(docs)} documents, {chars:,} characters; best of {args.repeat}\n")
     head = ("| pair | tokens (both) | tokenize s | align batch s | align/tokenize | aligned tok/s | "
@@ -153,11 +158,15 @@ def main() -> None:
         print(f"| {r['pair']} | {r['tokens']:,} | {r['tokenize_s']:.3f} | {r['batch_s']:.3f} | "
               f"{r['batch_s'] / r['tokenize_s']:.1%} | {r['tokens'] / r['batch_s']:,.0f} | {r['loop_s']:.3f} | "
               f"{r['loop_s'] / r['tokenize_s']:.1%} | {r['stats']['exact_char_share']:.1%} |")
-    plain, conv = rows[0], rows[-1]
-    per_token = (conv["batch_s"] / conv["tokens"]) / (plain["batch_s"] / plain["tokens"])
-    print(f"\nconversations: align time per token {per_token:.2f}x the plain-text byte-BPE row (target <= 2x); "
-          f"rendering both templates took {conv['render_s']:.3f} s ({conv['tokens'] / conv['render_s']:,.0f} tok/s); "
-          "the conversation row's exact chars = message text found verbatim in both renderings")
+    plain = rows[0]
+    print()
+    for conv in rows[2:]:
+        per_token = (conv["batch_s"] / conv["tokens"]) / (plain["batch_s"] / plain["tokens"])
+        print(f"{conv['pair']}: {conv['tokens'] / args.chats / 2:,.0f} tokens per rendering; align time per token "
+              f"{per_token:.2f}x the plain-text byte-BPE row (target <= 2x); rendering both templates "
+              f"{conv['render_s']:.3f} s ({conv['tokens'] / conv['render_s']:,.0f} tok/s)")
+    print("exact chars of a conversation row = message text found verbatim in both renderings (the rest: text a "
+          "template changed or dropped)")
     for r in rows:
         s = r["stats"]
         print(f"{r['pair']}: chunks {s['chunks']:,}  1:1 {s['1:1']:,}  1:n {s['1:n']:,}  n:1 {s['n:1']:,}  "

@@ -122,9 +122,9 @@ def _sentence(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def chat_corpus(n: int, *, seed: int = 0, tools_every: int = 3) -> list[dict]:
-    """`n` conversations `{"messages": [...], ("tools": [...])}` with system prompts, several turns,
-    reasoning on assistant turns and, every `tools_every`-th row, a tool call and its result."""
+def chat_corpus(n: int, *, seed: int = 0, tools_every: int = 3, max_turns: int = 3) -> list[dict]:
+    """`n` conversations `{"messages": [...], ("tools": [...])}` with system prompts, 1 to `max_turns`
+    turns, reasoning on assistant turns and, every `tools_every`-th row, a tool call and its result."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -132,7 +132,7 @@ def chat_corpus(n: int, *, seed: int = 0, tools_every: int = 3) -> list[dict]:
         if rng.random() < 0.6:
             msgs.append({"role": "system", "content": "You are a careful assistant. " + _sentence(rng, 5)})
         row: dict = {}
-        for turn in range(rng.randint(1, 3)):
+        for turn in range(rng.randint(1, max_turns)):
             msgs.append({"role": "user", "content": _sentence(rng, rng.randint(4, 14)) + "?"})
             if tools_every and i % tools_every == 0 and turn == 0:
                 row["tools"] = [{"type": "function", "function": {
