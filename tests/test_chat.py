@@ -253,6 +253,7 @@ def test_chat_corpus_through_dump_and_align_has_no_misaligned_characters(chat_ru
     assert shard.texts[0] == render(load_tokenizer(str(chat_run["teacher_tok"])), conv)
     out = _cli("inspect", chat_run["store"]).stdout
     assert "misaligned chars" in out and "trained share" in out
+    _cli("verify", chat_run["store"])  # every array of every part and group, checks on
 
 
 @pytest.mark.parametrize("train_on", ["assistant", "last-assistant", "all"])
