@@ -15,7 +15,7 @@ Files are local paths or fsspec URLs (s3://bucket/corpus.parquet, gs://..., with
 Conversation corpora: rows whose `--messages-field` (detected as `messages` when the text field
 is absent from the first row) holds a list of messages `{role, content, ...}`, with an optional
 per-row `tools` list (or its JSON text), in any format but .txt. Such a row becomes a Document
-with `conversation=True` whose text is the conversation's canonical JSON; stage 1 renders it with
+with `conversation=True` whose text is the conversation's JSON (`xtcache.chat.conversation_json`); stage 1 renders it with
 each model's chat template (`xtcache.chat`).
 
 Formats by file suffix:
@@ -54,7 +54,7 @@ class Document:
     row: int
     text: str
     content_hash: str = field(default="")
-    conversation: bool = False  # text is a conversation's canonical JSON (xtcache.chat)
+    conversation: bool = False  # text is a conversation's JSON (xtcache.chat.conversation_json)
 
     def __post_init__(self):
         if not self.content_hash:

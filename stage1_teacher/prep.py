@@ -58,7 +58,7 @@ class PreparedDoc:
     offsets: np.ndarray  # int32 [T, 2]
     alignments: dict  # fingerprint -> AlignmentRecord
     windows: list[Window]
-    conversation: str | None = None  # the messages' canonical JSON (doc.text is the teacher's rendering)
+    conversation: str | None = None  # the conversation's JSON (doc.text is the teacher's rendering)
 
     @property
     def num_tokens(self) -> int:

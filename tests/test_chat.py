@@ -326,3 +326,25 @@ def test_the_documented_example_is_what_the_code_renders(chat_toks):
     doc = (REPO / "docs" / "conversations.md").read_text(encoding="utf-8")
     shown = doc[doc.index(DOC_BEGIN):doc.index(DOC_END) + len(DOC_END)]
     assert shown == doc_example(chat_toks[("chatml-thinking", "teacher")][1], chat_toks[("llama3", "student")][1])
+
+
+def test_same_tokenizer_and_template_is_the_identity_with_roles(chat_toks):
+    from stage1_teacher.corpus import Document
+    from stage1_teacher.prep import Preparer, StudentSide
+    from xtcache.chat import chat_fingerprint, conversation_json
+
+    _, tok = chat_toks[("chatml-thinking", "teacher")]
+    _, other = chat_toks[("chatml", "teacher")]  # the same tokenizer.json, another template: not the identity
+    fp, fp_other = chat_fingerprint(tok), chat_fingerprint(other)
+    assert fp != fp_other
+    prep = Preparer(tok, [StudentSide("same", tok, fp, True), StudentSide("other", other, fp_other, False)],
+                    window_len=512, overlap=0, conversation=True)
+    convs = chat_corpus(6, seed=4)
+    out = prep.prepare([Document("c.jsonl", i, conversation_json(c), conversation=True) for i, c in enumerate(convs)])
+    for pd, conv in zip(out, convs):
+        assert pd.doc.text == render(tok, conv) and json.loads(pd.conversation)["messages"] == conv["messages"]
+        same = pd.alignments[fp]
+        assert np.array_equal(same.student_ids, pd.teacher_ids)
+        assert np.all(np.diff(same.alignment.student_end, prepend=0) == 1) and same.alignment.exact.all()
+        assert np.any((same.student_role & 0x7F) == ROLE_ASSISTANT)
+        assert pd.alignments[fp_other].stats["misaligned_chars"] == 0

@@ -128,8 +128,10 @@ def parse_conversation(messages, tools=None) -> dict | str:
 
 
 def conversation_json(conv: dict) -> str:
-    """The canonical JSON text of a conversation (what the store keeps per document)."""
-    return json.dumps(conv, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """The JSON text of a conversation as the store keeps it: compact, keys in the row's own order
+    (templates render mappings such as tool schemas in insertion order, so sorting would change
+    the rendered text)."""
+    return json.dumps(conv, separators=(",", ":"), ensure_ascii=False)
 
 
 # ------------------------------------------------------------------------------ templates

@@ -30,7 +30,7 @@ class DocRecord:
     residual: np.ndarray  # float32 [T]
     realized_logprob: np.ndarray  # float32 [T]; NaN where not has_pred
     content_hash: str = ""
-    conversation: str | None = None  # conversation stores: the messages' canonical JSON (text = its rendering)
+    conversation: str | None = None  # conversation stores: the conversation's JSON (text = its rendering)
 
     def __post_init__(self):
         if not self.content_hash:

@@ -214,3 +214,37 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def build_chat_setup(base, root: str | Path, *, num_train: int, num_heldout: int, teacher_steps: int,
+                     teacher_hidden: int = 128, seed: int = 0):
+    """A chat version of a toy setup (`toy.ToySetup`): the teacher's tokenizer with a ChatML-style
+    template, the student's with a Llama-3-style one, a tiny Qwen2 teacher pre-trained on
+    conversations rendered in its template, a fresh tiny Llama student, and train / held-out chat
+    JSONL files. Built once under `root` (a DONE marker is written last), reused afterwards."""
+    from xtcache.chat import render
+    from xtcache.testing.toy import ToySetup, build_tiny_model, train_tiny_lm
+
+    root = Path(root)
+    setup = ToySetup(root=root, train_jsonl=root / "corpus" / "train.jsonl",
+                     heldout_jsonl=root / "corpus" / "heldout.jsonl", teacher_tokenizer=root / "teacher_tokenizer",
+                     student_tokenizer=root / "student_tokenizer", teacher_model=root / "teacher",
+                     student_model=root / "student")
+    if (root / "DONE").exists():
+        return setup
+    (root / "corpus").mkdir(parents=True, exist_ok=True)
+    train = chat_corpus(num_train, seed=seed, max_turns=4)
+    write_chat_jsonl(setup.train_jsonl, train)
+    write_chat_jsonl(setup.heldout_jsonl, chat_corpus(num_heldout, seed=seed + 1000, max_turns=4))
+    teacher_tok = chat_tokenizer(base.teacher_tokenizer, "chatml-thinking", setup.teacher_tokenizer)
+    chat_tokenizer(base.student_tokenizer, "llama3", setup.student_tokenizer)
+    build_tiny_model("qwen2", setup.teacher_tokenizer, setup.teacher_model, hidden=teacher_hidden, layers=2,
+                     intermediate=teacher_hidden * 3, seed=seed)
+    build_tiny_model("llama", setup.student_tokenizer, setup.student_model, hidden=64, layers=2, intermediate=192,
+                     seed=seed + 1)
+    if teacher_steps > 0:
+        train_tiny_lm(setup.teacher_model, [render(teacher_tok, c) for c in train], steps=teacher_steps,
+                      seq_len=256, seed=seed)
+    (root / "DONE").write_text(json.dumps({"num_train": num_train, "num_heldout": num_heldout,
+                                           "teacher_steps": teacher_steps, "seed": seed}))
+    return setup
