@@ -12,7 +12,13 @@ student vs the same teacher) and the same documents, it times in one run:
 and prints a table with the ratio align / tokenize (target: at most 10%). Timings are the best of
 `--repeat` interleaved runs.
 
-    python bench/align.py [--docs 400] [--doc-chars 2000] [--repeat 7]
+A conversation row (`--chats` conversations with tool calls and thinking, `xtcache.testing.chat`)
+renders each one in a Llama-3-style template (student) and a ChatML-style one (teacher); its
+"align" is what `xtcache.chat` adds to tokenizing: locating the messages in both renderings,
+mapping the tokens, the chunk walk and the misalignment check. Its time per token is compared with
+the plain-text byte-BPE row (target: at most 2x); the rendering (jinja) is timed on its own.
+
+    python bench/align.py [--docs 400] [--doc-chars 2000] [--chats 400] [--repeat 7]
 """
 
 from __future__ import annotations
@@ -69,10 +75,53 @@ def bench_pair(name: str, s_tok, t_tok, docs: list[str], repeat: int) -> dict:
             "loop_s": best["loop"], "stats": alignment_stats(aligns)}
 
 
+def bench_conversations(name: str, s_tok, t_tok, convs: list[dict], repeat: int) -> dict:
+    """Render, tokenize and align conversations, each model in its own template (interleaved)."""
+    from xtcache.chat import align_conversations, render, rendering, turn_marker_ids
+
+    s_mark, t_mark = (np.asarray(turn_marker_ids(t), dtype=np.int64) for t in (s_tok, t_tok))
+
+    def render_all():
+        return [render(s_tok, c) for c in convs], [render(t_tok, c) for c in convs]
+
+    _, (s_texts, t_texts) = timed(render_all)
+
+    def tokenize():
+        return (encode_flat(s_tok, s_texts, add_special_tokens=False, side="student"),
+                encode_flat(t_tok, t_texts, add_special_tokens=False, side="teacher"))
+
+    _, (s_flat, t_flat) = timed(tokenize)
+    split = lambda flat, k: np.split(flat[k], np.cumsum(flat[2])[:-1])  # noqa: E731
+    s_enc = list(zip(split(s_flat, 0), split(s_flat, 1)))
+    t_enc = list(zip(split(t_flat, 0), split(t_flat, 1)))
+
+    def align():
+        ss = [rendering(None, x, c, s_mark, encoded=e) for x, c, e in zip(s_texts, convs, s_enc)]
+        ts = [rendering(None, x, c, t_mark, encoded=e) for x, c, e in zip(t_texts, convs, t_enc)]
+        return align_conversations(convs, ss, ts)
+
+    best = {"render": float("inf"), "tokenize": float("inf"), "batch": float("inf")}
+    for _ in range(repeat):
+        for key, fn in (("render", render_all), ("tokenize", tokenize), ("batch", align)):
+            dt, out = timed(fn)
+            best[key] = min(best[key], dt)
+            if key == "batch":
+                aligned = out
+    assert all(a.stats["misaligned_chars"] == 0 for a in aligned)
+    stats = alignment_stats([a.alignment for a in aligned])
+    content = sum(a.stats["content_chars"] for a in aligned)
+    stats["exact_char_share"] = sum(a.stats["shared_chars"] for a in aligned) / max(1, content)
+    return {"pair": name, "tokens": int(s_flat[0].shape[0] + t_flat[0].shape[0]), "tokenize_s": best["tokenize"],
+            "batch_s": best["batch"], "loop_s": float("nan"), "render_s": best["render"], "stats": stats}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=400)
     ap.add_argument("--doc-chars", type=int, default=2000)
+    ap.add_argument("--chats", type=int, default=400, help="conversations for the conversation rows")
+    ap.add_argument("--long-turns", type=int, default=12,
+                    help="most turns of the long conversations' row (the short row has 1-3 turns)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--work", default=None, help="directory for the trained tokenizers (default: a temp dir)")
     args = ap.parse_args()
@@ -90,6 +139,15 @@ def main() -> None:
         sp = AutoTokenizer.from_pretrained(str(work / "sp"))
         rows = [bench_pair("byte-BPE -> byte-BPE", student, teacher, docs, args.repeat),
                 bench_pair("SentencePiece -> byte-BPE", sp, teacher, docs, args.repeat)]
+        from xtcache.testing.chat import chat_corpus, chat_tokenizer
+
+        s_chat = chat_tokenizer(work / "student", "llama3", work / "student-llama3")
+        t_chat = chat_tokenizer(work / "teacher", "chatml-thinking", work / "teacher-chatml")
+        rows.append(bench_conversations("conversations, 1-3 turns: Llama-3 -> ChatML template", s_chat, t_chat,
+                                        chat_corpus(args.chats), args.repeat))
+        rows.append(bench_conversations(f"conversations, 1-{args.long_turns} turns: Llama-3 -> ChatML template",
+                                        s_chat, t_chat, chat_corpus(args.chats, max_turns=args.long_turns),
+                                        args.repeat))
     chars = sum(len(d) for d in docs)
     print(f"\n{len(docs)} documents, {chars:,} characters; best of {args.repeat}\n")
     head = ("| pair | tokens (both) | tokenize s | align batch s | align/tokenize | aligned tok/s | "
@@ -100,6 +158,15 @@ def main() -> None:
         print(f"| {r['pair']} | {r['tokens']:,} | {r['tokenize_s']:.3f} | {r['batch_s']:.3f} | "
               f"{r['batch_s'] / r['tokenize_s']:.1%} | {r['tokens'] / r['batch_s']:,.0f} | {r['loop_s']:.3f} | "
               f"{r['loop_s'] / r['tokenize_s']:.1%} | {r['stats']['exact_char_share']:.1%} |")
+    plain = rows[0]
+    print()
+    for conv in rows[2:]:
+        per_token = (conv["batch_s"] / conv["tokens"]) / (plain["batch_s"] / plain["tokens"])
+        print(f"{conv['pair']}: {conv['tokens'] / args.chats / 2:,.0f} tokens per rendering; align time per token "
+              f"{per_token:.2f}x the plain-text byte-BPE row (target <= 2x); rendering both templates "
+              f"{conv['render_s']:.3f} s ({conv['tokens'] / conv['render_s']:,.0f} tok/s)")
+    print("exact chars of a conversation row = message text found verbatim in both renderings (the rest: text a "
+          "template changed or dropped)")
     for r in rows:
         s = r["stats"]
         print(f"{r['pair']}: chunks {s['chunks']:,}  1:1 {s['1:1']:,}  1:n {s['1:n']:,}  n:1 {s['n:1']:,}  "

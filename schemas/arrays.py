@@ -6,7 +6,9 @@ Everything that writes, reads or checks arrays goes through this table: the writ
 4.1 and 5 are compared with it by tests/test_store_format.py.
 
 Shapes are written with the counts of a part: `D` documents, `P` teacher positions, `k` entries
-per position (the manifest's `k`), `B` text bytes, `S` student tokens, `C` chunks.
+per position (the manifest's `k`), `B` text bytes, `M` conversation bytes, `S` student tokens, `C` chunks.
+Arrays marked `conversation` are held by the parts of conversation stores only (manifest field
+`conversation`, format version 2).
 
     python -c "from schemas.arrays import TEACHER_ARRAYS; print([a.name for a in TEACHER_ARRAYS])"
 """
@@ -29,6 +31,7 @@ class ArrayDef:
     modes: tuple[str, ...] = ("topk", "full", "sampled")  # modes whose parts hold it
     transform: str | None = None  # 'ids' or 'logprobs': an xtcache transform, configured in the manifest
     shuffle: bool = False  # default compression: byte shuffle + zstd (blosc) instead of plain zstd
+    conversation: bool = False  # held by the parts of conversation stores only
 
     def resolve(self, counts: dict[str, int]) -> tuple[int, ...]:
         """The concrete shape for a part's counts, e.g. {"D": 3, "P": 100, "k": 8}."""
@@ -56,6 +59,8 @@ TEACHER_ARRAYS: tuple[ArrayDef, ...] = (
     ArrayDef("topk_counts", ("uint16",), ("P", "k"), modes=("sampled",)),
     ArrayDef("residual", ("float32",), ("P",), shuffle=True),
     ArrayDef("realized_logprob", ("float32",), ("P",), shuffle=True),
+    ArrayDef("doc_conversation_offsets", ("int64",), ("D+1",), conversation=True),
+    ArrayDef("doc_conversation", ("uint8",), ("M",), conversation=True),
 )
 """Arrays of `shards/{S}/`, in the order a part is written."""
 
@@ -66,13 +71,19 @@ ALIGN_ARRAYS: tuple[ArrayDef, ...] = (
     ArrayDef("student_end", ("int32",), ("C",)),
     ArrayDef("teacher_end", ("int32",), ("C",)),
     ArrayDef("exact", ("bool",), ("C",)),
+    ArrayDef("student_role", ("uint8",), ("S",), conversation=True),
 )
 """Arrays of `align/{F}/shards/{S}/`, in the order an alignment part is written."""
 
 
-def teacher_arrays(mode: str) -> tuple[ArrayDef, ...]:
-    """The arrays a teacher part of `mode` holds."""
-    return tuple(a for a in TEACHER_ARRAYS if mode in a.modes)
+def teacher_arrays(mode: str, conversation: bool = False) -> tuple[ArrayDef, ...]:
+    """The arrays a teacher part of `mode` holds (of a conversation store: `conversation`)."""
+    return tuple(a for a in TEACHER_ARRAYS if mode in a.modes and (conversation or not a.conversation))
+
+
+def align_arrays(conversation: bool = False) -> tuple[ArrayDef, ...]:
+    """The arrays an alignment part holds (of a conversation store: `conversation`)."""
+    return tuple(a for a in ALIGN_ARRAYS if conversation or not a.conversation)
 
 
 def array_def(name: str) -> ArrayDef:

@@ -16,8 +16,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Version of the on-disk layout; written to the manifest and to every part's metadata."""
+
+READ_VERSIONS = (1, 2)
+"""Versions a reader of this xtcache reads: 2 added conversation stores; a version 1 store is a
+plain-text store of version 2's layout (and keeps version 1 when an alignment group is added)."""
 
 Mode = Literal["topk", "full", "sampled"]
 
@@ -139,6 +143,9 @@ class Manifest(_Model):
     xtcache_version: str = Field(default="", description="Version of xtcache that created the store.")
     shard_plan: ShardPlanMeta | None = Field(
         default=None, description="The plan the writers split the corpus by (None: written by one job).")
+    conversation: bool = Field(
+        default=False, description="Documents are conversations rendered in the teacher's chat template: parts "
+                                   "hold doc_conversation(_offsets), alignment parts student_role (version 2).")
 
     @model_validator(mode="after")
     def _k_is_a_support_width(self) -> "Manifest":
@@ -188,6 +195,9 @@ class AlignPartMeta(_Model):
     chunk_shapes: dict[str, int] = Field(
         default_factory=dict, description="Chunk counts by shape: '1:1', '1:n', 'n:1', 'n:m', 'empty'.")
     num_exact: int = Field(default=0, ge=0, description="Chunks whose two sides decode to identical text.")
+    conversation: dict[str, int] = Field(
+        default_factory=dict, description="Conversation stores: content_chars, shared_chars, unaligned_chars, "
+                                          "unaligned_spans and role_<name> student token counts.")
     arrays: dict[str, ArraySpec] = Field(default_factory=dict)
     created: str = ""
 

@@ -52,8 +52,16 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
 
     reader = reader or CacheReader(url, storage_options)
     student_tok = student_tok or load_tokenizer(student_path, "student tokenizer")
-    fp = tokenizer_fingerprint(student_tok)
-    identity = fp == reader.manifest.fingerprints.get("teacher_tokenizer")
+    conversation = reader.manifest.settings.get("conversation") if reader.manifest.conversation else None
+    if conversation is not None:
+        from xtcache.chat import chat_fingerprint, require_template
+
+        require_template(student_tok, f"student tokenizer ({student_path})")
+        fp = chat_fingerprint(student_tok)
+        identity = fp == conversation.get("teacher_chat")
+    else:
+        fp = tokenizer_fingerprint(student_tok)
+        identity = fp == reader.manifest.fingerprints.get("teacher_tokenizer")
     s_info = None if identity else tokenizer_info(student_tok)
     t_info = None if identity or teacher_tok is None else tokenizer_info(teacher_tok)
     done = set(reader.alignment_parts(fp)) if fp in reader.alignment_groups() else set()
@@ -74,7 +82,9 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
         for meta in todo:
             shard = reader.read_shard(meta.shard_id)
             docs = [shard.doc(i) for i in range(shard.num_docs)]
-            if identity:
+            if conversation is not None:
+                records = _conversation_records(docs, student_tok, identity, conversation, meta.shard_id)
+            elif identity:
                 records = [AlignmentRecord(student_ids=d.teacher_ids.astype(np.int32),
                                            alignment=identity_alignment(len(d.teacher_ids))) for d in docs]
             else:
@@ -87,6 +97,37 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
     finally:
         writer.close()
     return stats
+
+
+def _conversation_records(docs, student_tok, identity: bool, conversation: dict, shard_id: str) -> list:
+    """Alignment records of a conversation part: each document's messages rendered with the
+    student's template and aligned to the stored teacher rendering and tokens."""
+    import json
+
+    from stage1_teacher.prep import _encode
+    from xtcache.align import identity_alignment
+    from xtcache.chat import ConversationError, align_conversations, render, rendering, turn_marker_ids
+    from xtcache.store import AlignmentRecord
+
+    markers = np.asarray(conversation.get("teacher_turn_markers", []), dtype=np.int64)
+    convs = [json.loads(d.conversation) for d in docs]
+    teachers = [rendering(None, d.text, c, markers, encoded=(d.teacher_ids, d.char_offsets))
+                for d, c in zip(docs, convs)]
+    if identity:
+        students = teachers
+    else:
+        try:
+            texts = [render(student_tok, c, where=f"document {d.doc_id} of part {shard_id}")
+                     for d, c in zip(docs, convs)]
+        except ConversationError as e:
+            raise AlignmentError(str(e)) from None
+        s_ids, s_off = _encode(student_tok, texts, "student tokenizer", add_special=False)
+        s_markers = np.asarray(turn_marker_ids(student_tok), dtype=np.int64)
+        students = [rendering(None, t, c, s_markers, encoded=(i, o)) for t, c, i, o in zip(texts, convs, s_ids, s_off)]
+    aligned = align_conversations(convs, students, teachers)
+    return [AlignmentRecord(student_ids=s.ids.astype(np.int32),
+                            alignment=identity_alignment(len(s.ids)) if identity else ca.alignment,
+                            student_role=ca.student_role, stats=ca.stats) for s, ca in zip(students, aligned)]
 
 
 def _align_docs(docs, s_ids, s_off, s_info, t_info, shard_id: str) -> list:

@@ -27,6 +27,8 @@ class InputConfig:
     """Corpus files (.parquet, .arrow/.feather/.ipc, .jsonl/.json, .txt), local or fsspec URLs; globs are expanded."""
     text_field: str = "text"
     """Column or JSON key holding the document text (ignored for .txt)."""
+    messages_field: str | None = None
+    """Column or JSON key holding a conversation (a list of {role, content, ...} messages, optional per-row 'tools'); each model renders it with its own chat template. Default: 'messages' when the first row has no --text-field but a 'messages' field."""
     data_storage_options: dict[str, Any] | None = None
     """fsspec storage options for remote --data files (JSON object); default: --storage-options."""
 
@@ -185,9 +187,10 @@ def expand_globs(paths: list[str], storage_options: dict | None = None) -> list[
 
 
 def settings_for_fingerprint(cfg: TeacherDumpConfig, *, window_len: int, boundary_tokenizers: list[str],
-                             shard_plan: str = "") -> dict:
+                             shard_plan: str = "", conversation: dict | None = None) -> dict:
     """The capture settings that change what is stored (part of the cache key); with several jobs,
-    the shard plan's fingerprint (which job writes which rows)."""
+    the shard plan's fingerprint (which job writes which rows); for a conversation corpus, the
+    messages field, the teacher's chat template fingerprint and its end-of-turn candidate ids."""
     c = cfg.capture
     return {
         "mode": c.mode, "top_k": c.top_k if c.mode == "topk" else None,
@@ -197,4 +200,5 @@ def settings_for_fingerprint(cfg: TeacherDumpConfig, *, window_len: int, boundar
         "docs_per_part": cfg.store.docs_per_part, "num_shards": cfg.store.num_shards,
         **({"shard_plan": shard_plan} if cfg.store.num_shards > 1 else {}),
         "window_cut_tokenizers": boundary_tokenizers, "text_field": cfg.input.text_field,
+        **({"conversation": conversation} if conversation else {}),
     }

@@ -12,6 +12,12 @@ Parallel jobs read only their share: `iter_corpus(..., plan=, job=)` opens the r
 Files are local paths or fsspec URLs (s3://bucket/corpus.parquet, gs://..., with the dump's
 `--storage-options`); remote files are streamed, never downloaded whole.
 
+Conversation corpora: rows whose `--messages-field` (detected as `messages` when the text field
+is absent from the first row) holds a list of messages `{role, content, ...}`, with an optional
+per-row `tools` list (or its JSON text), in any format but .txt. Such a row becomes a Document
+with `conversation=True` whose text is the conversation's JSON (`xtcache.chat.conversation_json`); stage 1 renders it with
+each model's chat template (`xtcache.chat`).
+
 Formats by file suffix:
   .parquet                       pyarrow ParquetFile.iter_batches on the text column
   .arrow .feather .ipc           Arrow IPC file (or stream) record batches
@@ -48,6 +54,7 @@ class Document:
     row: int
     text: str
     content_hash: str = field(default="")
+    conversation: bool = False  # text is a conversation's JSON (xtcache.chat.conversation_json)
 
     def __post_init__(self):
         if not self.content_hash:
@@ -120,8 +127,64 @@ def _text_of(source: str, row: int, value) -> Document | Skipped:
     return Document(source, row, value)
 
 
+TOOLS_FIELD = "tools"
+
+
+def _conversation_of(source: str, row: int, messages, tools=None) -> Document | Skipped:
+    from xtcache.chat import conversation_json, parse_conversation
+
+    if messages is None:
+        return Skipped(source, row, "missing messages field")
+    conv = parse_conversation(messages, tools)
+    if isinstance(conv, str):
+        return Skipped(source, row, conv)
+    return Document(source, row, conversation_json(conv), conversation=True)
+
+
+def _iter_conversations(table_columns, names, source: str, row0: int, messages_field: str):
+    """Conversation rows of Arrow columns (a list-of-struct messages column, an optional tools column)."""
+    msgs = table_columns[names.index(messages_field)].to_pylist()
+    tools = table_columns[names.index(TOOLS_FIELD)].to_pylist() if TOOLS_FIELD in names else [None] * len(msgs)
+    for i, (m, t) in enumerate(zip(msgs, tools)):
+        yield _conversation_of(source, row0 + i, m, t)
+
+
+def detect_messages_field(url: str, text_field: str, storage_options: dict | None = None) -> str | None:
+    """'messages' when the file's first row (or schema) has no `text_field` but a `messages` field."""
+    from xtcache.store_io import file_system
+
+    fmt = file_format(url)
+    if fmt == "text":
+        return None
+    fs, path = file_system(url, storage_options)
+    with fs.open(path, "rb") as f:
+        if fmt == "jsonl":
+            for line in read_lines(f):
+                try:
+                    obj = json.loads(line.decode("utf-8"))
+                except (UnicodeDecodeError, ValueError):
+                    continue
+                names = list(obj) if isinstance(obj, dict) else []
+                break
+            else:
+                names = []
+        elif fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            names = pq.ParquetFile(f).schema_arrow.names
+        else:
+            import pyarrow as pa
+
+            data = f.read()
+            try:
+                names = pa.ipc.open_file(pa.BufferReader(data)).schema.names
+            except pa.ArrowInvalid:
+                names = pa.ipc.open_stream(pa.BufferReader(data)).schema.names
+    return "messages" if text_field not in names and "messages" in names else None
+
+
 def _iter_parquet(f, path: str, source: str, text_field: str, batch_rows: int, groups: tuple[int, int] | None = None,
-                  planned: tuple | None = None):
+                  planned: tuple | None = None, messages_field: str | None = None):
     """Rows of row groups [groups[0], groups[1]) (None: all), numbered from their row in the file.
 
     `planned`: the (rows, bytes) per row group the shard plan saw; a file that changed since is refused.
@@ -131,9 +194,11 @@ def _iter_parquet(f, path: str, source: str, text_field: str, batch_rows: int, g
     from xtcache.errors import StoreError
 
     pf = pq.ParquetFile(f)
-    if text_field not in pf.schema_arrow.names:
-        raise ConfigError(f"--data {path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); "
-                          "set --text-field")
+    column = messages_field or text_field
+    if column not in pf.schema_arrow.names:
+        raise ConfigError(f"--data {path}: no column {column!r} (columns: {pf.schema_arrow.names}); "
+                          f"set {'--messages-field' if messages_field else '--text-field'}")
+    columns = [column] + ([TOOLS_FIELD] if messages_field and TOOLS_FIELD in pf.schema_arrow.names else [])
     md = pf.metadata
     counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
     if planned is not None and counts != [n for n, _ in planned]:
@@ -143,8 +208,11 @@ def _iter_parquet(f, path: str, source: str, text_field: str, batch_rows: int, g
     if start == stop:
         return
     row = sum(counts[:start])
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=[text_field], row_groups=range(start, stop)):
-        yield from _iter_arrow_column(batch.column(0), source, row)
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=columns, row_groups=range(start, stop)):
+        if messages_field:
+            yield from _iter_conversations(batch.columns, batch.schema.names, source, row, messages_field)
+        else:
+            yield from _iter_arrow_column(batch.column(0), source, row)
         row += batch.num_rows
 
 
@@ -158,7 +226,7 @@ def _iter_arrow_column(column, source: str, row0: int):
         yield _text_of(source, row0 + i, value)
 
 
-def _iter_arrow(f, path: str, source: str, text_field: str, batch_rows: int):
+def _iter_arrow(f, path: str, source: str, text_field: str, batch_rows: int, messages_field: str | None = None):
     import pyarrow as pa
 
     with (pa.memory_map(f, "r") if isinstance(f, str) else pa.PythonFile(f, mode="r")) as src:
@@ -170,13 +238,19 @@ def _iter_arrow(f, path: str, source: str, text_field: str, batch_rows: int):
             src.seek(0)
             reader = pa.ipc.open_stream(src)
             batches, schema = iter(reader), reader.schema
-        if text_field not in schema.names:
-            raise ConfigError(f"--data {path}: no column {text_field!r} (columns: {schema.names}); set --text-field")
+        column = messages_field or text_field
+        if column not in schema.names:
+            raise ConfigError(f"--data {path}: no column {column!r} (columns: {schema.names}); "
+                              f"set {'--messages-field' if messages_field else '--text-field'}")
         row = 0
         for batch in batches:
-            col = batch.column(schema.get_field_index(text_field))
+            col = batch.column(schema.get_field_index(text_field if not messages_field else column))
             for start in range(0, batch.num_rows, batch_rows):
-                yield from _iter_arrow_column(col.slice(start, batch_rows), source, row + start)
+                if messages_field:
+                    part = batch.slice(start, batch_rows)
+                    yield from _iter_conversations(part.columns, schema.names, source, row + start, messages_field)
+                else:
+                    yield from _iter_arrow_column(col.slice(start, batch_rows), source, row + start)
             row += batch.num_rows
 
 
@@ -195,7 +269,7 @@ def read_lines(f, block: int = 1 << 22):
         yield tail
 
 
-def _iter_jsonl(f, source: str, text_field: str):
+def _iter_jsonl(f, source: str, text_field: str, messages_field: str | None = None):
     for row, line in enumerate(read_lines(f)):
         try:
             obj = json.loads(line.decode("utf-8"))
@@ -207,6 +281,10 @@ def _iter_jsonl(f, source: str, text_field: str):
                 yield Skipped(source, row, "empty document")
             else:
                 yield Skipped(source, row, "invalid JSON")
+            continue
+        if messages_field:
+            yield (_conversation_of(source, row, obj.get(messages_field), obj.get(TOOLS_FIELD))
+                   if isinstance(obj, dict) else Skipped(source, row, "missing messages field"))
             continue
         if not isinstance(obj, dict) or text_field not in obj:
             yield Skipped(source, row, "missing text field")
@@ -220,8 +298,11 @@ def _iter_text(f, source: str):
 
 
 def iter_corpus(files: list[str], text_field: str = "text", *, batch_rows: int = 1024,
-                storage_options: dict | None = None, plan=None, job: int = 0) -> Iterator[Document | Skipped]:
+                storage_options: dict | None = None, plan=None, job: int = 0,
+                messages_field: str | None = None) -> Iterator[Document | Skipped]:
     """Every row of every file, in order, as a Document or a Skipped row (streaming).
+
+    With `messages_field`, rows are conversations (Documents with `conversation=True`).
 
     With a `shard_plan.ShardPlan`, only job `job`'s ranges are opened and read (Parquet: its row
     groups; other formats: its whole files), with the same row numbers as a read of everything.
@@ -242,16 +323,18 @@ def iter_corpus(files: list[str], text_field: str = "text", *, batch_rows: int =
         fs, path = file_system(url, storage_options)
         local = is_local(url)
         if fmt == "arrow" and local:
-            yield from _iter_arrow(path, url, source, text_field, batch_rows)  # memory-mapped
+            yield from _iter_arrow(path, url, source, text_field, batch_rows, messages_field)  # memory-mapped
             continue
+        if fmt == "text" and messages_field:
+            raise ConfigError(f"--data {url}: a .txt corpus holds plain text, not conversations (--messages-field)")
         # remote: no read-ahead cache (fsspec's default fetches 50 MiB past every range pyarrow asks for)
         with fs.open(path, "rb", **({} if local else {"cache_type": "none"})) as f:
             if fmt == "parquet":
-                yield from _iter_parquet(f, url, source, text_field, batch_rows, groups, planned)
+                yield from _iter_parquet(f, url, source, text_field, batch_rows, groups, planned, messages_field)
             elif fmt == "arrow":
-                yield from _iter_arrow(f, url, source, text_field, batch_rows)
+                yield from _iter_arrow(f, url, source, text_field, batch_rows, messages_field)
             elif fmt == "jsonl":
-                yield from _iter_jsonl(f, source, text_field)
+                yield from _iter_jsonl(f, source, text_field, messages_field)
             else:
                 yield from _iter_text(f, source)
 

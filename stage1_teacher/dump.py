@@ -121,6 +121,7 @@ class Plan:
     settings: dict
     out: str
     shard_plan: object  # shard_plan.ShardPlan
+    messages_field: str | None = None  # conversation corpus: the field holding the messages
 
 
 def make_plan(cfg: TeacherDumpConfig) -> Plan:
@@ -136,13 +137,25 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
     teacher_tok = load_tokenizer(t.teacher, "teacher tokenizer")
     vocab_size = len(teacher_tok)
     t_fp = fpr.tokenizer_fingerprint(teacher_tok)
+    messages_field = preflight.resolve_messages_field(cfg)
+    conversation = None
+    if messages_field:  # every model renders with its own template: refuse one without, before the teacher loads
+        from xtcache.chat import chat_fingerprint, require_template, turn_marker_ids
+
+        require_template(teacher_tok, f"teacher tokenizer ({t.teacher})")
+        conversation = {"messages_field": messages_field, "teacher_chat": chat_fingerprint(teacher_tok),
+                        "teacher_turn_markers": turn_marker_ids(teacher_tok)}
     students = []
+    own_fp = conversation["teacher_chat"] if conversation else t_fp
     for path in cfg.student_tokenizer:
         tok = load_tokenizer(path, "student tokenizer")
-        fp = fpr.tokenizer_fingerprint(tok)
+        if conversation:
+            require_template(tok, f"student tokenizer ({path})")
+        fp = chat_fingerprint(tok) if conversation else fpr.tokenizer_fingerprint(tok)
         if any(s.fingerprint == fp for s in students):
             continue
-        students.append(StudentSide(name=path, tokenizer=tok, fingerprint=fp, identity=fp == t_fp))
+        students.append(StudentSide(name=path, tokenizer=tok, fingerprint=fp, identity=fp == own_fp))
+
     try:
         k = support_width(c.mode, c.top_k, c.num_samples, vocab_size)
     except ValueError as e:
@@ -163,17 +176,18 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
                     window_len, k)
     boundary = sorted(s.fingerprint for s in students if not s.identity)
     s = cfg.store
-    shards = obtain_plan(cfg.input.data, cfg.input.text_field, num_jobs=s.num_shards, job=s.shard_index, out=s.out,
+    shards = obtain_plan(cfg.input.data, messages_field or cfg.input.text_field, num_jobs=s.num_shards, job=s.shard_index,
+                         out=s.out,
                          storage_options=cfg.data_options, store_options=s.storage_options, dry_run=cfg.dry_run)
     settings = settings_for_fingerprint(cfg, window_len=window_len, boundary_tokenizers=boundary,
-                                        shard_plan=shards.fingerprint)
+                                        shard_plan=shards.fingerprint, conversation=conversation)
     fingerprints = {"teacher_model": fpr.model_fingerprint(t.teacher), "teacher_tokenizer": t_fp,
                     "corpus": shards.corpus_fingerprint, "settings": fpr.settings_fingerprint(settings)}
     key = fpr.cache_key(**fingerprints)
     out = s.out or cache_path_for(s.cache_dir, key)
     return Plan(teacher_tok=teacher_tok, students=students, vocab_size=vocab_size, k=k,
                 window_len=window_len, max_model_len=max_model_len, cache_key=key, fingerprints=fingerprints,
-                settings=settings, out=out, shard_plan=shards)
+                settings=settings, out=out, shard_plan=shards, messages_field=messages_field)
 
 
 def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
@@ -187,7 +201,8 @@ def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
                     num_writers=cfg.store.num_shards, teacher_name=cfg.teacher.teacher,
                     fingerprints=plan.fingerprints, settings=plan.settings, alignment_groups=groups,
                     xtcache_version=getattr(xtcache, "__version__", ""),
-                    shard_plan=plan.shard_plan.meta() if cfg.store.num_shards > 1 else None)
+                    shard_plan=plan.shard_plan.meta() if cfg.store.num_shards > 1 else None,
+                    conversation=plan.messages_field is not None)
 
 
 def find_reusable(cfg: TeacherDumpConfig, plan: Plan) -> str | None:
@@ -225,11 +240,12 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
 
     from xtcache.codecs import default_codecs
 
-    prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap)
+    prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap,
+                    conversation=plan.messages_field is not None)
     docs = positions = windows = student_tokens = chunks = 0
     skipped: dict[str, int] = {}
     rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options, plan=plan.shard_plan,
-                       job=cfg.store.shard_index)
+                       job=cfg.store.shard_index, messages_field=plan.messages_field)
     for part in iter_parts(rows, prep, docs_per_part=cfg.store.docs_per_part):
         for s in part.skipped:
             skipped[s.reason] = skipped.get(s.reason, 0) + 1
@@ -279,7 +295,8 @@ class _PartState:
             docs.append(DocRecord(source=pd.doc.source, row=pd.doc.row, text=pd.doc.text, teacher_ids=pd.teacher_ids,
                                   char_offsets=pd.offsets, has_pred=a["has_pred"], topk_ids=a["ids"],
                                   topk_logprobs=a["logprobs"], topk_counts=a["counts"], residual=a["residual"],
-                                  realized_logprob=a["realized"], content_hash=pd.doc.content_hash))
+                                  realized_logprob=a["realized"], content_hash=pd.doc.content_hash,
+                                  conversation=pd.conversation))
             for fp, rec in pd.alignments.items():
                 aligns.setdefault(fp, []).append(rec)
         return docs, aligns
@@ -360,8 +377,10 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
         summary.wall_s = time.perf_counter() - t_start
         if summary.documents == 0 and not committed and summary.skipped:
             reasons = ", ".join(f"{n} {r}" for r, n in sorted(summary.skipped.items()))
-            raise ConfigError(f"no usable document in --data (skipped: {reasons}); check --text-field "
-                              f"{cfg.input.text_field!r} and the corpus files")
+            field_flag = (f"--messages-field {plan.messages_field!r}" if plan.messages_field else
+                          f"--text-field {cfg.input.text_field!r}")
+            raise ConfigError(f"no usable document in --data (skipped: {reasons}); check {field_flag} and the "
+                              "corpus files")
         writer.finish(summary.as_dict())
     finally:
         writer.close()
@@ -439,7 +458,8 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
               checks: CheckRecords | None) -> None:
     from stage1_teacher.capture import open_capture
 
-    prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap)
+    prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap,
+                    conversation=plan.messages_field is not None)
     stop = threading.Event()
     errors: list[BaseException] = []
     q_in: queue.Queue = queue.Queue(maxsize=2)
@@ -461,7 +481,7 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
 
     def produce():
         rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options,
-                           plan=plan.shard_plan, job=cfg.store.shard_index)
+                           plan=plan.shard_plan, job=cfg.store.shard_index, messages_field=plan.messages_field)
         for part in iter_parts(rows, prep, docs_per_part=cfg.store.docs_per_part):
             with lock:
                 for s in part.skipped:

@@ -23,10 +23,25 @@ log = logging.getLogger(__name__)
 FIRST_ROWS = 64  # rows read from each corpus file before any model loads
 
 
+def resolve_messages_field(cfg) -> str | None:
+    """The conversation field of the corpus: --messages-field, or 'messages' when the first file's
+    first row has no --text-field but a 'messages' field (recorded in cfg, logged once)."""
+    from stage1_teacher.corpus import detect_messages_field
+
+    if cfg.input.messages_field is None and cfg.input.data:
+        found = detect_messages_field(cfg.input.data[0], cfg.input.text_field, cfg.data_options)
+        if found:
+            log.info("--data %s holds conversations in field %r (no %r field): rendering them with each model's "
+                     "chat template", cfg.input.data[0], found, cfg.input.text_field)
+            cfg.input.messages_field = found
+    return cfg.input.messages_field
+
+
 def check_inputs(cfg) -> None:
     """Refuse bad --data files and an unwritable output location (a TeacherDumpConfig), one line each."""
+    messages_field = resolve_messages_field(cfg)
     for url in cfg.input.data:
-        check_first_rows(url, cfg.input.text_field, cfg.data_options)
+        check_first_rows(url, cfg.input.text_field, cfg.data_options, messages_field)
     if cfg.dry_run:
         return
     if cfg.store.out:
@@ -35,12 +50,12 @@ def check_inputs(cfg) -> None:
         writable_location("--cache-dir", os.path.expanduser(cfg.store.cache_dir), cfg.store.storage_options)
 
 
-def check_first_rows(url: str, text_field: str, storage_options: dict | None) -> None:
+def check_first_rows(url: str, text_field: str, storage_options: dict | None, messages_field: str | None = None) -> None:
     """The file exists and at least one of its first FIRST_ROWS rows is a usable document."""
     from stage1_teacher.corpus import Skipped, iter_corpus
 
     skipped: Counter[str] = Counter()
-    rows = iter_corpus([url], text_field, storage_options=storage_options)
+    rows = iter_corpus([url], text_field, storage_options=storage_options, messages_field=messages_field)
     try:
         for n, row in enumerate(rows):
             if not isinstance(row, Skipped):
@@ -54,7 +69,8 @@ def check_first_rows(url: str, text_field: str, storage_options: dict | None) ->
         raise ConfigError(f"--data {url}: the file is empty (no rows); give a corpus with documents")
     reasons = ", ".join(f"{n} {r}" for r, n in skipped.most_common())
     raise ConfigError(f"--data {url}: none of its first {sum(skipped.values())} rows is a usable document "
-                      f"({reasons}); check --text-field {text_field!r} and the file's format")
+                      f"({reasons}); check " + (f"--messages-field {messages_field!r}" if messages_field else
+                                                f"--text-field {text_field!r}") + " and the file's format")
 
 
 def writable_location(flag: str, url: str, storage_options: dict | None) -> None:

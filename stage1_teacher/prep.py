@@ -11,6 +11,12 @@ with a reason, deterministically.
 With a student tokenizer equal to the teacher's (same fingerprint) the alignment is the
 identity and the text is not tokenized again.
 
+Conversation corpora (`Preparer(conversation=True)`): each row is rendered with the teacher's chat
+template (that rendering is the stored document text) and with each student's template, tokenized
+without added special tokens (the templates write their own) and aligned by `xtcache.chat`; a row
+a template rejects is skipped with the reason "chat template rejected the row" and a warning
+naming the row.
+
     python -c "import stage1_teacher.prep as p; help(p.Preparer)"
 """
 
@@ -40,6 +46,7 @@ class StudentSide:
     fingerprint: str
     identity: bool
     info: object = None
+    markers: object = None  # conversation corpora: the tokenizer's end-of-turn candidate ids
 
 
 @dataclass
@@ -51,6 +58,7 @@ class PreparedDoc:
     offsets: np.ndarray  # int32 [T, 2]
     alignments: dict  # fingerprint -> AlignmentRecord
     windows: list[Window]
+    conversation: str | None = None  # the conversation's JSON (doc.text is the teacher's rendering)
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +86,8 @@ def adds_bos(tok) -> bool:
 class Preparer:
     """Tokenizes and aligns documents and plans their teacher windows."""
 
-    def __init__(self, teacher_tok, students: list[StudentSide], *, window_len: int, overlap: int):
+    def __init__(self, teacher_tok, students: list[StudentSide], *, window_len: int, overlap: int,
+                 conversation: bool = False):
         from xtcache.align import tokenizer_info
 
         self.teacher_tok = teacher_tok
@@ -88,6 +97,13 @@ class Preparer:
         self.bos_prefix = adds_bos(teacher_tok)
         self.bos_id = teacher_tok.bos_token_id
         self.seconds = 0.0  # time spent in prepare(), for the run summary
+        self.conversation = conversation
+        if conversation:
+            from xtcache.chat import turn_marker_ids
+
+            self.teacher_markers = np.asarray(turn_marker_ids(teacher_tok), dtype=np.int64)
+            for s in students:
+                s.markers = np.asarray(turn_marker_ids(s.tokenizer), dtype=np.int64)
         self.teacher_info = tokenizer_info(teacher_tok) if any(not s.identity for s in students) else None
         for s in students:
             if not s.identity and s.info is None:
@@ -101,6 +117,10 @@ class Preparer:
         from xtcache.store import AlignmentRecord
 
         t0 = time.perf_counter()
+        if self.conversation:
+            out = self._prepare_conversations(docs)
+            self.seconds += time.perf_counter() - t0
+            return out
         texts = [d.text for d in docs]
         t_ids, t_off = _encode(self.teacher_tok, texts, "teacher tokenizer")
         keep = [i for i in range(len(docs)) if len(t_ids[i]) >= 2]
@@ -125,14 +145,103 @@ class Preparer:
             if i in failed:
                 out.append(Skipped(d.source, d.row, "alignment failed"))
                 continue
-            bounds = None
-            if len(t_ids[i]) > self.window_len:
-                bounds = common_boundaries([r.alignment.teacher_end for fp, r in aligns[i].items()
-                                            if not _is_identity(self.students, fp)])
-            windows = plan_windows(len(t_ids[i]), self.window_len, self.overlap, bounds, bos_prefix=self.bos_prefix)
-            out.append(PreparedDoc(doc=d, teacher_ids=t_ids[i], offsets=t_off[i], alignments=aligns[i],
-                                   windows=windows))
+            out.append(self._prepared(d, t_ids[i], t_off[i], aligns[i]))
         self.seconds += time.perf_counter() - t0
+        return out
+
+    def _prepared(self, doc: Document, ids, offsets, aligns: dict, conversation: str | None = None) -> PreparedDoc:
+        bounds = None
+        if len(ids) > self.window_len:
+            bounds = common_boundaries([r.alignment.teacher_end for fp, r in aligns.items()
+                                        if not _is_identity(self.students, fp)])
+        windows = plan_windows(len(ids), self.window_len, self.overlap, bounds, bos_prefix=self.bos_prefix)
+        return PreparedDoc(doc=doc, teacher_ids=ids, offsets=offsets, alignments=aligns, windows=windows,
+                           conversation=conversation)
+
+    def _prepare_conversations(self, docs: list[Document]) -> list[PreparedDoc | Skipped]:
+        """Render each conversation in every model's template, tokenize, align (xtcache.chat)."""
+        import json
+
+        from xtcache.align import identity_alignment
+        from xtcache.chat import ConversationError, render, rendering
+        from xtcache.store import AlignmentRecord
+
+        result: list = [None] * len(docs)
+        convs = [json.loads(d.text) for d in docs]
+
+        def render_all(tok, who: str) -> dict[int, str]:
+            out = {}
+            for i, (d, conv) in enumerate(zip(docs, convs)):
+                if result[i] is not None:
+                    continue
+                try:
+                    out[i] = render(tok, conv, where=f"row {d.row} of {d.source} ({who})")
+                except ConversationError as e:
+                    log.warning("skipping: %s", e)
+                    result[i] = Skipped(d.source, d.row, "chat template rejected the row")
+            return out
+
+        t_text = render_all(self.teacher_tok, "teacher template")
+        todo = sorted(t_text)
+        t_ids, t_off = _encode(self.teacher_tok, [t_text[i] for i in todo], "teacher tokenizer", add_special=False)
+        t_rend = {}
+        for i, ids, off in zip(todo, t_ids, t_off):
+            if len(ids) < 2:
+                result[i] = Skipped(docs[i].source, docs[i].row, "fewer than 2 teacher tokens")
+                continue
+            t_rend[i] = rendering(None, t_text[i], convs[i], self.teacher_markers, encoded=(ids, off))
+        aligns: dict[int, dict] = {i: {} for i in t_rend}
+        for s in self.students:
+            if s.identity:  # same tokenizer and template: 1:1 chunks, roles from the teacher's rendering
+                live = [i for i in t_rend if result[i] is None]
+                for i, ca in zip(live, self._align_convs(live, convs, docs, t_rend, t_rend, s.name)):
+                    if ca is not None:
+                        n = len(t_rend[i].ids)
+                        aligns[i][s.fingerprint] = AlignmentRecord(
+                            student_ids=t_rend[i].ids.astype(np.int32), alignment=identity_alignment(n),
+                            student_role=ca.student_role, stats=ca.stats)
+                continue
+            s_text = render_all(s.tokenizer, f"student template {s.name}")
+            live = [i for i in sorted(s_text) if i in t_rend]
+            s_ids, s_off = _encode(s.tokenizer, [s_text[i] for i in live], "student tokenizer", add_special=False)
+            s_rend = {i: rendering(None, s_text[i], convs[i], s.markers, encoded=(ids, off))
+                      for i, ids, off in zip(live, s_ids, s_off)}
+            for i, ca in zip(live, self._align_convs(live, convs, docs, s_rend, t_rend, s.name)):
+                if ca is not None:
+                    aligns[i][s.fingerprint] = AlignmentRecord(student_ids=s_rend[i].ids.astype(np.int32),
+                                                               alignment=ca.alignment, student_role=ca.student_role,
+                                                               stats=ca.stats)
+        out: list[PreparedDoc | Skipped] = []
+        for i, d in enumerate(docs):
+            if result[i] is not None:
+                out.append(result[i])
+                continue
+            if len(aligns[i]) < len(self.students):
+                out.append(Skipped(d.source, d.row, "alignment failed"))
+                continue
+            r = t_rend[i]
+            rendered = Document(d.source, d.row, r.text)
+            out.append(self._prepared(rendered, r.ids.astype(np.int32), r.offsets.astype(np.int32), aligns[i],
+                                      conversation=d.text))
+        return out
+
+    def _align_convs(self, live, convs, docs, s_rend, t_rend, name) -> list:
+        """ConversationAlignments of conversations `live` (None where one fails: that row is skipped)."""
+        from xtcache.chat import align_conversations
+
+        if not live:
+            return []
+        try:
+            return align_conversations([convs[i] for i in live], [s_rend[i] for i in live], [t_rend[i] for i in live])
+        except AlignmentError:
+            pass
+        out = []
+        for i in live:
+            try:
+                out.append(align_conversations([convs[i]], [s_rend[i]], [t_rend[i]])[0])
+            except AlignmentError as e:
+                log.warning("skipping row %d of %s for %s: %s", docs[i].row, docs[i].source, name, e)
+                out.append(None)
         return out
 
     def _align(self, todo, texts, s, s_ids, s_off, t_ids, t_off, failed: set[int]) -> list:
@@ -162,7 +271,7 @@ class Preparer:
         return window_tokens(pd.teacher_ids, w, self.bos_id)
 
 
-def _encode(tok, texts: list[str], side: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _encode(tok, texts: list[str], side: str, *, add_special: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per-document int32 ids and [N, 2] character offsets, encoded in one Rust batch.
 
     Uses xtcache.align's encoder so offsets are untrimmed exactly as the aligner expects.
@@ -171,7 +280,7 @@ def _encode(tok, texts: list[str], side: str) -> tuple[list[np.ndarray], list[np
 
     if not texts:
         return [], []
-    ids, offsets, counts = encode_flat(tok, texts, add_special_tokens=True, side=side)
+    ids, offsets, counts = encode_flat(tok, texts, add_special_tokens=add_special, side=side)
     cuts = np.cumsum(counts)[:-1]
     return (np.split(ids.astype(np.int32), cuts), np.split(offsets.astype(np.int32), cuts))
 

@@ -41,6 +41,8 @@ class LoaderConfig:
     """JSON object of fsspec storage options for remote stores, e.g. '{"anon": true}'."""
     allow_incomplete: bool = False
     """Train on the committed parts of an incomplete store (a dump still running), saying how many of how many."""
+    train_on: str | None = None
+    """Conversation caches: KD and CE only on positions that predict these tokens: assistant (every assistant message, end-of-turn included; the default), last-assistant (the final one) or all. Plain-text caches: unset or all."""
 
 
 @dataclass(kw_only=True)

@@ -141,7 +141,7 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
     common = dict(seq_len=cfg.loader.seq_len, micro_batch_size=cfg.loader.micro_batch_size, rank=rank,
                   world_size=world, seed=cfg.seed, storage_options=cfg.loader.storage_options,
                   pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-                  allow_incomplete=cfg.loader.allow_incomplete)
+                  allow_incomplete=cfg.loader.allow_incomplete, train_on=cfg.loader.train_on)
     fraction = cfg.eval.eval_fraction
     train_ds = CacheDataset(cfg.cache, tokenizer, grad_accum=cfg.optim.grad_accum, split="train",
                             holdout_fraction=fraction, **common)

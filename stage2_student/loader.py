@@ -12,6 +12,11 @@ every chunk of a long document is predicted exactly once. A chunk longer than a 
 skipped (counted in `skipped_chunks`). A chunk is valid when both sides are non-empty, its first
 student token has a predicting logit in the window and all its teacher rows have a prediction.
 
+Conversation caches. Each student token has a stored role (`xtcache.chat`); `train_on`
+(assistant, last-assistant or all) picks the tokens trained: a position whose predicted token is
+not one of them gets no CE label (-100), and a chunk is valid only when every student token in it
+is trained and both sides spell the same text (template-only and straddling chunks get no KD).
+
 Order. The packing is fixed per shard; an epoch permutes the shards and the windows inside each
 shard with (seed, epoch). Global micro-batch g holds windows [g*B, (g+1)*B) of that order,
 truncated to whole optimizer steps; rank r, accumulation index a of step s reads
@@ -172,6 +177,7 @@ class ShardSource:
     topk_counts: np.ndarray | None  # uint16 [P, k]
     residual: np.ndarray  # float32 [P]
     realized_logprob: np.ndarray  # float32 [P]
+    trained: np.ndarray | None = None  # bool [S] conversation caches: the student tokens --train-on trains
 
 
 def build_micro_batch(windows: list[list[tuple[ShardSource, int, int, int, bool]]], seq_len: int,
@@ -206,10 +212,16 @@ def build_micro_batch(windows: list[list[tuple[ShardSource, int, int, int, bool]
             input_ids[wi, pos:pos + len(toks)] = toks
             position_ids[wi, pos:pos + len(toks)] = np.arange(len(toks))  # each segment attends to itself only
             labels[wi, pos:pos + len(toks) - 1] = toks[1:]  # never across a segment boundary
+            if src.trained is not None:  # conversation cache: only positions predicting trained tokens
+                trained = src.trained[s_off + s_begin:s_off + int(s_end[-1])]
+                labels[wi, pos:pos + len(toks) - 1][~trained[1:]] = IGNORE
             first = pos + (s_start - s_begin)  # [n] window position of each chunk's first token
             no_pred = np.concatenate([[0], np.cumsum(~src.has_pred[p_off + t_begin:p_off + int(t_end[-1])])])
             all_pred = (no_pred[t_end - t_begin] - no_pred[t_start - t_begin]) == 0
             valid = (s_len > 0) & (t_len > 0) & (first > pos) & all_pred  # predicted from inside the segment
+            if src.trained is not None:
+                untrained = np.concatenate([[0], np.cumsum(~trained)])
+                valid &= (untrained[s_end - s_begin] == untrained[s_start - s_begin]) & src.exact[c0 + lo:c0 + hi]
             if ctx:
                 valid[0] = False
                 masked_until = pos + int(s_len[0])
@@ -268,11 +280,19 @@ def to_tensors(batch: dict | ReadFailure) -> dict | ReadFailure:
 # the dataset over a store
 
 
-def student_fingerprint(tokenizer_or_path) -> str:
-    """Fingerprint of a student tokenizer (directory, tokenizer object, or a fingerprint string)."""
+def student_fingerprint(tokenizer_or_path, *, chat: bool = False) -> str:
+    """Fingerprint of a student tokenizer (directory, tokenizer object, or a fingerprint string);
+    `chat`: of the tokenizer with its chat template (what keys a conversation cache's groups)."""
     if isinstance(tokenizer_or_path, str) and len(tokenizer_or_path) == 64 and all(
             ch in "0123456789abcdef" for ch in tokenizer_or_path):
         return tokenizer_or_path
+    if chat:
+        from xtcache.chat import chat_fingerprint
+        from xtcache.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer_or_path, "student tokenizer") if isinstance(tokenizer_or_path, str) \
+            else tokenizer_or_path
+        return chat_fingerprint(tok)
     from xtcache.fingerprint import tokenizer_fingerprint
 
     return tokenizer_fingerprint(tokenizer_or_path)
@@ -289,7 +309,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
     def __init__(self, url: str, student: str, *, seq_len: int, micro_batch_size: int, pad_id: int = 0,
                  rank: int = 0, world_size: int = 1, grad_accum: int = 1, seed: int = 0, split: str = "train",
                  holdout_fraction: float = 0.0, epochs: int | None = None, shuffle: bool | None = None,
-                 storage_options: dict | None = None, shard_cache: int = 2, allow_incomplete: bool = False):
+                 storage_options: dict | None = None, shard_cache: int = 2, allow_incomplete: bool = False,
+                 train_on: str | None = None):
         from xtcache.store import CacheReader
 
         if seq_len < 2 or micro_batch_size < 1:
@@ -307,9 +328,18 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.epochs = 1 if split == "eval" else epochs
         self.shuffle = (split != "eval") if shuffle is None else shuffle
         self.shard_cache = shard_cache
-        self.fingerprint = student_fingerprint(student)
         t0 = time.perf_counter()
         reader = CacheReader(url, storage_options)
+        self.conversation = reader.manifest.conversation
+        self.fingerprint = student_fingerprint(student, chat=self.conversation)
+        from xtcache.chat import TRAIN_ON
+
+        if train_on is not None and train_on not in TRAIN_ON:
+            raise ConfigError(f"--train-on {train_on!r}: use one of {', '.join(TRAIN_ON)}")
+        if not self.conversation and train_on not in (None, "all"):
+            raise ConfigError(f"--train-on {train_on}: the cache {url} holds plain text, without message roles; "
+                              "--train-on applies to conversation caches")
+        self.train_on = (train_on or "assistant") if self.conversation else None
         self.mode, self.k = reader.manifest.mode, reader.manifest.k
         self.teacher_vocab_size = reader.manifest.teacher_vocab_size
         groups = reader.alignment_groups()
@@ -414,6 +444,10 @@ class CacheDataset(torch.utils.data.IterableDataset):
                                       "array 'teacher_end' does not end at the teacher part's document lengths")
             al = dict(doc_student_offsets=a.doc_student_offsets, doc_chunk_offsets=a.doc_chunk_offsets,
                       student_ids=a.student_ids, student_end=a.student_end, teacher_end=a.teacher_end, exact=a.exact)
+            if self.train_on is not None:
+                from xtcache.chat import trained_roles
+
+                al["trained"] = trained_roles(a.student_role, self.train_on)
         src = ShardSource(doc_pos_offsets=sd.doc_pos_offsets, has_pred=sd.has_pred, topk_ids=sd.topk_ids,
                           topk_logprobs=sd.topk_logprobs, topk_counts=sd.topk_counts, residual=sd.residual,
                           realized_logprob=sd.realized_logprob, **al)

@@ -348,7 +348,7 @@ def test_inspect_verify_and_cache_ls_commands(tmp_path):
     out = runner.invoke(_cli(), ["inspect", url])
     assert out.exit_code == 0, out.output
     for needle in ("teacher positions 101", "documents       4", "topk_ids", "B/position", "x smaller",
-                   "mean top-k mass", "student", "1:1", "format version  1", "corpus", "shards 2"):
+                   "mean top-k mass", "student", "1:1", f"format version  {FORMAT_VERSION}", "corpus", "shards 2"):
         assert needle in out.output, (needle, out.output)
 
     ok = runner.invoke(_cli(), ["verify", url])

@@ -64,7 +64,21 @@ def store_summary(url: str, storage_options: dict | None = None) -> dict[str, An
         "total_array_bytes": sum(per_array.values()), "topk_bytes": topk_bytes,
         "ratio_topk_vs_raw": raw_topk / topk_bytes if topk_bytes else float("nan"),
         "mean_topk_mass": mean_mass, "groups": groups, "warnings": warnings,
+        "conversation": {fp: conversation_summary(r, fp) for fp in groups} if m.conversation else {},
     }
+
+
+def conversation_summary(reader, fp: str) -> dict[str, Any]:
+    """One alignment group of a conversation store: its parts' character counts and student tokens by
+    role summed, with each --train-on choice's share of the student positions."""
+    total: dict[str, int] = {}
+    for part in reader.alignment_parts(fp).values():
+        for k, v in part.conversation.items():
+            total[k] = total.get(k, 0) + v
+    tokens = sum(v for k, v in total.items() if k.startswith("role_") and k != "role_last_assistant")
+    share = {"assistant": total.get("role_assistant", 0), "last-assistant": total.get("role_last_assistant", 0),
+             "all": tokens}
+    return {**total, "student_tokens": tokens, "trained_share": {k: v / max(1, tokens) for k, v in share.items()}}
 
 
 def inspect(
@@ -118,6 +132,23 @@ def inspect(
                        f"{100 * st.get('exact_chunks', 0) / chunks:.1f}%", shapes or "-"))
     print(_table(g_rows, ("alignment group", "tokenizer", "vocab", "identity", "documents", "student tokens",
                           "chunks", "exact", "chunk shapes")))
+    if s["conversation"]:
+        from xtcache.chat import ROLE_NAMES
+
+        c_rows = []
+        for fp, c in s["conversation"].items():
+            n = max(1, c["student_tokens"])
+            mix = ", ".join(f"{name} {100 * c.get(f'role_{name}', 0) / n:.1f}%" for name in ROLE_NAMES.values()
+                            if c.get(f"role_{name}", 0))
+            trained = ", ".join(f"{k} {100 * v:.1f}%" for k, v in c["trained_share"].items())
+            c_rows.append((fp[:16], mix or "-", trained, f"{c.get('content_chars', 0):,}",
+                           f"{c.get('unaligned_spans', 0):,} / {c.get('unaligned_chars', 0):,}",
+                           f"{c.get('misaligned_chars', 0):,}"))
+        print()
+        print("conversations: student tokens by role; trained share of positions per --train-on; message text "
+              "characters; spans / characters a template changed (no KD); characters aligned to other text")
+        print(_table(c_rows, ("alignment group", "role mix", "trained share", "content chars",
+                              "unaligned spans / chars", "misaligned chars")))
 
 
 # ----------------------------------------------------------------------------------------- verify

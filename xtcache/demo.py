@@ -23,6 +23,11 @@ What it does, all on this machine and with no downloads:
    bucket (which would be a coarse lower bound of it).
 
 Every stage runs as its own `xtcache` subprocess, exactly as a user would run it.
+
+`xtcache demo --chat` runs the same comparison on conversations (`docs/conversations.md`): the
+teacher's tokenizer carries a ChatML-style chat template and the teacher is pre-trained on
+conversations rendered in it; the student's tokenizer carries a Llama-3-style template; stage 1
+renders every conversation in both templates, and both students train with `--train-on assistant`.
 """
 
 from __future__ import annotations
@@ -125,14 +130,15 @@ def _is_complete(url: Path) -> bool:
         return False
 
 
-def _train(setup, cache: Path, eval_cache: Path, projection: Path, out: Path, size: DemoSize, *, kd: bool) -> dict:
+def _train(setup, cache: Path, eval_cache: Path, projection: Path, out: Path, size: DemoSize, *, kd: bool,
+           extra: tuple[str, ...] = ()) -> dict:
     if out.exists():
         shutil.rmtree(out)
     args = ["train-student", "--cache", str(cache), "--eval-cache", str(eval_cache), "--student",
             str(setup.student_model), "--out", str(out), "--projection", str(projection),
             "--seq-len", str(size.seq_len), "--micro-batch-size", str(size.micro_batch_size),
             "--max-steps", str(size.student_steps), "--lr", str(size.lr), "--warmup-steps", "10",
-            "--eval-every", str(size.eval_every), "--zero-stage", "2", "--seed", "0"]
+            "--eval-every", str(size.eval_every), "--zero-stage", "2", "--seed", "0", *extra]
     args += ["--loss", "pkl", "--kd-weight", "1.0", "--ce-weight", "0.1"] if kd else ["--loss", "ce", "--ce-weight", "1.0"]
     _xtcache(*args)
     return json.loads((out / "summary.json").read_text())
@@ -167,8 +173,8 @@ def _plot(runs: dict[str, Path], png: Path) -> None:
     plt.close(fig)
 
 
-def run_demo(workdir: Path, size_name: str) -> dict:
-    """Run the demo; returns the numbers of its table (the test reads them)."""
+def run_demo(workdir: Path, size_name: str, *, chat: bool = False) -> dict:
+    """Run the demo (on conversations with `chat`); returns the numbers of its table (the test reads them)."""
     from xtcache.testing import toy
 
     size = SIZES[size_name]
@@ -177,25 +183,38 @@ def run_demo(workdir: Path, size_name: str) -> dict:
     spec = _toy_spec(size)
     fresh = not (workdir / "artifacts" / f"toy-{spec.key()}" / "DONE").exists()
     log.info("step 1/5: corpus, tokenizers, teacher pre-training (%s)", "building" if fresh else "cached")
-    setup = toy.build_toy_setup(workdir / "artifacts", spec)
+    setup = toy.build_toy_setup(workdir / "artifacts", spec, train_teacher=not chat)
+    extra: tuple[str, ...] = ()
+    if chat:
+        from xtcache.testing.chat import build_chat_setup
+
+        log.info("step 1/5 (chat): chat templates on both tokenizers, teacher pre-trained on rendered conversations")
+        setup = build_chat_setup(setup, workdir / "artifacts" / f"chat-{spec.key()}", num_train=size.num_docs,
+                                 num_heldout=max(20, size.num_docs // 8), teacher_steps=size.teacher_steps,
+                                 teacher_hidden=size.teacher_hidden)
+        spec_key = f"chat-{spec.key()}"
+        workdir = workdir / "chat"
+        extra = ("--train-on", "assistant")
+    else:
+        spec_key = f"toy-{spec.key()}"
     t_setup = time.perf_counter() - t0
 
     log.info("step 2/5: teacher-dump with vLLM: top-%d of the training documents, every id of the held-out ones",
              size.top_k)
-    cache = workdir / "caches" / f"toy-{spec.key()}-k{size.top_k}"
+    cache = workdir / "caches" / f"{spec_key}-k{size.top_k}"
     dump = _dump(setup, [setup.train_jsonl], cache, ["--mode", "topk", "--top-k", str(size.top_k)])
-    eval_cache = workdir / "caches" / f"toy-{spec.key()}-heldout-full"
+    eval_cache = workdir / "caches" / f"{spec_key}-heldout-full"
     eval_dump = _dump(setup, [setup.heldout_jsonl], eval_cache, ["--mode", "full"])
 
     log.info("step 3/5: projection build")
-    projection = workdir / f"projection-{spec.key()}.safetensors"
+    projection = workdir / f"projection-{spec_key}.safetensors"
     _xtcache("projection", "build", "--student-tokenizer", str(setup.student_tokenizer), "--teacher-tokenizer",
              str(setup.teacher_tokenizer), "--out", str(projection))
 
     log.info("step 4/5: train-student, distilled from the cache and CE-only, %d steps each", size.student_steps)
     runs = {"distilled (P-KL + CE)": workdir / "runs" / "distilled", "baseline (CE only)": workdir / "runs" / "baseline"}
-    kd = _train(setup, cache, eval_cache, projection, runs["distilled (P-KL + CE)"], size, kd=True)
-    ce = _train(setup, cache, eval_cache, projection, runs["baseline (CE only)"], size, kd=False)
+    kd = _train(setup, cache, eval_cache, projection, runs["distilled (P-KL + CE)"], size, kd=True, extra=extra)
+    ce = _train(setup, cache, eval_cache, projection, runs["baseline (CE only)"], size, kd=False, extra=extra)
 
     log.info("step 5/5: report")
     png = workdir / "demo_curves.png"
@@ -212,6 +231,7 @@ def run_demo(workdir: Path, size_name: str) -> dict:
         "png": str(png),
         "wall_s": time.perf_counter() - t0,
         "setup_s": t_setup,
+        "chat": chat,
     }
     (workdir / "demo_result.json").write_text(json.dumps(result, indent=2, default=str))
     _print_table(result)
@@ -229,7 +249,8 @@ def _print_table(r: dict) -> None:
                else f"{_fmt(r['teacher_positions_per_s'], ',.0f')} positions/s")
     lines = [
         "",
-        "xtcache demo",
+        "xtcache demo" + (" --chat: conversations, ChatML-style teacher template, Llama-3-style student template, "
+                          "trained on assistant turns" if r.get("chat") else ""),
         f"  teacher (vLLM)          {teacher}",
         f"  cache                   {_fmt(r['bytes_per_position'], '.1f')} bytes/position, {r['cache_mb']:.2f} MB",
         f"  held-out reference      every teacher id of {_fmt(r['eval_cache_docs'], 'd')} held-out documents, "
@@ -254,8 +275,10 @@ def _print_table(r: dict) -> None:
 def demo(
     workdir: str = typer.Option(".xtcache_demo", help="Where artifacts, caches, runs and the plot go (reused)."),
     size: str = typer.Option("default", help="default | small (the reduced size the tests run)."),
+    chat: bool = typer.Option(False, "--chat", help="Distil over conversations, each model in its own chat "
+                                                    "template, training on assistant turns."),
 ) -> None:
     """Run the whole pipeline on local data: teacher-dump, projection, distilled vs CE-only student."""
     if size not in SIZES:
         raise typer.BadParameter(f"--size {size}: use one of {', '.join(SIZES)}")
-    run_demo(Path(workdir), size)
+    run_demo(Path(workdir), size, chat=chat)

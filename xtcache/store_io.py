@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 
-from schemas.models import FORMAT_VERSION
+from schemas.models import READ_VERSIONS
 from xtcache.errors import CorruptionError, FormatVersionError, StoreError
 
 
@@ -26,10 +26,11 @@ def now_iso() -> str:
 def check_version(raw: dict, what: str) -> None:
     """Refuse metadata of another format version before validating anything else."""
     version = raw.get("format_version") if isinstance(raw, dict) else None
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise FormatVersionError(
-            f"{what} has format version {version!r}; this xtcache reads format version {FORMAT_VERSION} only: "
-            "upgrade xtcache (newer stores) or re-create the cache")
+            f"{what} has format version {version!r}; this xtcache reads format version {max(READ_VERSIONS)} and "
+            f"earlier ({', '.join(map(str, READ_VERSIONS))}) only: upgrade xtcache (newer stores) or re-create "
+            "the cache")
 
 
 def read_model(model, raw: dict, where: str):

@@ -17,7 +17,7 @@ import logging
 
 import numpy as np
 
-from schemas.arrays import ALIGN_ARRAYS, ArrayDef, teacher_arrays
+from schemas.arrays import ArrayDef, align_arrays, teacher_arrays
 from schemas.models import AlignGroupMeta, AlignPartMeta, ArraySpec, Manifest, ShardMeta, WriterDone
 from xtcache import codecs
 from xtcache.errors import CorruptionError, StoreError, XtcacheError
@@ -238,12 +238,13 @@ class CacheReader:
             if spec is not None and spec.transform != codec:
                 raise CorruptionError(f"{where}: array {name!r} was written with transform {spec.transform}, the "
                                       f"manifest says {codec}: manifest.json was edited or damaged")
-        blob = meta.arrays.get("doc_text")
-        counts = {"D": meta.num_docs, "P": meta.num_positions, "k": m.k, "B": blob.shape[0] if blob else 0}
+        blob, conv = meta.arrays.get("doc_text"), meta.arrays.get("doc_conversation")
+        counts = {"D": meta.num_docs, "P": meta.num_positions, "k": m.k, "B": blob.shape[0] if blob else 0,
+                  "M": conv.shape[0] if conv else 0}
         if len(meta.docs) != meta.num_docs:
             raise CorruptionError(f"{where}: its index lists {len(meta.docs)} document ids for {meta.num_docs} "
                                   "documents")
-        return self._specs(meta, teacher_arrays(m.mode), where, counts, names)
+        return self._specs(meta, teacher_arrays(m.mode, m.conversation), where, counts, names)
 
     def check_indexes(self) -> None:
         """Check every committed index against the manifest and the array table, reading no array
@@ -253,7 +254,7 @@ class CacheReader:
         for fp in self.loc.groups():
             for sid, part in self.alignment_parts(fp).items():
                 counts = {"D": part.num_docs, "S": part.num_student_tokens, "C": part.num_chunks}
-                self._specs(part, ALIGN_ARRAYS, self._where_align(fp, sid), counts)
+                self._specs(part, align_arrays(self.manifest.conversation), self._where_align(fp, sid), counts)
 
     def doc_pos_offsets(self, sid: str) -> np.ndarray:
         """int64 [D+1] position offsets of one part's documents, without decoding anything else."""
@@ -280,6 +281,15 @@ class CacheReader:
         logprobs = None
         if "topk_logprobs" in raw:
             logprobs = codecs.codec_from_config(meta.arrays["topk_logprobs"].transform).decode(raw["topk_logprobs"])
+        conversations = None
+        if "doc_conversation" in raw:
+            conv_offs, conv_blob = raw["doc_conversation_offsets"], raw["doc_conversation"].tobytes()
+            _check_offsets(conv_offs, len(conv_blob), where, "doc_conversation_offsets")
+            try:
+                conversations = [conv_blob[conv_offs[i]:conv_offs[i + 1]].decode("utf-8")
+                                 for i in range(meta.num_docs)]
+            except UnicodeDecodeError:
+                raise CorruptionError(f"{where}: array 'doc_conversation' is damaged: not UTF-8") from None
         blob = raw["doc_text"].tobytes()
         texts = []
         for i in range(meta.num_docs):
@@ -298,7 +308,8 @@ class CacheReader:
         return ShardData(
             shard_id=sid, docs=list(meta.docs), texts=texts, doc_pos_offsets=pos, teacher_ids=raw["teacher_ids"],
             char_offsets=raw["char_offsets"], has_pred=raw["has_pred"], topk_ids=ids, topk_logprobs=logprobs,
-            topk_counts=raw.get("topk_counts"), residual=raw["residual"], realized_logprob=raw["realized_logprob"])
+            topk_counts=raw.get("topk_counts"), residual=raw["residual"], realized_logprob=raw["realized_logprob"],
+            conversations=conversations)
 
     def read_alignment(self, fingerprint: str, sid: str, *, verify: bool = False) -> AlignShardData:
         """Decode one committed alignment part, checked (offsets, per-document chunk ends); `verify`
@@ -312,7 +323,7 @@ class CacheReader:
             raise CorruptionError(f"{where}: its index (part {meta.shard_id}, {meta.num_docs} documents) does not "
                                   f"match teacher part {sid} ({teacher.num_docs} documents)")
         counts = {"D": meta.num_docs, "S": meta.num_student_tokens, "C": meta.num_chunks}
-        specs = self._specs(meta, ALIGN_ARRAYS, where, counts)
+        specs = self._specs(meta, align_arrays(self.manifest.conversation), where, counts)
         raw = read_arrays(self.loc, f"align/{fingerprint}/shards/{sid}", specs, where=where, sha256=verify)
         s_off, c_off = raw["doc_student_offsets"], raw["doc_chunk_offsets"]
         _check_offsets(s_off, meta.num_student_tokens, where, "doc_student_offsets")

@@ -30,6 +30,7 @@ class DocRecord:
     residual: np.ndarray  # float32 [T]
     realized_logprob: np.ndarray  # float32 [T]; NaN where not has_pred
     content_hash: str = ""
+    conversation: str | None = None  # conversation stores: the conversation's JSON (text = its rendering)
 
     def __post_init__(self):
         if not self.content_hash:
@@ -46,6 +47,8 @@ class AlignmentRecord:
 
     student_ids: np.ndarray  # int32 [S]
     alignment: Any  # Alignment: student_end int32 [C], teacher_end int32 [C], exact bool [C]
+    student_role: np.ndarray | None = None  # uint8 [S] conversation stores: xtcache.chat role code per token
+    stats: dict | None = None  # conversation stores: content/unaligned character counts (xtcache.chat)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class ShardData:
     topk_counts: np.ndarray | None  # uint16 [P, k]
     residual: np.ndarray  # float32 [P]
     realized_logprob: np.ndarray  # float32 [P]
+    conversations: list[str] | None = None  # conversation stores: per document, the messages' JSON
 
     @property
     def num_docs(self) -> int:
@@ -80,7 +84,8 @@ class ShardData:
             char_offsets=self.char_offsets[a:b], has_pred=self.has_pred[a:b], topk_ids=self.topk_ids[a:b],
             topk_logprobs=None if self.topk_logprobs is None else self.topk_logprobs[a:b],
             topk_counts=None if self.topk_counts is None else self.topk_counts[a:b],
-            residual=self.residual[a:b], realized_logprob=self.realized_logprob[a:b], content_hash=d.content_hash)
+            residual=self.residual[a:b], realized_logprob=self.realized_logprob[a:b], content_hash=d.content_hash,
+            conversation=None if self.conversations is None else self.conversations[i])
 
 
 @dataclass
@@ -95,6 +100,7 @@ class AlignShardData:
     student_end: np.ndarray  # int32 [C] per-document exclusive ends
     teacher_end: np.ndarray  # int32 [C]
     exact: np.ndarray  # bool [C]
+    student_role: np.ndarray | None = None  # uint8 [S] conversation stores only
 
     def record(self, i: int) -> AlignmentRecord:
         from xtcache.align import Alignment
@@ -103,5 +109,6 @@ class AlignShardData:
         c0, c1 = int(self.doc_chunk_offsets[i]), int(self.doc_chunk_offsets[i + 1])
         return AlignmentRecord(
             student_ids=self.student_ids[a:b],
+            student_role=None if self.student_role is None else self.student_role[a:b],
             alignment=Alignment(student_end=self.student_end[c0:c1], teacher_end=self.teacher_end[c0:c1],
                                 exact=self.exact[c0:c1]))

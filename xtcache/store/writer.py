@@ -14,9 +14,10 @@ import socket
 
 import numpy as np
 
-from schemas.arrays import ALIGN_ARRAYS, teacher_arrays
+from schemas.arrays import align_arrays, teacher_arrays
 from schemas.models import (
     FORMAT_VERSION,
+    READ_VERSIONS,
     AlignGroupMeta,
     AlignPartMeta,
     CodecConfig,
@@ -69,9 +70,11 @@ class CacheWriter:
 
     def _open_manifest(self, manifest: Manifest) -> Manifest:
         manifest = manifest.model_copy(deep=True)
-        if manifest.format_version != FORMAT_VERSION:
-            raise FormatVersionError(f"cannot write format version {manifest.format_version}: "
-                                     f"this xtcache writes version {FORMAT_VERSION}")
+        # new stores get FORMAT_VERSION; an older store (read back to add an alignment group) keeps its own
+        if manifest.format_version not in READ_VERSIONS or (manifest.conversation and manifest.format_version < 2):
+            raise FormatVersionError(f"cannot write format version {manifest.format_version}"
+                                     f"{' with conversations' if manifest.conversation else ''}: this xtcache writes "
+                                     f"version {FORMAT_VERSION} (and adds alignment groups to version 1 stores)")
         if not manifest.codecs:
             manifest.codecs = {k: CodecConfig(**v) for k, v in
                                codecs.default_codecs(manifest.mode, manifest.teacher_vocab_size).items()}
@@ -115,6 +118,7 @@ class CacheWriter:
         if self.loc.read_json(path) is None:
             g = group.model_copy()
             g.created = g.created or now_iso()
+            g.format_version = self.manifest.format_version
             self.loc.create_exclusive(path, g.model_dump(mode="json"))
 
     # -- API
@@ -144,7 +148,7 @@ class CacheWriter:
             self._write_align_part(fp, sid, recs, [len(d.teacher_ids) for d in docs])
         stats = {"mean_topk_mass": _mean_topk_mass(docs, self.manifest.mode)}
         meta = ShardMeta(
-            shard_id=sid, writer_index=self.writer_index, part_index=part_index, mode=self.manifest.mode,
+            format_version=self.manifest.format_version, shard_id=sid, writer_index=self.writer_index, part_index=part_index, mode=self.manifest.mode,
             k=self.manifest.k, teacher_vocab_size=self.manifest.teacher_vocab_size, num_docs=len(docs), num_positions=int(sum(len(d.teacher_ids) for d in docs)),
             num_predicted=int(sum(int(np.count_nonzero(d.has_pred)) for d in docs)),
             docs=[DocId(source=d.source, row=d.row, content_hash=d.content_hash) for d in docs],
@@ -168,7 +172,7 @@ class CacheWriter:
 
     def finish(self, summary: dict | None = None) -> None:
         """Mark this writer done (all its parts written) and release its claim."""
-        done = WriterDone(writer_index=self.writer_index, num_parts=len(self.committed_parts()),
+        done = WriterDone(format_version=self.manifest.format_version, writer_index=self.writer_index, num_parts=len(self.committed_parts()),
                           time=now_iso(), summary=summary or {})
         self.loc.write_json_atomic(f"done/w{self.writer_index:05d}.json", done.model_dump(mode="json"))
         self.close()
@@ -239,7 +243,13 @@ class CacheWriter:
             lp[~has_pred] = 0.0
             lp = np.take_along_axis(lp, order, axis=1)
             out["topk_logprobs"] = (self.lp_codec.encode(lp), self.lp_codec.to_config())
-        return {a.name: out[a.name] for a in teacher_arrays(m.mode)}  # the contract's order
+        if m.conversation:
+            if any(d.conversation is None for d in docs):
+                raise XtcacheError("a conversation store needs every document's conversation (DocRecord.conversation)")
+            convs = [d.conversation.encode("utf-8") for d in docs]
+            out["doc_conversation_offsets"] = (_offsets([len(c) for c in convs]), None)
+            out["doc_conversation"] = (np.frombuffer(b"".join(convs), dtype=np.uint8), None)
+        return {a.name: out[a.name] for a in teacher_arrays(m.mode, m.conversation)}  # the contract's order
 
     def _write_align_part(self, fp: str, sid: str, records: list[AlignmentRecord], teacher_lengths: list[int]):
         for i, (r, t_len) in enumerate(zip(records, teacher_lengths)):
@@ -262,14 +272,35 @@ class CacheWriter:
             "student_ids": _concat([r.student_ids for r in records], np.int32),
             "student_end": s_end, "teacher_end": t_end, "exact": exact,
         }
-        assert list(arrays) == [a.name for a in ALIGN_ARRAYS], "arrays off the contract"
+        conversation = {}
+        if self.manifest.conversation:
+            if any(r.student_role is None or len(r.student_role) != len(r.student_ids) for r in records):
+                raise XtcacheError(f"alignment part {sid}: a conversation store needs a role per student token")
+            arrays["student_role"] = _concat([r.student_role for r in records], np.uint8)
+            conversation = conversation_counts(records, arrays["student_role"])
+        assert list(arrays) == [a.name for a in align_arrays(self.manifest.conversation)], "arrays off the contract"
         group = f"{base}/shards/{sid}"
         specs = {n: write_array(self.loc, group, n, v, compression=self._compression(n)) for n, v in arrays.items()}
         meta = AlignPartMeta(
             fingerprint=fp, shard_id=sid, num_docs=len(records), num_student_tokens=len(arrays["student_ids"]),
             num_chunks=len(s_end), chunk_shapes=chunk_shape_counts(records), num_exact=int(exact.sum()),
-            arrays=specs, created=now_iso())
+            conversation=conversation, arrays=specs, created=now_iso(), format_version=self.manifest.format_version)
         self.loc.write_json_atomic(f"{base}/index/{sid}.json", meta.model_dump(mode="json"))
+
+
+def conversation_counts(records: list[AlignmentRecord], roles: np.ndarray) -> dict[str, int]:
+    """Character counts of a conversation part's alignment and its student tokens by role."""
+    from xtcache.chat import LAST_ASSISTANT, ROLE_NAMES
+
+    out = {k: 0 for k in ("content_chars", "shared_chars", "unaligned_chars", "unaligned_spans", "misaligned_chars")}
+    for r in records:
+        for k in out:
+            out[k] += int((r.stats or {}).get(k, 0))
+    base = np.bincount(roles & 0x7F, minlength=len(ROLE_NAMES))
+    for code, name in ROLE_NAMES.items():
+        out[f"role_{name}"] = int(base[code])
+    out["role_last_assistant"] = int(np.count_nonzero(roles & LAST_ASSISTANT))
+    return out
 
 
 def chunk_shape_counts(records: list[AlignmentRecord]) -> dict[str, int]:
