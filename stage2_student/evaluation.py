@@ -69,7 +69,7 @@ def evaluate(trainer) -> dict | None:
                     chunks_i = zero + float(m_prep.chunks)
                 vals += [kl.double(), agree.double(), agree_n.double(), chunks_i]
             mix_kl = mix_chunks = zero
-            if mixture is not None:
+            if mixture is not None and "teacher_ids" in last:
                 view = mix_views([teacher_view(last, i) for i in range(num_teachers(last))], obj.lam)
                 m_prep = mixture.prepare(view, vocab=vocab).to(trainer.device)
                 mix_kl, mix_chunks = mixture.sums(logits, m_prep)[0].double(), zero + float(m_prep.chunks)

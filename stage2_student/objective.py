@@ -328,11 +328,8 @@ class Objective:
     # ----------------------------------------------------------------- device side
     def terms(self, logits: Tensor, prep: Prepared) -> tuple[Tensor, Tensor]:
         """(KD term of every chunk [C], sum of CE over the labelled tokens), on device."""
-        flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
-        if not prep.blocks:
-            zero = flat.sum().to(losses.compute_dtype(flat.dtype)) * 0.0  # keeps the graph for backward
-            return zero.expand(prep.chunks), zero
-        return _BlockedTerms.apply(flat, self.spec, prep)
+        kd, ce = blocked_terms(logits, [(self.spec, prep)])
+        return kd[0], ce
 
     def sums(self, logits: Tensor, prep: Prepared) -> tuple[Tensor, Tensor]:
         """(sum of KD over the micro-batch's chunks, sum of CE over its labelled tokens), on device."""
@@ -376,38 +373,58 @@ class Objective:
         return (arg == top).sum().float(), zero + float(first.shape[0])
 
 
-class _BlockedTerms(torch.autograd.Function):
-    """(KD of every chunk [C], CE sum) over the blocks of a micro-batch; backward recomputes block by block.
+def blocked_terms(logits: Tensor, passes: list[tuple[_Spec, Prepared]]) -> tuple[list[Tensor], Tensor]:
+    """([KD of every chunk [C_i] of each pass], CE sum over the passes) of one micro-batch's logits.
 
-    Backward allocates the gradient of the logits (the only [N, V] tensor) and, per block,
-    re-runs `_block_terms` with autograd on a copy of the block's rows, adding its gradient in.
+    A pass is one teacher's (spec, prepared plan); all of them run in one autograd function, so
+    that backward writes one logits-sized gradient buffer whatever the number of teachers.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
+    if not any(p.blocks for _, p in passes):
+        zero = flat.sum().to(losses.compute_dtype(flat.dtype)) * 0.0  # keeps the graph for backward
+        return [zero.expand(p.chunks) for _, p in passes], zero
+    *kd, ce = _BlockedTerms.apply(flat, passes)
+    return kd, ce
+
+
+class _BlockedTerms(torch.autograd.Function):
+    """(KD of every chunk [C_i] of each pass..., CE sum) over the blocks of a micro-batch; backward
+    recomputes block by block.
+
+    Backward allocates the gradient of the logits (the only [N, V] tensor) and, per block of each
+    pass, re-runs `_block_terms` with autograd on a copy of the block's rows, adding its gradient in.
     """
 
     @staticmethod
-    def forward(ctx, logits, spec, prep):
+    def forward(ctx, logits, passes):
         cdt = losses.compute_dtype(logits.dtype)
-        kd_out = torch.zeros(prep.chunks, dtype=cdt, device=logits.device)
+        outs = []
         ce_out = torch.zeros((), dtype=cdt, device=logits.device)
-        for blk in prep.blocks:
-            kd, ce = _block_terms(spec, logits.index_select(0, blk.pos), blk, prep.teacher)
-            kd_out.index_add_(0, blk.kd_chunk, kd)
-            ce_out += ce
+        for spec, prep in passes:
+            kd_out = torch.zeros(prep.chunks, dtype=cdt, device=logits.device)
+            for blk in prep.blocks:
+                kd, ce = _block_terms(spec, logits.index_select(0, blk.pos), blk, prep.teacher)
+                kd_out.index_add_(0, blk.kd_chunk, kd)
+                ce_out += ce
+            outs.append(kd_out)
         ctx.save_for_backward(logits)
-        ctx.spec, ctx.prep = spec, prep
-        return kd_out, ce_out
+        ctx.passes = passes
+        return (*outs, ce_out)
 
     @staticmethod
-    def backward(ctx, grad_kd, grad_ce):
+    def backward(ctx, *grads):
         (logits,) = ctx.saved_tensors
+        grad_ce = grads[-1]
         grad = torch.zeros_like(logits)
-        for blk in ctx.prep.blocks:
-            with torch.enable_grad():
-                z = logits.index_select(0, blk.pos).detach().requires_grad_(True)
-                kd, ce = _block_terms(ctx.spec, z, blk, ctx.prep.teacher)
-                (gz,) = torch.autograd.grad((kd * grad_kd[blk.kd_chunk]).sum() + ce * grad_ce, z)
-            grad.index_add_(0, blk.pos, gz)
-            del z, gz, kd, ce  # the block's graph goes now, not when the next block replaces it
-        return grad, None, None
+        for (spec, prep), grad_kd in zip(ctx.passes, grads[:-1]):
+            for blk in prep.blocks:
+                with torch.enable_grad():
+                    z = logits.index_select(0, blk.pos).detach().requires_grad_(True)
+                    kd, ce = _block_terms(spec, z, blk, prep.teacher)
+                    (gz,) = torch.autograd.grad((kd * grad_kd[blk.kd_chunk]).sum() + ce * grad_ce, z)
+                grad.index_add_(0, blk.pos, gz)
+                del z, gz, kd, ce  # the block's graph goes now, not when the next block replaces it
+        return grad, None
 
 
 def _block_terms(spec: _Spec, z_rows: Tensor, blk: Block, teacher: dict) -> tuple[Tensor, Tensor]:
@@ -599,6 +616,8 @@ class TeacherMix:
         from stage2_student.loader import num_teachers, teacher_view
 
         n = num_teachers(batch)
+        if n == 1 and "teacher_ids" not in batch and not batch.get("num_chunks", 0):  # no teacher data (dummy_batch)
+            return [teacher_view(batch, 0)] * len(self.objectives)
         if n != self.num_views:
             raise ConfigError(f"a micro-batch of {n} teacher(s) for an objective of {self.num_views}")
         views = [teacher_view(batch, i) for i in range(n)]
@@ -627,11 +646,9 @@ class TeacherMix:
     # ----------------------------------------------------------------- device side
     def terms(self, logits: Tensor, prep: MixPrepared) -> tuple[Tensor, Tensor]:
         """(KD term of every teacher and chunk group [N, G], CE sum), on device."""
-        rows, ce = [], None
-        for o, p, cg in zip(self.objectives, prep.preps, prep.chunk_group):
-            kd, ce_i = o.terms(logits, p)
-            rows.append(torch.zeros(prep.chunks, dtype=kd.dtype, device=kd.device).index_add(0, cg, kd))
-            ce = ce_i if ce is None else ce
+        kds, ce = blocked_terms(logits, [(o.spec, p) for o, p in zip(self.objectives, prep.preps)])
+        rows = [torch.zeros(prep.chunks, dtype=kd.dtype, device=kd.device).index_add(0, cg, kd)
+                for kd, cg in zip(kds, prep.chunk_group)]
         return torch.stack(rows), ce
 
     @torch.no_grad()
