@@ -201,7 +201,7 @@ def test_allow_incomplete_trains_on_committed_parts_and_says_how_many(tmp_path, 
     with caplog.at_level("WARNING"):
         train, _ = make_loaders(cfg, load_tokenizer(toy_setup.student_model), 0, 1)
     assert "reading 1 of 2 parts" in caplog.text
-    assert train.dataset.shard_ids == [shard_id(0, 0)]
+    assert train.dataset.caches[0].shard_ids == [shard_id(0, 0)]
     assert sum(1 for _ in zip(range(len(train)), train)) == len(train) > 0
 
 
