@@ -646,7 +646,11 @@ class TeacherMix:
     # ----------------------------------------------------------------- device side
     def terms(self, logits: Tensor, prep: MixPrepared) -> tuple[Tensor, Tensor]:
         """(KD term of every teacher and chunk group [N, G], CE sum), on device."""
-        kds, ce = blocked_terms(logits, [(o.spec, p) for o, p in zip(self.objectives, prep.preps)])
+        if len(self.objectives) == 1:  # one teacher: its objective's own terms (a subclass may refine them)
+            kd, ce = self.objectives[0].terms(logits, prep.preps[0])
+            kds = [kd]
+        else:
+            kds, ce = blocked_terms(logits, [(o.spec, p) for o, p in zip(self.objectives, prep.preps)])
         rows = [torch.zeros(prep.chunks, dtype=kd.dtype, device=kd.device).index_add(0, cg, kd)
                 for kd, cg in zip(kds, prep.chunk_group)]
         return torch.stack(rows), ce
