@@ -138,7 +138,7 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     objectives = [Objective.from_config(cfg.loss, caps[i], projections[i], kind=None if cfg.loss.loss == "ce" else
                                         kinds[i], with_ce=i == 0) for i in range(len(kinds))]
     objective = TeacherMix(objectives, combine=combine, weights=weights, score=cfg.loss.teacher_score,
-                           alpha=cfg.loss.teacher_alpha)
+                           alpha=cfg.loss.teacher_alpha, vocab_sizes=[m.teacher_vocab_size for m in manifests])
     measures = [Objective("kl" if c.same_tokenizer else "pkl", ce_weight=0.0, projection=p, with_ce=False)
                 if (c.same_tokenizer or p is not None) else None for c, p in zip(caps, projections)]
     mixture = None

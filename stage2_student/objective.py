@@ -575,7 +575,7 @@ class TeacherMix:
     """
 
     def __init__(self, objectives: list[Objective], *, combine: str = "sum", weights: list[float] | None = None,
-                 score: str = "likelihood", alpha: float = 1.0):
+                 score: str = "likelihood", alpha: float = 1.0, vocab_sizes: list[int] | None = None):
         if combine not in COMBINE:
             raise ConfigError(f"--teacher-combine {combine!r}: choose one of {', '.join(COMBINE)}")
         if score not in SCORES:
@@ -589,6 +589,7 @@ class TeacherMix:
         if combine != "mean-probs" and len(objectives) != n_views:
             raise ConfigError(f"--teacher-weights: {n_views} weights for {len(objectives)} caches")
         self.objectives, self.combine, self.score, self.alpha = objectives, combine, score, float(alpha)
+        self.vocab_sizes = vocab_sizes  # each teacher's vocabulary: the entropy score spreads the rest over it
         self.lam = [w / sum(weights) for w in weights]
         self.num_views = n_views
         first = objectives[0]
@@ -674,7 +675,9 @@ class TeacherMix:
 
     def scores(self, prep: MixPrepared, score: str) -> Tensor:
         """score_i(g) [N, G]: the log-likelihood of the group's realized teacher tokens (summed over its
-        rows), or minus the mean entropy / the mean max probability of the teacher's rows there."""
+        rows), or minus the mean entropy / the mean max probability of the teacher's rows there. The
+        entropy spreads a row's rest mass evenly over the ids it did not store (`vocab_sizes`): one
+        rest bucket would make a near-uniform teacher, whose mass is nearly all rest, look confident."""
         dev = prep.present.device
         out = torch.zeros(prep.present.shape, dtype=torch.float32, device=dev)
         for i, (p, rg) in enumerate(zip(prep.preps, prep.row_group)):
@@ -688,10 +691,12 @@ class TeacherMix:
                                                        t.get("teacher_counts"), t.get("teacher_residual"),
                                                        torch.float32)
                 probs = log_p.exp()
-                if score == "entropy":
+                if score == "entropy":  # minus the entropy, the rest spread evenly over the unstored ids
                     rest = resid.clamp(min=0.0)
-                    per_row = -(losses._kl_terms(probs, log_p, torch.zeros_like(log_p)).sum(dim=-1)
-                                + losses._kl_terms(rest, _log(rest), torch.zeros_like(rest)))
+                    n_rest = max((self.vocab_sizes[i] if self.vocab_sizes else 1) - log_p.shape[1], 1)
+                    plogp = torch.where(probs > 0, probs * log_p.clamp(min=-1e30), torch.zeros_like(probs))
+                    per_row = plogp.sum(dim=-1) + torch.where(rest > 0, rest * (_log(rest) - math.log(n_rest)),
+                                                              torch.zeros_like(rest))
                 else:
                     per_row = probs.max(dim=-1).values
             out[i].index_add_(0, rg, per_row)

@@ -155,10 +155,13 @@ def test_a_cache_without_the_students_alignment_is_named(toy_setup, caches, teac
 # combination
 
 
-def joined_objective(toy_setup, combine, weights=(0.7, 0.3), **kw) -> TeacherMix:
+def joined_objective(toy_setup, caches, combine, weights=(0.7, 0.3), **kw) -> TeacherMix:
     objs = [Objective("pkl", projection=projection(toy_setup), ce_weight=0.1),
             Objective("kl", ce_weight=0.1, with_ce=False)]
-    return TeacherMix(objs, combine=combine, weights=list(weights), **kw)
+    from xtcache.store import CacheReader
+
+    vocab = [CacheReader(caches[name]).manifest.teacher_vocab_size for name in ("A", "B")]
+    return TeacherMix(objs, combine=combine, weights=list(weights), vocab_sizes=vocab, **kw)
 
 
 def run(obj, batch, vocab, seed=0):
@@ -177,7 +180,7 @@ def test_sum_dynamic_and_select_weights(toy_setup, caches):
     vocab = 1536
     single = [Objective("pkl", projection=projection(toy_setup), ce_weight=0.0),
               Objective("kl", ce_weight=0.0)]
-    logits, _, loss, m = run(joined_objective(toy_setup, "sum"), batch, vocab)
+    logits, _, loss, m = run(joined_objective(toy_setup, caches, "sum"), batch, vocab)
     per = [o.sums(logits.detach(), o.prepare(L.teacher_view(batch, i), vocab=vocab))[0]
            for i, o in enumerate(single)]
     assert m["kd_sum"].item() == pytest.approx(0.7 * per[0].item() + 0.3 * per[1].item(), rel=1e-9)
@@ -185,9 +188,9 @@ def test_sum_dynamic_and_select_weights(toy_setup, caches):
     g = batch["num_groups"]
     assert m["teacher_weight"].numpy() == pytest.approx([0.7 * g, 0.3 * g])
     # dynamic at alpha 0 is the static sum; select takes, per group, the likelier teacher of the realized text
-    _, _, _, m0 = run(joined_objective(toy_setup, "dynamic", alpha=0.0), batch, vocab)
+    _, _, _, m0 = run(joined_objective(toy_setup, caches, "dynamic", alpha=0.0), batch, vocab)
     assert m0["kd_sum"].item() == pytest.approx(m["kd_sum"].item(), rel=1e-6)
-    _, prep, _, ms = run(joined_objective(toy_setup, "select"), batch, vocab)
+    _, prep, _, ms = run(joined_objective(toy_setup, caches, "select"), batch, vocab)
     like = []
     for i in range(2):
         v = L.teacher_view(batch, i)
@@ -196,11 +199,15 @@ def test_sum_dynamic_and_select_weights(toy_setup, caches):
     chosen_b = like[1] > like[0]
     assert ms["teacher_weight"].numpy() == pytest.approx([g - chosen_b.sum(), chosen_b.sum()])
     assert 0 < chosen_b.sum() < g  # each teacher is the likelier one somewhere
-    _, _, _, md = run(joined_objective(toy_setup, "dynamic", alpha=50.0), batch, vocab)
+    _, _, _, md = run(joined_objective(toy_setup, caches, "dynamic", alpha=50.0), batch, vocab)
     assert md["teacher_weight"].numpy() == pytest.approx(ms["teacher_weight"].numpy(), abs=0.05 * g)
+    # teacher A is trained (peaked rows), teacher B randomly initialised (near-uniform rows): with equal
+    # static weights, the confidence scores lean on A
     for score in ("entropy", "max-prob"):
-        _, _, _, me = run(joined_objective(toy_setup, "dynamic", score=score), batch, vocab)
+        _, _, _, me = run(joined_objective(toy_setup, caches, "dynamic", weights=(0.5, 0.5), score=score, alpha=5.0),
+                          batch, vocab)
         assert me["teacher_weight"].sum().item() == pytest.approx(g)
+        assert me["teacher_weight"][0].item() > 0.5 * g, score  # more than its static half
 
 
 def test_mean_probs_is_the_mixture_and_refuses_other_tokenizations(toy_setup, caches):
