@@ -174,14 +174,14 @@ def _renormalised_topk():
             prep.teacher["renorm_at"] = chunk_rows(batch)  # travels to the device with the teacher arrays
             return prep
 
-        def sums(self, logits, prep):
+        def terms(self, logits, prep):
             flat = logits.reshape(-1, logits.shape[-1])
             ids, at = prep.teacher["teacher_ids"], prep.teacher["renorm_at"]
             valid = ids >= 0
             low = torch.full_like(flat, -1e4)
             low[at[:, None].expand_as(ids)[valid], ids[valid]] = 0.0
-            kd, _ = super().sums(flat + low, prep)
-            _, ce = super().sums(flat, prep)
+            kd, _ = super().terms(flat + low, prep)
+            _, ce = super().terms(flat, prep)
             return kd, ce
 
     return RenormalisedTopK
@@ -316,12 +316,14 @@ def train_row(row: Row, store: str, student: Path, out: Path, s: Settings, seed:
                     ce_weight=CE_WEIGHT)
     cfg = TrainConfig.from_flat(flat)
 
+    from stage2_student.objective import TeacherMix
+
     def make_data(cfg, tokenizer, rank, world):
         data = open_stage_data(cfg, tokenizer, rank, world)
         if row.loss == "online":
             data.train = LiveStream(data.train, teacher)
         elif row.loss == "renorm":
-            data.objective = make_objective("renorm")
+            data.objective = TeacherMix([make_objective("renorm")])  # the trainer's objective: N = 1 teacher
         return data
 
     t0 = time.perf_counter()

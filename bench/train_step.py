@@ -21,6 +21,13 @@ per process) and prints one table:
   to the device on a GPU (so the GPU peak holds them; the CPU peak does not);
 - loader positions/s (`xtcache.testing.rates.measure_rate`, no model, same clock, in-process
   reading: --num-workers 0) against the positions/s the trainer consumes (target >= 10x).
+
+The row `cross/2 teachers` trains the cross-tokenizer student from two caches at once (the toy
+teacher's top-k cache, P-KL, and a second teacher on the student's own tokenizer, KL, combined by
+`--teacher-combine dynamic`); its step is compared with the one-teacher P-KL step (target <= 1.3x)
+and its loader (two caches read in lockstep) with the trainer.
+
+    python bench/train_step.py --rows cross/ce,cross/pkl,cross/2-teachers   # only these rows
 """
 
 from __future__ import annotations
@@ -149,7 +156,7 @@ def worker(spec: dict) -> dict:
         rate = measure_rate(loader, spec["loader_batches"])
         loader_pos_s = rate["positions_per_s"] * rate["seconds"] / max(clock() - t0, 1e-9)  # same clock
         step_s = statistics.median(times)
-        teacher = sum(v.numel() * v.element_size() for b in steps[-1] for k, v in b.items() if k.startswith("teacher_"))
+        teacher = sum(v.numel() * v.element_size() for b in steps[-1] for k, v in b.items() if k.rsplit("/", 1)[-1].startswith("teacher_"))  # every teacher's
         return {"name": spec["name"], "step_ms": 1000 * step_s, "peak_mib": peak / 2**20,
                 "teacher_mib": teacher / len(steps[-1]) / 2**20,
                 "trainer_pos_s": positions / len(times) / step_s, "loader_pos_s": loader_pos_s,
@@ -172,7 +179,11 @@ def build_inputs(root: Path, args) -> dict:
     toy.build_tiny_model("qwen2", setup.teacher_tokenizer, same_student, hidden=TEST_SPEC.student_hidden,
                          layers=TEST_SPEC.student_layers, intermediate=TEST_SPEC.student_hidden * 3, seed=1)
     kw = dict(k=args.k, max_docs=args.docs)
+    second = root / "teacher_student_tok"  # a second, different teacher: the student's tokenizer
+    toy.build_tiny_model("llama", setup.student_tokenizer, second, hidden=TEST_SPEC.teacher_hidden,
+                         layers=TEST_SPEC.teacher_layers, intermediate=TEST_SPEC.teacher_hidden * 3, seed=7)
     return {
+        "second": build_hf_cache(root / "second", second, setup.train_jsonl, [setup.student_tokenizer], **kw),
         "cross_student": str(setup.student_model), "same_student": str(same_student),
         "topk": build_hf_cache(root / "topk", setup.teacher_model, setup.train_jsonl, [setup.student_tokenizer], **kw),
         # full vocabulary: every teacher id stored (k = V, residual 0), as `--mode full` holds it
@@ -193,6 +204,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=64, help="documents per cache")
     ap.add_argument("--num-workers", type=int, default=0)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--rows", help="comma-separated row names to run (default: all)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -212,11 +224,16 @@ def main() -> None:
                 ("same", "kl full", inputs["full"], inputs["same_student"]),
                 ("same", "rkl", inputs["topk"], inputs["same_student"]),
                 ("same", "jsd", inputs["topk"], inputs["same_student"]),
-                ("same", "sampled", inputs["sampled"], inputs["same_student"])]
+                ("same", "sampled", inputs["sampled"], inputs["same_student"]),
+                ("cross", "2-teachers", [inputs["topk"], inputs["second"]], inputs["cross_student"])]
+        if args.rows:
+            runs = [r for r in runs if f"{r[0]}/{r[1]}" in args.rows.split(",")]
         results = []
         for student_kind, loss, cache, student in runs:
+            two = loss == "2-teachers"
             config = {"cache": cache, "student": student, "out": str(root / f"run_{student_kind}_{loss.replace(' ', '_')}"),
-                      "loss": loss.split()[0], "ce_weight": 1.0 if loss == "ce" else 0.1, "seq_len": args.seq_len,
+                      "loss": "auto" if two else loss.split()[0], "ce_weight": 1.0 if loss == "ce" else 0.1,
+                      "teacher_combine": "dynamic", "seq_len": args.seq_len,
                       "micro_batch_size": args.micro_batch_size, "max_steps": 1000, "lr": 1e-3,
                       "zero_stage": 2, "bf16": args.bf16, "num_workers": args.num_workers}
             spec = {"name": f"{student_kind}/{loss}", "config": config, "steps": args.steps, "warmup": args.warmup,
@@ -254,6 +271,12 @@ def print_table(results: list[dict], args) -> None:
               f"{r['loader_pos_s']:>13,.0f} {r['loader_pos_s'] / r['trainer_pos_s']:>15.1f}")
     print("targets: KD step <= 1.3x CE, peak memory <= 1.1x CE (full vocabulary: <= 1.2x the top-k row), "
           "loader >= 10x the trainer's consumption")
+    one = next((r for r in results if r["student"] == "cross" and r["loss"] == "pkl"), None)
+    two = next((r for r in results if r["loss"] == "2-teachers"), None)
+    if one and two:
+        print(f"two teachers (P-KL + KL, dynamic) vs one (P-KL): step {two['step_ms'] / one['step_ms']:.2f}x "
+              f"(target <= 1.3x), peak memory {two['peak_mib'] / one['peak_mib']:.2f}x, loader "
+              f"{two['loader_pos_s'] / two['trainer_pos_s']:.1f}x ahead of the trainer (target >= 10x)")
 
 
 if __name__ == "__main__":

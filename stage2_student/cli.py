@@ -28,6 +28,8 @@ def _train(cfg: TrainConfig) -> None:
     summary = train(cfg)
     if summary is not None and os.environ.get("RANK", "0") == "0":
         typer.echo(json.dumps({k: summary[k] for k in ("steps", "final_eval_kl", "final_eval_ce", "metrics")}))
+        for t in summary.get("teachers") or []:  # several teachers: one line each, and the mixture's
+            typer.echo(json.dumps(t))
 
 
 train_student = command(

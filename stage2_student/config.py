@@ -43,6 +43,8 @@ class LoaderConfig:
     """Train on the committed parts of an incomplete store (a dump still running), saying how many of how many."""
     train_on: str | None = None
     """Conversation caches: KD and CE only on positions that predict these tokens: assistant (every assistant message, end-of-turn included; the default), last-assistant (the final one) or all. Plain-text caches: unset or all."""
+    teachers_missing: str = "drop"
+    """Several --cache: drop the documents some cache lacks, or train them (partial) with the teachers present."""
 
 
 @dataclass(kw_only=True)
@@ -63,8 +65,16 @@ class LossConfig:
     """Mixing weight beta of the generalized JSD loss."""
     alm_tau: float = 100.0
     """Temperature tau of the ALM chunk-likelihood loss."""
-    projection: str | None = None
-    """Projection map (`xtcache projection build`) for cross-tokenizer caches; built on the fly when absent."""
+    projection: list[str] = field(default_factory=list)
+    """Projection map (`xtcache projection build`) for cross-tokenizer caches; built on the fly when absent. Several --cache: one per cross-tokenizer cache, in --cache order."""
+    teacher_weights: str | None = None
+    """Several --cache: static weight of each teacher, comma-separated in --cache order (e.g. 0.7,0.3); default equal."""
+    teacher_combine: str = "sum"
+    """Several --cache: how the teachers' KD terms combine per chunk group: sum|dynamic|select|mean-probs (docs/losses.md)."""
+    teacher_score: str = "likelihood"
+    """--teacher-combine dynamic: each teacher's score of a chunk group: likelihood (of the realized text)|entropy|max-prob."""
+    teacher_alpha: float = 1.0
+    """--teacher-combine dynamic: weights softmax(alpha * score) over the teachers."""
 
 
 @dataclass(kw_only=True)
@@ -121,8 +131,8 @@ class EvalConfig:
     """Evaluate every N optimizer steps (0: only at the end)."""
     eval_fraction: float = 0.0
     """Hold out this fraction of the cache's documents for evaluation (by document id)."""
-    eval_cache: str | None = None
-    """A separate store to evaluate on (instead of --eval-fraction)."""
+    eval_cache: list[str] = field(default_factory=list)
+    """A separate store to evaluate on (instead of --eval-fraction); several --cache: one per cache, in --cache order."""
     eval_batches: int = 0
     """Evaluate on at most N micro-batches per rank (0: the whole held-out set)."""
 
@@ -131,8 +141,8 @@ class EvalConfig:
 class TrainConfig:
     """Everything `xtcache train-student` needs."""
 
-    cache: str
-    """The teacher cache store (local path or fsspec URL)."""
+    cache: list[str]
+    """The teacher cache store (local path or fsspec URL); repeat it to distill several teachers at once."""
     student: str
     """Student model directory (Hugging Face format, with its tokenizer)."""
     out: str
@@ -188,6 +198,33 @@ class TrainConfig:
             raise ValueError(f"--eval-fraction {e.eval_fraction}: must lie in [0, 1)")
         if e.eval_fraction > 0 and e.eval_cache:
             raise ValueError("--eval-fraction and --eval-cache both given: choose one")
+        if e.eval_cache and len(e.eval_cache) != len(self.cache):
+            raise ValueError(f"{len(e.eval_cache)} --eval-cache for {len(self.cache)} --cache: give one per cache")
+        if lo.teachers_missing not in ("drop", "partial"):
+            raise ValueError(f"--teachers-missing {lo.teachers_missing!r}: choose drop or partial")
+        if loss.teacher_combine not in ("sum", "dynamic", "select", "mean-probs"):
+            raise ValueError(f"--teacher-combine {loss.teacher_combine!r}: choose sum, dynamic, select or mean-probs")
+        if loss.teacher_score not in ("likelihood", "entropy", "max-prob"):
+            raise ValueError(f"--teacher-score {loss.teacher_score!r}: choose likelihood, entropy or max-prob")
+        if loss.teacher_combine == "mean-probs" and lo.teachers_missing == "partial":
+            raise ValueError("--teacher-combine mean-probs needs every teacher on every document: "
+                             "use --teachers-missing drop")
+        self.teacher_weights()  # checked here, before anything loads
+
+    def teacher_weights(self) -> list[float]:
+        """The --teacher-weights, one per --cache (equal when not given)."""
+        text = self.loss.teacher_weights
+        if not text:
+            return [1.0] * len(self.cache)
+        try:
+            w = [float(x) for x in str(text).split(",")]
+        except ValueError:
+            raise ValueError(f"--teacher-weights {text!r}: comma-separated numbers, e.g. 0.7,0.3") from None
+        if len(w) != len(self.cache):
+            raise ValueError(f"--teacher-weights {text!r}: {len(w)} weights for {len(self.cache)} --cache")
+        if any(x < 0 or not math.isfinite(x) for x in w) or sum(w) <= 0:
+            raise ValueError(f"--teacher-weights {text!r}: non-negative and not all 0")
+        return w
 
     @property
     def has_eval(self) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from stage2_student.config import TrainConfig
-from stage2_student.objective import Capabilities, Objective, measure_definition, resolve_kind
+from stage2_student.objective import Capabilities, Objective, TeacherMix, measure_definition, resolve_kind
 from stage2_student.student import load_tokenizer
 from xtcache.errors import ConfigError
 
@@ -32,25 +32,33 @@ class StageData:
     global order: step s, rank r, accumulation index a reads global micro-batch
     `s * world * grad_accum + r * grad_accum + a`, and has `state_dict()` / `load_state_dict()`.
     `make_eval` returns a fresh finite iterable of this rank's held-out micro-batches (or None).
-    `objective` is the training objective; `measure` the evaluation's KL to the teacher (None
-    when it cannot be computed, e.g. a cross-tokenizer cache without a projection map), defined
-    by `measure_definition`.
+    `objective` is the training objective over the teachers (`TeacherMix`, one teacher: N = 1);
+    `measures[i]` the evaluation's KL to teacher i (None when it cannot be computed, e.g. a
+    cross-tokenizer cache without a projection map), defined by `measure_definition`;
+    `mixture_measure` the KL to the teachers' mixture (teachers sharing a vocabulary, else None).
     """
 
     train: Any
-    objective: Objective
+    objective: TeacherMix
     make_eval: Callable[[], Iterable[dict]] | None = None
-    measure: Objective | None = None
+    measures: list[Objective | None] = field(default_factory=list)
     measure_definition: str | None = None
+    mixture_measure: Objective | None = None
     info: dict = field(default_factory=dict)
 
+    @property
+    def measure(self) -> Objective | None:
+        """The first teacher's measure (the one measure of a single-teacher run)."""
+        return self.measures[0] if self.measures else None
 
-def load_projection(cfg: TrainConfig, manifest, student_tokenizer, student_fp: str, model_vocab: int):
+
+def load_projection(cfg: TrainConfig, manifest, student_tokenizer, student_fp: str, model_vocab: int,
+                    path: str | None = None):
     """The projection W as a sparse [V_model, V_t] tensor, checked against both tokenizer fingerprints.
 
-    Without --projection, W is built on the fly from the student tokenizer and the teacher
-    tokenizer found at the cache's recorded teacher path (its fingerprint must match the cache);
-    otherwise the run stops and says how to build one.
+    `path`: this cache's --projection. Without one, W is built on the fly from the student
+    tokenizer and the teacher tokenizer found at the cache's recorded teacher path (its
+    fingerprint must match the cache); otherwise the run stops and says how to build one.
     """
     import torch
 
@@ -58,8 +66,8 @@ def load_projection(cfg: TrainConfig, manifest, student_tokenizer, student_fp: s
     from xtcache.fingerprint import tokenizer_fingerprint
 
     teacher_fp = manifest.fingerprints.get("teacher_tokenizer")
-    if cfg.loss.projection:
-        pm = xproj.ProjectionMap.load(cfg.loss.projection, expect_student=student_fp, expect_teacher=teacher_fp)
+    if path:
+        pm = xproj.ProjectionMap.load(path, expect_student=student_fp, expect_teacher=teacher_fp)
     else:
         where = Path(manifest.teacher_name) if manifest.teacher_name else None
         teacher_tok = load_tokenizer(where) if where and (where / "tokenizer.json").is_file() else None
@@ -80,7 +88,7 @@ def load_projection(cfg: TrainConfig, manifest, student_tokenizer, student_fp: s
 
 
 def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> StageData:
-    """Open the cache (and the held-out set), pick the KD kind, load W, build this rank's loaders."""
+    """Open the caches (and the held-out set), pick each teacher's KD kind, load W, build this rank's loaders."""
     import deepspeed
     from transformers import AutoConfig
 
@@ -88,41 +96,81 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     from xtcache.fingerprint import tokenizer_fingerprint
     from xtcache.store import CacheReader
 
-    manifest = CacheReader(cfg.cache, storage_options=cfg.loader.storage_options).manifest
+    manifests = [CacheReader(c, storage_options=cfg.loader.storage_options).manifest for c in cfg.cache]
     student_fp = tokenizer_fingerprint(tokenizer)
-    # the loader refuses a student tokenizer the cache has no alignment for, with what to run
+    # the loader refuses a student tokenizer a cache has no alignment for, naming the cache and what to run
     train, make_eval = make_loaders(cfg, tokenizer, rank, world)
-    caps = Capabilities(same_tokenizer=student_fp == manifest.fingerprints.get("teacher_tokenizer"),
-                        mode=manifest.mode)
-    name = resolve_kind(cfg.loss.loss, caps)
-    projection = None
-    if not caps.same_tokenizer:
-        model_vocab = AutoConfig.from_pretrained(cfg.student).vocab_size
-        try:
-            w = load_projection(cfg, manifest, tokenizer, student_fp, model_vocab)
-        except ConfigError:
-            if name == "pkl":
-                raise
-            log.warning("no projection map: the evaluation's KL to the teacher and top-1 agreement are not measured")
-        else:
-            projection = ProjectionOperator(w).to(deepspeed.get_accelerator().current_device_name())
-    objective = Objective.from_config(cfg.loss, caps, projection)
-    measure = None
-    if caps.same_tokenizer or projection is not None:
-        measure = Objective("kl" if caps.same_tokenizer else "pkl", ce_weight=0.0, projection=projection)
-    info = {"cache": cfg.cache, "mode": manifest.mode, "k": manifest.k, "same_tokenizer": caps.same_tokenizer,
-            "teacher_vocab": manifest.teacher_vocab_size, "student_fingerprint": student_fp, "kd_loss": name,
-            "trained_on": "ce" if cfg.loss.loss == "ce" else name}
-    log.info("cache %s: mode %s k=%d, %s-tokenizer, KD loss %s%s", cfg.cache, manifest.mode, manifest.k,
-             "same" if caps.same_tokenizer else "cross", name,
-             " (training on CE only)" if cfg.loss.loss == "ce" else "")
+    caps = [Capabilities(same_tokenizer=student_fp == m.fingerprints.get("teacher_tokenizer"), mode=m.mode)
+            for m in manifests]
+    combine = cfg.loss.teacher_combine if len(cfg.cache) > 1 else "sum"
+    if combine == "mean-probs":
+        fps = {m.fingerprints.get("teacher_tokenizer") for m in manifests}
+        if len(fps) > 1 or len({m.teacher_vocab_size for m in manifests}) > 1:
+            raise ConfigError("--teacher-combine mean-probs mixes distributions over one vocabulary, and the caches' "
+                              "teachers have different tokenizers: use --teacher-combine sum, dynamic or select")
+    cross = [i for i, c in enumerate(caps) if not c.same_tokenizer]
+    paths = list(cfg.loss.projection)
+    if paths and len(paths) != len(cross):
+        raise ConfigError(f"{len(paths)} --projection for {len(cross)} cross-tokenizer cache(s) "
+                          f"({', '.join(cfg.cache[i] for i in cross) or 'none'}): give one per cross-tokenizer cache, "
+                          "in --cache order, or none to build them on the fly")
+    model_vocab = AutoConfig.from_pretrained(cfg.student).vocab_size if cross else None
+    device = deepspeed.get_accelerator().current_device_name()
+    names, projections = [], []
+    for i, (m, c) in enumerate(zip(manifests, caps)):
+        name = resolve_kind(cfg.loss.loss, c)
+        projection = None
+        if not c.same_tokenizer and (combine != "mean-probs" or i == 0):
+            try:
+                w = load_projection(cfg, m, tokenizer, student_fp, model_vocab,
+                                    paths[cross.index(i)] if paths else None)
+            except ConfigError as e:
+                if name == "pkl":
+                    raise ConfigError(f"{cfg.cache[i]}: {e}" if len(cfg.cache) > 1 else str(e)) from None
+                log.warning("%s: no projection map: the evaluation's KL to this teacher and top-1 agreement are not "
+                            "measured", cfg.cache[i])
+            else:
+                projection = ProjectionOperator(w).to(device)
+        names.append(name)
+        projections.append(projection)
+    weights = cfg.teacher_weights()
+    kinds = names[:1] if combine == "mean-probs" else names
+    objectives = [Objective.from_config(cfg.loss, caps[i], projections[i], kind=None if cfg.loss.loss == "ce" else
+                                        kinds[i], with_ce=i == 0) for i in range(len(kinds))]
+    objective = TeacherMix(objectives, combine=combine, weights=weights, score=cfg.loss.teacher_score,
+                           alpha=cfg.loss.teacher_alpha, vocab_sizes=[m.teacher_vocab_size for m in manifests])
+    measures = [Objective("kl" if c.same_tokenizer else "pkl", ce_weight=0.0, projection=p, with_ce=False)
+                if (c.same_tokenizer or p is not None) else None for c, p in zip(caps, projections)]
+    mixture = None
+    if len(cfg.cache) > 1 and measures[0] is not None and len({m.fingerprints.get("teacher_tokenizer")
+                                                                for m in manifests}) == 1:
+        mixture = measures[0]  # teachers of one tokenizer: their mixture is measured with teacher 0's measure
+    if combine == "mean-probs":
+        measures = [measures[0]] * len(cfg.cache)
+    info = {"cache": cfg.cache[0] if len(cfg.cache) == 1 else list(cfg.cache), "mode": manifests[0].mode,
+            "k": manifests[0].k, "same_tokenizer": caps[0].same_tokenizer,
+            "teacher_vocab": manifests[0].teacher_vocab_size, "student_fingerprint": student_fp,
+            "kd_loss": objective.kind, "trained_on": "ce" if cfg.loss.loss == "ce" else objective.kind}
+    if len(cfg.cache) > 1:
+        info["teachers"] = [{"cache": u, "mode": m.mode, "k": m.k, "same_tokenizer": c.same_tokenizer,
+                             "teacher_vocab": m.teacher_vocab_size, "kd_loss": k, "weight": w}
+                            for u, m, c, k, w in zip(cfg.cache, manifests, caps, names, objective.lam
+                                                     if combine != "mean-probs" else weights)]
+        info["teacher_combine"] = combine
+    for u, m, c, k in zip(cfg.cache, manifests, caps, names):
+        log.info("cache %s: mode %s k=%d, %s-tokenizer, KD loss %s%s", u, m.mode, m.k,
+                 "same" if c.same_tokenizer else "cross", k, " (training on CE only)" if cfg.loss.loss == "ce" else "")
+    if len(cfg.cache) > 1:
+        log.info("%d teachers, combined per chunk group by %s, weights %s", len(cfg.cache), combine,
+                 ", ".join(f"{w:.3g}" for w in weights))
     # held-out batches from --eval-cache are measured over what that store holds (e.g. a full cache: exact)
-    eval_caps = caps
+    eval_caps = caps[0]
     if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
-        eval_mode = CacheReader(cfg.eval.eval_cache, storage_options=cfg.loader.storage_options).manifest.mode
-        eval_caps = Capabilities(same_tokenizer=caps.same_tokenizer, mode=eval_mode)
-    return StageData(train=train, objective=objective, make_eval=make_eval, measure=measure,
-                     measure_definition=measure_definition(eval_caps) if measure is not None else None, info=info)
+        eval_mode = CacheReader(cfg.eval.eval_cache[0], storage_options=cfg.loader.storage_options).manifest.mode
+        eval_caps = Capabilities(same_tokenizer=caps[0].same_tokenizer, mode=eval_mode)
+    return StageData(train=train, objective=objective, make_eval=make_eval, measures=measures,
+                     measure_definition=measure_definition(eval_caps) if measures[0] is not None else None,
+                     mixture_measure=mixture, info=info)
 
 
 def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
@@ -141,7 +189,8 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
     common = dict(seq_len=cfg.loader.seq_len, micro_batch_size=cfg.loader.micro_batch_size, rank=rank,
                   world_size=world, seed=cfg.seed, storage_options=cfg.loader.storage_options,
                   pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-                  allow_incomplete=cfg.loader.allow_incomplete, train_on=cfg.loader.train_on)
+                  allow_incomplete=cfg.loader.allow_incomplete, train_on=cfg.loader.train_on,
+                  missing=cfg.loader.teachers_missing)
     fraction = cfg.eval.eval_fraction
     train_ds = CacheDataset(cfg.cache, tokenizer, grad_accum=cfg.optim.grad_accum, split="train",
                             holdout_fraction=fraction, **common)

@@ -180,11 +180,43 @@ class ShardSource:
     trained: np.ndarray | None = None  # bool [S] conversation caches: the student tokens --train-on trains
 
 
-def build_micro_batch(windows: list[list[tuple[ShardSource, int, int, int, bool]]], seq_len: int,
-                      pad_id: int) -> dict[str, np.ndarray | int]:
+def segment_chunks(src: ShardSource, d: int, lo: int, hi: int, n_ctx: int = 0) -> dict:
+    """The chunks [lo, hi) of document d as one window segment: student/teacher spans and validity.
+
+    A chunk is `real` when both sides are non-empty and `valid` when it is real, its first student
+    token has a predicting logit inside the segment, all its teacher rows have a prediction and it
+    is not one of the segment's first `n_ctx` (context) chunks. Independent of where the segment
+    lies in its window.
+    """
+    c0 = int(src.doc_chunk_offsets[d])
+    s_end = src.student_end[c0 + lo:c0 + hi].astype(np.int64)  # [n]
+    t_end = src.teacher_end[c0 + lo:c0 + hi].astype(np.int64)
+    s_begin = int(src.student_end[c0 + lo - 1]) if lo > 0 else 0
+    t_begin = int(src.teacher_end[c0 + lo - 1]) if lo > 0 else 0
+    s_start = np.concatenate([[s_begin], s_end[:-1]])  # [n]
+    t_start = np.concatenate([[t_begin], t_end[:-1]])
+    s_len, t_len = s_end - s_start, t_end - t_start
+    p_off = int(src.doc_pos_offsets[d])
+    no_pred = np.concatenate([[0], np.cumsum(~src.has_pred[p_off + t_begin:p_off + int(t_end[-1])])])
+    all_pred = (no_pred[t_end - t_begin] - no_pred[t_start - t_begin]) == 0
+    real = (s_len > 0) & (t_len > 0)
+    valid = real & (s_start > s_begin) & all_pred  # predicted from inside the segment
+    if src.trained is not None:  # conversation cache: every student token of the chunk trained, same text
+        s_off = int(src.doc_student_offsets[d])
+        untrained = np.concatenate([[0], np.cumsum(~src.trained[s_off + s_begin:s_off + int(s_end[-1])])])
+        valid &= (untrained[s_end - s_begin] == untrained[s_start - s_begin]) & src.exact[c0 + lo:c0 + hi]
+    valid[:n_ctx] = False
+    return dict(c0=c0, s_begin=s_begin, s_end=s_end, s_start=s_start, s_len=s_len, t_start=t_start, t_len=t_len,
+                p_off=p_off, real=real, valid=valid)
+
+
+def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> dict[str, np.ndarray | int]:
     """Numpy micro-batch (docs/architecture.md "Stage 2 batch") from windows of segments.
 
-    Each window is a list of (source, doc, chunk_lo, chunk_hi, context_first) segments.
+    Each window is a list of segments (source, doc, chunk_lo, chunk_hi, context) where `context`
+    is the number of leading context chunks (a bool: one or none), optionally followed by
+    (group, keep): int64 [hi - lo] the micro-batch's chunk group of each chunk (the
+    `chunk_group` of the valid chunks) and bool [hi - lo] which chunks may be valid at all.
     """
     b = len(windows)
     input_ids = np.full((b, seq_len), pad_id, dtype=np.int64)
@@ -193,44 +225,35 @@ def build_micro_batch(windows: list[list[tuple[ShardSource, int, int, int, bool]
     position_ids = np.zeros((b, seq_len), dtype=np.int64)
     student_chunk = np.full((b, seq_len), -1, dtype=np.int64)
     rows_by_src: list[tuple[ShardSource, np.ndarray]] = []
-    teacher_chunk, exact = [], []
+    teacher_chunk, exact, groups = [], [], []
     n_chunks = 0
     for wi, segments in enumerate(windows):
         pos = 0
         masked_until = 0  # CE labels predicting context tokens are dropped
-        for src, d, lo, hi, ctx in segments:
-            c0 = int(src.doc_chunk_offsets[d])
-            s_end = src.student_end[c0 + lo:c0 + hi].astype(np.int64)  # [n]
-            t_end = src.teacher_end[c0 + lo:c0 + hi].astype(np.int64)
-            s_begin = int(src.student_end[c0 + lo - 1]) if lo > 0 else 0
-            t_begin = int(src.teacher_end[c0 + lo - 1]) if lo > 0 else 0
-            s_start = np.concatenate([[s_begin], s_end[:-1]])  # [n]
-            t_start = np.concatenate([[t_begin], t_end[:-1]])
-            s_len, t_len = s_end - s_start, t_end - t_start
-            s_off, p_off = int(src.doc_student_offsets[d]), int(src.doc_pos_offsets[d])
-            toks = src.student_ids[s_off + s_begin:s_off + int(s_end[-1])]
+        for src, d, lo, hi, ctx, *extra in segments:
+            n_ctx = int(ctx)
+            seg = segment_chunks(src, d, lo, hi, n_ctx)
+            s_begin, s_start, s_len, t_len = seg["s_begin"], seg["s_start"], seg["s_len"], seg["t_len"]
+            valid = seg["valid"] if not extra else seg["valid"] & extra[1]
+            s_off = int(src.doc_student_offsets[d])
+            toks = src.student_ids[s_off + s_begin:s_off + int(seg["s_end"][-1])]
             input_ids[wi, pos:pos + len(toks)] = toks
             position_ids[wi, pos:pos + len(toks)] = np.arange(len(toks))  # each segment attends to itself only
             labels[wi, pos:pos + len(toks) - 1] = toks[1:]  # never across a segment boundary
             if src.trained is not None:  # conversation cache: only positions predicting trained tokens
-                trained = src.trained[s_off + s_begin:s_off + int(s_end[-1])]
+                trained = src.trained[s_off + s_begin:s_off + int(seg["s_end"][-1])]
                 labels[wi, pos:pos + len(toks) - 1][~trained[1:]] = IGNORE
             first = pos + (s_start - s_begin)  # [n] window position of each chunk's first token
-            no_pred = np.concatenate([[0], np.cumsum(~src.has_pred[p_off + t_begin:p_off + int(t_end[-1])])])
-            all_pred = (no_pred[t_end - t_begin] - no_pred[t_start - t_begin]) == 0
-            valid = (s_len > 0) & (t_len > 0) & (first > pos) & all_pred  # predicted from inside the segment
-            if src.trained is not None:
-                untrained = np.concatenate([[0], np.cumsum(~trained)])
-                valid &= (untrained[s_end - s_begin] == untrained[s_start - s_begin]) & src.exact[c0 + lo:c0 + hi]
-            if ctx:
-                valid[0] = False
-                masked_until = pos + int(s_len[0])
+            if n_ctx:
+                masked_until = pos + int(s_len[:n_ctx].sum())
             ids = n_chunks + np.arange(int(valid.sum()), dtype=np.int64)
             n_chunks += ids.shape[0]
             student_chunk[wi, _ranges(first[valid] - 1, s_len[valid])] = np.repeat(ids, s_len[valid])
-            rows_by_src.append((src, _ranges(p_off + t_start[valid], t_len[valid])))
+            rows_by_src.append((src, _ranges(seg["p_off"] + seg["t_start"][valid], t_len[valid])))
             teacher_chunk.append(np.repeat(ids, t_len[valid]))
-            exact.append(src.exact[c0 + lo:c0 + hi][valid])
+            exact.append(src.exact[seg["c0"] + lo:seg["c0"] + hi][valid])
+            if extra:
+                groups.append(extra[0][valid])
             pos += len(toks)
         attention[wi, :pos] = 1
         position_ids[wi, pos:] = np.arange(seq_len - pos)  # padding is a segment of its own
@@ -240,6 +263,8 @@ def build_micro_batch(windows: list[list[tuple[ShardSource, int, int, int, bool]
         "student_chunk": student_chunk,
         "teacher_chunk": np.concatenate(teacher_chunk) if teacher_chunk else np.zeros(0, np.int64),
         "chunk_exact": np.concatenate(exact) if exact else np.zeros(0, bool), "num_chunks": n_chunks}
+    if groups:
+        out["chunk_group"] = np.concatenate(groups).astype(np.int64)
     first_src = rows_by_src[0][0] if rows_by_src else None
     k = first_src.topk_ids.shape[1] if first_src is not None else 0
 
@@ -257,6 +282,47 @@ def build_micro_batch(windows: list[list[tuple[ShardSource, int, int, int, bool]
     out["teacher_residual"] = gather("residual", np.float32)
     out["teacher_realized"] = gather("realized_logprob", np.float32)
     return out
+
+
+TEACHER_KEYS = ("student_chunk", "teacher_ids", "teacher_logprobs", "teacher_counts", "teacher_residual",
+                "teacher_realized", "teacher_chunk", "num_chunks", "chunk_exact", "chunk_group")
+"""The keys of a micro-batch that belong to one teacher; teacher i > 0 holds them as `t{i}/KEY`."""
+
+
+def num_teachers(batch: dict) -> int:
+    """How many teachers a micro-batch carries (1 for a single-cache batch)."""
+    return int(batch.get("num_teachers", 1))
+
+
+def teacher_view(batch: dict, i: int) -> dict:
+    """Teacher i's single-teacher micro-batch: the student keys plus that teacher's keys unprefixed."""
+    view = {k: v for k, v in batch.items() if "/" not in k and k not in TEACHER_KEYS}
+    prefix = "" if i == 0 else f"t{i}/"
+    for key in TEACHER_KEYS:
+        if prefix + key in batch:
+            view[key] = batch[prefix + key]
+    return view
+
+
+def join_views(views: list[dict], num_groups: int) -> dict:
+    """One micro-batch of several teachers' views (same student side): view 0 as is, the others prefixed."""
+    out = dict(views[0])
+    for i, v in enumerate(views[1:], start=1):
+        out.update({f"t{i}/{k}": v[k] for k in TEACHER_KEYS if k in v})
+    out["num_teachers"], out["num_groups"] = len(views), num_groups
+    return out
+
+
+def common_boundaries(ends: list[np.ndarray]) -> np.ndarray:
+    """Student-token ends shared by every teacher's chunks of one document: the chunk groups.
+
+    A group is the smallest run of student tokens that whole chunks of every teacher cover; with
+    one teacher each group is one chunk (with any empty-student chunks after it).
+    """
+    common = np.unique(ends[0])
+    for e in ends[1:]:
+        common = np.intersect1d(common, e, assume_unique=False)
+    return common[common > 0]
 
 
 @dataclass
@@ -298,19 +364,40 @@ def student_fingerprint(tokenizer_or_path, *, chat: bool = False) -> str:
     return tokenizer_fingerprint(tokenizer_or_path)
 
 
+@dataclass
+class TeacherCache:
+    """One teacher cache of a CacheDataset: what the objective needs to know of it, and its parts."""
+
+    url: str
+    mode: str
+    k: int
+    teacher_vocab_size: int
+    teacher_fingerprint: str
+    identity: bool  # same tokenizer as the student, no alignment group: chunk = token
+    student_vocab_size: int
+    shard_ids: list[str]
+
+
 class CacheDataset(torch.utils.data.IterableDataset):
-    """Micro-batches of one rank from a teacher cache, for one student tokenizer.
+    """Micro-batches of one rank from one or several teacher caches, for one student tokenizer.
 
     split: "train" (documents not held out), "eval" (held out by `holdout_fraction`, read once,
     in stored order, last micro-batch possibly short) or "all" (every document, train-style; a
     second cache used for evaluation takes split="all", epochs=1, shuffle=False).
+
+    Several caches (`url` a list, one teacher each) are joined by document id (source, row,
+    content hash): `missing="drop"` keeps the documents every cache holds, `"partial"` also those
+    some caches lack (their chunks then carry only the teachers present). Windows are packed over
+    chunk groups (`common_boundaries`), so every teacher sees the same windows, and a micro-batch
+    carries each teacher's view (`teacher_view`); with one cache it is that cache's batch.
     """
 
-    def __init__(self, url: str, student: str, *, seq_len: int, micro_batch_size: int, pad_id: int = 0,
-                 rank: int = 0, world_size: int = 1, grad_accum: int = 1, seed: int = 0, split: str = "train",
-                 holdout_fraction: float = 0.0, epochs: int | None = None, shuffle: bool | None = None,
-                 storage_options: dict | None = None, shard_cache: int = 2, allow_incomplete: bool = False,
-                 train_on: str | None = None):
+    def __init__(self, url: str | list[str], student: str, *, seq_len: int, micro_batch_size: int,
+                 pad_id: int = 0, rank: int = 0, world_size: int = 1, grad_accum: int = 1, seed: int = 0,
+                 split: str = "train", holdout_fraction: float = 0.0, epochs: int | None = None,
+                 shuffle: bool | None = None, storage_options: dict | None = None, shard_cache: int = 2,
+                 allow_incomplete: bool = False, missing: str = "drop", train_on: str | None = None):
+        from xtcache.chat import TRAIN_ON
         from xtcache.store import CacheReader
 
         if seq_len < 2 or micro_batch_size < 1:
@@ -321,62 +408,93 @@ class CacheDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"split {split!r}: use train, eval or all")
         if split == "eval" and holdout_fraction <= 0:
             raise ConfigError("an eval split needs --holdout-fraction > 0 (or pass a second cache with split='all')")
-        self.url, self.storage_options = url, storage_options
+        if missing not in ("drop", "partial"):
+            raise ConfigError(f"--teachers-missing {missing!r}: choose drop or partial")
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls:
+            raise ConfigError("--cache: give at least one teacher cache")
+        self.urls, self.url, self.storage_options = urls, urls[0], storage_options
         self.seq_len, self.micro_batch_size, self.pad_id = seq_len, micro_batch_size, pad_id
         self.rank, self.world_size, self.grad_accum, self.seed = rank, world_size, grad_accum, seed
-        self.split, self.holdout_fraction = split, holdout_fraction
+        self.split, self.holdout_fraction, self.missing = split, holdout_fraction, missing
         self.epochs = 1 if split == "eval" else epochs
         self.shuffle = (split != "eval") if shuffle is None else shuffle
         self.shard_cache = shard_cache
         t0 = time.perf_counter()
-        reader = CacheReader(url, storage_options)
-        self.conversation = reader.manifest.conversation
+        readers = [CacheReader(u, storage_options) for u in urls]
+        kinds = {bool(r.manifest.conversation) for r in readers}
+        if len(kinds) > 1:
+            raise ConfigError(f"the caches {', '.join(urls)} mix conversation and plain-text caches: "
+                              "join caches written from the same corpus")
+        self.conversation = kinds.pop()
         self.fingerprint = student_fingerprint(student, chat=self.conversation)
-        from xtcache.chat import TRAIN_ON
-
         if train_on is not None and train_on not in TRAIN_ON:
             raise ConfigError(f"--train-on {train_on!r}: use one of {', '.join(TRAIN_ON)}")
         if not self.conversation and train_on not in (None, "all"):
-            raise ConfigError(f"--train-on {train_on}: the cache {url} holds plain text, without message roles; "
+            raise ConfigError(f"--train-on {train_on}: the cache {urls[0]} holds plain text, without message roles; "
                               "--train-on applies to conversation caches")
         self.train_on = (train_on or "assistant") if self.conversation else None
-        self.mode, self.k = reader.manifest.mode, reader.manifest.k
-        self.teacher_vocab_size = reader.manifest.teacher_vocab_size
-        groups = reader.alignment_groups()
-        teacher_fp = reader.manifest.fingerprints.get("teacher_tokenizer", "")
-        self.identity = self.fingerprint not in groups and self.fingerprint == teacher_fp
-        if not self.identity and self.fingerprint not in groups:
-            have = ", ".join(f"{fp[:12]}.. ({g.tokenizer_name or '?'})" for fp, g in groups.items()) or "none"
-            raise ConfigError(
-                f"the cache {url} has no alignment for the student tokenizer {self.fingerprint[:12]}.. "
-                f"(stored alignment groups: {have}); run `xtcache align {url} --student-tokenizer "
-                f"<student tokenizer dir>` first, or pass the student tokenizer the cache was aligned for")
-        if self.identity:
-            self.student_vocab_size = self.teacher_vocab_size
-        else:
-            self.student_vocab_size = groups[self.fingerprint].vocab_size
-        # an incomplete store, or parts without this student's alignment, is refused (or, with
-        # allow_incomplete, read as far as it is committed: usable_parts logs "N of M parts")
-        usable = set(reader.usable_parts(None if self.identity else self.fingerprint,
-                                         allow_incomplete=allow_incomplete))
-        self.shard_ids: list[str] = []
+        self.caches = [self._open_cache(u, r, allow_incomplete) for u, r in zip(urls, readers)]
+        first = self.caches[0]
+        self.mode, self.k, self.teacher_vocab_size = first.mode, first.k, first.teacher_vocab_size
+        self.identity, self.student_vocab_size = first.identity, first.student_vocab_size
+        # documents of every cache: doc id -> (shard index, doc index), in stored order
+        where: list[dict[str, tuple[int, int]]] = []
+        for c, r in zip(self.caches, readers):
+            metas = {m.shard_id: m for m in r.shards}
+            where.append({f"{d.source}:{d.row}:{d.content_hash}": (si, di)
+                          for si, sid in enumerate(c.shard_ids) for di, d in enumerate(metas[sid].docs)})
+        n = len(urls)
+        counts = self._join_counts(where)
+        ends_cache: dict[tuple[int, int], list[np.ndarray]] = {}
+
+        def ends(ci: int, si: int) -> list[np.ndarray]:
+            if (ci, si) not in ends_cache:
+                ends_cache[(ci, si)] = self._chunk_ends(readers[ci], self.caches[ci], self.caches[ci].shard_ids[si])
+            return ends_cache[(ci, si)]
+
+        # plan units: the documents first stored in cache ci's shard si (every document of a joined
+        # run is in cache 0 with --teachers-missing drop), members [D, N, 2]: (shard, doc) per cache
         self.plans: list[ShardPlan] = []
+        self.members: list[np.ndarray] = []
         self.skipped_chunks = self.documents = 0
-        for meta in reader.shards:
-            if meta.shard_id not in usable:
-                continue
-            doc_ids = [f"{d.source}:{d.row}:{d.content_hash}" for d in meta.docs]
-            keep = [i for i, doc in enumerate(doc_ids)
-                    if split == "all" or (is_held_out(doc, holdout_fraction) == (split == "eval"))]
-            if not keep:
-                continue
-            lengths = self._chunk_lengths(reader, meta.shard_id)
-            plan = pack_documents(keep, [lengths[i] for i in keep], seq_len)
-            self.skipped_chunks += plan.skipped_chunks
-            self.documents += len(keep)
-            if plan.num_windows:
-                self.shard_ids.append(meta.shard_id)
-                self.plans.append(plan)
+        taken: set[str] = set()
+        for ci in range(n if missing == "partial" else 1):
+            by_shard: dict[int, list[str]] = {}
+            for doc, (si, _) in where[ci].items():
+                if doc in taken or (missing == "drop" and not all(doc in w for w in where)):
+                    continue
+                if split != "all" and is_held_out(doc, holdout_fraction) != (split == "eval"):
+                    continue
+                by_shard.setdefault(si, []).append(doc)
+            for si in sorted(by_shard):
+                docs = by_shard[si]
+                taken.update(docs)
+                members = np.full((len(docs), n, 2), -1, dtype=np.int64)
+                lengths = []
+                for i, doc in enumerate(docs):
+                    per = []
+                    for cj in range(n):
+                        if doc in where[cj]:
+                            members[i, cj] = where[cj][doc]
+                            per.append((cj, ends(cj, where[cj][doc][0])[where[cj][doc][1]]))
+                    totals = {int(e[-1]) if e.size else 0 for _, e in per}
+                    if len(totals) > 1:
+                        raise ConfigError(
+                            f"document {doc} has {' vs '.join(str(int(e[-1]) if e.size else 0) for _, e in per)} "
+                            f"student tokens in {' vs '.join(urls[cj] for cj, _ in per)}: the caches were aligned "
+                            "differently for this student tokenizer; re-run `xtcache align` on them")
+                    lengths.append(np.diff(common_boundaries([e for _, e in per]), prepend=0))
+                plan = pack_documents(range(len(docs)), lengths, seq_len)
+                self.skipped_chunks += plan.skipped_chunks
+                self.documents += len(docs)
+                if plan.num_windows:
+                    self.plans.append(plan)
+                    self.members.append(members)
+        if n > 1:
+            log.info("joined %d caches by document id: %d documents in every cache, %d in only some of them "
+                     "(--teachers-missing %s: %s)", n, counts[0], counts[1], missing,
+                     "dropped" if missing == "drop" else "trained with the teachers present")
         if self.skipped_chunks:
             log.warning("%d chunk(s) longer than --seq-len %d were skipped", self.skipped_chunks, seq_len)
         self.num_windows = sum(p.num_windows for p in self.plans)
@@ -388,47 +506,81 @@ class CacheDataset(torch.utils.data.IterableDataset):
             self.batches_per_epoch = (self.num_windows // step_windows) * grad_accum
             if self.batches_per_epoch == 0:
                 raise ConfigError(
-                    f"the {split} split of {url} packs into {self.num_windows} windows of {seq_len} tokens, fewer "
-                    f"than one optimizer step needs ({step_windows} = micro-batch {micro_batch_size} x world "
-                    f"{world_size} x grad-accum {grad_accum}); lower --seq-len or --micro-batch-size")
+                    f"the {split} split of {', '.join(urls)} packs into {self.num_windows} windows of {seq_len} "
+                    f"tokens, fewer than one optimizer step needs ({step_windows} = micro-batch {micro_batch_size} "
+                    f"x world {world_size} x grad-accum {grad_accum}); lower --seq-len or --micro-batch-size")
         log.info("loader %s split=%s: %d documents, %d windows, %d shards, %d micro-batches/epoch on rank %d "
-                 "(planned in %.1fs)", url, split, self.documents, self.num_windows, len(self.plans),
+                 "(planned in %.1fs)", ", ".join(urls), split, self.documents, self.num_windows, len(self.plans),
                  self.batches_per_epoch, rank, time.perf_counter() - t0)
         self.start = (0, 0)  # (epoch, micro-batches consumed in it): set by CacheLoader before iterating
-        self._reader = None
-        self._cache: OrderedDict[int, ShardSource] = OrderedDict()
+        self._readers: dict[int, object] = {}
+        self._cache: OrderedDict[tuple[int, int], ShardSource] = OrderedDict()
         self._order: tuple[int, np.ndarray] | None = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_reader"], state["_cache"], state["_order"] = None, OrderedDict(), None
+        state["_readers"], state["_cache"], state["_order"] = {}, OrderedDict(), None
         return state
+
+    # -- planning
+
+    def _open_cache(self, url: str, reader, allow_incomplete: bool) -> TeacherCache:
+        """A cache's settings and usable parts; refuses a cache without an alignment for this student."""
+        groups = reader.alignment_groups()
+        teacher_fp = reader.manifest.fingerprints.get("teacher_tokenizer", "")
+        identity = self.fingerprint not in groups and self.fingerprint == teacher_fp
+        if not identity and self.fingerprint not in groups:
+            have = ", ".join(f"{fp[:12]}.. ({g.tokenizer_name or '?'})" for fp, g in groups.items()) or "none"
+            raise ConfigError(
+                f"the cache {url} has no alignment for the student tokenizer {self.fingerprint[:12]}.. "
+                f"(stored alignment groups: {have}); run `xtcache align {url} --student-tokenizer "
+                f"<student tokenizer dir>` first, or pass the student tokenizer the cache was aligned for")
+        m = reader.manifest
+        # an incomplete store, or parts without this student's alignment, is refused (or, with
+        # allow_incomplete, read as far as it is committed: usable_parts logs "N of M parts")
+        usable = set(reader.usable_parts(None if identity else self.fingerprint, allow_incomplete=allow_incomplete))
+        return TeacherCache(url=url, mode=m.mode, k=m.k, teacher_vocab_size=m.teacher_vocab_size,
+                            teacher_fingerprint=teacher_fp, identity=identity,
+                            student_vocab_size=m.teacher_vocab_size if identity else groups[self.fingerprint].vocab_size,
+                            shard_ids=[s.shard_id for s in reader.shards if s.shard_id in usable])
+
+    def _join_counts(self, where: list[dict]) -> tuple[int, int]:
+        """(documents in every cache, documents in only some); no document in every cache is an error."""
+        if len(where) == 1:
+            return len(where[0]), 0
+        common = set(where[0]).intersection(*where[1:])
+        union = set().union(*where)
+        if not common:
+            raise ConfigError(f"the caches {', '.join(self.urls)} share no document (matched by source, row and "
+                              "content hash): they were written from different corpora")
+        return len(common), len(union) - len(common)
+
+    def _chunk_ends(self, reader, cache: TeacherCache, sid: str) -> list[np.ndarray]:
+        """Every document's student chunk ends (document-local, int64) in one part of one cache."""
+        if cache.identity:
+            offs = reader.doc_pos_offsets(sid)
+            return [np.arange(1, int(x) + 1, dtype=np.int64) for x in np.diff(offs)]
+        al = reader.read_alignment(self.fingerprint, sid)
+        return [al.student_end[al.doc_chunk_offsets[d]:al.doc_chunk_offsets[d + 1]].astype(np.int64)
+                for d in range(al.doc_chunk_offsets.shape[0] - 1)]
 
     # -- reading
 
-    def _chunk_lengths(self, reader, sid: str) -> list[np.ndarray]:
-        if self.identity:
-            offs = reader.doc_pos_offsets(sid)
-            return [np.ones(int(n), dtype=np.int64) for n in np.diff(offs)]
-        al = reader.read_alignment(self.fingerprint, sid)
-        out = []
-        for d in range(al.doc_chunk_offsets.shape[0] - 1):
-            ends = al.student_end[al.doc_chunk_offsets[d]:al.doc_chunk_offsets[d + 1]].astype(np.int64)
-            out.append(np.diff(ends, prepend=0))
-        return out
-
-    def source(self, shard_index: int) -> ShardSource:
-        """Decoded shard (LRU cache of `shard_cache` shards per process)."""
-        if shard_index in self._cache:
-            self._cache.move_to_end(shard_index)
-            return self._cache[shard_index]
+    def source(self, cache_index: int, shard_index: int) -> ShardSource:
+        """Decoded part of one cache (LRU cache of `shard_cache` parts per cache and process)."""
+        key = (cache_index, shard_index)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
         from xtcache.store import CacheReader
 
-        if self._reader is None:
-            self._reader = CacheReader(self.url, self.storage_options)
-        sid = self.shard_ids[shard_index]
-        sd = self._reader.read_shard(sid)
-        if self.identity:
+        cache = self.caches[cache_index]
+        if cache_index not in self._readers:
+            self._readers[cache_index] = CacheReader(cache.url, self.storage_options)
+        reader = self._readers[cache_index]
+        sid = cache.shard_ids[shard_index]
+        sd = reader.read_shard(sid)
+        if cache.identity:
             n = np.diff(sd.doc_pos_offsets)
             ends = np.concatenate([np.arange(1, int(x) + 1, dtype=np.int32) for x in n]) if len(n) else \
                 np.zeros(0, np.int32)
@@ -436,11 +588,11 @@ class CacheDataset(torch.utils.data.IterableDataset):
                       student_ids=sd.teacher_ids, student_end=ends, teacher_end=ends,
                       exact=np.ones(ends.shape[0], dtype=bool))
         else:
-            a = self._reader.read_alignment(self.fingerprint, sid)  # checked: same documents as the part
+            a = reader.read_alignment(self.fingerprint, sid)  # checked: same documents as the part
             t_len = np.diff(sd.doc_pos_offsets)
             last = a.doc_chunk_offsets[1:][np.diff(a.doc_chunk_offsets) > 0] - 1
             if np.any(a.teacher_end[last] != t_len[np.diff(a.doc_chunk_offsets) > 0]):
-                raise CorruptionError(f"store {self.url}, alignment group {self.fingerprint[:12]}.. part {sid}: "
+                raise CorruptionError(f"store {cache.url}, alignment group {self.fingerprint[:12]}.. part {sid}: "
                                       "array 'teacher_end' does not end at the teacher part's document lengths")
             al = dict(doc_student_offsets=a.doc_student_offsets, doc_chunk_offsets=a.doc_chunk_offsets,
                       student_ids=a.student_ids, student_end=a.student_end, teacher_end=a.teacher_end, exact=a.exact)
@@ -451,15 +603,15 @@ class CacheDataset(torch.utils.data.IterableDataset):
         src = ShardSource(doc_pos_offsets=sd.doc_pos_offsets, has_pred=sd.has_pred, topk_ids=sd.topk_ids,
                           topk_logprobs=sd.topk_logprobs, topk_counts=sd.topk_counts, residual=sd.residual,
                           realized_logprob=sd.realized_logprob, **al)
-        self._cache[shard_index] = src
-        while len(self._cache) > self.shard_cache:
+        self._cache[key] = src
+        while len(self._cache) > self.shard_cache * len(self.caches):
             self._cache.popitem(last=False)
         return src
 
     # -- order
 
     def window_order(self, epoch: int) -> np.ndarray:
-        """[N, 2] (shard index, window index) of every window of an epoch, in global order."""
+        """[N, 2] (plan unit, window index) of every window of an epoch, in global order."""
         if self._order is None or self._order[0] != epoch:
             order = epoch_window_order([p.num_windows for p in self.plans], self.seed, epoch, shuffle=self.shuffle)
             self._order = (epoch, order)
@@ -475,14 +627,60 @@ class CacheDataset(torch.utils.data.IterableDataset):
         return self.window_order(epoch)[g * b:(g + 1) * b]
 
     def micro_batch(self, epoch: int, j: int) -> dict:
-        """The rank's j-th micro-batch of an epoch as numpy arrays."""
-        windows = []
+        """The rank's j-th micro-batch of an epoch as numpy arrays (every teacher's view, joined)."""
+        n = len(self.caches)
+        # per teacher, per window: segments with their chunk groups; group validity across teachers
+        windows: list[list[list]] = [[] for _ in range(n)]
+        group_ok: list[np.ndarray] = []
+        n_groups = 0
         for s, w in self.micro_batch_windows(epoch, j):
-            plan, src = self.plans[s], self.source(int(s))
+            plan, members = self.plans[s], self.members[s]
             a, z = plan.window_offsets[w], plan.window_offsets[w + 1]
-            windows.append([(src, int(plan.seg_doc[i]), int(plan.seg_lo[i]), int(plan.seg_hi[i]), bool(plan.seg_ctx[i]))
-                            for i in range(a, z)])
-        return build_micro_batch(windows, self.seq_len, self.pad_id)
+            for i in range(n):
+                windows[i].append([])
+            for x in range(a, z):
+                docs = members[int(plan.seg_doc[x])]  # [N, 2]
+                present = docs[:, 0] >= 0
+                ref = int(np.argmax(present))  # a teacher missing the document lays out its student side
+                srcs = [self.source(ci if present[ci] else ref, int(docs[ci if present[ci] else ref, 0]))
+                        for ci in range(n)]
+                dids = [int(docs[ci if present[ci] else ref, 1]) for ci in range(n)]
+                ends = [srcs[ci].student_end[srcs[ci].doc_chunk_offsets[dids[ci]]:
+                                             srcs[ci].doc_chunk_offsets[dids[ci] + 1]].astype(np.int64)
+                        for ci in range(n)]
+                bounds = common_boundaries([ends[ci] for ci in range(n) if present[ci]])
+                g_lo, g_hi = int(plan.seg_lo[x]), int(plan.seg_hi[x])
+                ok = np.ones(g_hi - g_lo, dtype=bool)
+                segs = []
+                for ci in range(n):
+                    group = np.searchsorted(bounds, ends[ci], side="left")  # [C] group of every chunk
+                    lo, hi = np.searchsorted(group, [g_lo, g_hi], side="left")
+                    n_ctx = int(np.searchsorted(group, g_lo + 1, side="left") - lo) if plan.seg_ctx[x] else 0
+                    seg = segment_chunks(srcs[ci], dids[ci], int(lo), int(hi), n_ctx)
+                    local = group[lo:hi] - g_lo
+                    if present[ci]:  # a group counts when each teacher present has its real chunks there all valid
+                        bad = np.bincount(local[seg["real"] & ~seg["valid"]], minlength=g_hi - g_lo)
+                        good = np.bincount(local[seg["real"] & seg["valid"]], minlength=g_hi - g_lo)
+                        ok &= (bad == 0) & (good > 0)
+                    segs.append((srcs[ci], dids[ci], int(lo), int(hi), n_ctx, local + n_groups,
+                                 np.full(hi - lo, bool(present[ci]))))
+                group_ok.append(ok)
+                n_groups += g_hi - g_lo
+                for ci in range(n):
+                    windows[ci][-1].append(segs[ci])
+        ok = np.concatenate(group_ok) if group_ok else np.zeros(0, bool)
+        renumber = np.cumsum(ok) - 1
+        views = []
+        for ci in range(n):
+            segments = [[(src, d, lo, hi, ctx, renumber[g], keep & ok[g]) for src, d, lo, hi, ctx, g, keep in win]
+                        for win in windows[ci]]
+            views.append(build_micro_batch(segments, self.seq_len, self.pad_id))
+        for ci in range(1, n):
+            if not np.array_equal(views[ci]["input_ids"], views[0]["input_ids"]):
+                raise ConfigError(f"the student token ids of the same documents differ between {self.urls[0]} and "
+                                  f"{self.urls[ci]}: they were aligned with differently configured student "
+                                  "tokenizers; re-run `xtcache align` on one of them")
+        return join_views(views, int(ok.sum()))
 
     def positions(self, start: tuple[int, int]):
         """(epoch, j) of the rank's micro-batches from `start` on, across epochs."""

@@ -109,7 +109,8 @@ class Trainer:
                 "the KD term would silently be zero: raise --seq-len, or check the cache with `xtcache inspect`")
         lr = self.engine.get_lr()[0]
         self.engine.train()
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        n = obj.num_teachers
+        sums = torch.zeros(5 + 5 * n, dtype=torch.float64, device=self.device)
         valid_pos = 0
         for batch in batches:
             logits = self.engine(**model_inputs(to_device(batch, self.device))).logits
@@ -118,12 +119,16 @@ class Trainer:
             # the loss is already divided by the global counts: undo DeepSpeed's average over ranks
             self.engine.backward(loss * self.world, scale_wrt_gas=False)
             self.engine.step()
-            sums += torch.stack([loss.detach().double(), m["kd_sum"].double(), m["ce_sum"].double(),
-                                 m["agree"].double(), m["agree_n"].double()])
+            sums += torch.cat([torch.stack([loss.detach().double(), m["kd_sum"].double(), m["ce_sum"].double(),
+                                            m["agree"].double(), m["agree_n"].double()])]
+                              + [m[k].double() for k in ("teacher_kd", "teacher_groups", "teacher_weight",
+                                                         "teacher_agree", "teacher_agree_n")])
             valid_pos += prep.valid_pos
         seq_tokens = float(sum(int(b["attention_mask"].sum()) for b in batches))
-        loss, kd, ce, agree, agree_n, valid_pos, seq_tokens = self.all_reduce(
-            sums.tolist() + [float(valid_pos), seq_tokens])  # the step's one read of device values
+        reduced = self.all_reduce(sums.tolist() + [float(valid_pos), seq_tokens])  # the step's one device read
+        loss, kd, ce, agree, agree_n = reduced[:5]
+        valid_pos, seq_tokens = reduced[-2:]
+        per = [reduced[5 + j * n:5 + (j + 1) * n] for j in range(5)]
         self.step += 1
         dt = time.perf_counter() - t0
         grad_norm = self.engine.get_global_grad_norm()
@@ -134,6 +139,14 @@ class Trainer:
                "top1_agree": agree / agree_n if agree_n else None}
         if obj.kind is not None:
             row["kd"], row["kd_name"] = kd / max(chunks, 1.0), obj.kind
+        if n > 1:  # per teacher: its KD term over the chunk groups it is in, its weight share, its agreement
+            row["top1_agree"] = None
+            share = "chosen_share" if obj.combine == "select" else "weight_share"
+            for i in range(n):
+                t_kd, t_groups, t_w, t_agree, t_agree_n = (p[i] for p in per)
+                row[f"teacher{i}_kd"] = t_kd / t_groups if (t_groups and obj.kind is not None) else None
+                row[f"teacher{i}_{share}"] = t_w / chunks if chunks else None
+                row[f"teacher{i}_top1_agree"] = t_agree / t_agree_n if t_agree_n else None
         return row
 
     def log(self, row: dict) -> None:
@@ -228,10 +241,34 @@ class Trainer:
             "final_eval_top1_agree": final["top1_agree"] if final else None,
             "first_eval": evals[0] if evals else None,
             "kd_loss": self.data.objective.kind, "metrics": str(self.metrics_path.resolve()),
+            "teachers": self._teacher_summary(evals, final),
             "hf_dir": str(hf_dir.resolve()), "checkpoints": str((self.out / checkpoint.CKPT_DIR).resolve()),
             "data": self.data.info, "student_params": self.num_params,
             "student_params_local_at_load": self.params_local_at_load,
         }
+
+
+    def _teacher_summary(self, evals, final) -> list[dict] | None:
+        """Several teachers: each one's cache, weight, last train metrics and held-out KL (first and final)."""
+        obj = self.data.objective
+        if obj.num_teachers == 1:
+            return None
+        rows = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines()] if self.rank == 0 else []
+        train = [r for r in rows if r.get("kind") == "train"]
+        out = []
+        for i, t in enumerate(self.data.info.get("teachers", [])):
+            item = dict(t)
+            for key in ("kd", "weight_share", "chosen_share", "top1_agree"):
+                vals = [r[f"teacher{i}_{key}"] for r in train[-10:] if r.get(f"teacher{i}_{key}") is not None]
+                if vals:
+                    item[f"train_{key}_last10"] = sum(vals) / len(vals)
+            item["initial_eval_kl"] = evals[0].get(f"teacher{i}_kl") if evals else None
+            item["final_eval_kl"] = final.get(f"teacher{i}_kl") if final else None
+            out.append(item)
+        if final:
+            out.append({"mixture": True, "initial_eval_kl": evals[0].get("mixture_kl") if evals else None,
+                        "final_eval_kl": final.get("mixture_kl")})
+        return out
 
 
 def train(cfg: TrainConfig, make_data: Callable[[TrainConfig, object, int, int], StageData] | None = None) -> dict:

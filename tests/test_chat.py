@@ -266,11 +266,12 @@ def test_loader_masks_keep_kd_and_ce_inside_the_trained_turns(chat_run, train_on
     ds = CacheDataset(str(chat_run["store"]), tok, seq_len=96, micro_batch_size=2, train_on=train_on,
                       shard_cache=1000)
     seen_ce = seen_kd = 0
-    for i in range(len(ds.shard_ids)):
-        src = ds.source(i)
-        roles = ds._reader.read_alignment(ds.fingerprint, ds.shard_ids[i]).student_role
+    shard_ids = ds.caches[0].shard_ids
+    for i in range(len(shard_ids)):
+        src = ds.source(0, i)
+        roles = ds._readers[0].read_alignment(ds.fingerprint, shard_ids[i]).student_role
         # the same batches with every student id replaced by its role code
-        ds._cache[i] = dataclasses.replace(src, student_ids=roles.astype(np.int32))
+        ds._cache[(0, i)] = dataclasses.replace(src, student_ids=roles.astype(np.int32))
     for j in range(ds.batches_per_epoch):
         b = ds.micro_batch(0, j)
         nxt = np.concatenate([b["input_ids"][:, 1:], np.zeros((b["input_ids"].shape[0], 1), np.int64)], axis=1)
@@ -348,3 +349,30 @@ def test_same_tokenizer_and_template_is_the_identity_with_roles(chat_toks):
         assert np.all(np.diff(same.alignment.student_end, prepend=0) == 1) and same.alignment.exact.all()
         assert np.any((same.student_role & 0x7F) == ROLE_ASSISTANT)
         assert pd.alignments[fp_other].stats["misaligned_chars"] == 0
+
+
+@pytest.mark.parametrize("group,array", [("shards", "doc_conversation"), ("align", "student_role")])
+def test_a_flipped_bit_in_a_conversation_array_is_named(chat_run, tmp_path, group, array):
+    """The conversation arrays are checked like every other array: verify and the trainer's loader name them."""
+    import shutil
+
+    from stage2_student.loader import CacheDataset, student_fingerprint
+    from xtcache.commands_store import verify_store
+    from xtcache.errors import XtcacheError
+    from xtcache.tokenizer import load_tokenizer
+
+    root = tmp_path / "cache"
+    shutil.copytree(chat_run["store"], root)
+    tok = load_tokenizer(str(chat_run["third_tok"]))
+    where = f"align/{student_fingerprint(tok, chat=True)}" if group == "align" else group
+    (path,) = sorted(p for p in root.glob(f"{where}/**/{array}/c/**/*") if p.is_file())[:1]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    problems = verify_store(str(root), stop_first=False)
+    assert any(repr(array) in p and "damaged" in p for p in problems), problems
+    with pytest.raises(XtcacheError, match=f"'{array}'.*damaged|damaged.*'{array}'"):
+        ds = CacheDataset(str(root), tok, seq_len=96, micro_batch_size=2, shard_cache=1000)
+        for ci, cache in enumerate(ds.caches):
+            for i in range(len(cache.shard_ids)):
+                ds.source(ci, i)

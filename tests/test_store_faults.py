@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from schemas.arrays import ALIGN_ARRAYS, teacher_arrays
+from schemas.arrays import align_arrays, teacher_arrays
 from tests.test_loader import _write_store
 from xtcache.errors import XtcacheError
 from xtcache.store import CacheReader, shard_id
@@ -66,7 +66,7 @@ def _damages(fp: str) -> dict:
     out = {}
     for arr in teacher_arrays("topk"):
         out[f"flip-{arr.name}"] = (lambda r, n=arr.name: _flip(_object(r, t, n)), [PART, repr(arr.name), "damaged"])
-    for arr in ALIGN_ARRAYS:
+    for arr in align_arrays():  # a plain-text store (conversation arrays: tests/test_chat.py)
         out[f"flip-align-{arr.name}"] = (lambda r, n=arr.name: _flip(_object(r, a, n)),
                                          [PART, repr(arr.name), "damaged"])
     out["delete-object-topk_ids"] = (lambda r: _object(r, t, "topk_ids").unlink(), [PART, "'topk_ids'", "missing"])
@@ -201,7 +201,7 @@ def test_allow_incomplete_trains_on_committed_parts_and_says_how_many(tmp_path, 
     with caplog.at_level("WARNING"):
         train, _ = make_loaders(cfg, load_tokenizer(toy_setup.student_model), 0, 1)
     assert "reading 1 of 2 parts" in caplog.text
-    assert train.dataset.shard_ids == [shard_id(0, 0)]
+    assert train.dataset.caches[0].shard_ids == [shard_id(0, 0)]
     assert sum(1 for _ in zip(range(len(train)), train)) == len(train) > 0
 
 

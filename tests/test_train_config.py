@@ -27,7 +27,7 @@ def test_flags_override_config_file_and_file_overrides_defaults(tmp_path, monkey
     result = CliRunner().invoke(app, ["--config", str(tmp_path / "run.yaml"), "--lr", "0.01", "--bf16"])
     assert result.exit_code == 0, result.output
     cfg = seen["cfg"]
-    assert (cfg.cache, cfg.loss.loss, cfg.loss.kd_weight, cfg.optim.max_steps) == ("/c", "pkl", 0.5, 7)
+    assert (cfg.cache, cfg.loss.loss, cfg.loss.kd_weight, cfg.optim.max_steps) == (["/c"], "pkl", 0.5, 7)
     assert cfg.optim.lr == 0.01 and cfg.deepspeed.bf16 is True
     assert cfg.optim.grad_accum == 1  # default
 
@@ -51,10 +51,25 @@ def test_round_trip_through_json():
     ({"eval_fraction": 0.1, "eval_cache": "x"}, "--eval-fraction"), ({"warmup_steps": 5, "max_steps": 3}, "--warmup"),
     ({"zero_stage": 4}, "--zero-stage"), ({"storage_options": "[1]"}, "--storage-options"),
     ({"loss": "ce", "ce_weight": 0.0}, "--ce-weight"),
+    ({"cache": ["a", "b"], "teacher_weights": "0.7"}, "--teacher-weights"),
+    ({"cache": ["a", "b"], "teacher_weights": "0.7,x"}, "--teacher-weights"),
+    ({"cache": ["a", "b"], "teacher_weights": "-1,2"}, "--teacher-weights"),
+    ({"teacher_combine": "max"}, "--teacher-combine"), ({"teachers_missing": "keep"}, "--teachers-missing"),
+    ({"teacher_combine": "mean-probs", "teachers_missing": "partial"}, "--teacher-combine"),
+    ({"cache": ["a", "b"], "eval_cache": ["x"]}, "--eval-cache"),
 ])
 def test_cross_field_checks_name_the_flag(bad, flag):
     with pytest.raises((ValueError, ConfigError), match=flag):
         TrainConfig.from_flat({"cache": "c", "student": "s", "out": "o", **bad})
+
+
+def test_several_caches_from_a_config_file_with_their_weights(tmp_path):
+    (tmp_path / "run.yaml").write_text("cache: [/a, /b]\nstudent: /s\nout: /o\nteacher-weights: '0.7,0.3'\n"
+                                       "loss: {teacher_combine: select}\nprojection: [/w.safetensors]\n")
+    cfg = TrainConfig.from_flat(read_config_file(TrainConfig, tmp_path / "run.yaml"))
+    assert cfg.cache == ["/a", "/b"] and cfg.teacher_weights() == [0.7, 0.3]
+    assert cfg.loss.teacher_combine == "select" and cfg.loss.projection == ["/w.safetensors"]
+    assert TrainConfig.from_flat({"cache": "c", "student": "s", "out": "o"}).teacher_weights() == [1.0]
 
 
 def test_unknown_config_key_is_refused():
