@@ -324,12 +324,13 @@ def _map_tokens(offsets: np.ndarray, table: np.ndarray):
     starts, ends, vstart, vlen, piece = table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4]
     a, b = offsets[:, 0], offsets[:, 1]
     ra = np.searchsorted(starts, a, side="right") - 1
-    rb = np.searchsorted(starts, np.maximum(b - 1, a), side="right") - 1
-    # an empty region shares its start with the next one: searchsorted picks the later (non-empty) one
+    # a token straddles when the next region starts before its last character
+    straddle = (b > a) & (np.append(starts, np.iinfo(np.int64).max)[ra + 1] <= b - 1)
     region = ra.copy()
-    straddle = (ra != rb) & (b > a)
-    for i in np.flatnonzero(straddle).tolist():
-        hit = [r for r in range(int(ra[i]), int(rb[i]) + 1) if piece[r] and ends[r] > a[i] and starts[r] < b[i]]
+    over = np.flatnonzero(straddle)
+    rb = np.searchsorted(starts, b[over] - 1, side="right") - 1
+    for i, last in zip(over.tolist(), rb.tolist()):
+        hit = [r for r in range(int(ra[i]), last + 1) if piece[r] and ends[r] > a[i] and starts[r] < b[i]]
         region[i] = hit[0] if hit else ra[i]
     r0, w = starts[region], vlen[region]
     va = vstart[region] + np.clip(a - r0, 0, w)
@@ -499,11 +500,11 @@ def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering
     fs = fs or _flat_side(students)
     ft = ft or _flat_side(teachers)
     ends, sides = [], []
+    n_chunks = np.fromiter((a.num_chunks for a in aligns), dtype=np.int64, count=n_docs)
     for f, rends, key in ((fs, students, "student_end"), (ft, teachers, "teacher_end")):
-        tok_base = np.concatenate(([0], np.cumsum(f.counts)[:-1]))
-        e = np.concatenate([getattr(a, key).astype(np.int64) + b for a, b in zip(aligns, tok_base.tolist())]
-                           + [np.zeros(0, np.int64)])
-        n_chunks = np.array([a.num_chunks for a in aligns], dtype=np.int64)
+        tok_base = np.cumsum(f.counts) - f.counts
+        e = np.concatenate([getattr(a, key) for a in aligns] + [np.zeros(0, np.int32)]).astype(np.int64)
+        e += np.repeat(tok_base, n_chunks)
         first = np.concatenate(([0], e[:-1])) if e.shape[0] else e
         starts_doc = np.cumsum(n_chunks) - n_chunks
         has = n_chunks > 0
@@ -511,7 +512,7 @@ def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering
         ends.append((first, e))
         joined = "\x00".join(r.text for r in rends) + "\x00"
         sides.append((f.offs, f.markers, np.frombuffer(joined.encode("utf-32-le"), dtype="<u4")))
-    doc = np.repeat(np.arange(n_docs), [a.num_chunks for a in aligns])
+    doc = np.repeat(np.arange(n_docs), n_chunks)
     exact = np.concatenate([a.exact for a in aligns] + [np.zeros(0, bool)])
     (sf, se), (tf, te) = ends
     (so, sm, s_cp), (to, tm, t_cp) = sides
@@ -524,9 +525,10 @@ def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering
     same = ~bad & (width > 0)
     if same.any():
         w = width[same]
-        step = np.arange(int(w.sum())) - np.repeat(np.cumsum(w) - w, w)
-        diff = s_cp[np.repeat(a_s[same], w) + step] != t_cp[np.repeat(a_t[same], w) + step]
-        bad[np.flatnonzero(same)[np.add.reduceat(diff, np.concatenate(([0], np.cumsum(w)[:-1]))) > 0]] = True
+        w_start = np.cumsum(w) - w
+        at_s = np.arange(int(w.sum())) + np.repeat(a_s[same] - w_start, w)
+        diff = s_cp[at_s] != t_cp[at_s + np.repeat(a_t[same] - a_s[same], w)]
+        bad[np.flatnonzero(same)[np.add.reduceat(diff, w_start) > 0]] = True
     return np.bincount(doc[sel][bad], weights=width[bad], minlength=n_docs).astype(np.int64)
 
 
