@@ -23,8 +23,9 @@ on the messages' text. This module aligns two such renderings:
    text. Stage 2 builds its `--train-on` masks from these codes.
 
 A token that straddles a piece boundary (BPE merging a template newline into the content) is mapped
-onto the piece and its chunk marked inexact. The work per token is numpy over the whole batch; only
-pieces (a handful per message) are walked in Python.
+onto the piece and its chunk marked inexact. Only the search for each message text (`locate`, one
+`str.find` per text) runs in Python; the layout of every gap and piece, the token mapping, the chunk
+walk and the misalignment check are numpy over the whole batch.
 
     python -c "from xtcache.chat import render; help(render)"
 """
@@ -403,11 +404,11 @@ def _layout(convs: list[dict], students: list[Rendering], teachers: list[Renderi
     at_pair = np.arange(pair.shape[0]) + p_doc
     is_pair = np.zeros(n_gaps, dtype=bool)
     is_pair[at_pair] = True
-    es, et, w, cur = (np.zeros(n_gaps, np.int64) for _ in range(4))
+    es, et, w = (np.zeros(n_gaps, np.int64) for _ in range(3))
+    cur = np.full(n_gaps, -1, dtype=np.int64)  # the message of the gap's piece (-1: the closing gap)
     es[at_pair], es[final] = start_s[pair] + fs.base[p_doc], fs.base + fs.lens
     et[at_pair], et[final] = start_t[pair] + ft.base[p_doc], ft.base + ft.lens
     w[at_pair] = width[pair]
-    cur[:] = -1
     cur[at_pair] = msg[pair]
     ps, pt, prev = np.empty_like(es), np.empty_like(et), np.empty_like(cur)
     ps[1:], pt[1:], prev[1:] = (es + w)[:-1], (et + w)[:-1], cur[:-1]
