@@ -324,9 +324,13 @@ def _map_tokens(offsets: np.ndarray, table: np.ndarray):
     (batch-global coordinates) given its region table rows (start, end, vstart, vlen, piece, role)."""
     starts, ends, vstart, vlen, piece = table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4]
     a, b = offsets[:, 0], offsets[:, 1]
-    ra = np.searchsorted(starts, a, side="right") - 1
+    # the region of each character position: the last one starting at or before it (-1 before the first)
+    n_pos = int(max(b.max(initial=0), starts[-1] if starts.shape[0] else 0)) + 1
+    edges = np.concatenate(([0], np.minimum(starts, n_pos), [n_pos]))
+    region_at = np.repeat(np.arange(-1, starts.shape[0]), np.diff(edges))
+    ra = region_at[a]
     # a token straddles when the next region starts before its last character
-    straddle = (b > a) & (np.append(starts, np.iinfo(np.int64).max)[ra + 1] <= b - 1)
+    straddle = (b > a) & (region_at[np.maximum(b - 1, a)] != ra)
     region = ra.copy()
     over = np.flatnonzero(straddle)
     rb = np.searchsorted(starts, b[over] - 1, side="right") - 1
