@@ -23,8 +23,9 @@ on the messages' text. This module aligns two such renderings:
    text. Stage 2 builds its `--train-on` masks from these codes.
 
 A token that straddles a piece boundary (BPE merging a template newline into the content) is mapped
-onto the piece and its chunk marked inexact. The work per token is numpy over the whole batch; only
-pieces (a handful per message) are walked in Python.
+onto the piece and its chunk marked inexact. Only the search for each message text (`locate`, one
+`str.find` per text) runs in Python; the layout of every gap and piece, the token mapping, the chunk
+walk and the misalignment check are numpy over the whole batch.
 
     python -c "from xtcache.chat import render; help(render)"
 """
@@ -33,8 +34,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from bisect import bisect_left
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -183,7 +184,6 @@ def render(tokenizer, conv: dict, *, where: str = "") -> str:
     return text
 
 
-# ------------------------------------------------------------------------------ locating
 
 
 @dataclass
@@ -199,13 +199,23 @@ class Piece:
 
 @dataclass
 class Located:
-    """The pieces of one rendering and what of the messages' text was not found verbatim."""
+    """Where the message texts of a conversation (`texts`, as `message_texts` gives them) are in one
+    rendering `text`: `at[k]` is where text k starts (-1: not found), `width[k]` how many characters
+    were found there (the whole text, or its trimmed core; 0 when not found)."""
 
-    pieces: list[Piece]
+    text: str
+    texts: list
+    at: list[int]
+    width: list[int]
     content_chars: int = 0
     unaligned_chars: int = 0
     unaligned_spans: int = 0
-    texts: list = field(default_factory=list)  # message_texts() of the conversation
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """The texts found, as Pieces, in order."""
+        return [Piece(m, f, a, a + w, self.text[a:a + w]) for (m, f, _), a, w in zip(self.texts, self.at, self.width)
+                if a >= 0]
 
 
 def message_texts(conv: dict) -> list[tuple[int, int, str]]:
@@ -223,46 +233,63 @@ def message_texts(conv: dict) -> list[tuple[int, int, str]]:
 
 def locate(text: str, conv: dict) -> Located:
     """Find each message text of `conv` in `text`, in order from a cursor."""
-    out = Located([], texts=message_texts(conv))
-    cursor = 0
-    for msg, fld, s in out.texts:
-        out.content_chars += len(s)
+    texts = message_texts(conv)
+    at_list, width_list = [], []
+    cursor = content = unaligned = spans = 0
+    for _, _, s in texts:
+        n = len(s)
+        content += n
         at = text.find(s, cursor)
-        found = s
-        if at < 0:
-            core = s.strip()
-            at = text.find(core, cursor) if core and core != s else -1
-            found = core
-        if at < 0:
-            out.unaligned_chars += len(s)
-            out.unaligned_spans += 1
+        if at >= 0:
+            at_list.append(at)
+            width_list.append(n)
+            cursor = at + n
             continue
-        if len(found) < len(s):
-            out.unaligned_chars += len(s) - len(found)
-            out.unaligned_spans += 1
-        out.pieces.append(Piece(msg, fld, at, at + len(found), found))
-        cursor = at + len(found)
-    return out
+        core = s.strip()
+        at = text.find(core, cursor) if core and core != s else -1
+        unaligned += n - len(core) if at >= 0 else n
+        spans += 1
+        at_list.append(at)
+        width_list.append(len(core) if at >= 0 else 0)
+        if at >= 0:
+            cursor = at + len(core)
+    return Located(text, texts, at_list, width_list, content, unaligned, spans)
+
+
+def _pair(at_s: np.ndarray, w_s: np.ndarray, at_t: np.ndarray, w_t: np.ndarray, texts) -> tuple[np.ndarray, ...]:
+    """Which message texts are found on both sides, and where their shared span starts on each side
+    and how wide it is (arrays over the texts; `texts[k]` is text k). A side that kept whitespace
+    the other trimmed is narrowed to the trimmed core."""
+    both = (at_s >= 0) & (at_t >= 0)
+    start_s, start_t = at_s.copy(), at_t.copy()
+    for k in np.flatnonzero(both & (w_s != w_t)).tolist():  # rare: one side trimmed
+        lead = texts[k].find(texts[k].strip())
+        if lead < 0:
+            both[k] = False
+        elif w_s[k] > w_t[k]:
+            start_s[k] += lead
+        else:
+            start_t[k] += lead
+    return both, start_s, start_t, np.minimum(w_s, w_t)
 
 
 def shared_pieces(a: list[Piece], b: list[Piece]) -> list[tuple[Piece, Piece]]:
     """Pieces found on both sides with the same text (a side that kept whitespace the other trimmed
     is narrowed to the trimmed core)."""
-    by_key = {(p.msg, p.field): p for p in b}
+    by_key = {(q.msg, q.field): q for q in b}
+    qs = [by_key.get((p.msg, p.field)) for p in a]
+    arr = lambda xs: np.array(xs, dtype=np.int64).reshape(-1)  # noqa: E731
+    at_t = arr([q.start if q else -1 for q in qs])
+    w_t = arr([q.end - q.start if q else 0 for q in qs])
+    longer = [p.text if q is None or len(p.text) >= len(q.text) else q.text for p, q in zip(a, qs)]
+    both, start_s, start_t, width = _pair(arr([p.start for p in a]), arr([p.end - p.start for p in a]), at_t, w_t,
+                                          longer)
     out = []
-    for p in a:
-        q = by_key.get((p.msg, p.field))
-        if q is None:
-            continue
-        if p.text != q.text:
-            short, long_ = (p, q) if len(p.text) < len(q.text) else (q, p)
-            lead = long_.text.find(short.text)
-            if lead < 0:
-                continue
-            narrowed = Piece(long_.msg, long_.field, long_.start + lead, long_.start + lead + len(short.text),
-                             short.text)
-            p, q = (narrowed, q) if long_ is p else (p, narrowed)
-        out.append((p, q))
+    for k in np.flatnonzero(both).tolist():
+        p, q, w = a[k], qs[k], int(width[k])
+        s0, t0 = int(start_s[k]), int(start_t[k])
+        out.append((Piece(p.msg, p.field, s0, s0 + w, p.text[s0 - p.start:s0 - p.start + w]),
+                    Piece(q.msg, q.field, t0, t0 + w, q.text[t0 - q.start:t0 - q.start + w])))
     return out
 
 
@@ -292,115 +319,23 @@ class ConversationAlignment:
     stats: dict = field(default_factory=dict)
 
 
-def _layout(s: Rendering, t: Rendering, conv: dict, marks, out, v: int, bases: tuple[int, int]) -> tuple[int, dict]:
-    """Append the regions of one conversation to `out` (per side: rows (start, end, vstart, vlen,
-    is_piece, role) in batch coordinates: rendered offsets plus `bases`, virtual starts from `v`);
-    `marks` per side: sorted starts and ends of its end-of-turn candidates. Empty regions are left
-    out. Returns the virtual end and the text counts."""
-    pairs = shared_pieces(s.located.pieces, t.located.pieces)
-    roles = [_ROLE_CODES.get(m.get("role"), ROLE_OTHER) for m in conv["messages"]]
-    last_asst = max((i for i, r in enumerate(roles) if r == ROLE_ASSISTANT), default=-1)
-    if last_asst >= 0:
-        roles[last_asst] |= LAST_ASSISTANT
-    out_s, out_t = out
-    bs, bt = bases
-    (ms_start, ms_end), (mt_start, mt_end) = marks
-    ps = pt = 0  # end of the previous piece on each side
-    prev_msg = -1
-    n = len(pairs)
-    shared = 0
-    for g in range(n + 1):
-        if g < n:
-            p, q = pairs[g]
-            es, et = p.start, q.start
-            ends_turn = prev_msg >= 0 and p.msg != prev_msg
-        else:
-            es, et = len(s.text), len(t.text)
-            ends_turn = prev_msg >= 0
-        eot_s = eot_t = None
-        if ends_turn:
-            j = bisect_left(ms_start, ps)
-            if j < len(ms_start) and ms_end[j] <= es:
-                eot_s = (ms_start[j], ms_end[j])
-            j = bisect_left(mt_start, pt)
-            if j < len(mt_start) and mt_end[j] <= et:
-                eot_t = (mt_start[j], mt_end[j])
-        turn_role = roles[prev_msg] if prev_msg >= 0 else ROLE_TEMPLATE
-        pre_role = turn_role if prev_msg >= 0 and (not ends_turn or eot_s is not None) else ROLE_TEMPLATE
-        e1 = eot_s[0] if eot_s else es
-        if e1 > ps:
-            out_s.append((ps + bs, e1 + bs, v, e1 - ps, 0, pre_role))
-            v += e1 - ps
-        e2 = eot_t[0] if eot_t else et
-        if e2 > pt:
-            out_t.append((pt + bt, e2 + bt, v, e2 - pt, 0, pre_role))
-            v += e2 - pt
-        if eot_s or eot_t:
-            if eot_s:
-                out_s.append((eot_s[0] + bs, eot_s[1] + bs, v, 1, 0, turn_role))
-            if eot_t:
-                out_t.append((eot_t[0] + bt, eot_t[1] + bt, v, 1, 0, turn_role))
-            v += 1
-        a1 = eot_s[1] if eot_s else es
-        if es > a1:
-            out_s.append((a1 + bs, es + bs, v, es - a1, 0, ROLE_TEMPLATE))
-            v += es - a1
-        a2 = eot_t[1] if eot_t else et
-        if et > a2:
-            out_t.append((a2 + bt, et + bt, v, et - a2, 0, ROLE_TEMPLATE))
-            v += et - a2
-        if g < n:
-            width = p.end - p.start
-            role = roles[p.msg]
-            out_s.append((p.start + bs, p.end + bs, v, width, 1, role))
-            out_t.append((q.start + bt, q.end + bt, v, width, 1, role))
-            v += width
-            shared += width
-            ps, pt = p.end, q.end
-            prev_msg = p.msg
-    texts = s.located.texts
-    content = sum(len(x) for _, _, x in texts)
-    got = {(p.msg, p.field): p.end - p.start for p, _ in pairs}
-    spans = sum(1 for m, f, x in texts if got.get((m, f), 0) < len(x))
-    return v, {"content_chars": content, "shared_chars": shared, "unaligned_spans": spans,
-               "unaligned_chars": content - shared}
-
-
-def segments(s: Rendering, t: Rendering, conv: dict) -> list[tuple[str, str, str, int]]:
-    """How one conversation's two renderings are laid out for alignment, in order: (student text,
-    teacher text, kind, role code) with kind 'template' (one side only: no KD), 'content' (the same
-    message text on both sides: exact chunks) or 'turn end' (the two end-of-turn markers, paired).
-    For documentation and debugging; `align_conversations` does the same work for a batch."""
-    marks = []
-    for r in (s, t):
-        m = r.markers & (r.offsets[:, 1] > r.offsets[:, 0])
-        marks.append((r.offsets[m, 0].tolist(), r.offsets[m, 1].tolist()))
-    rows: tuple[list, list] = ([], [])
-    _layout(s, t, conv, marks, rows, 0, (0, 0))
-    by_v: dict[int, list] = {}
-    for k, side in enumerate(rows):
-        for a, b, v, _, piece, role in side:
-            entry = by_v.setdefault(v, ["", "", "template", role])
-            entry[k] = (s, t)[k].text[a:b]
-            if piece:
-                entry[2] = "content"
-            elif b - a and entry[0] and entry[1] and not piece:
-                entry[2] = "turn end"
-    return [tuple(by_v[v]) for v in sorted(by_v)]
-
-
 def _map_tokens(offsets: np.ndarray, table: np.ndarray):
     """Virtual offsets [N, 2], straddle flags [N] and region index [N] of one side's tokens
     (batch-global coordinates) given its region table rows (start, end, vstart, vlen, piece, role)."""
     starts, ends, vstart, vlen, piece = table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4]
     a, b = offsets[:, 0], offsets[:, 1]
-    ra = np.searchsorted(starts, a, side="right") - 1
-    rb = np.searchsorted(starts, np.maximum(b - 1, a), side="right") - 1
-    # an empty region shares its start with the next one: searchsorted picks the later (non-empty) one
+    # the region of each character position: the last one starting at or before it (-1 before the first)
+    n_pos = int(max(b.max(initial=0), starts[-1] if starts.shape[0] else 0)) + 1
+    edges = np.concatenate(([0], np.minimum(starts, n_pos), [n_pos]))
+    region_at = np.repeat(np.arange(-1, starts.shape[0]), np.diff(edges))
+    ra = region_at[a]
+    # a token straddles when the next region starts before its last character
+    straddle = (b > a) & (region_at[np.maximum(b - 1, a)] != ra)
     region = ra.copy()
-    straddle = (ra != rb) & (b > a)
-    for i in np.flatnonzero(straddle).tolist():
-        hit = [r for r in range(int(ra[i]), int(rb[i]) + 1) if piece[r] and ends[r] > a[i] and starts[r] < b[i]]
+    over = np.flatnonzero(straddle)
+    rb = np.searchsorted(starts, b[over] - 1, side="right") - 1
+    for i, last in zip(over.tolist(), rb.tolist()):
+        hit = [r for r in range(int(ra[i]), last + 1) if piece[r] and ends[r] > a[i] and starts[r] < b[i]]
         region[i] = hit[0] if hit else ra[i]
     r0, w = starts[region], vlen[region]
     va = vstart[region] + np.clip(a - r0, 0, w)
@@ -417,22 +352,125 @@ class _Flat:
     offs: np.ndarray  # batch-global character offsets (document d starts at base[d])
     counts: np.ndarray
     base: np.ndarray
-    markers: np.ndarray  # bool [N]
+    lens: np.ndarray  # characters of each rendering
+    markers: np.ndarray  # bool [N]: end-of-turn candidates with a non-empty span
 
 
-def _flat_side(side: list[Rendering]) -> tuple[_Flat, list]:
+def _flat_side(side: list[Rendering]) -> _Flat:
     counts = np.fromiter((r.ids.shape[0] for r in side), dtype=np.int64, count=len(side))
-    base = np.concatenate(([0], np.cumsum([len(r.text) + 1 for r in side])[:-1])).astype(np.int64)
+    lens = np.fromiter((len(r.text) for r in side), dtype=np.int64, count=len(side))
+    base = np.cumsum(lens + 1) - (lens + 1)
     ids = np.concatenate([r.ids for r in side] + [np.zeros(0, np.int64)])
     offs = np.concatenate([r.offsets.reshape(-1, 2) for r in side] + [np.zeros((0, 2), np.int64)])
     offs = offs + np.repeat(base, counts)[:, None]
     markers = np.isin(ids, side[0].marker_ids) & (offs[:, 1] > offs[:, 0])
-    mk = np.flatnonzero(markers)
-    doc_of = np.searchsorted(np.cumsum(counts), mk, side="right")
-    local = offs[mk] - base[doc_of][:, None]
-    cuts = np.searchsorted(doc_of, np.arange(1, len(side)))
-    spans = [(a.tolist(), b.tolist()) for a, b in zip(np.split(local[:, 0], cuts), np.split(local[:, 1], cuts))]
-    return _Flat(ids, offs, counts, base, markers), spans
+    return _Flat(ids, offs, counts, base, lens, markers)
+
+
+def _layout(convs: list[dict], students: list[Rendering], teachers: list[Rendering], fs: _Flat,
+            ft: _Flat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+    """Region tables of a batch of conversations, one walk in numpy over all their gaps.
+
+    A conversation with n shared pieces has n + 1 gaps (before each piece, and after the last);
+    each gap lays out, in this order: the student's template text, the teacher's, the paired
+    end-of-turn markers (one shared character), the template text after each side's marker, and
+    the piece itself (shared by both sides). Per side the rows are (start, end, vstart, vlen,
+    is_piece, role) in batch coordinates (rendered offsets in the joined texts, virtual starts
+    running over the batch); empty regions are left out. Returns both tables, each conversation's
+    virtual start and length, and its text counts."""
+    n_docs = len(convs)
+    n_texts = np.fromiter((len(s.located.texts) for s in students), dtype=np.int64, count=n_docs)
+    texts = [x for s in students for _, _, x in s.located.texts]
+    n_msgs = np.fromiter((len(c["messages"]) for c in convs), dtype=np.int64, count=n_docs)
+    roles = np.fromiter((_ROLE_CODES.get(m.get("role"), ROLE_OTHER) for c in convs for m in c["messages"]),
+                        dtype=np.int64, count=int(n_msgs.sum()))
+    msg_doc = np.repeat(np.arange(n_docs), n_msgs)
+    asst = np.flatnonzero(roles == ROLE_ASSISTANT)
+    last = np.ones(asst.shape[0], dtype=bool)
+    last[:-1] = msg_doc[asst[1:]] != msg_doc[asst[:-1]]
+    roles[asst[last]] |= LAST_ASSISTANT
+    doc = np.repeat(np.arange(n_docs), n_texts)
+    total = int(n_texts.sum())
+    msg = np.fromiter((m for s in students for m, _, _ in s.located.texts), dtype=np.int64, count=total)
+    msg += (np.cumsum(n_msgs) - n_msgs)[doc]  # batch-global message index
+    length = np.fromiter((len(x) for x in texts), dtype=np.int64, count=total)
+    found = [np.fromiter(chain.from_iterable(getattr(r.located, key) for r in side), dtype=np.int64, count=total)
+             for side in (students, teachers) for key in ("at", "width")]
+    both, start_s, start_t, width = _pair(*found, texts)
+    pair = np.flatnonzero(both)
+    p_doc = doc[pair]
+    n_pairs = np.bincount(p_doc, minlength=n_docs)
+
+    # gaps: pair i sits at gap i + its document; each document ends with a gap of its own
+    n_gaps = pair.shape[0] + n_docs
+    first = np.cumsum(n_pairs) - n_pairs + np.arange(n_docs)
+    final = first + n_pairs
+    at_pair = np.arange(pair.shape[0]) + p_doc
+    is_pair = np.zeros(n_gaps, dtype=bool)
+    is_pair[at_pair] = True
+    es, et, w = (np.zeros(n_gaps, np.int64) for _ in range(3))
+    cur = np.full(n_gaps, -1, dtype=np.int64)  # the message of the gap's piece (-1: the closing gap)
+    es[at_pair], es[final] = start_s[pair] + fs.base[p_doc], fs.base + fs.lens
+    et[at_pair], et[final] = start_t[pair] + ft.base[p_doc], ft.base + ft.lens
+    w[at_pair] = width[pair]
+    cur[at_pair] = msg[pair]
+    ps, pt, prev = np.empty_like(es), np.empty_like(et), np.empty_like(cur)
+    ps[1:], pt[1:], prev[1:] = (es + w)[:-1], (et + w)[:-1], cur[:-1]
+    ps[first], pt[first], prev[first] = fs.base, ft.base, -1
+    ends_turn = (prev >= 0) & (~is_pair | (cur != prev))
+    turn_role = np.where(prev >= 0, roles[np.maximum(prev, 0)], ROLE_TEMPLATE)
+    eot = []  # per side: has an end-of-turn marker in this gap, its start and end
+    for f, begin, end in ((fs, ps, es), (ft, pt, et)):
+        marks = f.offs[f.markers]
+        if marks.shape[0] == 0:
+            eot.append((np.zeros(n_gaps, dtype=bool), end, end))
+            continue
+        j = np.minimum(np.searchsorted(marks[:, 0], begin, side="left"), marks.shape[0] - 1)
+        has = ends_turn & (marks[j, 0] >= begin) & (marks[j, 1] <= end)
+        eot.append((has, np.where(has, marks[j, 0], end), np.where(has, marks[j, 1], end)))
+    (has_s, e1, a1), (has_t, e2, a2) = eot
+    pre_role = np.where((prev >= 0) & (~ends_turn | has_s), turn_role, ROLE_TEMPLATE)
+    slots = np.maximum(np.stack([e1 - ps, e2 - pt, has_s | has_t, es - a1, et - a2, w], axis=1), 0)
+    vst = (np.cumsum(slots) - slots.reshape(-1)).reshape(n_gaps, 6)
+    piece_role = roles[np.maximum(cur, 0)]
+    zero, one = np.zeros(n_gaps, np.int64), np.ones(n_gaps, np.int64)
+    tables = []
+    for k, (begin, pre_end, has, post, end) in enumerate(((ps, e1, has_s, a1, es), (pt, e2, has_t, a2, et))):
+        rows = np.stack([
+            np.stack([begin, pre_end, vst[:, k], slots[:, k], zero, pre_role], axis=1),
+            np.stack([pre_end, post, vst[:, 2], one, zero, turn_role], axis=1),
+            np.stack([post, end, vst[:, 3 + k], slots[:, 3 + k], zero, zero], axis=1),
+            np.stack([end, end + w, vst[:, 5], w, one, piece_role], axis=1)], axis=1)
+        keep = np.stack([slots[:, k] > 0, has, slots[:, 3 + k] > 0, is_pair], axis=1)
+        tables.append(rows[keep])
+    v_base = vst[first, 0]
+    vlens = vst[final, 5] - v_base
+    content = np.bincount(doc, weights=length, minlength=n_docs).astype(np.int64)
+    shared = np.bincount(p_doc, weights=width[pair], minlength=n_docs).astype(np.int64)
+    got = np.zeros(total, np.int64)
+    got[pair] = width[pair]
+    spans = np.bincount(doc, weights=got < length, minlength=n_docs).astype(np.int64)
+    stats = [{"content_chars": c, "shared_chars": s, "unaligned_spans": n, "unaligned_chars": c - s}
+             for c, s, n in zip(content.tolist(), shared.tolist(), spans.tolist())]
+    return tables[0], tables[1], v_base, vlens, stats
+
+
+def segments(s: Rendering, t: Rendering, conv: dict) -> list[tuple[str, str, str, int]]:
+    """How one conversation's two renderings are laid out for alignment, in order: (student text,
+    teacher text, kind, role code) with kind 'template' (one side only: no KD), 'content' (the same
+    message text on both sides: exact chunks) or 'turn end' (the two end-of-turn markers, paired).
+    For documentation and debugging; `align_conversations` does the same work for a batch."""
+    tab_s, tab_t, _, _, _ = _layout([conv], [s], [t], _flat_side([s]), _flat_side([t]))
+    by_v: dict[int, list] = {}
+    for k, tab in enumerate((tab_s, tab_t)):
+        for a, b, v, _, piece, role in tab.tolist():
+            entry = by_v.setdefault(v, ["", "", "template", role])
+            entry[k] = (s, t)[k].text[a:b]
+            if piece:
+                entry[2] = "content"
+            elif b - a and entry[0] and entry[1] and not piece:
+                entry[2] = "turn end"
+    return [tuple(by_v[v]) for v in sorted(by_v)]
 
 
 def align_conversations(convs: list[dict], students: list[Rendering], teachers: list[Rendering]) -> list[
@@ -441,25 +479,14 @@ def align_conversations(convs: list[dict], students: list[Rendering], teachers: 
     (one vectorized `align_flat` walk over the batch; all renderings of a side from one tokenizer)."""
     if not convs:
         return []
-    (fs, s_spans), (ft, t_spans) = _flat_side(students), _flat_side(teachers)
-    rows: tuple[list, list] = ([], [])
-    v_base, vlens, stats = [], [], []
-    v = 0
-    s_base, t_base = fs.base.tolist(), ft.base.tolist()
-    for d, (conv, s, t) in enumerate(zip(convs, students, teachers)):
-        end, st = _layout(s, t, conv, (s_spans[d], t_spans[d]), rows, v, (s_base[d], t_base[d]))
-        v_base.append(v)
-        vlens.append(end - v)
-        stats.append(st)
-        v = end
-    v_base = np.asarray(v_base, dtype=np.int64)
+    fs, ft = _flat_side(students), _flat_side(teachers)
+    *tables, v_base, vlens, stats = _layout(convs, students, teachers, fs, ft)
     mapped = []
-    for k, f in enumerate((fs, ft)):
-        tab = np.array(rows[k], dtype=np.int64).reshape(-1, 6)
+    for f, tab in zip((fs, ft), tables):
         voffs, straddle, region = _map_tokens(f.offs, tab)
         voffs = voffs - np.repeat(v_base, f.counts)[:, None]
         mapped.append((voffs, straddle, tab[region, 5]))
-    texts = [" " * n for n in vlens]  # only the lengths matter: the offsets are trusted, not byte-checked
+    texts = [" " * n for n in vlens.tolist()]  # only the lengths matter: the offsets are trusted, not byte-checked
     (s_v, s_flag, s_role), (t_v, t_flag, _) = mapped
     aligns = align_flat(texts, (fs.ids, s_v, fs.counts, s_flag), (ft.ids, t_v, ft.counts, t_flag), None, None)
     wrong = misaligned_chars(aligns, students, teachers, fs, ft)
@@ -475,14 +502,14 @@ def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering
     (0 unless the alignment is wrong): the check behind `inspect`'s "misaligned" count. Numpy over
     every exact chunk of the batch (end-of-turn pairs are not content and are left out)."""
     n_docs = len(aligns)
-    fs = fs or _flat_side(students)[0]
-    ft = ft or _flat_side(teachers)[0]
+    fs = fs or _flat_side(students)
+    ft = ft or _flat_side(teachers)
     ends, sides = [], []
+    n_chunks = np.fromiter((a.num_chunks for a in aligns), dtype=np.int64, count=n_docs)
     for f, rends, key in ((fs, students, "student_end"), (ft, teachers, "teacher_end")):
-        tok_base = np.concatenate(([0], np.cumsum(f.counts)[:-1]))
-        e = np.concatenate([getattr(a, key).astype(np.int64) + b for a, b in zip(aligns, tok_base.tolist())]
-                           + [np.zeros(0, np.int64)])
-        n_chunks = np.array([a.num_chunks for a in aligns], dtype=np.int64)
+        tok_base = np.cumsum(f.counts) - f.counts
+        e = np.concatenate([getattr(a, key) for a in aligns] + [np.zeros(0, np.int32)]).astype(np.int64)
+        e += np.repeat(tok_base, n_chunks)
         first = np.concatenate(([0], e[:-1])) if e.shape[0] else e
         starts_doc = np.cumsum(n_chunks) - n_chunks
         has = n_chunks > 0
@@ -490,7 +517,7 @@ def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering
         ends.append((first, e))
         joined = "\x00".join(r.text for r in rends) + "\x00"
         sides.append((f.offs, f.markers, np.frombuffer(joined.encode("utf-32-le"), dtype="<u4")))
-    doc = np.repeat(np.arange(n_docs), [a.num_chunks for a in aligns])
+    doc = np.repeat(np.arange(n_docs), n_chunks)
     exact = np.concatenate([a.exact for a in aligns] + [np.zeros(0, bool)])
     (sf, se), (tf, te) = ends
     (so, sm, s_cp), (to, tm, t_cp) = sides
@@ -503,9 +530,10 @@ def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering
     same = ~bad & (width > 0)
     if same.any():
         w = width[same]
-        step = np.arange(int(w.sum())) - np.repeat(np.cumsum(w) - w, w)
-        diff = s_cp[np.repeat(a_s[same], w) + step] != t_cp[np.repeat(a_t[same], w) + step]
-        bad[np.flatnonzero(same)[np.add.reduceat(diff, np.concatenate(([0], np.cumsum(w)[:-1]))) > 0]] = True
+        w_start = np.cumsum(w) - w
+        at_s = np.arange(int(w.sum())) + np.repeat(a_s[same] - w_start, w)
+        diff = s_cp[at_s] != t_cp[at_s + np.repeat(a_t[same] - a_s[same], w)]
+        bad[np.flatnonzero(same)[np.add.reduceat(diff, w_start) > 0]] = True
     return np.bincount(doc[sel][bad], weights=width[bad], minlength=n_docs).astype(np.int64)
 
 
