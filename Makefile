@@ -33,9 +33,12 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
 
-# Everything CI needs; the slowest tests are listed at the end.
+# Everything CI needs; the slowest tests are listed at the end. TEST_WORKERS pytest-xdist workers
+# take whole test files (their module fixtures are built once); shared artifacts are built under a
+# lock (xtcache.testing.toy.built_once).
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # While developing: the fast tier only (no vLLM engines, no torchrun).
 test-fast: setup

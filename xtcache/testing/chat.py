@@ -222,16 +222,26 @@ def build_chat_setup(base, root: str | Path, *, num_train: int, num_heldout: int
     template, the student's with a Llama-3-style one, a tiny Qwen2 teacher pre-trained on
     conversations rendered in its template, a fresh tiny Llama student, and train / held-out chat
     JSONL files. Built once under `root` (a DONE marker is written last), reused afterwards."""
-    from xtcache.chat import render
-    from xtcache.testing.toy import ToySetup, build_tiny_model, train_tiny_lm
+    from xtcache.testing import toy
 
     root = Path(root)
-    setup = ToySetup(root=root, train_jsonl=root / "corpus" / "train.jsonl",
+    setup = toy.ToySetup(root=root, train_jsonl=root / "corpus" / "train.jsonl",
                      heldout_jsonl=root / "corpus" / "heldout.jsonl", teacher_tokenizer=root / "teacher_tokenizer",
                      student_tokenizer=root / "student_tokenizer", teacher_model=root / "teacher",
                      student_model=root / "student")
-    if (root / "DONE").exists():
-        return setup
+    with toy.built_once(root) as done:
+        if not done:
+            _build_chat_setup(base, setup, num_train=num_train, num_heldout=num_heldout, teacher_steps=teacher_steps,
+                              teacher_hidden=teacher_hidden, seed=seed)
+    return setup
+
+
+def _build_chat_setup(base, setup, *, num_train: int, num_heldout: int, teacher_steps: int, teacher_hidden: int,
+                      seed: int) -> None:
+    from xtcache.chat import render
+    from xtcache.testing.toy import build_tiny_model, train_tiny_lm
+
+    root = setup.root
     (root / "corpus").mkdir(parents=True, exist_ok=True)
     train = chat_corpus(num_train, seed=seed, max_turns=4)
     write_chat_jsonl(setup.train_jsonl, train)
@@ -247,4 +257,3 @@ def build_chat_setup(base, root: str | Path, *, num_train: int, num_heldout: int
                       seq_len=256, seed=seed)
     (root / "DONE").write_text(json.dumps({"num_train": num_train, "num_heldout": num_heldout,
                                            "teacher_steps": teacher_steps, "seed": seed}))
-    return setup

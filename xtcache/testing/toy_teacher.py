@@ -51,8 +51,15 @@ def build_vllm_teacher(toy_root: str | Path, *, tied: bool = False, steps: int =
         raise ValueError(f"unknown toy teacher shape {shape!r}: use one of {', '.join(SHAPES)}")
     root = Path(toy_root)
     out = root / (("vllm_teacher_tied" if tied else "vllm_teacher") + ("" if shape == "toy" else f"_{shape}"))
-    if (out / "DONE").exists():
-        return out
+    with toy.built_once(out) as done:
+        if not done:
+            _build(root, out, tied=tied, steps=steps, seed=seed, shape=shape)
+    return out
+
+
+def _build(root: Path, out: Path, *, tied: bool, steps: int, seed: int, shape: str) -> None:
+    from xtcache.testing import toy
+
     arch = "llama" if tied else "qwen2"
     model = toy.build_tiny_model(arch, root / "teacher_tokenizer", out, **SHAPES[shape], seed=seed,
                                  vocab_pad=VOCAB_PAD)
@@ -67,7 +74,6 @@ def build_vllm_teacher(toy_root: str | Path, *, tied: bool = False, steps: int =
     if steps:
         toy.train_tiny_lm(out, texts, steps=steps, seq_len=128, seed=seed, log_every=0)
     (out / "DONE").write_text("ok")
-    return out
 
 
 if __name__ == "__main__":
