@@ -42,7 +42,7 @@ test: lint
 
 # While developing: the fast tier only (no vLLM engines, no torchrun).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
 
 bench: setup
 	$(PY) bench/store_codec.py
