@@ -96,8 +96,9 @@ def bench_conversations(name: str, s_tok, t_tok, convs: list[dict], repeat: int)
     t_enc = list(zip(split(t_flat, 0), split(t_flat, 1)))
 
     def align():
-        ss = [rendering(None, x, c, s_mark, encoded=e) for x, c, e in zip(s_texts, convs, s_enc)]
         ts = [rendering(None, x, c, t_mark, encoded=e) for x, c, e in zip(t_texts, convs, t_enc)]
+        ss = [rendering(None, x, c, s_mark, encoded=e, texts=t.located.texts)  # as stage 1: texts collected once
+              for x, c, e, t in zip(s_texts, convs, s_enc, ts)]
         return align_conversations(convs, ss, ts)
 
     best = {"render": float("inf"), "tokenize": float("inf"), "batch": float("inf")}

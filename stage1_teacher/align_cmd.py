@@ -123,7 +123,8 @@ def _conversation_records(docs, student_tok, identity: bool, conversation: dict,
             raise AlignmentError(str(e)) from None
         s_ids, s_off = _encode(student_tok, texts, "student tokenizer", add_special=False)
         s_markers = np.asarray(turn_marker_ids(student_tok), dtype=np.int64)
-        students = [rendering(None, t, c, s_markers, encoded=(i, o)) for t, c, i, o in zip(texts, convs, s_ids, s_off)]
+        students = [rendering(None, t, c, s_markers, encoded=(i, o), texts=r.located.texts)
+                    for t, c, i, o, r in zip(texts, convs, s_ids, s_off, teachers)]
     aligned = align_conversations(convs, students, teachers)
     return [AlignmentRecord(student_ids=s.ids.astype(np.int32),
                             alignment=identity_alignment(len(s.ids)) if identity else ca.alignment,

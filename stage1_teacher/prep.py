@@ -204,7 +204,8 @@ class Preparer:
             s_text = render_all(s.tokenizer, f"student template {s.name}")
             live = [i for i in sorted(s_text) if i in t_rend]
             s_ids, s_off = _encode(s.tokenizer, [s_text[i] for i in live], "student tokenizer", add_special=False)
-            s_rend = {i: rendering(None, s_text[i], convs[i], s.markers, encoded=(ids, off))
+            s_rend = {i: rendering(None, s_text[i], convs[i], s.markers, encoded=(ids, off),
+                                   texts=t_rend[i].located.texts)
                       for i, ids, off in zip(live, s_ids, s_off)}
             for i, ca in zip(live, self._align_convs(live, convs, docs, s_rend, t_rend, s.name)):
                 if ca is not None:

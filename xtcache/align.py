@@ -379,19 +379,23 @@ def _raise_mismatch(side, atom, atom_begin, atom_end, info, texts, base):
 
 def _cuts_and_gaps(side: _Side, n_pos: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Boolean [n_pos] of character positions that are clean cuts on this side, and the running
-    count of characters no token covers (None when the tokens cover every character)."""
+    count of characters no token covers (None when the tokens cover every character). Gaps are laid
+    out from their ranges (a conversation's one-sided template text leaves many), not per position."""
     a = side.atom_end
-    a_begin = np.concatenate(([0], a[:-1]))
     lo = np.concatenate(([0], side.end[a - 1]))                     # after each group (and before the first)
     hi = np.concatenate(([side.start[0]], side.start[a[:-1]], [n_pos - 1]))  # up to where the next one starts
     cut = np.zeros(n_pos, dtype=bool)
-    if np.array_equal(lo, hi):
-        cut[lo] = True
+    cut[lo] = True
+    wide = np.flatnonzero(hi > lo)
+    if wide.shape[0] == 0:
         return cut, None
-    depth = np.cumsum(np.bincount(lo, minlength=n_pos + 1) - np.bincount(hi + 1, minlength=n_pos + 1))
-    cut = depth[:n_pos] > 0
-    cover = np.cumsum(np.bincount(side.start[a_begin], minlength=n_pos) - np.bincount(side.end[a - 1], minlength=n_pos))
-    return cut, np.concatenate(([0], np.cumsum(cover[: n_pos - 1] <= 0)))
+    lo, w = lo[wide], hi[wide] - lo[wide]
+    first = np.cumsum(w) - w
+    inside = np.repeat(lo + 1 - first, w) + np.arange(int(first[-1] + w[-1]))  # lo + 1 .. hi: cuts too
+    cut[inside] = True
+    uncovered = np.zeros(n_pos, dtype=np.int32)
+    uncovered[inside] = 1  # character c in [lo, hi) counts from position c + 1 on
+    return cut, np.cumsum(uncovered, dtype=np.int32)
 
 
 def _pair_specials(s_roles: list[int], t_roles: list[int]) -> list[tuple[int, int, bool]]:

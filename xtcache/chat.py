@@ -231,9 +231,10 @@ def message_texts(conv: dict) -> list[tuple[int, int, str]]:
     return out
 
 
-def locate(text: str, conv: dict) -> Located:
-    """Find each message text of `conv` in `text`, in order from a cursor."""
-    texts = message_texts(conv)
+def locate(text: str, conv: dict, texts: list | None = None) -> Located:
+    """Find each message text of `conv` (`texts`: its `message_texts`, when already at hand) in
+    `text`, in order from a cursor."""
+    texts = message_texts(conv) if texts is None else texts
     at_list, width_list = [], []
     cursor = content = unaligned = spans = 0
     for _, _, s in texts:
@@ -538,9 +539,11 @@ def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering
 
 
 def rendering(tokenizer, text: str, conv: dict, markers: np.ndarray | None = None, *, side: str = "tokenizer",
-              encoded=None) -> Rendering:
+              encoded=None, texts: list | None = None) -> Rendering:
     """A Rendering of `text` (the conversation rendered by `tokenizer`'s template): tokens without
-    added special tokens (the template writes its own), offsets, located pieces, marker flags."""
+    added special tokens (the template writes its own), offsets, located pieces, marker flags.
+    `texts`: the conversation's `message_texts` (another rendering's `located.texts`), to skip
+    collecting them again."""
     from xtcache.align import encode_flat
 
     if encoded is None:
@@ -550,5 +553,5 @@ def rendering(tokenizer, text: str, conv: dict, markers: np.ndarray | None = Non
     ids = np.asarray(ids, dtype=np.int64)
     if markers is None:
         markers = np.asarray(turn_marker_ids(tokenizer), dtype=np.int64)
-    return Rendering(text, ids, np.asarray(offs, dtype=np.int64).reshape(-1, 2), locate(text, conv),
+    return Rendering(text, ids, np.asarray(offs, dtype=np.int64).reshape(-1, 2), locate(text, conv, texts),
                      np.asarray(markers, dtype=np.int64))
