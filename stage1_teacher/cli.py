@@ -1,7 +1,8 @@
 """Command-line entry points of stage 1: `xtcache teacher-dump` and `xtcache align`.
 
-The options of `teacher-dump` are made by `xtcache.cliconfig` from the fields of
-`stage1_teacher.config.TeacherDumpConfig` (same name, '-' for '_', the field docstring as help);
+The options of `teacher-dump` and `align` are made by `xtcache.cliconfig` from the fields of
+`stage1_teacher.config.TeacherDumpConfig` and `AlignConfig` (same name, '-' for '_', the field
+docstring as help);
 `--config FILE` (YAML, TOML or JSON) supplies any of them, flags given on the command line win.
 Heavy imports (torch, vLLM, zarr) happen inside the functions so `xtcache --help` stays fast.
 
@@ -11,12 +12,10 @@ Heavy imports (torch, vLLM, zarr) happen inside the functions so `xtcache --help
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
-from stage1_teacher.config import TeacherDumpConfig
-from xtcache.cliconfig import STORAGE_OPTIONS_HELP, command, parse_storage_options
+from stage1_teacher.config import AlignConfig, TeacherDumpConfig
+from xtcache.cliconfig import command
 
 
 def _dump(cfg: TeacherDumpConfig) -> None:
@@ -46,19 +45,14 @@ teacher_dump = command(
     panels={None: "Run", "input": "Input", "teacher": "Teacher", "capture": "Capture", "store": "Store"})
 
 
-def align(
-    store: str = typer.Argument(..., help="An existing xtcache store."),
-    student_tokenizer: str = typer.Option(..., "--student-tokenizer", help="Student tokenizer directory to add."),
-    teacher_tokenizer: Optional[str] = typer.Option(
-        None, "--teacher-tokenizer", help="Teacher tokenizer (default: the store's teacher, if present)."),
-    storage_options: Optional[str] = typer.Option(None, "--storage-options", help=STORAGE_OPTIONS_HELP),
-    allow_incomplete: bool = typer.Option(
-        False, "--allow-incomplete", help="Align the committed parts of an incomplete store (a dump still running)."),
-) -> None:
-    """Add an alignment group for another student tokenizer to a store, without running the teacher."""
+def _align(cfg: AlignConfig) -> None:
     from stage1_teacher.align_cmd import run_align
 
-    stats = run_align(store, student_tokenizer, teacher_tokenizer=teacher_tokenizer, allow_incomplete=allow_incomplete,
-                      storage_options=parse_storage_options(storage_options) or {})
+    stats = run_align(cfg.store, cfg.student_tokenizer, teacher_tokenizer=cfg.teacher_tokenizer,
+                      allow_incomplete=cfg.allow_incomplete, storage_options=cfg.storage_options)
     typer.echo(f"alignment group {stats['fingerprint'][:16]}..: {stats['parts_aligned']} parts aligned "
                f"({stats['documents']} documents), {stats['parts_kept']} already present")
+
+
+align = command(AlignConfig, _align, name="align",
+                help="Add an alignment group for another student tokenizer to a store, without running the teacher.")

@@ -202,3 +202,19 @@ def settings_for_fingerprint(cfg: TeacherDumpConfig, *, window_len: int, boundar
         "window_cut_tokenizers": boundary_tokenizers, "text_field": cfg.input.text_field,
         **({"conversation": conversation} if conversation else {}),
     }
+
+
+@dataclass(kw_only=True)
+class AlignConfig:
+    """`xtcache align`: add an alignment group for another student tokenizer to an existing store."""
+
+    store: str = field(metadata={"positional": True})
+    """An existing xtcache store."""
+    student_tokenizer: str
+    """Student tokenizer directory to add."""
+    teacher_tokenizer: str | None = None
+    """Teacher tokenizer (default: the store's teacher, if present)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec storage options for remote stores (JSON object)."""
+    allow_incomplete: bool = False
+    """Align the committed parts of an incomplete store (a dump still running)."""

@@ -17,7 +17,7 @@ import typer
 import typer.main
 from typer.testing import CliRunner
 
-from stage1_teacher.config import TeacherDumpConfig
+from stage1_teacher.config import AlignConfig, TeacherDumpConfig
 from stage2_student.config import TrainConfig
 from xtcache.cliconfig import command, from_flat, leaf_fields, parse_storage_options, read_config_file
 from xtcache.errors import ConfigError
@@ -73,6 +73,7 @@ def _app(fn):
 
 
 @pytest.mark.parametrize("cls, fn", [(TeacherDumpConfig, "stage1_teacher.cli:teacher_dump"),
+                                     (AlignConfig, "stage1_teacher.cli:align"),
                                      (TrainConfig, "stage2_student.cli:train_student")])
 def test_every_field_of_both_stages_is_one_flag_with_its_docstring_as_help(cls, fn):
     import importlib
@@ -85,6 +86,9 @@ def test_every_field_of_both_stages_is_one_flag_with_its_docstring_as_help(cls, 
     assert set(params) - {"config"} == set(leaves)
     for leaf in leaves.values():
         p = params[leaf.name]
+        if leaf.positional:  # `xtcache align STORE`: an argument, documented like a flag
+            assert p.param_type_name == "argument" and p.metavar == leaf.flag and p.help == leaf.help, leaf.name
+            continue
         assert p.opts == [leaf.flag] and p.help == leaf.help and leaf.help, leaf.name
         if leaf.default is not dataclasses.MISSING and not isinstance(leaf.default, (list, dict)):
             assert p.default == leaf.default, leaf.name
@@ -165,3 +169,27 @@ def test_every_storage_options_flag_fails_with_the_same_one_line_error(argv):
     r = subprocess.run([sys.executable, "-m", "xtcache.cli", *argv], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: --storage-options: not a JSON object (") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_positional_field_comes_from_the_command_line_or_the_file(tmp_path):
+    @dataclass(kw_only=True)
+    class WithArg:
+        store: str = field(metadata={"positional": True})
+        """A store."""
+        top_k: int = 8
+        """Ids kept."""
+
+    seen = {}
+    app = _app(command(WithArg, lambda cfg: seen.update(cfg=cfg), name="toy", help="h"))
+    r = CliRunner().invoke(app, ["s3://bucket/store", "--top-k", "4"])
+    assert r.exit_code == 0, r.output
+    assert seen.pop("cfg") == WithArg(store="s3://bucket/store", top_k=4)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("store: /data/store\n")
+    r = CliRunner().invoke(app, ["--config", str(cfg)])
+    assert r.exit_code == 0, r.output
+    assert seen.pop("cfg") == WithArg(store="/data/store")
+    r = CliRunner().invoke(app, ["/cli/store", "--config", str(cfg)])  # the command line wins
+    assert seen.pop("cfg").store == "/cli/store"
+    r = CliRunner().invoke(app, [])
+    assert r.exit_code != 0 and "missing STORE" in str(r.exception), r.output

@@ -532,9 +532,12 @@ def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering
     if same.any():
         w = width[same]
         w_start = np.cumsum(w) - w
-        at_s = np.arange(int(w.sum())) + np.repeat(a_s[same] - w_start, w)
-        diff = s_cp[at_s] != t_cp[at_s + np.repeat(a_t[same] - a_s[same], w)]
-        bad[np.flatnonzero(same)[np.add.reduceat(diff, w_start) > 0]] = True
+        # every character of every such chunk against its counterpart (int32 indices: a batch's
+        # joined texts are far below 2**31 characters)
+        at_s = np.arange(int(w.sum()), dtype=np.int32) + np.repeat((a_s[same] - w_start).astype(np.int32), w)
+        hit = np.flatnonzero(s_cp[at_s] != t_cp[at_s + np.repeat((a_t[same] - a_s[same]).astype(np.int32), w)])
+        if hit.shape[0]:
+            bad[np.flatnonzero(same)[np.searchsorted(w_start, hit, side="right") - 1]] = True
     return np.bincount(doc[sel][bad], weights=width[bad], minlength=n_docs).astype(np.int64)
 
 

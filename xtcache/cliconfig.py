@@ -9,7 +9,8 @@ command line, then the `--config` file (YAML, TOML or JSON), then the dataclass 
 
     train_student = command(TrainConfig, run, name="train_student", help="Train a student ...")
 
-Leaf types and their flags: `int`, `float`, `str` (`X | None` for optional ones), `bool` and
+A leaf whose field carries `metadata={"positional": True}` is a command-line argument instead of
+a flag (`xtcache align STORE`). Leaf types and their flags: `int`, `float`, `str` (`X | None` for optional ones), `bool` and
 `bool | None` (`--x/--no-x`), `list[str]` (repeatable), `dict` (a JSON object on the command
 line, read by `parse_storage_options`, a mapping in a config file). A leaf without a default is
 required: given as a flag or in the file. Bad values raise ConfigError naming the flag (one line,
@@ -61,10 +62,11 @@ class Leaf:
     type: Any  # the resolved annotation
     default: Any  # dataclasses.MISSING when required
     help: str
+    positional: bool = False  # a command-line argument (field metadata {"positional": True}), not a flag
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return self.name.upper() if self.positional else "--" + self.name.replace("_", "-")
 
     @property
     def base(self) -> Any:
@@ -120,7 +122,8 @@ def leaf_fields(cls: type) -> dict[str, Leaf]:
                 raise TypeError(f"{cls.__name__}: field {f.name} defined twice (flag names must be unique)")
             if f.name not in docs:
                 raise TypeError(f"{owner.__name__}.{f.name}: give the field a docstring (it is the flag's help)")
-            out[f.name] = Leaf(f.name, section, hints[f.name], _default(f), docs[f.name])
+            out[f.name] = Leaf(f.name, section, hints[f.name], _default(f), docs[f.name],
+                               positional=bool(f.metadata.get("positional")))
     return out
 
 
@@ -240,6 +243,8 @@ def _option(leaf: Leaf, panel: str | None):
 
     base, origin = leaf.base, typing.get_origin(leaf.base)
     default = None if leaf.default is dataclasses.MISSING else leaf.default
+    if leaf.positional:  # optional on the command line: a --config file may give it instead
+        return Optional[base], typer.Argument(default, metavar=leaf.flag, help=leaf.help, show_default=False)
     decls = [leaf.flag]
     if base is bool:
         decls = [f"{leaf.flag}/--no-{leaf.flag[2:]}"]
@@ -289,6 +294,7 @@ def command(cls: type, run: Callable[[Any], None], *, name: str, help: str,
 
     callback.__name__ = callback.__qualname__ = name
     callback.__doc__ = help
+    callback.required = [leaf.name for leaf in leaves.values() if leaf.default is dataclasses.MISSING]  # for clidoc
     callback.__signature__ = inspect.Signature(params)
     callback.__annotations__ = {p.name: p.annotation for p in params}
     return callback

@@ -32,14 +32,17 @@ def _commands(group, prefix: str):
             yield path, cmd
 
 
-def _param_row(p) -> str:
+def _param_row(p, config_required: list[str]) -> str:
+    """One reference row. A setting of a `--config` command that has no default is required as
+    a flag or in the file (click sees it as optional): "required (or in --config)"."""
+    need = "required" if p.required else "required (or in --config)" if p.name in config_required else ""
     if p.param_type_name == "argument":
         help_text = (getattr(p, "help", None) or "argument").replace("|", "\\|")
-        return f"| `{p.name.upper()}` | {help_text} | {'required' if p.required else 'optional'} |"
+        return f"| `{p.name.upper()}` | {help_text} | {need or 'optional'} |"
     flags = " / ".join(f"`{o}`" for o in [*p.opts, *p.secondary_opts])
     default = "" if p.default is None or p.required or callable(p.default) else f" (default: `{p.default}`)"
     help_text = (p.help or "").replace("|", "\\|").replace("\n", " ")
-    return f"| {flags} | {help_text}{default} | {'required' if p.required else ''} |"
+    return f"| {flags} | {help_text}{default} | {need} |"
 
 
 def cli_reference_markdown() -> str:
@@ -52,7 +55,8 @@ def cli_reference_markdown() -> str:
     for path, cmd in _commands(root, "xtcache"):
         summary = (cmd.help or "").strip().splitlines()[0] if cmd.help else ""
         out += [f"#### `{path}`", "", summary, "", "| option | meaning | |", "| --- | --- | --- |"]
-        out += [_param_row(p) for p in cmd.params if p.name not in ("help",)]
+        required = getattr(cmd.callback, "required", [])  # set by xtcache.cliconfig.command
+        out += [_param_row(p, required) for p in cmd.params if p.name not in ("help",)]
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 
