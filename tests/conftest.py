@@ -98,10 +98,6 @@ def has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    # Files with slow tests first: `make test`'s workers take whole files in this order, so the
-    # longest ones start first and the workers finish together (stable sort: file order is kept).
-    slow_files = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.path not in slow_files)
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
