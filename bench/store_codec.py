@@ -75,8 +75,11 @@ def build_teacher(minutes: float) -> tuple[Path, list[str]]:
     docs = corpus()
     held, train = docs[:200], docs[200:]  # held-out: stdlib documents never seen in training
     root = CACHE / f"teacher-v{TARGET_VOCAB}-m{minutes:g}"
-    if (root / "DONE").exists():
-        return root / "model", held
+    toy.build_once(root, lambda: _train_teacher(root, train, minutes))
+    return root / "model", held
+
+
+def _train_teacher(root: Path, train: list[str], minutes: float) -> str:
     tok_dir = root / "tokenizer"
     tok = toy.train_bpe_tokenizer(train, TARGET_VOCAB, "teacher", tok_dir)
     vocab = len(tok)
@@ -94,9 +97,8 @@ def build_teacher(minutes: float) -> tuple[Path, list[str]]:
     steps = max(20, int(minutes * 60 / per_step))
     log.info("training the teacher for %d steps (%.2f s/step)", steps, per_step)
     losses = toy.train_tiny_lm(root / "model", train, steps=steps, seq_len=128, batch_size=8, lr=3e-3)
-    (root / "DONE").write_text(json.dumps({"vocab": vocab, "steps": steps, "first_loss": losses[0],
-                                           "last_loss": float(np.mean(losses[-20:]))}))
-    return root / "model", held
+    return json.dumps({"vocab": vocab, "steps": steps, "first_loss": losses[0],
+                       "last_loss": float(np.mean(losses[-20:]))})
 
 
 def teacher_documents(model_dir: Path, held: list[str], positions: int, k_max: int) -> list[dict]:

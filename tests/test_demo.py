@@ -18,12 +18,21 @@ from xtcache.testing.suite import TEST_CACHE
 pytestmark = pytest.mark.slow
 
 
-def test_small_demo_distilled_student_beats_ce_baseline():
-    workdir = TEST_CACHE / "demo-small"
-    proc = subprocess.run([sys.executable, "-m", "xtcache.cli", "demo", "--size", "small", "--workdir", str(workdir)],
-                          capture_output=True, text=True, timeout=1500, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+WORKDIR = TEST_CACHE / "demo-small"
+
+
+def run_small_demo(*flags: str) -> subprocess.CompletedProcess:
+    """`xtcache demo --size small FLAGS` in a subprocess, as a user runs it; asserts it succeeded."""
+    proc = subprocess.run([sys.executable, "-m", "xtcache.cli", "demo", *flags, "--size", "small", "--workdir",
+                           str(WORKDIR)], capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads((workdir / "demo_result.json").read_text())
+    return proc
+
+
+def test_small_demo_distilled_student_beats_ce_baseline():
+    proc = run_small_demo()
+    result = json.loads((WORKDIR / "demo_result.json").read_text())
     kd, ce = result["distilled"], result["baseline"]
     # the same number of steps for both runs, evaluated on the same held-out full-vocabulary cache
     assert kd["steps"] == ce["steps"] > 0

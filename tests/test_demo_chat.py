@@ -7,24 +7,17 @@ then reads the numbers it reported.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from xtcache.testing.suite import TEST_CACHE
+from tests.test_demo import WORKDIR, run_small_demo
 
 pytestmark = pytest.mark.slow
 
 
 def test_small_chat_demo_distils_assistant_turns_across_two_templates():
-    workdir = TEST_CACHE / "demo-small"
-    proc = subprocess.run([sys.executable, "-m", "xtcache.cli", "demo", "--chat", "--size", "small", "--workdir",
-                           str(workdir)], capture_output=True, text=True, timeout=1500,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads((workdir / "chat" / "demo_result.json").read_text())
+    proc = run_small_demo("--chat")
+    result = json.loads((WORKDIR / "chat" / "demo_result.json").read_text())
     kd, ce = result["distilled"], result["baseline"]
     assert result["chat"] and kd["steps"] == ce["steps"] > 0
     assert kd["first_eval"]["kl"] == pytest.approx(ce["first_eval"]["kl"])

@@ -226,18 +226,17 @@ def build_chat_setup(base, root: str | Path, *, num_train: int, num_heldout: int
 
     root = Path(root)
     setup = toy.ToySetup(root=root, train_jsonl=root / "corpus" / "train.jsonl",
-                     heldout_jsonl=root / "corpus" / "heldout.jsonl", teacher_tokenizer=root / "teacher_tokenizer",
-                     student_tokenizer=root / "student_tokenizer", teacher_model=root / "teacher",
-                     student_model=root / "student")
-    with toy.built_once(root) as done:
-        if not done:
-            _build_chat_setup(base, setup, num_train=num_train, num_heldout=num_heldout, teacher_steps=teacher_steps,
-                              teacher_hidden=teacher_hidden, seed=seed)
+                         heldout_jsonl=root / "corpus" / "heldout.jsonl", teacher_tokenizer=root / "teacher_tokenizer",
+                         student_tokenizer=root / "student_tokenizer", teacher_model=root / "teacher",
+                         student_model=root / "student")
+    toy.build_once(root, lambda: _build_chat_setup(base, setup, num_train=num_train, num_heldout=num_heldout,
+                                                   teacher_steps=teacher_steps, teacher_hidden=teacher_hidden,
+                                                   seed=seed))
     return setup
 
 
 def _build_chat_setup(base, setup, *, num_train: int, num_heldout: int, teacher_steps: int, teacher_hidden: int,
-                      seed: int) -> None:
+                      seed: int) -> str:
     from xtcache.chat import render
     from xtcache.testing.toy import build_tiny_model, train_tiny_lm
 
@@ -255,5 +254,5 @@ def _build_chat_setup(base, setup, *, num_train: int, num_heldout: int, teacher_
     if teacher_steps > 0:
         train_tiny_lm(setup.teacher_model, [render(teacher_tok, c) for c in train], steps=teacher_steps,
                       seq_len=256, seed=seed)
-    (root / "DONE").write_text(json.dumps({"num_train": num_train, "num_heldout": num_heldout,
-                                           "teacher_steps": teacher_steps, "seed": seed}))
+    return json.dumps({"num_train": num_train, "num_heldout": num_heldout, "teacher_steps": teacher_steps,
+                       "seed": seed})

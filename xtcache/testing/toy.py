@@ -17,9 +17,9 @@ import logging
 import math
 import random
 import sysconfig
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -236,31 +236,26 @@ def build_toy_setup(cache_dir: str | Path, spec: ToySpec = ToySpec(), *, train_t
         teacher_tokenizer=root / "teacher_tokenizer", student_tokenizer=root / "student_tokenizer",
         teacher_model=root / "teacher", student_model=root / "student",
     )
-    with built_once(root) as done:
-        if not done:
-            _build_toy_setup(setup, spec, train_teacher)
+    build_once(root, lambda: _build_toy_setup(setup, spec, train_teacher))
     return setup
 
 
-@contextmanager
-def built_once(root: Path):
-    """Yields whether `root` is already built (its `DONE` marker exists), holding an exclusive lock
-    beside it meanwhile, so that parallel test workers or a demo run beside the tests build it once
-    and never read a half-built directory. The builder writes `DONE` last, inside the block."""
+def build_once(root: Path, build: Callable[[], str]) -> None:
+    """Run `build()` unless `root` is already built, then write its `DONE` marker (the text `build`
+    returns) last. An exclusive lock beside `root` is held meanwhile, so that parallel test workers
+    or a demo run beside the tests build it once and never read a half-built directory."""
     root = Path(root)
     if (root / "DONE").exists():
-        yield True
         return
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield (root / "DONE").exists()
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (root / "DONE").exists():
+            marker = build()
+            (root / "DONE").write_text(marker)
 
 
-def _build_toy_setup(setup: ToySetup, spec: ToySpec, train_teacher: bool) -> None:
+def _build_toy_setup(setup: ToySetup, spec: ToySpec, train_teacher: bool) -> str:
     root = setup.root
     root.mkdir(parents=True, exist_ok=True)
     docs = stdlib_corpus(spec.num_docs, doc_chars=spec.doc_chars, seed=spec.seed)
@@ -281,7 +276,7 @@ def _build_toy_setup(setup: ToySetup, spec: ToySpec, train_teacher: bool) -> Non
     if train_teacher and spec.teacher_steps > 0:
         train_tiny_lm(setup.teacher_model, train, steps=spec.teacher_steps, seq_len=spec.teacher_seq_len,
                       seed=spec.seed)
-    (root / "DONE").write_text(json.dumps(asdict(spec)))
+    return json.dumps(asdict(spec))
 
 
 def train_sentencepiece_style_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path):

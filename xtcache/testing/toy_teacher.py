@@ -51,13 +51,11 @@ def build_vllm_teacher(toy_root: str | Path, *, tied: bool = False, steps: int =
         raise ValueError(f"unknown toy teacher shape {shape!r}: use one of {', '.join(SHAPES)}")
     root = Path(toy_root)
     out = root / (("vllm_teacher_tied" if tied else "vllm_teacher") + ("" if shape == "toy" else f"_{shape}"))
-    with toy.built_once(out) as done:
-        if not done:
-            _build(root, out, tied=tied, steps=steps, seed=seed, shape=shape)
+    toy.build_once(out, lambda: _build(root, out, tied=tied, steps=steps, seed=seed, shape=shape))
     return out
 
 
-def _build(root: Path, out: Path, *, tied: bool, steps: int, seed: int, shape: str) -> None:
+def _build(root: Path, out: Path, *, tied: bool, steps: int, seed: int, shape: str) -> str:
     from xtcache.testing import toy
 
     arch = "llama" if tied else "qwen2"
@@ -73,7 +71,7 @@ def _build(root: Path, out: Path, *, tied: bool, steps: int, seed: int, shape: s
     texts = [json.loads(line)["text"] for line in open(root / "corpus" / "train.jsonl", encoding="utf-8")]
     if steps:
         toy.train_tiny_lm(out, texts, steps=steps, seq_len=128, seed=seed, log_every=0)
-    (out / "DONE").write_text("ok")
+    return "ok"
 
 
 if __name__ == "__main__":
