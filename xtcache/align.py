@@ -377,10 +377,12 @@ def _raise_mismatch(side, atom, atom_begin, atom_end, info, texts, base):
         "tokenizer without a text-changing normalizer" + hint)
 
 
-def _cuts_and_gaps(side: _Side, n_pos: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Boolean [n_pos] of character positions that are clean cuts on this side, and the running
-    count of characters no token covers (None when the tokens cover every character). Gaps are laid
-    out from their ranges (a conversation's one-sided template text leaves many), not per position."""
+def _cuts_and_gaps(side: _Side, n_pos: int) -> tuple[np.ndarray, tuple | None]:
+    """Boolean [n_pos] of character positions that are clean cuts on this side, and its gaps (runs
+    of characters no token covers) as (starts, widths, characters in earlier gaps), or None when
+    the tokens cover every character. A gap is cut at its two ends only, so whatever the other
+    side has there (a conversation's one-sided template text, a piece the template dropped) is one
+    chunk with an empty side on this one."""
     a = side.atom_end
     lo = np.concatenate(([0], side.end[a - 1]))                     # after each group (and before the first)
     hi = np.concatenate(([side.start[0]], side.start[a[:-1]], [n_pos - 1]))  # up to where the next one starts
@@ -389,13 +391,18 @@ def _cuts_and_gaps(side: _Side, n_pos: int) -> tuple[np.ndarray, np.ndarray | No
     wide = np.flatnonzero(hi > lo)
     if wide.shape[0] == 0:
         return cut, None
-    lo, w = lo[wide], hi[wide] - lo[wide]
-    first = np.cumsum(w) - w
-    inside = np.repeat(lo + 1 - first, w) + np.arange(int(first[-1] + w[-1]))  # lo + 1 .. hi: cuts too
-    cut[inside] = True
-    uncovered = np.zeros(n_pos, dtype=np.int32)
-    uncovered[inside] = 1  # character c in [lo, hi) counts from position c + 1 on
-    return cut, np.cumsum(uncovered, dtype=np.int32)
+    lo, hi = lo[wide], hi[wide]
+    cut[hi] = True
+    w = hi - lo
+    return cut, (lo, w, np.cumsum(w) - w)
+
+
+def _uncovered_before(gaps: tuple, pos: np.ndarray) -> np.ndarray:
+    """Characters of `gaps` (as `_cuts_and_gaps` gives them) before each character position."""
+    lo, w, before = gaps
+    g = np.searchsorted(lo, pos, side="right") - 1
+    inside = np.clip(pos - lo[np.maximum(g, 0)], 0, w[np.maximum(g, 0)])
+    return np.where(g >= 0, before[np.maximum(g, 0)] + inside, 0)
 
 
 def _pair_specials(s_roles: list[int], t_roles: list[int]) -> list[tuple[int, int, bool]]:
@@ -496,9 +503,10 @@ def align_flat(texts, s_flat, t_flat, s_info, t_info) -> list[Alignment]:
     fs = np.concatenate(([0], np.cumsum(s.flagged)))
     ft = np.concatenate(([0], np.cumsum(t.flagged)))
     exact = (ds > 0) & (dt > 0) & (fs[cs[1:]] == fs[cs[:-1]]) & (ft[ct[1:]] == ft[ct[:-1]])
-    for gap in (gap_s, gap_t):
-        if gap is not None:
-            exact &= gap[pos[1:]] == gap[pos[:-1]]
+    for gaps in (gap_s, gap_t):
+        if gaps is not None:  # a chunk over characters one side leaves uncovered is not exact
+            before = _uncovered_before(gaps, pos)
+            exact &= before[1:] == before[:-1]
 
     # zero-width tokens: at a common boundary -> chunks of their own, paired by role; else absorbed
     at_boundary: dict[int, tuple[list[int], list[int]]] = {}
@@ -521,12 +529,14 @@ def align_flat(texts, s_flat, t_flat, s_info, t_info) -> list[Alignment]:
     # split at the separator chunks (each is 1:1 by construction)
     sep_chunk = np.searchsorted(s_end, s.sep_full + 1, side="left")
     assert np.array_equal(s_end[sep_chunk], s.sep_full + 1) and np.array_equal(t_end[sep_chunk], t.sep_full + 1)
-    firsts = np.concatenate(([0], sep_chunk[:-1] + 1)).tolist()
+    # each document's chunks, counted from its own first token and character (one pass over the
+    # batch, then a view per document)
+    firsts = np.concatenate(([0], sep_chunk[:-1] + 1))
+    per_doc = np.diff(np.concatenate(([-1], sep_chunk)))  # a document's chunks and its separator chunk
     s0, t0 = np.concatenate(([0], s.sep_full[:-1] + 1)), np.concatenate(([0], t.sep_full[:-1] + 1))
-    return [Alignment(student_end=(s_end[f:k] - s0[d]).astype(np.int32),
-                      teacher_end=(t_end[f:k] - t0[d]).astype(np.int32), exact=chunk_x[f:k].copy(),
-                      char_end=(chunk_p[f:k] - base[d]).astype(np.int32))
-            for d, (f, k) in enumerate(zip(firsts, sep_chunk.tolist()))]
+    rel = [(x - np.repeat(o, per_doc)).astype(np.int32) for x, o in ((s_end, s0), (t_end, t0), (chunk_p, base))]
+    return [Alignment(student_end=rel[0][f:k], teacher_end=rel[1][f:k], exact=chunk_x[f:k], char_end=rel[2][f:k])
+            for f, k in zip(firsts.tolist(), sep_chunk.tolist())]
 
 
 def align_offsets(text: str, student_ids, student_offsets, teacher_ids, teacher_offsets,

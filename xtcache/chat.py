@@ -236,14 +236,15 @@ def locate(text: str, conv: dict, texts: list | None = None) -> Located:
     `text`, in order from a cursor."""
     texts = message_texts(conv) if texts is None else texts
     at_list, width_list = [], []
+    add_at, add_width, find = at_list.append, width_list.append, text.find
     cursor = content = unaligned = spans = 0
     for _, _, s in texts:
         n = len(s)
         content += n
-        at = text.find(s, cursor)
+        at = find(s, cursor)
         if at >= 0:
-            at_list.append(at)
-            width_list.append(n)
+            add_at(at)
+            add_width(n)
             cursor = at + n
             continue
         core = s.strip()
@@ -500,12 +501,13 @@ def align_conversations(convs: list[dict], students: list[Rendering], teachers: 
 def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering], fs: _Flat | None = None,
                      ft: _Flat | None = None) -> np.ndarray:
     """Per conversation: characters of exact content chunks whose two sides' rendered text differs
-    (0 unless the alignment is wrong): the check behind `inspect`'s "misaligned" count. Numpy over
-    every exact chunk of the batch (end-of-turn pairs are not content and are left out)."""
+    (0 unless the alignment is wrong): the check behind `inspect`'s "misaligned" count. Every exact
+    chunk of the batch is checked (end-of-turn pairs are not content and are left out): runs of
+    chunks that continue each other are compared as whole strings, a differing run chunk by chunk."""
     n_docs = len(aligns)
     fs = fs or _flat_side(students)
     ft = ft or _flat_side(teachers)
-    ends, sides = [], []
+    ends, joined = [], []
     n_chunks = np.fromiter((a.num_chunks for a in aligns), dtype=np.int64, count=n_docs)
     for f, rends, key in ((fs, students, "student_end"), (ft, teachers, "teacher_end")):
         tok_base = np.cumsum(f.counts) - f.counts
@@ -516,28 +518,31 @@ def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering
         has = n_chunks > 0
         first[starts_doc[has]] = tok_base[has]
         ends.append((first, e))
-        joined = "\x00".join(r.text for r in rends) + "\x00"
-        sides.append((f.offs, f.markers, np.frombuffer(joined.encode("utf-32-le"), dtype="<u4")))
+        joined.append("\x00".join(r.text for r in rends) + "\x00")  # the offsets' batch coordinates (_flat_side)
     doc = np.repeat(np.arange(n_docs), n_chunks)
     exact = np.concatenate([a.exact for a in aligns] + [np.zeros(0, bool)])
     (sf, se), (tf, te) = ends
-    (so, sm, s_cp), (to, tm, t_cp) = sides
+    so, to = fs.offs, ft.offs
     sel = exact & (se > sf) & (te > tf)
-    sel[sel] &= ~sm[sf[sel]] & ~tm[tf[sel]]
+    sel[sel] &= ~fs.markers[sf[sel]] & ~ft.markers[tf[sel]]
     a_s, b_s = so[sf[sel], 0], so[se[sel] - 1, 1]
     a_t, b_t = to[tf[sel], 0], to[te[sel] - 1, 1]
     width = b_s - a_s
     bad = width != (b_t - a_t)
-    same = ~bad & (width > 0)
-    if same.any():
-        w = width[same]
-        w_start = np.cumsum(w) - w
-        # every character of every such chunk against its counterpart (int32 indices: a batch's
-        # joined texts are far below 2**31 characters)
-        at_s = np.arange(int(w.sum()), dtype=np.int32) + np.repeat((a_s[same] - w_start).astype(np.int32), w)
-        hit = np.flatnonzero(s_cp[at_s] != t_cp[at_s + np.repeat((a_t[same] - a_s[same]).astype(np.int32), w)])
-        if hit.shape[0]:
-            bad[np.flatnonzero(same)[np.searchsorted(w_start, hit, side="right") - 1]] = True
+    same = np.flatnonzero(~bad & (width > 0))
+    if same.shape[0]:
+        # consecutive chunks that continue each other on both sides form one run; each run's two
+        # texts are compared as strings, and only a run that differs is searched chunk by chunk
+        a_s, b_s, a_t, b_t = a_s[same], b_s[same], a_t[same], b_t[same]
+        run = np.flatnonzero(np.concatenate(([True], (a_s[1:] != b_s[:-1]) | (a_t[1:] != b_t[:-1]))))
+        last = np.concatenate((run[1:], [same.shape[0]])) - 1
+        s_text, t_text = joined
+        for r0, r1, x0, x1, y0 in zip(run.tolist(), last.tolist(), a_s[run].tolist(), b_s[last].tolist(),
+                                      a_t[run].tolist()):
+            if s_text[x0:x1] != t_text[y0:y0 + x1 - x0]:
+                for c in range(r0, r1 + 1):
+                    x, y, w = int(a_s[c]), int(a_t[c]), int(b_s[c] - a_s[c])
+                    bad[same[c]] = s_text[x:x + w] != t_text[y:y + w]
     return np.bincount(doc[sel][bad], weights=width[bad], minlength=n_docs).astype(np.int64)
 
 
@@ -547,14 +552,13 @@ def rendering(tokenizer, text: str, conv: dict, markers: np.ndarray | None = Non
     added special tokens (the template writes its own), offsets, located pieces, marker flags.
     `texts`: the conversation's `message_texts` (another rendering's `located.texts`), to skip
     collecting them again."""
-    from xtcache.align import encode_flat
-
     if encoded is None:
+        from xtcache.align import encode_flat
+
         ids, offs, _ = encode_flat(tokenizer, [text], add_special_tokens=False, side=side)
     else:
         ids, offs = encoded
-    ids = np.asarray(ids, dtype=np.int64)
     if markers is None:
-        markers = np.asarray(turn_marker_ids(tokenizer), dtype=np.int64)
-    return Rendering(text, ids, np.asarray(offs, dtype=np.int64).reshape(-1, 2), locate(text, conv, texts),
-                     np.asarray(markers, dtype=np.int64))
+        markers = turn_marker_ids(tokenizer)
+    return Rendering(text, np.asarray(ids, dtype=np.int64), np.asarray(offs, dtype=np.int64).reshape(-1, 2),
+                     locate(text, conv, texts), np.asarray(markers, dtype=np.int64))
