@@ -1,7 +1,10 @@
 """`xtcache demo` at its reduced size: the whole pipeline runs and the cache teaches.
 
-Runs the demo exactly as a user would (a subprocess of the `xtcache` CLI, real vLLM, real DeepSpeed),
-then reads the numbers it reported.
+Runs the demo as a user would (a subprocess of the `xtcache` CLI, real DeepSpeed), then reads the
+numbers it reported. The plain-text demo captures with `--engine hf`: its vLLM path is the same
+`xtcache teacher-dump` command that tests/test_stage1_vllm.py runs with vLLM, and the chat demo
+(tests/test_demo_chat.py) runs the demo itself on vLLM; this saves the four vLLM engine starts
+(about three minutes on 2 CPU cores) that would repeat that coverage.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def run_small_demo(*flags: str) -> subprocess.CompletedProcess:
 
 
 def test_small_demo_distilled_student_beats_ce_baseline():
-    proc = run_small_demo()
+    proc = run_small_demo("--engine", "hf")
     result = json.loads((WORKDIR / "demo_result.json").read_text())
     kd, ce = result["distilled"], result["baseline"]
     # the same number of steps for both runs, evaluated on the same held-out full-vocabulary cache
@@ -47,3 +50,4 @@ def test_small_demo_distilled_student_beats_ce_baseline():
     # the KL is against every teacher id of the held-out documents, and the table says so
     assert result["eval_cache_mb"] > 0 and result["eval_cache_docs"] > 0
     assert "projected KL to the teacher's FULL distribution" in proc.stdout
+    assert result["engine"] == "transformers" and "teacher (transformers)" in proc.stdout

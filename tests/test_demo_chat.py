@@ -24,3 +24,4 @@ def test_small_chat_demo_distils_assistant_turns_across_two_templates():
     # KD and CE on the assistant turns of conversations rendered in two different templates
     assert kd["final_eval_kl"] < ce["final_eval_kl"]
     assert "--chat: conversations" in proc.stdout
+    assert result["engine"] == "vLLM" and result["teacher_positions_per_s"] > 0  # the demo's own vLLM path

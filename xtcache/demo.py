@@ -11,7 +11,7 @@ What it does, all on this machine and with no downloads:
 2. `xtcache teacher-dump` with vLLM (cross-tokenizer, top-k) over the training documents, and a
    full-vocabulary cache (`--mode full`, every teacher id) of the held-out documents, the
    evaluation reference: on a second run both are found by their keys and the teacher does not
-   run again;
+   run again (`--engine hf` captures with transformers instead);
 3. `xtcache projection build` (student -> teacher vocabulary map);
 4. `xtcache train-student` with DeepSpeed twice, for the same number of steps: distilled from the
    top-k cache (projected KL + CE) and a CE-only baseline, both evaluated (`--eval-cache`) on the
@@ -89,15 +89,15 @@ def _xtcache(*args: str) -> None:
         raise SystemExit(f"demo step failed (exit {rc}): xtcache {' '.join(args)}")
 
 
-def _dump(setup, data: list[Path], out: Path, capture: list[str]) -> dict:
-    """teacher-dump with vLLM into `out` (reused when complete for the same key); returns its summary."""
+def _dump(setup, data: list[Path], out: Path, capture: list[str], engine: str) -> dict:
+    """teacher-dump with `engine` into `out` (reused when complete for the same key); returns its summary."""
     from xtcache.errors import StoreError
     from xtcache.store import CacheReader
 
     reused_before = _is_complete(out)
     args = ["teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
             str(setup.student_tokenizer), *[a for f in data for a in ("--data", str(f))], "--out", str(out), *capture,
-            "--max-seq-len", "512", "--engine", "vllm", "--dtype", "float32"]
+            "--max-seq-len", "512", "--engine", engine, "--dtype", "float32"]
     try:
         _xtcache(*args)
     except SystemExit as failed:
@@ -173,8 +173,9 @@ def _plot(runs: dict[str, Path], png: Path) -> None:
     plt.close(fig)
 
 
-def run_demo(workdir: Path, size_name: str, *, chat: bool = False) -> dict:
-    """Run the demo (on conversations with `chat`); returns the numbers of its table (the test reads them)."""
+def run_demo(workdir: Path, size_name: str, *, chat: bool = False, engine: str = "vllm") -> dict:
+    """Run the demo (on conversations with `chat`, capturing the teacher with `engine`); returns the
+    numbers of its table (the tests read them)."""
     from xtcache.testing import toy
 
     size = SIZES[size_name]
@@ -199,12 +200,12 @@ def run_demo(workdir: Path, size_name: str, *, chat: bool = False) -> dict:
         spec_key = f"toy-{spec.key()}"
     t_setup = time.perf_counter() - t0
 
-    log.info("step 2/5: teacher-dump with vLLM: top-%d of the training documents, every id of the held-out ones",
-             size.top_k)
+    log.info("step 2/5: teacher-dump with %s: top-%d of the training documents, every id of the held-out ones",
+             "vLLM" if engine == "vllm" else "transformers", size.top_k)
     cache = workdir / "caches" / f"{spec_key}-k{size.top_k}"
-    dump = _dump(setup, [setup.train_jsonl], cache, ["--mode", "topk", "--top-k", str(size.top_k)])
+    dump = _dump(setup, [setup.train_jsonl], cache, ["--mode", "topk", "--top-k", str(size.top_k)], engine)
     eval_cache = workdir / "caches" / f"{spec_key}-heldout-full"
-    eval_dump = _dump(setup, [setup.heldout_jsonl], eval_cache, ["--mode", "full"])
+    eval_dump = _dump(setup, [setup.heldout_jsonl], eval_cache, ["--mode", "full"], engine)
 
     log.info("step 3/5: projection build")
     projection = workdir / f"projection-{spec_key}.safetensors"
@@ -232,6 +233,7 @@ def run_demo(workdir: Path, size_name: str, *, chat: bool = False) -> dict:
         "wall_s": time.perf_counter() - t0,
         "setup_s": t_setup,
         "chat": chat,
+        "engine": "vLLM" if engine == "vllm" else "transformers",
     }
     (workdir / "demo_result.json").write_text(json.dumps(result, indent=2, default=str))
     _print_table(result)
@@ -251,7 +253,7 @@ def _print_table(r: dict) -> None:
         "",
         "xtcache demo" + (" --chat: conversations, ChatML-style teacher template, Llama-3-style student template, "
                           "trained on assistant turns" if r.get("chat") else ""),
-        f"  teacher (vLLM)          {teacher}",
+        f"  {'teacher (' + r['engine'] + ')':<24}{teacher}",
         f"  cache                   {_fmt(r['bytes_per_position'], '.1f')} bytes/position, {r['cache_mb']:.2f} MB",
         f"  held-out reference      every teacher id of {_fmt(r['eval_cache_docs'], 'd')} held-out documents, "
         f"{r['eval_cache_mb']:.2f} MB",
@@ -277,8 +279,12 @@ def demo(
     size: str = typer.Option("default", help="default | small (the reduced size the tests run)."),
     chat: bool = typer.Option(False, "--chat", help="Distil over conversations, each model in its own chat "
                                                     "template, training on assistant turns."),
+    engine: str = typer.Option("vllm", help="vllm | hf: the teacher-dump engine (hf: transformers, for a machine "
+                                            "without a working vLLM; the tests' plain-text demo)."),
 ) -> None:
     """Run the whole pipeline on local data: teacher-dump, projection, distilled vs CE-only student."""
     if size not in SIZES:
         raise typer.BadParameter(f"--size {size}: use one of {', '.join(SIZES)}")
-    run_demo(Path(workdir), size, chat=chat)
+    if engine not in ("vllm", "hf"):
+        raise typer.BadParameter(f"--engine {engine}: use vllm or hf")
+    run_demo(Path(workdir), size, chat=chat, engine=engine)
