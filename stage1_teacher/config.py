@@ -55,6 +55,8 @@ class TeacherConfig:
     """vLLM: capture hidden states and apply the teacher's lm_head (exact, fast); off: prompt log-probs."""
     check_tolerance: float | None = None
     """Largest allowed |fast - reference| log-prob gap on the first batch; default by dtype (fp32 1e-3, else 0.5)."""
+    trust_check_from: str | None = None
+    """Another store whose passed first-batch check of this teacher (same weights, vLLM version, dtype, tensor-parallel size) this dump trusts instead of starting the check's engine: one teacher filling several stores checks once."""
 
 
 @dataclass(kw_only=True)
@@ -136,6 +138,9 @@ class TeacherDumpConfig:
             raise ValueError(f"--max-model-len {t.max_model_len}: must exceed --max-seq-len {c.max_seq_len}")
         if t.gpu_memory_utilization is not None and not 0 < t.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization {t.gpu_memory_utilization}: must be in (0, 1]")
+        if t.trust_check_from and not (t.engine == "vllm" and t.fast_path):
+            raise ValueError("--trust-check-from: only the vLLM fast path runs a first-batch check "
+                             "(--engine vllm without --no-fast-path)")
         if t.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size {t.tensor_parallel_size}: must be at least 1")
         if s.num_shards is not None and s.num_shards < 1:

@@ -394,7 +394,10 @@ class CheckRecords:
     once per (teacher, vLLM version, dtype, tensor-parallel size): writer 0 (or a single job) runs
     it when no record exists and records it; the other writers start only the hidden-state engine
     and, before marking themselves done, wait for a passed record. A writer whose key differs from
-    the recorded ones runs its own check. A failed record stops every writer.
+    the recorded ones runs its own check. A failed record stops every writer. With
+    `--trust-check-from STORE` a writer whose store holds no record for its key trusts STORE's
+    passed record instead (one teacher filling several stores checks once); STORE without one is
+    an error before any engine starts.
     """
 
     def __init__(self, cfg: TeacherDumpConfig, plan: Plan):
@@ -407,6 +410,9 @@ class CheckRecords:
         self.rel = f"capture_checks/{self.what['key']}.json"
         self.writer = cfg.store.shard_index
         self.checker = cfg.store.shard_index == 0 or cfg.store.num_shards == 1
+        self.trust_from = t.trust_check_from
+        self.borrowed_from: str | None = None  # the other store whose record `read` returned
+        self.storage_options = cfg.store.storage_options
 
     def runs_here(self) -> bool:
         """No record for this key: writer 0 checks; another writer checks only when the store holds
@@ -419,6 +425,18 @@ class CheckRecords:
 
         raw = self.loc.read_json(self.rel)
         rec = None if raw is None else read_model(CaptureCheck, raw, f"{self.loc.url}/{self.rel}")
+        if rec is None and self.trust_from:
+            from xtcache.store_io import Location
+
+            other = Location(self.trust_from, self.storage_options)
+            raw = other.read_json(self.rel)
+            if raw is None:
+                raise CaptureError(f"--trust-check-from {self.trust_from}: that store holds no first-batch check of "
+                                   f"this teacher, vLLM {self.what['vllm_version']}, dtype {self.what['dtype']} and "
+                                   f"tensor-parallel size {self.what['tensor_parallel_size']} ({self.rel}); drop the "
+                                   "option to run the check here")
+            rec = read_model(CaptureCheck, raw, f"{other.url}/{self.rel}")
+            self.borrowed_from = other.url
         if rec is not None and not rec.passed:
             raise CaptureError(f"writer {rec.writer_index}'s first-batch check of the fast path failed for this teacher "
                                f"(vLLM {rec.vllm_version}, dtype {rec.dtype}); rerun the store with --no-fast-path")
@@ -564,6 +582,8 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
                 summary.check_source = "ran here"
             elif cap.kind != "hidden":  # the prompt log-probs path is the reference itself
                 summary.check_source = "not needed (prompt log-probs)"
+            elif trusted and checks.borrowed_from:
+                summary.check_source = f"trusted from {checks.borrowed_from}"
             elif trusted:
                 summary.check_source = f"checked by writer {trusted['writer_index']}"
             elif trusted is not None:

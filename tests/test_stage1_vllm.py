@@ -186,7 +186,8 @@ def test_cli_killed_while_its_engine_runs_leaves_no_engine_then_resumes(teacher,
 def test_first_batch_check_runs_once_per_store(teacher, corpus, toy_setup, engines, tmp_path):
     """Writer 0 runs the fast path's first-batch check (reference engine + hidden engine) and records
     it; writer 1 starts only the hidden-state engine and trusts the record; a failed record stops
-    a writer before any engine starts."""
+    a writer before any engine starts. Another store of the same teacher trusts that record with
+    --trust-check-from; a store without one is refused before any engine starts."""
     from schemas.models import CaptureCheck
 
     lines = Path(corpus).read_text().splitlines(keepends=True)
@@ -202,11 +203,11 @@ def test_first_batch_check_runs_once_per_store(teacher, corpus, toy_setup, engin
 
     engines.get = get
     try:
-        def job(out, i):
+        def job(out, i, **extra):
             cfg = build_config({"teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer)],
                                 "data": [str(p) for p in data], "out": str(out), "engine": "vllm", "dtype": "float32",
                                 "top_k": 8, "max_seq_len": 256, "docs_per_part": 4, "num_shards": 2,
-                                "shard_index": i})
+                                "shard_index": i, **extra})
             requested.clear()
             return run_teacher_dump(cfg, engines=engines, progress=False), list(requested)
 
@@ -228,6 +229,15 @@ def test_first_batch_check_runs_once_per_store(teacher, corpus, toy_setup, engin
 
         with pytest.raises(CaptureError, match="check of the fast path failed"):
             job(bad, 0)
+        assert requested == []
+        # another store of the same teacher trusts this store's record: only the hidden-state engine
+        other = tmp_path / "other"
+        s2, kinds2 = job(other, 0, trust_check_from=str(tmp_path / "store"))
+        assert kinds2 == ["vllm-hidden"] and s2.check_source == f"trusted from {tmp_path / 'store'}"
+        assert s2.check_gap == rec.max_gap and not (other / "capture_checks").exists()
+        # a store without a record for this teacher is refused before any engine starts
+        with pytest.raises(CaptureError, match="--trust-check-from .* holds no first-batch check"):
+            job(tmp_path / "third", 0, trust_check_from=str(tmp_path / "no-such-store"))
         assert requested == []
     finally:
         engines.get = real_get

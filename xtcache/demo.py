@@ -10,8 +10,10 @@ What it does, all on this machine and with no downloads:
    student; all of this is cached under the work directory and reused on the next run;
 2. `xtcache teacher-dump` with vLLM (cross-tokenizer, top-k) over the training documents, and a
    full-vocabulary cache (`--mode full`, every teacher id) of the held-out documents, the
-   evaluation reference: on a second run both are found by their keys and the teacher does not
-   run again (`--engine hf` captures with transformers instead);
+   evaluation reference (it trusts the first dump's first-batch check of the vLLM fast path,
+   `--trust-check-from`, so only one dump starts the check's engine): on a second run both are
+   found by their keys and the teacher does not run again (`--engine hf` captures with
+   transformers instead);
 3. `xtcache projection build` (student -> teacher vocabulary map);
 4. `xtcache train-student` with DeepSpeed twice, for the same number of steps: distilled from the
    top-k cache (projected KL + CE) and a CE-only baseline, both evaluated (`--eval-cache`) on the
@@ -205,7 +207,8 @@ def run_demo(workdir: Path, size_name: str, *, chat: bool = False, engine: str =
     cache = workdir / "caches" / f"{spec_key}-k{size.top_k}"
     dump = _dump(setup, [setup.train_jsonl], cache, ["--mode", "topk", "--top-k", str(size.top_k)], engine)
     eval_cache = workdir / "caches" / f"{spec_key}-heldout-full"
-    eval_dump = _dump(setup, [setup.heldout_jsonl], eval_cache, ["--mode", "full"], engine)
+    trust = ["--trust-check-from", str(cache)] if engine == "vllm" else []  # one teacher, one first-batch check
+    eval_dump = _dump(setup, [setup.heldout_jsonl], eval_cache, ["--mode", "full", *trust], engine)
 
     log.info("step 3/5: projection build")
     projection = workdir / f"projection-{spec_key}.safetensors"
