@@ -396,7 +396,8 @@ class CheckRecords:
     and, before marking themselves done, wait for a passed record. A writer whose key differs from
     the recorded ones runs its own check. A failed record stops every writer. With
     `--trust-check-from STORE` a writer whose store holds no record for its key trusts STORE's
-    passed record instead (one teacher filling several stores checks once); STORE without one is
+    passed record instead (one teacher filling several stores checks once) and writer 0 copies it
+    into this store, naming STORE in its `reference`, for the other writers; STORE without one is
     an error before any engine starts.
     """
 
@@ -437,6 +438,9 @@ class CheckRecords:
                                    "option to run the check here")
             rec = read_model(CaptureCheck, raw, f"{other.url}/{self.rel}")
             self.borrowed_from = other.url
+            if rec.passed and self.checker:  # this store's other writers and resumes find it here
+                copy = rec.model_copy(update={"reference": f"{rec.reference}; recorded in {other.url}"})
+                self.loc.create_exclusive(self.rel, copy.model_dump(mode="json"))
         if rec is not None and not rec.passed:
             raise CaptureError(f"writer {rec.writer_index}'s first-batch check of the fast path failed for this teacher "
                                f"(vLLM {rec.vllm_version}, dtype {rec.dtype}); rerun the store with --no-fast-path")

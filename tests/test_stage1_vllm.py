@@ -234,7 +234,13 @@ def test_first_batch_check_runs_once_per_store(teacher, corpus, toy_setup, engin
         other = tmp_path / "other"
         s2, kinds2 = job(other, 0, trust_check_from=str(tmp_path / "store"))
         assert kinds2 == ["vllm-hidden"] and s2.check_source == f"trusted from {tmp_path / 'store'}"
-        assert s2.check_gap == rec.max_gap and not (other / "capture_checks").exists()
+        assert s2.check_gap == rec.max_gap
+        (copied,) = (other / "capture_checks").glob("*.json")  # for this store's other writers and resumes
+        got = CaptureCheck.model_validate_json(copied.read_text())
+        assert got.passed and got.max_gap == rec.max_gap and str(tmp_path / "store") in got.reference
+        s3, kinds3 = job(other, 1)  # writer 1 of that store, without the option, trusts the copy
+        assert kinds3 == ["vllm-hidden"] and s3.check_source == "checked by writer 0"
+        assert CacheReader(str(other)).is_complete()
         # a store without a record for this teacher is refused before any engine starts
         with pytest.raises(CaptureError, match="--trust-check-from .* holds no first-batch check"):
             job(tmp_path / "third", 0, trust_check_from=str(tmp_path / "no-such-store"))
