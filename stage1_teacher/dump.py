@@ -396,9 +396,9 @@ class CheckRecords:
     and, before marking themselves done, wait for a passed record. A writer whose key differs from
     the recorded ones runs its own check. A failed record stops every writer. With
     `--trust-check-from STORE` a writer whose store holds no record for its key trusts STORE's
-    passed record instead (one teacher filling several stores checks once) and writer 0 copies it
-    into this store, naming STORE in its `reference`, for the other writers; STORE without one is
-    an error before any engine starts.
+    passed record instead (one teacher filling several stores checks once) and writer 0 keeps a
+    copy in this store, naming STORE in its `reference`, for the other writers (`keep_borrowed`);
+    STORE without one is an error before any engine starts.
     """
 
     def __init__(self, cfg: TeacherDumpConfig, plan: Plan):
@@ -413,6 +413,7 @@ class CheckRecords:
         self.checker = cfg.store.shard_index == 0 or cfg.store.num_shards == 1
         self.trust_from = t.trust_check_from
         self.borrowed_from: str | None = None  # the other store whose record `read` returned
+        self.borrowed = None  # that record
         self.storage_options = cfg.store.storage_options
 
     def runs_here(self) -> bool:
@@ -437,14 +438,19 @@ class CheckRecords:
                                    f"tensor-parallel size {self.what['tensor_parallel_size']} ({self.rel}); drop the "
                                    "option to run the check here")
             rec = read_model(CaptureCheck, raw, f"{other.url}/{self.rel}")
-            self.borrowed_from = other.url
-            if rec.passed and self.checker:  # this store's other writers and resumes find it here
-                copy = rec.model_copy(update={"reference": f"{rec.reference}; recorded in {other.url}"})
-                self.loc.create_exclusive(self.rel, copy.model_dump(mode="json"))
+            self.borrowed, self.borrowed_from = rec, other.url
         if rec is not None and not rec.passed:
             raise CaptureError(f"writer {rec.writer_index}'s first-batch check of the fast path failed for this teacher "
                                f"(vLLM {rec.vllm_version}, dtype {rec.dtype}); rerun the store with --no-fast-path")
         return rec
+
+    def keep_borrowed(self) -> None:
+        """Writer 0 copies the passed record `read` took from --trust-check-from into this store, so
+        that the store's other writers and its resumes trust it without the option."""
+        if self.borrowed is not None and self.borrowed.passed and self.checker:
+            copy = self.borrowed.model_copy(update={"reference": f"{self.borrowed.reference}; recorded in "
+                                                                 f"{self.borrowed_from}"})
+            self.loc.create_exclusive(self.rel, copy.model_dump(mode="json"))
 
     def write(self, check: dict) -> None:
         from schemas.models import CaptureCheck
@@ -587,6 +593,7 @@ def _pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engine
             elif cap.kind != "hidden":  # the prompt log-probs path is the reference itself
                 summary.check_source = "not needed (prompt log-probs)"
             elif trusted and checks.borrowed_from:
+                checks.keep_borrowed()
                 summary.check_source = f"trusted from {checks.borrowed_from}"
             elif trusted:
                 summary.check_source = f"checked by writer {trusted['writer_index']}"

@@ -140,7 +140,8 @@ def _engine_processes(pid: int) -> list:
     out = []
     for q in psutil.Process(pid).children(recursive=True):
         try:
-            if "VLLM" in q.name() or any("VLLM" in part for part in q.cmdline()[:1]):
+            cmd = q.cmdline()
+            if "VLLM" in q.name() or (cmd and "VLLM" in cmd[0]):
                 out.append(q)
         except psutil.Error:
             pass
@@ -149,8 +150,8 @@ def _engine_processes(pid: int) -> list:
 
 def test_cli_killed_while_its_engine_runs_leaves_no_engine_then_resumes(teacher, corpus, toy_setup, tmp_path):
     """The real command line, twice: killed with SIGKILL once its vLLM engine processes are up, they
-    exit with it (xtcache.reaper); the same command with --resume then starts its own engine, writes
-    the store, shuts the engine down before it exits, and the store verifies.
+    exit with it (xtcache.reaper); the same command with --resume then starts its own engine and
+    writes the store, which verifies.
 
     --no-fast-path keeps each run to one engine start (the fast path is covered in process above;
     a resume after committed parts is tests/test_stage1_dump.py's, with the same part logic).

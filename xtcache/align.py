@@ -400,9 +400,9 @@ def _cuts_and_gaps(side: _Side, n_pos: int) -> tuple[np.ndarray, tuple | None]:
 def _uncovered_before(gaps: tuple, pos: np.ndarray) -> np.ndarray:
     """Characters of `gaps` (as `_cuts_and_gaps` gives them) before each character position."""
     lo, w, before = gaps
-    g = np.searchsorted(lo, pos, side="right") - 1
-    inside = np.clip(pos - lo[np.maximum(g, 0)], 0, w[np.maximum(g, 0)])
-    return np.where(g >= 0, before[np.maximum(g, 0)] + inside, 0)
+    g = np.searchsorted(lo, pos, side="right") - 1  # the last gap starting at or before pos (-1: none)
+    gi = np.maximum(g, 0)
+    return np.where(g >= 0, before[gi] + np.clip(pos - lo[gi], 0, w[gi]), 0)
 
 
 def _pair_specials(s_roles: list[int], t_roles: list[int]) -> list[tuple[int, int, bool]]:

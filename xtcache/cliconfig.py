@@ -12,8 +12,8 @@ command line, then the `--config` file (YAML, TOML or JSON), then the dataclass 
 A leaf whose field carries `metadata={"positional": True}` is a command-line argument instead of
 a flag (`xtcache align STORE`). Leaf types and their flags: `int`, `float`, `str` (`X | None` for
 optional ones), `bool` and `bool | None` (`--x/--no-x`), `list[str]` (repeatable), `dict` (a JSON
-object on the command line, read by `parse_storage_options`, a mapping in a config file). A leaf without a default is
-required: given as a flag or in the file. Bad values raise ConfigError naming the flag (one line,
+object on the command line, read by `parse_storage_options`, a mapping in a config file). A leaf
+without a default is required: given as a flag or in the file. Bad values raise ConfigError naming the flag (one line,
 exit 2 from the CLI); cross-field checks stay in the dataclass's `__post_init__` and raise
 ValueError naming the flag, which the command turns into ConfigError.
 """

@@ -202,12 +202,16 @@ def run_demo(workdir: Path, size_name: str, *, chat: bool = False, engine: str =
         spec_key = f"toy-{spec.key()}"
     t_setup = time.perf_counter() - t0
 
+    engine_name = "vLLM" if engine == "vllm" else "transformers"
     log.info("step 2/5: teacher-dump with %s: top-%d of the training documents, every id of the held-out ones",
-             "vLLM" if engine == "vllm" else "transformers", size.top_k)
+             engine_name, size.top_k)
     cache = workdir / "caches" / f"{spec_key}-k{size.top_k}"
     dump = _dump(setup, [setup.train_jsonl], cache, ["--mode", "topk", "--top-k", str(size.top_k)], engine)
     eval_cache = workdir / "caches" / f"{spec_key}-heldout-full"
-    trust = ["--trust-check-from", str(cache)] if engine == "vllm" else []  # one teacher, one first-batch check
+    # one teacher, one first-batch check: the held-out dump trusts the training cache's (absent when
+    # an --engine hf run of this work directory wrote that cache)
+    checked = engine == "vllm" and any((cache / "capture_checks").glob("*.json"))
+    trust = ["--trust-check-from", str(cache)] if checked else []
     eval_dump = _dump(setup, [setup.heldout_jsonl], eval_cache, ["--mode", "full", *trust], engine)
 
     log.info("step 3/5: projection build")
@@ -236,7 +240,7 @@ def run_demo(workdir: Path, size_name: str, *, chat: bool = False, engine: str =
         "wall_s": time.perf_counter() - t0,
         "setup_s": t_setup,
         "chat": chat,
-        "engine": "vLLM" if engine == "vllm" else "transformers",
+        "engine": engine_name,
     }
     (workdir / "demo_result.json").write_text(json.dumps(result, indent=2, default=str))
     _print_table(result)
