@@ -37,7 +37,8 @@ lint: setup
 # take whole test files (their module fixtures are built once), files with the most tests first
 # (xdist's default: starting the slow files first measured slower, 28 against 24 minutes, as two
 # vLLM or demo tests side by side starve each other); shared artifacts are built under a lock
-# (xtcache.testing.toy.build_once).
+# (xtcache.testing.toy.build_once). Each worker, and every process it starts, gets its share of the
+# cores as OMP_NUM_THREADS (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests

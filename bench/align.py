@@ -77,7 +77,7 @@ def bench_pair(name: str, s_tok, t_tok, docs: list[str], repeat: int) -> dict:
 
 def bench_conversations(name: str, s_tok, t_tok, convs: list[dict], repeat: int) -> dict:
     """Render, tokenize and align conversations, each model in its own template (interleaved)."""
-    from xtcache.chat import align_conversations, render, rendering, turn_marker_ids
+    from xtcache.chat import align_conversations, render, renderings, turn_marker_ids
 
     s_mark, t_mark = (np.asarray(turn_marker_ids(t), dtype=np.int64) for t in (s_tok, t_tok))
 
@@ -91,14 +91,10 @@ def bench_conversations(name: str, s_tok, t_tok, convs: list[dict], repeat: int)
                 encode_flat(t_tok, t_texts, add_special_tokens=False, side="teacher"))
 
     _, (s_flat, t_flat) = timed(tokenize)
-    split = lambda flat, k: np.split(flat[k], np.cumsum(flat[2])[:-1])  # noqa: E731
-    s_enc = list(zip(split(s_flat, 0), split(s_flat, 1)))
-    t_enc = list(zip(split(t_flat, 0), split(t_flat, 1)))
 
-    def align():
-        ts = [rendering(None, x, c, t_mark, encoded=e) for x, c, e in zip(t_texts, convs, t_enc)]
-        ss = [rendering(None, x, c, s_mark, encoded=e, texts=t.located.texts)  # as stage 1: texts collected once
-              for x, c, e, t in zip(s_texts, convs, s_enc, ts)]
+    def align():  # as stage 1: one batch encoding per side, the message texts collected once
+        ts = renderings(None, t_texts, convs, markers=t_mark, encoded=t_flat)
+        ss = renderings(None, s_texts, convs, markers=s_mark, encoded=s_flat, texts_of=ts)
         return align_conversations(convs, ss, ts)
 
     best = {"render": float("inf"), "tokenize": float("inf"), "batch": float("inf")}

@@ -104,15 +104,18 @@ def _conversation_records(docs, student_tok, identity: bool, conversation: dict,
     student's template and aligned to the stored teacher rendering and tokens."""
     import json
 
-    from stage1_teacher.prep import _encode
     from xtcache.align import identity_alignment
-    from xtcache.chat import ConversationError, align_conversations, render, rendering, turn_marker_ids
+    from xtcache.chat import ConversationError, align_conversations, render, renderings
     from xtcache.store import AlignmentRecord
 
+    if not docs:
+        return []
     markers = np.asarray(conversation.get("teacher_turn_markers", []), dtype=np.int64)
     convs = [json.loads(d.conversation) for d in docs]
-    teachers = [rendering(None, d.text, c, markers, encoded=(d.teacher_ids, d.char_offsets))
-                for d, c in zip(docs, convs)]
+    stored = (np.concatenate([np.asarray(d.teacher_ids, np.int64) for d in docs]),
+              np.concatenate([np.asarray(d.char_offsets, np.int64).reshape(-1, 2) for d in docs]),
+              np.array([len(d.teacher_ids) for d in docs], dtype=np.int64))
+    teachers = renderings(None, [d.text for d in docs], convs, markers=markers, encoded=stored)
     if identity:
         students = teachers
     else:
@@ -121,10 +124,7 @@ def _conversation_records(docs, student_tok, identity: bool, conversation: dict,
                      for d, c in zip(docs, convs)]
         except ConversationError as e:
             raise AlignmentError(str(e)) from None
-        s_ids, s_off = _encode(student_tok, texts, "student tokenizer", add_special=False)
-        s_markers = np.asarray(turn_marker_ids(student_tok), dtype=np.int64)
-        students = [rendering(None, t, c, s_markers, encoded=(i, o), texts=r.located.texts)
-                    for t, c, i, o, r in zip(texts, convs, s_ids, s_off, teachers)]
+        students = renderings(student_tok, texts, convs, side="student tokenizer", texts_of=teachers)
     aligned = align_conversations(convs, students, teachers)
     return [AlignmentRecord(student_ids=s.ids.astype(np.int32),
                             alignment=identity_alignment(len(s.ids)) if identity else ca.alignment,

@@ -163,7 +163,7 @@ class Preparer:
         import json
 
         from xtcache.align import identity_alignment
-        from xtcache.chat import ConversationError, render, rendering
+        from xtcache.chat import ConversationError, render, renderings
         from xtcache.store import AlignmentRecord
 
         result: list = [None] * len(docs)
@@ -183,33 +183,33 @@ class Preparer:
 
         t_text = render_all(self.teacher_tok, "teacher template")
         todo = sorted(t_text)
-        t_ids, t_off = _encode(self.teacher_tok, [t_text[i] for i in todo], "teacher tokenizer", add_special=False)
-        t_rend = {}
-        for i, ids, off in zip(todo, t_ids, t_off):
-            if len(ids) < 2:
+        t_all = renderings(self.teacher_tok, [t_text[i] for i in todo], [convs[i] for i in todo],
+                           markers=self.teacher_markers, side="teacher tokenizer")
+        for i, n in zip(todo, t_all.counts.tolist()):
+            if n < 2:
                 result[i] = Skipped(docs[i].source, docs[i].row, "fewer than 2 teacher tokens")
-                continue
-            t_rend[i] = rendering(None, t_text[i], convs[i], self.teacher_markers, encoded=(ids, off))
-        aligns: dict[int, dict] = {i: {} for i in t_rend}
+        kept = [k for k, i in enumerate(todo) if result[i] is None]
+        t_rend = t_all.take(kept)
+        at = {todo[k]: j for j, k in enumerate(kept)}  # row -> its entry of t_rend
+        aligns: dict[int, dict] = {i: {} for i in at}
         for s in self.students:
             if s.identity:  # same tokenizer and template: 1:1 chunks, roles from the teacher's rendering
-                live = [i for i in t_rend if result[i] is None]
-                for i, ca in zip(live, self._align_convs(live, convs, docs, t_rend, t_rend, s.name)):
+                live = [i for i in at if result[i] is None]
+                t_live = t_rend.take([at[i] for i in live])
+                for i, r, ca in zip(live, t_live, self._align_convs(live, convs, docs, t_live, t_live, s.name)):
                     if ca is not None:
-                        n = len(t_rend[i].ids)
                         aligns[i][s.fingerprint] = AlignmentRecord(
-                            student_ids=t_rend[i].ids.astype(np.int32), alignment=identity_alignment(n),
+                            student_ids=r.ids.astype(np.int32), alignment=identity_alignment(len(r.ids)),
                             student_role=ca.student_role, stats=ca.stats)
                 continue
             s_text = render_all(s.tokenizer, f"student template {s.name}")
-            live = [i for i in sorted(s_text) if i in t_rend]
-            s_ids, s_off = _encode(s.tokenizer, [s_text[i] for i in live], "student tokenizer", add_special=False)
-            s_rend = {i: rendering(None, s_text[i], convs[i], s.markers, encoded=(ids, off),
-                                   texts=t_rend[i].located.texts)
-                      for i, ids, off in zip(live, s_ids, s_off)}
-            for i, ca in zip(live, self._align_convs(live, convs, docs, s_rend, t_rend, s.name)):
+            live = [i for i in sorted(s_text) if i in at]
+            t_live = t_rend.take([at[i] for i in live])
+            s_live = renderings(s.tokenizer, [s_text[i] for i in live], [convs[i] for i in live], markers=s.markers,
+                                side="student tokenizer", texts_of=t_live)
+            for i, r, ca in zip(live, s_live, self._align_convs(live, convs, docs, s_live, t_live, s.name)):
                 if ca is not None:
-                    aligns[i][s.fingerprint] = AlignmentRecord(student_ids=s_rend[i].ids.astype(np.int32),
+                    aligns[i][s.fingerprint] = AlignmentRecord(student_ids=r.ids.astype(np.int32),
                                                                alignment=ca.alignment, student_role=ca.student_role,
                                                                stats=ca.stats)
         out: list[PreparedDoc | Skipped] = []
@@ -220,26 +220,27 @@ class Preparer:
             if len(aligns[i]) < len(self.students):
                 out.append(Skipped(d.source, d.row, "alignment failed"))
                 continue
-            r = t_rend[i]
+            r = t_rend[at[i]]
             rendered = Document(d.source, d.row, r.text)
             out.append(self._prepared(rendered, r.ids.astype(np.int32), r.offsets.astype(np.int32), aligns[i],
                                       conversation=d.text))
         return out
 
     def _align_convs(self, live, convs, docs, s_rend, t_rend, name) -> list:
-        """ConversationAlignments of conversations `live` (None where one fails: that row is skipped)."""
+        """ConversationAlignments of conversations `live` (their Renderings `s_rend`, `t_rend`, in that
+        order; None where one fails: that row is skipped)."""
         from xtcache.chat import align_conversations
 
         if not live:
             return []
         try:
-            return align_conversations([convs[i] for i in live], [s_rend[i] for i in live], [t_rend[i] for i in live])
+            return align_conversations([convs[i] for i in live], s_rend, t_rend)
         except AlignmentError:
             pass
         out = []
-        for i in live:
+        for k, i in enumerate(live):
             try:
-                out.append(align_conversations([convs[i]], [s_rend[i]], [t_rend[i]])[0])
+                out.append(align_conversations([convs[i]], s_rend.take([k]), t_rend.take([k]))[0])
             except AlignmentError as e:
                 log.warning("skipping row %d of %s for %s: %s", docs[i].row, docs[i].source, name, e)
                 out.append(None)
@@ -272,7 +273,7 @@ class Preparer:
         return window_tokens(pd.teacher_ids, w, self.bos_id)
 
 
-def _encode(tok, texts: list[str], side: str, *, add_special: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _encode(tok, texts: list[str], side: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per-document int32 ids and [N, 2] character offsets, encoded in one Rust batch.
 
     Uses xtcache.align's encoder so offsets are untrimmed exactly as the aligner expects.
@@ -281,7 +282,7 @@ def _encode(tok, texts: list[str], side: str, *, add_special: bool = True) -> tu
 
     if not texts:
         return [], []
-    ids, offsets, counts = encode_flat(tok, texts, add_special_tokens=add_special, side=side)
+    ids, offsets, counts = encode_flat(tok, texts, add_special_tokens=True, side=side)
     cuts = np.cumsum(counts)[:-1]
     return (np.split(ids.astype(np.int32), cuts), np.split(offsets.astype(np.int32), cuts))
 

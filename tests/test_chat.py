@@ -27,7 +27,7 @@ from xtcache.chat import (
     align_conversations,
     misaligned_chars,
     render,
-    rendering,
+    renderings,
     shared_pieces,
 )
 from xtcache.testing.chat import FAMILIES, chat_corpus, chat_tokenizer, write_chat_jsonl
@@ -55,8 +55,8 @@ def _no_tools(convs):
 
 
 def _aligned(s_tok, t_tok, convs):
-    ss = [rendering(s_tok, render(s_tok, c), c) for c in convs]
-    ts = [rendering(t_tok, render(t_tok, c), c) for c in convs]
+    ss = renderings(s_tok, [render(s_tok, c) for c in convs], convs)
+    ts = renderings(t_tok, [render(t_tok, c) for c in convs], convs)
     return ss, ts, align_conversations(convs, ss, ts)
 
 

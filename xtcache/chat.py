@@ -300,7 +300,8 @@ def shared_pieces(a: list[Piece], b: list[Piece]) -> list[tuple[Piece, Piece]]:
 
 @dataclass
 class Rendering:
-    """One side of a conversation: its rendered text, its tokens and where the messages are."""
+    """One conversation as one model renders it: its text, its tokens and where the messages are
+    (a view of one entry of `Renderings`)."""
 
     text: str
     ids: np.ndarray  # int64 [N]
@@ -312,6 +313,69 @@ class Rendering:
     def markers(self) -> np.ndarray:
         """bool [N]: the tokens that are end-of-turn candidates."""
         return np.isin(self.ids, self.marker_ids)
+
+
+@dataclass
+class Renderings:
+    """One side of a batch of conversations, all rendered by one tokenizer's template: the texts,
+    their tokens flat (`counts[d]` tokens of conversation d, offsets in its own text), where the
+    messages are in each text, and the tokenizer's end-of-turn candidates. `renderings` builds it
+    from one batch encoding; `align_conversations` reads it without copying per conversation."""
+
+    texts: list[str]
+    ids: np.ndarray  # int64 [N]
+    offsets: np.ndarray  # int64 [N, 2]
+    counts: np.ndarray  # int64 [D]
+    located: list[Located]
+    marker_ids: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def _starts(self) -> np.ndarray:
+        return np.cumsum(self.counts) - self.counts
+
+    def __getitem__(self, d: int) -> Rendering:
+        a = int(self._starts()[d])
+        b = a + int(self.counts[d])
+        return Rendering(self.texts[d], self.ids[a:b], self.offsets[a:b], self.located[d], self.marker_ids)
+
+    def __iter__(self):
+        starts = self._starts().tolist()
+        for d, (a, n) in enumerate(zip(starts, self.counts.tolist())):
+            yield Rendering(self.texts[d], self.ids[a:a + n], self.offsets[a:a + n], self.located[d], self.marker_ids)
+
+    def take(self, rows: list[int]) -> Renderings:
+        """The conversations `rows` of this batch, in that order."""
+        if rows == list(range(len(self))):
+            return self
+        rows_a = np.asarray(rows, dtype=np.int64)
+        starts, counts = self._starts()[rows_a], self.counts[rows_a]
+        tok = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
+        return Renderings([self.texts[d] for d in rows], self.ids[tok], self.offsets[tok], counts,
+                          [self.located[d] for d in rows], self.marker_ids)
+
+
+def renderings(tokenizer, texts: list[str], convs: list[dict], *, markers=None, encoded=None,
+               side: str = "tokenizer", texts_of: Renderings | None = None) -> Renderings:
+    """The Renderings of conversations `convs`, rendered by `tokenizer`'s template as `texts`: tokens
+    without added special tokens (the template writes its own), in one batch encoding unless
+    `encoded` gives them ((ids [N], offsets [N, 2], counts [D]), as `encode_flat` returns them),
+    with each conversation's messages located in its text. `markers`: the end-of-turn candidates
+    (default: the tokenizer's special added tokens); `texts_of`: Renderings of the same
+    conversations by another template, whose collected message texts are reused."""
+    if encoded is None:
+        from xtcache.align import encode_flat
+
+        encoded = encode_flat(tokenizer, texts, add_special_tokens=False, side=side) if texts else \
+            (np.zeros(0, np.int64), np.zeros((0, 2), np.int64), np.zeros(0, np.int64))
+    ids, offs, counts = encoded
+    if markers is None:
+        markers = turn_marker_ids(tokenizer)
+    msg_texts = [None] * len(texts) if texts_of is None else [x.texts for x in texts_of.located]
+    return Renderings(list(texts), np.asarray(ids, dtype=np.int64), np.asarray(offs, dtype=np.int64).reshape(-1, 2),
+                      np.asarray(counts, dtype=np.int64), [locate(x, c, m) for x, c, m in zip(texts, convs, msg_texts)],
+                      np.asarray(markers, dtype=np.int64))
 
 
 @dataclass
@@ -358,18 +422,15 @@ class _Flat:
     markers: np.ndarray  # bool [N]: end-of-turn candidates with a non-empty span
 
 
-def _flat_side(side: list[Rendering]) -> _Flat:
-    counts = np.fromiter((r.ids.shape[0] for r in side), dtype=np.int64, count=len(side))
-    lens = np.fromiter((len(r.text) for r in side), dtype=np.int64, count=len(side))
+def _flat_side(side: Renderings) -> _Flat:
+    lens = np.fromiter((len(x) for x in side.texts), dtype=np.int64, count=len(side))
     base = np.cumsum(lens + 1) - (lens + 1)
-    ids = np.concatenate([r.ids for r in side] + [np.zeros(0, np.int64)])
-    offs = np.concatenate([r.offsets.reshape(-1, 2) for r in side] + [np.zeros((0, 2), np.int64)])
-    offs = offs + np.repeat(base, counts)[:, None]
-    markers = np.isin(ids, side[0].marker_ids) & (offs[:, 1] > offs[:, 0])
-    return _Flat(ids, offs, counts, base, lens, markers)
+    offs = side.offsets + np.repeat(base, side.counts)[:, None]
+    markers = np.isin(side.ids, side.marker_ids) & (offs[:, 1] > offs[:, 0])
+    return _Flat(side.ids, offs, side.counts, base, lens, markers)
 
 
-def _layout(convs: list[dict], students: list[Rendering], teachers: list[Rendering], fs: _Flat,
+def _layout(convs: list[dict], students: Renderings, teachers: Renderings, fs: _Flat,
             ft: _Flat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
     """Region tables of a batch of conversations, one walk in numpy over all their gaps.
 
@@ -381,8 +442,8 @@ def _layout(convs: list[dict], students: list[Rendering], teachers: list[Renderi
     running over the batch); empty regions are left out. Returns both tables, each conversation's
     virtual start and length, and its text counts."""
     n_docs = len(convs)
-    n_texts = np.fromiter((len(s.located.texts) for s in students), dtype=np.int64, count=n_docs)
-    texts = [x for s in students for _, _, x in s.located.texts]
+    n_texts = np.fromiter((len(x.texts) for x in students.located), dtype=np.int64, count=n_docs)
+    texts = [x for loc in students.located for _, _, x in loc.texts]
     n_msgs = np.fromiter((len(c["messages"]) for c in convs), dtype=np.int64, count=n_docs)
     roles = np.fromiter((_ROLE_CODES.get(m.get("role"), ROLE_OTHER) for c in convs for m in c["messages"]),
                         dtype=np.int64, count=int(n_msgs.sum()))
@@ -393,10 +454,10 @@ def _layout(convs: list[dict], students: list[Rendering], teachers: list[Renderi
     roles[asst[last]] |= LAST_ASSISTANT
     doc = np.repeat(np.arange(n_docs), n_texts)
     total = int(n_texts.sum())
-    msg = np.fromiter((m for s in students for m, _, _ in s.located.texts), dtype=np.int64, count=total)
+    msg = np.fromiter((m for loc in students.located for m, _, _ in loc.texts), dtype=np.int64, count=total)
     msg += (np.cumsum(n_msgs) - n_msgs)[doc]  # batch-global message index
     length = np.fromiter((len(x) for x in texts), dtype=np.int64, count=total)
-    found = [np.fromiter(chain.from_iterable(getattr(r.located, key) for r in side), dtype=np.int64, count=total)
+    found = [np.fromiter(chain.from_iterable(getattr(loc, key) for loc in side.located), dtype=np.int64, count=total)
              for side in (students, teachers) for key in ("at", "width")]
     both, start_s, start_t, width = _pair(*found, texts)
     pair = np.flatnonzero(both)
@@ -457,17 +518,18 @@ def _layout(convs: list[dict], students: list[Rendering], teachers: list[Renderi
     return tables[0], tables[1], v_base, vlens, stats
 
 
-def segments(s: Rendering, t: Rendering, conv: dict) -> list[tuple[str, str, str, int]]:
-    """How one conversation's two renderings are laid out for alignment, in order: (student text,
-    teacher text, kind, role code) with kind 'template' (one side only: no KD), 'content' (the same
-    message text on both sides: exact chunks) or 'turn end' (the two end-of-turn markers, paired).
-    For documentation and debugging; `align_conversations` does the same work for a batch."""
-    tab_s, tab_t, _, _, _ = _layout([conv], [s], [t], _flat_side([s]), _flat_side([t]))
+def segments(s: Renderings, t: Renderings, conv: dict) -> list[tuple[str, str, str, int]]:
+    """How one conversation is laid out for alignment (`s`, `t`: its student and teacher Renderings,
+    each a batch of one), in order: (student text, teacher text, kind, role code) with kind
+    'template' (one side only: no KD), 'content' (the same message text on both sides: exact chunks)
+    or 'turn end' (the two end-of-turn markers, paired). For documentation and debugging;
+    `align_conversations` does the same work for a batch."""
+    tab_s, tab_t, _, _, _ = _layout([conv], s, t, _flat_side(s), _flat_side(t))
     by_v: dict[int, list] = {}
     for k, tab in enumerate((tab_s, tab_t)):
         for a, b, v, _, piece, role in tab.tolist():
             entry = by_v.setdefault(v, ["", "", "template", role])
-            entry[k] = (s, t)[k].text[a:b]
+            entry[k] = (s, t)[k].texts[0][a:b]
             if piece:
                 entry[2] = "content"
             elif b - a and entry[0] and entry[1] and not piece:
@@ -475,7 +537,7 @@ def segments(s: Rendering, t: Rendering, conv: dict) -> list[tuple[str, str, str
     return [tuple(by_v[v]) for v in sorted(by_v)]
 
 
-def align_conversations(convs: list[dict], students: list[Rendering], teachers: list[Rendering]) -> list[
+def align_conversations(convs: list[dict], students: Renderings, teachers: Renderings) -> list[
         ConversationAlignment]:
     """Chunks and student roles of many conversations, each rendered by the student and the teacher
     (one vectorized `align_flat` walk over the batch; all renderings of a side from one tokenizer)."""
@@ -498,7 +560,7 @@ def align_conversations(convs: list[dict], students: list[Rendering], teachers: 
     return [ConversationAlignment(a, r, st) for a, r, st in zip(aligns, roles, stats)]
 
 
-def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering], fs: _Flat | None = None,
+def misaligned_chars(aligns, students: Renderings, teachers: Renderings, fs: _Flat | None = None,
                      ft: _Flat | None = None) -> np.ndarray:
     """Per conversation: characters of exact content chunks whose two sides' rendered text differs
     (0 unless the alignment is wrong): the check behind `inspect`'s "misaligned" count. Every exact
@@ -518,7 +580,7 @@ def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering
         has = n_chunks > 0
         first[starts_doc[has]] = tok_base[has]
         ends.append((first, e))
-        joined.append("\x00".join(r.text for r in rends) + "\x00")  # the offsets' batch coordinates (_flat_side)
+        joined.append("\x00".join(rends.texts) + "\x00")  # the offsets' batch coordinates (_flat_side)
     doc = np.repeat(np.arange(n_docs), n_chunks)
     exact = np.concatenate([a.exact for a in aligns] + [np.zeros(0, bool)])
     (sf, se), (tf, te) = ends
@@ -544,21 +606,3 @@ def misaligned_chars(aligns, students: list[Rendering], teachers: list[Rendering
                     x, y, w = int(a_s[c]), int(a_t[c]), int(b_s[c] - a_s[c])
                     bad[same[c]] = s_text[x:x + w] != t_text[y:y + w]
     return np.bincount(doc[sel][bad], weights=width[bad], minlength=n_docs).astype(np.int64)
-
-
-def rendering(tokenizer, text: str, conv: dict, markers: np.ndarray | None = None, *, side: str = "tokenizer",
-              encoded=None, texts: list | None = None) -> Rendering:
-    """A Rendering of `text` (the conversation rendered by `tokenizer`'s template): tokens without
-    added special tokens (the template writes its own), offsets, located pieces, marker flags.
-    `texts`: the conversation's `message_texts` (another rendering's `located.texts`), to skip
-    collecting them again."""
-    if encoded is None:
-        from xtcache.align import encode_flat
-
-        ids, offs, _ = encode_flat(tokenizer, [text], add_special_tokens=False, side=side)
-    else:
-        ids, offs = encoded
-    if markers is None:
-        markers = turn_marker_ids(tokenizer)
-    return Rendering(text, np.asarray(ids, dtype=np.int64), np.asarray(offs, dtype=np.int64).reshape(-1, 2),
-                     locate(text, conv, texts), np.asarray(markers, dtype=np.int64))

@@ -174,19 +174,19 @@ DOC_END = "<!-- end of generated example -->"
 def doc_example(teacher_tok, student_tok) -> str:
     """The example of docs/conversations.md: DOC_CONVERSATION rendered in the ChatML-style template
     (teacher) and the Llama-3-style one (student), and how the two renderings are laid out."""
-    from xtcache.chat import LAST_ASSISTANT, ROLE_NAMES, render, rendering, segments
+    from xtcache.chat import LAST_ASSISTANT, ROLE_NAMES, render, renderings, segments
 
-    t = rendering(teacher_tok, render(teacher_tok, DOC_CONVERSATION), DOC_CONVERSATION)
-    s = rendering(student_tok, render(student_tok, DOC_CONVERSATION), DOC_CONVERSATION)
+    t = renderings(teacher_tok, [render(teacher_tok, DOC_CONVERSATION)], [DOC_CONVERSATION])
+    s = renderings(student_tok, [render(student_tok, DOC_CONVERSATION)], [DOC_CONVERSATION])
 
     def cell(x: str) -> str:
         return ("`" + x.replace("\n", "\\n").replace("|", "\\|") + "`") if x else ""
 
     lines = [DOC_BEGIN, "", "The conversation (JSON, as the store keeps it):", "", "```json",
              json.dumps(DOC_CONVERSATION, ensure_ascii=False, indent=1), "```", "",
-             "Teacher template (ChatML style, thinking and tool calls):", "", "```text", t.text, "```", "",
+             "Teacher template (ChatML style, thinking and tool calls):", "", "```text", t.texts[0], "```", "",
              "Student template (Llama-3 style: a default system text, trimmed content, no thinking, a tool call "
-             "replaces the content):", "", "```text", s.text, "```", "",
+             "replaces the content):", "", "```text", s.texts[0], "```", "",
              "How the two renderings are laid out for alignment (in order; `trained` is `--train-on assistant`, "
              "`last` marks the last assistant message; KD and trained refer to the student's tokens):", "",
              "| student text | teacher text | kind | role | KD | trained |", "| --- | --- | --- | --- | --- | --- |"]
