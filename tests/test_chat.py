@@ -147,6 +147,25 @@ def test_every_shared_character_is_in_one_exact_chunk_on_both_sides(chat_toks, d
     assert np.all(np.diff(a.student_end) >= 0) and np.all(np.diff(a.teacher_end) >= 0)
 
 
+def test_a_batch_and_its_parts_align_alike(chat_toks):
+    """A batch's Renderings hold each conversation's tokens as its own rendering would, and aligning a
+    subset taken from the batch (as stage 1 does after skipping rows) equals aligning those rows alone."""
+    convs = chat_corpus(9, seed=5)
+    _, t_tok = chat_toks[("chatml-thinking", "teacher")]
+    _, s_tok = chat_toks[("llama3", "student")]
+    ss, ts, out = _aligned(s_tok, t_tok, convs)
+    for k, (conv, r) in enumerate(zip(convs, ss)):
+        alone = renderings(s_tok, [render(s_tok, conv)], [conv])
+        assert np.array_equal(r.ids, alone.ids) and np.array_equal(r.offsets, alone.offsets)
+        assert r.text == ss[k].text and np.array_equal(r.ids, ss[k].ids)
+    rows = [7, 2, 4]
+    part = align_conversations([convs[i] for i in rows], ss.take(rows), ts.take(rows))
+    _, _, alone = _aligned(s_tok, t_tok, [convs[i] for i in rows])
+    for i, a, b in zip(rows, part, alone):
+        assert a.alignment == b.alignment == out[i].alignment
+        assert np.array_equal(a.student_role, b.student_role) and a.stats == b.stats
+
+
 def test_misaligned_count_sees_a_shifted_alignment(chat_toks):
     convs = _no_tools(chat_corpus(4, seed=1))
     _, t_tok = chat_toks[("chatml", "teacher")]
