@@ -343,8 +343,14 @@ def test_inspect_verify_and_cache_ls_commands(tmp_path):
     w = CacheWriter(url, manifest(cache_key="k" * 64, alignment_groups=[g], fingerprints={"corpus": "c" * 64}))
     w.write_part(0, docs[:2], {g.fingerprint: [make_alignment(rng, len(d.teacher_ids)) for d in docs[:2]]})
     w.write_part(1, docs[2:], {g.fingerprint: [make_alignment(rng, len(d.teacher_ids)) for d in docs[2:]]})
-    w.finish()
     runner = CliRunner()
+    # a store still being written: its committed parts check out, yet it is no store to train on
+    running = runner.invoke(_cli(), ["verify", url])
+    assert running.exit_code == 1 and "1 of 1 writer(s) have not finished" in running.output
+    assert "--allow-incomplete" in running.output
+    partial = runner.invoke(_cli(), ["verify", url, "--allow-incomplete"])
+    assert partial.exit_code == 0 and "OK (2 shards, 101 positions, incomplete)" in partial.output
+    w.finish()
     out = runner.invoke(_cli(), ["inspect", url])
     assert out.exit_code == 0, out.output
     for needle in ("teacher positions 101", "documents       4", "topk_ids", "B/position", "x smaller",

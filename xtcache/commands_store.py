@@ -244,11 +244,15 @@ def outside_plan(data, owned: dict, writer: int, url: str) -> list[str]:
 def verify(
     store: str = typer.Argument(..., help="Store path or fsspec URL."),
     all_problems: bool = typer.Option(False, "--all", help="List every problem instead of stopping at the first."),
+    allow_incomplete: bool = typer.Option(False, "--allow-incomplete",
+                                          help="Exit 0 for a store whose writers are still running when its "
+                                               "committed parts check out (default: exit 1, as train-student "
+                                               "refuses it)."),
     storage_options: str = typer.Option(None, "--storage-options", help=STORAGE_OPTIONS_HELP),
 ) -> None:
     """Read every committed part with every check on (checksums, counts, schema, format version,
-    alignment coverage, lost parts); exit 1 on a problem. A store whose writers are still running is
-    reported as incomplete (exit 0 when its committed parts check out)."""
+    alignment coverage, lost parts); exit 1 on a problem, or on a store whose writers are still
+    running unless --allow-incomplete (its committed parts are checked either way)."""
     problems = verify_store(store, parse_storage_options(storage_options), stop_first=not all_problems)
     if problems:
         for p in problems:
@@ -264,6 +268,10 @@ def verify(
                f"{'incomplete' if reasons else 'complete'})")
     for reason in reasons:
         typer.echo(f"incomplete: {reason}", err=True)
+    if reasons and not allow_incomplete:
+        typer.echo(f"error: {store} is incomplete (the incomplete: lines above); --allow-incomplete accepts the "
+                   "committed parts of a store still being written", err=True)
+        raise SystemExit(1)
 
 
 def cache_ls(
