@@ -450,6 +450,8 @@ def test_xtcache_verify_exit_status(tmp_path):
     url = str(tmp_path / "cache")
     with CacheWriter(url, manifest(V=5000)) as w:
         w.write_part(0, [make_doc(rng, 0, 30, 8, 5000)])
+        w.finish()
+
     def run(*a):
         return subprocess.run([sys.executable, "-m", "xtcache.cli", *a], capture_output=True, text=True, timeout=120)
 
