@@ -213,6 +213,7 @@ class Preparer:
                                                                alignment=ca.alignment, student_role=ca.student_role,
                                                                stats=ca.stats)
         out: list[PreparedDoc | Skipped] = []
+        t_views = list(t_rend)
         for i, d in enumerate(docs):
             if result[i] is not None:
                 out.append(result[i])
@@ -220,7 +221,7 @@ class Preparer:
             if len(aligns[i]) < len(self.students):
                 out.append(Skipped(d.source, d.row, "alignment failed"))
                 continue
-            r = t_rend[at[i]]
+            r = t_views[at[i]]
             rendered = Document(d.source, d.row, r.text)
             out.append(self._prepared(rendered, r.ids.astype(np.int32), r.offsets.astype(np.int32), aligns[i],
                                       conversation=d.text))
