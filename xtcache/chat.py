@@ -335,15 +335,15 @@ class Renderings:
     def _starts(self) -> np.ndarray:
         return np.cumsum(self.counts) - self.counts
 
+    def _view(self, d: int, start: int) -> Rendering:
+        end = start + int(self.counts[d])
+        return Rendering(self.texts[d], self.ids[start:end], self.offsets[start:end], self.located[d], self.marker_ids)
+
     def __getitem__(self, d: int) -> Rendering:
-        a = int(self._starts()[d])
-        b = a + int(self.counts[d])
-        return Rendering(self.texts[d], self.ids[a:b], self.offsets[a:b], self.located[d], self.marker_ids)
+        return self._view(d, int(self._starts()[d]))
 
     def __iter__(self):
-        starts = self._starts().tolist()
-        for d, (a, n) in enumerate(zip(starts, self.counts.tolist())):
-            yield Rendering(self.texts[d], self.ids[a:a + n], self.offsets[a:a + n], self.located[d], self.marker_ids)
+        return (self._view(d, a) for d, a in enumerate(self._starts().tolist()))
 
     def take(self, rows: list[int]) -> Renderings:
         """The conversations `rows` of this batch, in that order."""
