@@ -6,6 +6,7 @@
   the benchmarks that reuse it.
 - `caches`: a teacher cache written through `CacheWriter` without stage 1.
 - `rates`: a stage 2 loader's rate alone.
+- `devices`: fake CUDA / accelerator tensors that fail on any operation mixing devices.
 
 Only `tests/`, `bench/` and the demo (`xtcache.demo`, an app module) import this package.
 """
