@@ -197,27 +197,30 @@ class ProjectionOperator:
         self.student_top = torch.full((self.student_vocab,), -1, dtype=torch.int64)
         self.student_top[s[order][first]] = t[order][first]
         self._indices, self._values = torch.stack([s, t]), val
+        # W, W^T and `unmapped` (fp64) checked and coalesced here, on the host: on a GPU both read the
+        # number of entries back, which the loss must not do (it only moves and casts them)
+        idx = self._indices
+        self._host = (
+            torch.sparse_coo_tensor(idx, val, (self.student_vocab, self.teacher_vocab), check_invariants=True).coalesce(),
+            torch.sparse_coo_tensor(idx.flip(0), val, (self.teacher_vocab, self.student_vocab),
+                                    check_invariants=True).coalesce(),
+            torch.ones(self.student_vocab, dtype=torch.float64).index_fill_(0, s, 0.0))
         self._device = torch.device("cpu")
         self._by_dtype: dict = {}
 
     def to(self, device) -> "ProjectionOperator":
-        self._device = torch.device(device)
-        self.student_top = self.student_top.to(device)
-        self._by_dtype = {}
+        """Move the operator to `device` (the trainer's; a no-op when it is there already)."""
+        device = torch.device(device)
+        if device != self._device:
+            self._device, self._by_dtype = device, {}
+            self.student_top = self.student_top.to(device)
         return self
 
     def matrices(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         """(W [V_s, V_t], W^T [V_t, V_s]) sparse COO on the device, and `unmapped` [V_s] (1.0 for a
-        student token with no entry), in `dtype`; built once per dtype."""
+        student token with no entry), in `dtype`; moved once per dtype, never read back."""
         if dtype not in self._by_dtype:
-            idx, val = self._indices.to(self._device), self._values.to(dtype).to(self._device)
-            w = torch.sparse_coo_tensor(idx, val, (self.student_vocab, self.teacher_vocab),
-                                        check_invariants=True).coalesce()
-            wt = torch.sparse_coo_tensor(idx.flip(0), val, (self.teacher_vocab, self.student_vocab),
-                                         check_invariants=True).coalesce()
-            unmapped = torch.ones(self.student_vocab, dtype=dtype, device=self._device)
-            unmapped[idx[0]] = 0.0
-            self._by_dtype[dtype] = (w, wt, unmapped)
+            self._by_dtype[dtype] = tuple(m.to(device=self._device, dtype=dtype) for m in self._host)
         return self._by_dtype[dtype]
 
     def dense(self) -> Tensor:

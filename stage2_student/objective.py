@@ -169,6 +169,12 @@ class Objective:
         kw.update(overrides)
         return cls(kind, **kw)
 
+    def to(self, device) -> "Objective":
+        """Put the objective's own tensors (the projection W) on the trainer's device."""
+        if self.projection is not None:
+            self.projection.to(device)
+        return self
+
     # ----------------------------------------------------------------- host side
     @staticmethod
     def counts(batch: dict) -> tuple[int, int]:
@@ -605,6 +611,12 @@ class TeacherMix:
     @property
     def num_teachers(self) -> int:
         return len(self.objectives)
+
+    def to(self, device) -> "TeacherMix":
+        """Put every teacher's objective (its projection W) on the trainer's device."""
+        for o in self.objectives:
+            o.to(device)
+        return self
 
     # ----------------------------------------------------------------- host side
     @staticmethod

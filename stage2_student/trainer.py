@@ -84,6 +84,9 @@ class Trainer:
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=self.ds_config, lr_scheduler=scheduler)
         self.device = self.engine.device
+        for measure in (data.objective, *data.measures, data.mixture_measure):  # the projections W
+            if measure is not None:
+                measure.to(self.device)
         self.metrics_path = self.out / METRICS_FILE
 
     def all_reduce(self, values: list[float]) -> list[float]:
@@ -113,17 +116,9 @@ class Trainer:
         sums = torch.zeros(5 + 5 * n, dtype=torch.float64, device=self.device)
         valid_pos = 0
         for batch in batches:
-            logits = self.engine(**model_inputs(to_device(batch, self.device))).logits
-            prep = obj.prepare(batch, vocab=logits.shape[-1]).to(self.device)  # host work while the GPU runs
-            loss, m = obj(logits, prep, chunks_total=chunks, tokens_total=tokens)
-            # the loss is already divided by the global counts: undo DeepSpeed's average over ranks
-            self.engine.backward(loss * self.world, scale_wrt_gas=False)
-            self.engine.step()
-            sums += torch.cat([torch.stack([loss.detach().double(), m["kd_sum"].double(), m["ce_sum"].double(),
-                                            m["agree"].double(), m["agree_n"].double()])]
-                              + [m[k].double() for k in ("teacher_kd", "teacher_groups", "teacher_weight",
-                                                         "teacher_agree", "teacher_agree_n")])
-            valid_pos += prep.valid_pos
+            row, n_valid = self.micro_step(batch, chunks, tokens)
+            sums += row
+            valid_pos += n_valid
         seq_tokens = float(sum(int(b["attention_mask"].sum()) for b in batches))
         reduced = self.all_reduce(sums.tolist() + [float(valid_pos), seq_tokens])  # the step's one device read
         loss, kd, ce, agree, agree_n = reduced[:5]
@@ -148,6 +143,25 @@ class Trainer:
                 row[f"teacher{i}_{share}"] = t_w / chunks if chunks else None
                 row[f"teacher{i}_top1_agree"] = t_agree / t_agree_n if t_agree_n else None
         return row
+
+    def micro_step(self, batch: dict, chunks: float, tokens: float) -> tuple:
+        """Forward, loss and backward of one CPU micro-batch, moved to the device here (the batch for
+        the model, the objective's plan for the loss); returns (its metric sums on the device [5 + 5N],
+        its valid positions). Reads nothing back from the device."""
+        import torch
+
+        obj = self.data.objective
+        logits = self.engine(**model_inputs(to_device(batch, self.device))).logits
+        prep = obj.prepare(batch, vocab=logits.shape[-1]).to(self.device)  # host work while the GPU runs
+        loss, m = obj(logits, prep, chunks_total=chunks, tokens_total=tokens)
+        # the loss is already divided by the global counts: undo DeepSpeed's average over ranks
+        self.engine.backward(loss * self.world, scale_wrt_gas=False)
+        self.engine.step()
+        row = torch.cat([torch.stack([loss.detach().double(), m["kd_sum"].double(), m["ce_sum"].double(),
+                                      m["agree"].double(), m["agree_n"].double()])]
+                        + [m[k].double() for k in ("teacher_kd", "teacher_groups", "teacher_weight",
+                                                   "teacher_agree", "teacher_agree_n")])
+        return row, prep.valid_pos
 
     def log(self, row: dict) -> None:
         if self.rank != 0:

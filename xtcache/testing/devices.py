@@ -16,9 +16,14 @@ syncs with the device.
         model = to_fake(model, FAKE_ACCELERATOR)
         loss = objective(model(...), batch.to(FAKE_ACCELERATOR)); loss.backward()
 
+Host-side work that reads CPU tensor values (numpy planning) runs under `on_host()`, which
+suspends the mode; a CPU tensor made there is real and enters the mode again as host data.
+
 Two devices because autograd on a fake `cuda` tensor asks the CUDA device guard for a stream,
 which a CPU-only build does not have: the process aborts (a C++ terminate, not an exception).
-`fake_cuda()` therefore disables autograd; `fake_accelerator()` runs the same checks on the
+Some other operations need the CUDA runtime even on fake tensors (advanced indexing
+`z[rows, cols]` raises "not linked with support for cuda devices"), so `fake_cuda()` suits simple
+forward code (a matmul, a gather); `fake_cuda()` disables autograd; `fake_accelerator()` runs the same checks on the
 `meta` device, whose guard exists on every build, so backward works. Use an indexed device
 (`FAKE_CUDA`, never the string "cuda"): `.to("cuda")` resolves the current CUDA device and fails.
 """
@@ -29,10 +34,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode  # noqa: PLC2701 (no public API)
+from torch._subclasses.fake_tensor import (  # noqa: PLC2701 (torch has no public name for them)
+    FakeTensorDeviceMismatchError,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 
 __all__ = ["FAKE_ACCELERATOR", "FAKE_CUDA", "FakeTensorDeviceMismatchError", "fake_accelerator",
-           "fake_cuda", "to_fake"]
+           "fake_cuda", "on_host", "to_fake"]
 
 FAKE_CUDA = torch.device("cuda", 0)
 FAKE_ACCELERATOR = torch.device("meta")
@@ -50,6 +59,14 @@ def fake_accelerator() -> Iterator[FakeTensorMode]:
     """Fake-tensor mode for forward and backward on `FAKE_ACCELERATOR` (the meta device)."""
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode
+
+
+@contextmanager
+def on_host() -> Iterator[None]:
+    """Suspend the fake mode: host work (numpy planning on CPU tensors) inside a fake-device test,
+    as the real code does it on the CPU while the device runs."""
+    with unset_fake_temporarily():
+        yield
 
 
 def to_fake(obj, device: torch.device):

@@ -1,0 +1,178 @@
+"""Stage 2 device discipline, proven on a CPU-only torch: the model side on a fake device, the batch
+from the host, and every operation of the objective (forward and backward) checked for mixed devices.
+
+Under `xtcache.testing.devices` every operation whose tensors sit on two devices raises, and so does
+every read of a device value (`.item()`, a boolean mask): a case that passes also proves the
+objective's claim that its call never reads back from the device. Forward and backward run on the
+fake accelerator (`meta`: fake `cuda:0` tensors can take neither autograd nor advanced indexing on a
+CPU-only build, see `xtcache.testing.devices`).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_device_stage2.py
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stage2_student.loader import join_views
+from stage2_student.objective import Objective, TeacherMix
+from stage2_student.trainer import Trainer
+from tests.test_losses import _memory_case, _two_teacher_case
+from xtcache.testing.devices import (
+    FAKE_ACCELERATOR,
+    FakeTensorDeviceMismatchError,
+    fake_accelerator,
+    on_host,
+    to_fake,
+)
+
+N, V = 24, 32  # positions of the micro-batch (3 row blocks of 8), student vocabulary
+
+CASES = ["topk kl", "topk rkl", "topk jsd", "topk kl T=2", "full", "sampled", "pkl topk", "pkl full", "pkl T=2",
+         "alm", "ce", "sum", "dynamic likelihood", "dynamic entropy", "dynamic max-prob", "select", "mean-probs"]
+
+
+def _case(name: str):
+    """(objective, CPU micro-batch as the loader yields it) of one objective configuration."""
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    if name.startswith("topk"):
+        obj, batch = _memory_case("topk k=16", N, V, gen)
+        obj = Objective(name.split()[1], temperature=2.0 if name.endswith("T=2") else 1.0, row_chunk=8)
+    elif name == "pkl T=2":
+        obj, batch = _memory_case("pkl topk", N, V, gen)
+        obj = Objective("pkl", projection=obj.projection, temperature=2.0, row_chunk=8)
+    elif name.split()[0] in ("sum", "dynamic", "select"):
+        obj, batch = _two_teacher_case(N, V, gen, combine=name.split()[0])
+        obj.score = name.split()[1] if name.startswith("dynamic") else obj.score
+        obj.vocab_sizes = [V, V // 2]
+    elif name == "mean-probs":  # two teachers of one tokenizer, trained on their mixture
+        (_, a), (_, b) = _memory_case("topk k=16", N, V, gen), _memory_case("topk k=16", N, V, gen)
+        for view in (a, b):
+            view["chunk_group"] = torch.arange(N)
+        obj, batch = TeacherMix([Objective("kl", row_chunk=8)], combine="mean-probs", weights=[0.7, 0.3]), \
+            join_views([a, b], N)
+    else:
+        obj, batch = _memory_case(name, N, V, gen)
+    batch["input_ids"] = torch.randint(0, V, (1, N), generator=gen)
+    batch["attention_mask"] = torch.ones(1, N, dtype=torch.int64)
+    return obj, batch
+
+
+def _objectives(obj) -> list:
+    return getattr(obj, "objectives", [obj])
+
+
+def _tensors(x, seen=None):
+    """Every tensor reachable from a plan: attributes, lists, tuples, dicts."""
+    seen = set() if seen is None else seen
+    if id(x) in seen:
+        return
+    seen.add(id(x))
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v, seen)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v, seen)
+    elif hasattr(x, "__dict__"):
+        yield from _tensors(vars(x), seen)
+
+
+@pytest.fixture
+def sparse_mm_on_fake_devices(monkeypatch):
+    """torch has no meta kernel for sparse x dense matmuls (P-KL's W^T p): a stand-in that checks the
+    operands' devices, returns the product's shape and keeps the dense operand in the graph."""
+    real = torch.sparse.mm
+
+    def checked(sparse, dense):
+        if sparse.device != dense.device:
+            raise FakeTensorDeviceMismatchError(torch.ops.aten.mm.default, [sparse.device, dense.device])
+        if sparse.device.type == "cpu":
+            return real(sparse, dense)
+        return dense.new_zeros(sparse.shape[0], dense.shape[1]) + dense.sum(dim=0, keepdim=True) * 0.0
+
+    monkeypatch.setattr(torch.sparse, "mm", checked)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_objective_forward_and_backward_on_a_fake_accelerator(name, sparse_mm_on_fake_devices):
+    obj, batch = _case(name)
+    prep = obj.prepare(batch, vocab=V)  # host planning on the CPU batch, as the trainer does it
+    with fake_accelerator():
+        obj.to(FAKE_ACCELERATOR)
+        prep.to(FAKE_ACCELERATOR)
+        logits = torch.empty(1, N, V, device=FAKE_ACCELERATOR, requires_grad=True)
+        loss, metrics = obj(logits, prep, chunks_total=float(N), tokens_total=float(N))
+        loss.backward()
+    assert loss.device == FAKE_ACCELERATOR and logits.grad.device == FAKE_ACCELERATOR
+    assert all(m.device == FAKE_ACCELERATOR for m in metrics.values()), metrics
+
+
+def test_a_plan_left_on_the_host_is_caught():
+    """The check itself: the same call with the plan not moved fails on the first mixed operation."""
+    obj, batch = _case("topk kl")
+    prep = obj.prepare(batch, vocab=V)
+    with fake_accelerator(), pytest.raises(FakeTensorDeviceMismatchError):
+        obj(torch.empty(1, N, V, device=FAKE_ACCELERATOR, requires_grad=True), prep, chunks_total=float(N),
+            tokens_total=float(N))
+
+
+class _Engine:
+    """The part of a DeepSpeed engine `Trainer.micro_step` uses, around a tiny model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, input_ids, **_):
+        return SimpleNamespace(logits=self.model(input_ids))
+
+    def backward(self, loss, scale_wrt_gas):
+        loss.backward()
+
+    def step(self):
+        pass
+
+
+class _HostPlanning:
+    """The run's objective, its host-side `prepare` outside the fake mode (as on the CPU); keeps the plan."""
+
+    def __init__(self, obj):
+        self.obj, self.prep = obj, None
+
+    def prepare(self, batch, *, vocab):
+        with on_host():
+            return self.obj.prepare(batch, vocab=vocab)
+
+    def __call__(self, logits, prep, **kw):
+        self.prep = prep
+        return self.obj(logits, prep, **kw)
+
+
+@pytest.mark.parametrize("name", ["topk kl", "sampled", "pkl topk", "alm", "ce", "dynamic entropy", "mean-probs"])
+def test_the_trainer_moves_every_tensor_it_gives_the_device(name, sparse_mm_on_fake_devices):
+    """`Trainer.micro_step` on a CPU micro-batch with the model on the fake accelerator: the model's
+    inputs, the objective's plan and its projection W all reach the device by the trainer's own moves."""
+    obj, batch = _case(name)
+    obj = obj if isinstance(obj, TeacherMix) else TeacherMix([obj])  # the run's objective (stage2_student.data)
+    trainer = Trainer.__new__(Trainer)  # the trainer's own code; no process group, no DeepSpeed
+    model = torch.nn.Sequential(torch.nn.Embedding(V, 8), torch.nn.Linear(8, V))
+    spy = _HostPlanning(obj)
+    trainer.data, trainer.world = SimpleNamespace(objective=spy, measures=[], mixture_measure=None), 1
+    with fake_accelerator():
+        trainer.engine, trainer.device = _Engine(to_fake(model, FAKE_ACCELERATOR)), FAKE_ACCELERATOR
+        obj.to(trainer.device)  # what Trainer.__init__ does with the run's objective
+        row, valid_pos = trainer.micro_step(batch, float(N), float(N))
+        left = [t for t in _tensors(spy.prep) if t.device != FAKE_ACCELERATOR]
+        for o in _objectives(obj):
+            if o.projection is not None:
+                left += [t for t in (o.projection.student_top, *o.projection.matrices(torch.float32))
+                         if t.device != FAKE_ACCELERATOR]
+    assert not left, [(tuple(t.shape), t.device) for t in left]
+    assert row.device == FAKE_ACCELERATOR and row.shape == (5 + 5 * obj.num_teachers,)
+    assert all(p.grad is not None and p.grad.device == FAKE_ACCELERATOR for p in model.parameters())
+    assert valid_pos == N
