@@ -4,7 +4,9 @@
 `--data` file exists and its first rows hold documents under `--text-field` (an empty file, a binary
 file or a wrong field name is refused here, not after the engine started), and the output location
 (`--out`, or `--cache-dir`) is a directory that can be written. `replace_stub` lets a rerun replace
-a store that a failed run left behind without a single committed part.
+a store that a failed run left behind without a single committed part. `check_device_memory` runs
+in `capture.open_capture` before the teacher's lm_head loads or any engine starts: on CUDA it
+refuses a configuration whose device memory budget (`stage1_teacher.budget`) does not fit.
 
     python -c "from stage1_teacher.preflight import writable_location; writable_location('--out', 'out/s', None)"
 """
@@ -110,3 +112,35 @@ def replace_stub(reader, url: str) -> bool:
                 "run): replacing it", url)
     loc.remove_tree("")
     return True
+
+
+def check_device_memory(cfg, opts, *, window_len: int, k: int, reference_check: bool) -> object | None:
+    """On CUDA with --engine vllm: refuse (ConfigError, one line with the numbers and the flag to
+    change) a configuration whose memory budget does not fit cuda:0; returns the Budget (None when
+    not checked). `opts`: the engines' `capture_vllm.VllmOptions`. Device memory comes from NVML, so CUDA stays uninitialised for vLLM's fork."""
+    from stage1_teacher import budget as b
+    from stage1_teacher.head import HEAD_ARCHITECTURES, read_config
+    from xtcache.devices import cuda_present
+
+    t, c = cfg.teacher, cfg.capture
+    if t.engine != "vllm" or not cuda_present():
+        return None  # on a CPU host vLLM's share is host memory: nothing to budget on a device
+    try:
+        (total, used), = b.nvml_memory(b.physical_indices(1))
+    except Exception as e:  # no NVML library or driver: vLLM will report what it finds
+        log.warning("FALLBACK: device memory budget not checked, NVML unavailable (%s)", e)
+        return None
+    arch = (read_config(t.teacher).get("architectures") or ["?"])[0]
+    run = b.Run(dtype=t.dtype, tensor_parallel_size=t.tensor_parallel_size,
+                gpu_memory_utilization=opts.llm_kwargs()["gpu_memory_utilization"], max_model_len=opts.max_model_len,
+                window_len=window_len, batched_tokens=opts.max_num_batched_tokens, mode=c.mode, k=k,
+                fast_path=t.fast_path and arch in HEAD_ARCHITECTURES, reference_check=reference_check)
+    shape = b.TeacherShape.read(t.teacher)
+    budget = b.device_budget(shape, run, total, in_use=used)
+    problem = b.refusal(shape, run, budget)
+    if problem:
+        raise ConfigError(problem)
+    log.info("device memory: vLLM share %.1f GiB holds an estimated %.1f GiB; %.1f GiB of cuda:0 left "
+             "outside it for an estimated %.1f GiB", budget.share / b.GiB, budget.need_inside() / b.GiB,
+             budget.rest / b.GiB, budget.need_outside() / b.GiB)
+    return budget
