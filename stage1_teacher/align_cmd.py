@@ -76,8 +76,9 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
     if not todo:
         return stats
     group = AlignGroupMeta(fingerprint=fp, tokenizer_name=student_path, vocab_size=len(student_tok), identity=identity)
-    # writer 0's claim also keeps a running teacher-dump of that writer from racing with us
-    writer = CacheWriter(url, reader.manifest, writer_index=0, storage_options=storage_options)
+    # the store's alignment lock: a second `align` is refused, and a dump writer that must remove an
+    # alignment part of a part it rewrites is refused while we run (xtcache/store/claims.py)
+    writer = CacheWriter(url, reader.manifest, storage_options=storage_options, for_align=True)
     try:
         for meta in todo:
             shard = reader.read_shard(meta.shard_id)

@@ -8,6 +8,11 @@ every inner chunk present (`write_empty_chunks`), so that a read detects:
 - a missing object: zarr would return the fill value for it, so reads go through
   `_ObjectsMustExist`, which turns an absent chunk object into an error (reported as "missing").
 
+Only wrong or missing bytes are damage. A read that gets no answer (a timeout, a dropped
+connection, throttling, a 5xx) is tried again with backoff (`xtcache.store_io.retry_async`) and,
+once the attempts are spent, raised as a `StoreError` saying the store did not answer; any other
+I/O error (a refused permission) is raised as what it is, never as "damaged".
+
 Stores written before the crc32c codec (same format version, no `crc32c` in an array's chain) are
 read with every array compared against the sha256 in its part index instead (slower; logged once
 per store). `schemas/STORE_FORMAT.md` section 4.2 and 9 state the same rules for other readers.
@@ -25,8 +30,8 @@ import numpy as np
 from schemas.arrays import array_def
 from schemas.models import ArraySpec, CodecConfig
 from xtcache import codecs
-from xtcache.errors import CorruptionError
-from xtcache.store_io import Location
+from xtcache.errors import CorruptionError, StoreError
+from xtcache.store_io import Location, retry, retry_async
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +55,21 @@ def default_compression(name: str) -> codecs.Compression:
 def write_array(loc: Location, group: str, name: str, values: np.ndarray, *,
                 compression: codecs.Compression, transform: dict | None = None) -> ArraySpec:
     """Write one array as a single checked shard object; its ArraySpec for the part index."""
+    values = np.ascontiguousarray(values)
+    chunks = retry(f"{loc.url}/{group}/{name}", _write, loc, group, name, values, compression, transform)
+    return ArraySpec(
+        name=name, dtype=values.dtype.name, shape=list(values.shape), chunks=list(chunks),
+        transform=CodecConfig(**transform) if transform else None,
+        compressors=[CodecConfig(**compression.to_config())], sha256=array_sha256(values),
+        stored_bytes=loc.du(f"{group}/{name}/c"))
+
+
+def _write(loc: Location, group: str, name: str, values: np.ndarray, compression: codecs.Compression,
+           transform: dict | None) -> tuple[int, ...]:
+    """Create (overwrite) the array and write its values; its inner chunk shape. Idempotent, so retried whole."""
     import zarr
     import zarr.codecs as zc
 
-    values = np.ascontiguousarray(values)
     row_bytes = max(1, values.dtype.itemsize * int(np.prod(values.shape[1:], dtype=np.int64)))
     rows = max(1, min(values.shape[0], CHUNK_BYTES // row_bytes))
     chunks = (rows, *[max(1, s) for s in values.shape[1:]])
@@ -66,11 +82,7 @@ def write_array(loc: Location, group: str, name: str, values: np.ndarray, *,
         overwrite=True, config={"write_empty_chunks": True})
     if values.size:
         arr[...] = values
-    return ArraySpec(
-        name=name, dtype=values.dtype.name, shape=list(values.shape), chunks=list(chunks),
-        transform=CodecConfig(**transform) if transform else None,
-        compressors=[CodecConfig(**compression.to_config())], sha256=array_sha256(values),
-        stored_bytes=loc.du(f"{group}/{name}/c"))
+    return chunks
 
 
 class MissingObject(Exception):
@@ -107,43 +119,22 @@ def read_arrays(loc: Location, group: str, specs: list[ArraySpec], *, where: str
 
     Checked always: crc32c of every inner chunk and of the shard index (by zarr), presence of every
     chunk object, shape and dtype against the index. `sha256` also compares each array's sha256
-    (always done for arrays written without crc32c).
+    (always done for arrays written without crc32c). Transient errors are retried; a store that
+    stops answering raises StoreError, never CorruptionError.
     """
     import asyncio
 
-    from zarr.api import asynchronous as zarr_async
     from zarr.core.sync import sync
 
-    store = loc.zarr_store
-    checked = _checked_store(store)
-
-    async def one(spec: ArraySpec):
-        path = f"{group}/{spec.name}"
-        try:
-            arr = await zarr_async.open_array(store=checked, path=path, mode="r")
-        except FileNotFoundError:
-            return MissingObject(f"{path}/zarr.json"), False
-        except Exception as e:  # noqa: BLE001  (zarr raises many kinds on damaged metadata)
-            return e, False
-        has_crc = _has_checksum(arr.metadata)
-        try:
-            if not has_crc:  # written before checked reads: an all-zero array may have no object
-                arr = await zarr_async.open_array(store=store, path=path, mode="r")
-            return await arr.getitem(Ellipsis), has_crc
-        except Exception as e:  # noqa: BLE001  (zarr/numcodecs raise many kinds on damaged bytes)
-            return e, has_crc
+    checked = _checked_store(loc.zarr_store)
 
     async def gather():
-        return await asyncio.gather(*(one(spec) for spec in specs))
+        return await asyncio.gather(*(_read_one(loc, checked, f"{group}/{spec.name}", where) for spec in specs))
 
     out = {}
     for spec, (values, has_crc) in zip(specs, sync(gather())):
-        if isinstance(values, MissingObject):
-            raise CorruptionError(f"{where}: array {spec.name!r} is missing (no object {values})")
         if isinstance(values, Exception):
-            why = "crc32c mismatch" if "checksum" in str(values).lower() else \
-                f"cannot be read: {type(values).__name__}: {str(values).splitlines()[0][:200] if str(values) else ''}"
-            raise CorruptionError(f"{where}: array {spec.name!r} is damaged ({why})") from values
+            raise _read_error(where, spec.name, values) from values
         if list(values.shape) != spec.shape or values.dtype.name != spec.dtype:
             raise CorruptionError(
                 f"{where}: array {spec.name!r} is damaged: shape {list(values.shape)} dtype {values.dtype.name}, "
@@ -156,6 +147,39 @@ def read_arrays(loc: Location, group: str, specs: list[ArraySpec], *, where: str
             raise CorruptionError(f"{where}: array {spec.name!r} is damaged (sha256 mismatch with its index)")
         out[spec.name] = values
     return out
+
+
+async def _read_one(loc: Location, checked, path: str, where: str):
+    """(values, has_crc) of one array, or (the exception, has_crc): errors are classified by the caller."""
+    from zarr.api import asynchronous as zarr_async
+
+    what = f"{where}: array {path.rsplit('/', 1)[-1]!r} ({loc.url}/{path})"
+    try:
+        arr = await retry_async(what, lambda: zarr_async.open_array(store=checked, path=path, mode="r"))
+    except FileNotFoundError:
+        return MissingObject(f"{path}/zarr.json"), False
+    except Exception as e:  # noqa: BLE001  (zarr raises many kinds on damaged metadata)
+        return e, False
+    has_crc = _has_checksum(arr.metadata)
+    try:
+        if not has_crc:  # written before checked reads: an all-zero array may have no object
+            arr = await retry_async(what, lambda: zarr_async.open_array(store=loc.zarr_store, path=path, mode="r"))
+        return await retry_async(what, lambda: arr.getitem(Ellipsis)), has_crc
+    except Exception as e:  # noqa: BLE001  (zarr/numcodecs raise many kinds on damaged bytes)
+        return e, has_crc
+
+
+def _read_error(where: str, name: str, e: Exception) -> Exception:
+    """The error to raise for a failed read: missing or wrong bytes are damage, I/O failures are not."""
+    if isinstance(e, (MissingObject, FileNotFoundError)):
+        return CorruptionError(f"{where}: array {name!r} is missing (no object {e})")
+    if isinstance(e, StoreError):  # retries spent: the store did not answer
+        return e
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    if isinstance(e, OSError):  # bytes never arrived (a refused permission, a dead disk): not damage
+        return StoreError(f"{where}: array {name!r} cannot be read: {type(e).__name__}: {first}")
+    why = "crc32c mismatch" if "checksum" in str(e).lower() else f"cannot be decoded: {type(e).__name__}: {first}"
+    return CorruptionError(f"{where}: array {name!r} is damaged ({why})")
 
 
 def concat(parts: list[np.ndarray], dtype, tail: tuple[int, ...] = ()) -> np.ndarray:

@@ -4,13 +4,14 @@ Each writer owns the parts "w{writer:05d}-p{part:06d}". A part becomes visible o
 file `index/<shard>.json` is written, last and atomically; readers list index files only, so a
 half-written part is invisible and a rewrite of the same part on resume is deterministic. The
 arrays a part holds are the table of `schemas/arrays.py`; the layout is `schemas/STORE_FORMAT.md`.
+
+A writer holds its claim (`xtcache/store/claims.py`) and checks it before committing each part;
+`xtcache align` writes through a writer that holds the alignment lock instead (`for_align`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 
 import numpy as np
 
@@ -24,7 +25,6 @@ from schemas.models import (
     DocId,
     Manifest,
     ShardMeta,
-    WriterClaim,
     WriterDone,
 )
 from xtcache import codecs
@@ -32,6 +32,7 @@ from xtcache.errors import FormatVersionError, StoreError, XtcacheError
 from xtcache.store.arrays import concat as _concat
 from xtcache.store.arrays import default_compression, read_arrays, write_array
 from xtcache.store.arrays import offsets as _offsets
+from xtcache.store.claims import Claim, acquire_align_lock, writer_claim_path
 from xtcache.store.reader import list_shards
 from xtcache.store.records import AlignmentRecord, DocRecord
 from xtcache.store_io import Location, check_version, now_iso, read_model
@@ -49,7 +50,10 @@ class CacheWriter:
 
     def __init__(self, url: str, manifest: Manifest, *, writer_index: int = 0,
                  storage_options: dict | None = None, resume: bool = False,
-                 compression: dict[str, codecs.Compression] | None = None):
+                 compression: dict[str, codecs.Compression] | None = None, for_align: bool = False):
+        """`for_align`: hold the store's alignment lock instead of a writer claim (`xtcache align`,
+        which only adds alignment groups to committed parts)."""
+        self.claim: Claim | None = None
         self.loc = Location(url, storage_options)
         self.url = url
         self.writer_index = writer_index
@@ -61,7 +65,10 @@ class CacheWriter:
         self.ids_codec = codecs.codec_from_config(self.manifest.codecs["topk_ids"])
         lp = self.manifest.codecs.get("topk_logprobs")
         self.lp_codec = codecs.codec_from_config(lp) if lp is not None else None
-        self._claim(resume)
+        if for_align:
+            self.claim = acquire_align_lock(self.loc, "another `xtcache align`")
+        else:
+            self._claim(resume)
         # groups of an existing store, plus groups this writer brings (a later run adding a student)
         for group in [*self.manifest.alignment_groups, *manifest.alignment_groups]:
             self._declare_group(group)
@@ -97,21 +104,10 @@ class CacheWriter:
         return have
 
     def _claim(self, resume: bool) -> None:
-        self.claim_path = f"claims/w{self.writer_index:05d}.json"
-        claim = WriterClaim(writer_index=self.writer_index, pid=os.getpid(), host=socket.gethostname(),
-                            time=now_iso()).model_dump()
-        if self.loc.create_exclusive(self.claim_path, claim):
-            return
-        other = self.loc.read_json(self.claim_path) or {}
-        held_by = (f"writer {self.writer_index} of store {self.url} is claimed by pid {other.get('pid')} on "
-                   f"{other.get('host')} since {other.get('time')}")
-        if not resume:
-            raise StoreError(f"{held_by}; if that process is gone, resume with --resume")
-        if other.get("host") == socket.gethostname() and _pid_alive(other.get("pid")):
-            raise StoreError(f"{held_by}, and that process is still running: --resume only takes over the "
-                             "claim of a job that died")
-        log.warning("taking over the claim of writer %d in %s (resume)", self.writer_index, self.url)
-        self.loc.write_json_atomic(self.claim_path, claim)
+        claim = Claim(self.loc, writer_claim_path(self.writer_index), self.writer_index, f"writer {self.writer_index}")
+        claim.require_exclusive(several=self.manifest.num_writers > 1)
+        claim.acquire(resume=resume)
+        self.claim = claim
 
     def _declare_group(self, group: AlignGroupMeta) -> None:
         path = f"align/{group.fingerprint}/group.json"
@@ -139,7 +135,7 @@ class CacheWriter:
             if len(recs) != len(docs):
                 raise XtcacheError(f"alignment group {fp[:12]}..: {len(recs)} records for {len(docs)} documents")
         arrays = self._encode_docs(docs)
-        self._remove_part(sid)
+        self._remove_part(sid, set(alignments))
         group = f"shards/{sid}"
         specs = {name: write_array(self.loc, group, name, values, compression=self._compression(name),
                                     transform=transform)
@@ -153,6 +149,7 @@ class CacheWriter:
             num_predicted=int(sum(int(np.count_nonzero(d.has_pred)) for d in docs)),
             docs=[DocId(source=d.source, row=d.row, content_hash=d.content_hash) for d in docs],
             arrays=specs, stats=stats, created=now_iso())
+        self.claim.check(f"committing part {sid}")
         self.loc.write_json_atomic(f"index/{sid}.json", meta.model_dump(mode="json"))
         return meta
 
@@ -169,19 +166,23 @@ class CacheWriter:
             self._declare_group(group)
         lengths = _doc_lengths(self.loc, shard, self.url)
         self._write_align_part(group.fingerprint, shard_id, records, lengths)
+        if self.loc.read_json(f"index/{shard_id}.json") != meta:  # the teacher part was rewritten meanwhile
+            self.loc.remove(f"align/{group.fingerprint}/index/{shard_id}.json")
+            raise StoreError(f"store {self.url}: teacher part {shard_id} was rewritten while its alignment was "
+                             "written; run `xtcache align` again once the dump has finished")
 
     def finish(self, summary: dict | None = None) -> None:
         """Mark this writer done (all its parts written) and release its claim."""
         done = WriterDone(format_version=self.manifest.format_version, writer_index=self.writer_index, num_parts=len(self.committed_parts()),
                           time=now_iso(), summary=summary or {})
+        self.claim.check("marking the writer done")
         self.loc.write_json_atomic(f"done/w{self.writer_index:05d}.json", done.model_dump(mode="json"))
         self.close()
 
     def close(self) -> None:
-        """Release the writer's claim (idempotent)."""
-        if getattr(self, "claim_path", None):
-            self.loc.remove(self.claim_path)
-            self.claim_path = None
+        """Release the writer's claim if it still holds it (idempotent)."""
+        if getattr(self, "claim", None) is not None:
+            self.claim.release()
 
     def __enter__(self):
         return self
@@ -194,12 +195,25 @@ class CacheWriter:
     def _compression(self, array: str) -> codecs.Compression:
         return self.compression.get(array) or default_compression(array)
 
-    def _remove_part(self, sid: str) -> None:
-        self.loc.remove(f"index/{sid}.json")
-        for fp in self.loc.groups():
-            self.loc.remove(f"align/{fp}/index/{sid}.json")
-            self.loc.remove_tree(f"align/{fp}/shards/{sid}")
-        self.loc.remove_tree(f"shards/{sid}")
+    def _remove_part(self, sid: str, own_groups: set[str]) -> None:
+        """Remove what a part left behind before it is (re)written. Another group's alignment part of
+        it (written by `xtcache align` while the part was committed) is removed under the alignment
+        lock only, so a running `xtcache align` never loses a part to a dump, nor a dump to it."""
+        others = [fp for fp in self.loc.groups() if fp not in own_groups and (
+            self.loc.exists(f"align/{fp}/index/{sid}.json") or self.loc.exists(f"align/{fp}/shards/{sid}"))]
+        lock = None
+        if others or self.loc.exists(f"index/{sid}.json"):
+            lock = acquire_align_lock(self.loc, f"writer {self.writer_index} (rewriting part {sid}, which that "
+                                                "alignment covers)")
+        try:
+            self.loc.remove(f"index/{sid}.json")
+            for fp in self.loc.groups():
+                self.loc.remove(f"align/{fp}/index/{sid}.json")
+                self.loc.remove_tree(f"align/{fp}/shards/{sid}")
+            self.loc.remove_tree(f"shards/{sid}")
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _encode_docs(self, docs: list[DocRecord]) -> dict[str, tuple[np.ndarray, dict | None]]:
         m = self.manifest
@@ -278,7 +292,9 @@ class CacheWriter:
                 raise XtcacheError(f"alignment part {sid}: a conversation store needs a role per student token")
             arrays["student_role"] = _concat([r.student_role for r in records], np.uint8)
             conversation = conversation_counts(records, arrays["student_role"])
-        assert list(arrays) == [a.name for a in align_arrays(self.manifest.conversation)], "arrays off the contract"
+        if list(arrays) != [a.name for a in align_arrays(self.manifest.conversation)]:
+            raise XtcacheError(f"alignment part {sid}: arrays {list(arrays)} are not the contract's "
+                               "(schemas/arrays.py align_arrays)")
         group = f"{base}/shards/{sid}"
         specs = {n: write_array(self.loc, group, n, v, compression=self._compression(n)) for n, v in arrays.items()}
         meta = AlignPartMeta(
@@ -363,16 +379,3 @@ def _doc_lengths(loc: Location, shard: ShardMeta, url: str) -> list[int]:
     offs = read_arrays(loc, f"shards/{shard.shard_id}", [shard.arrays["doc_pos_offsets"]], sha256=True,
                        where=f"store {url}, teacher part {shard.shard_id}")["doc_pos_offsets"]
     return np.diff(offs).tolist()
-
-
-def _pid_alive(pid) -> bool:
-    """Whether a process with this pid runs on this host (never true for our own pid: we may resume ourselves)."""
-    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
