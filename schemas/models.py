@@ -205,10 +205,11 @@ class AlignPartMeta(_Model):
 class WriterClaim(_Model):
     """`claims/w{writer:05d}.json`: which process currently writes as this writer index."""
 
-    writer_index: int
+    writer_index: int  # -1: the claim of `xtcache align` (claims/align.json)
     pid: int
     host: str
     time: str
+    token: str = ""  # random per claim: a process releases or keeps writing under a claim only while it is its own
 
 
 class WriterDone(_Model):
