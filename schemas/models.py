@@ -102,17 +102,26 @@ class ShardPlanFile(_Model):
 
 class CaptureCheck(_Model):
     """`capture_checks/<key>.json`: one first-batch check of the vLLM fast path, trusted by the other
-    writers and resumed jobs whose teacher, vLLM version, dtype and tensor-parallel size match."""
+    writers and resumed jobs whose teacher, vLLM version, platform, model runner, execution mode,
+    dtype and tensor-parallel size match (all of them are in the key)."""
 
     format_version: int = FORMAT_VERSION
-    key: str = Field(description="sha256 of teacher_model, vllm_version, dtype and tensor_parallel_size.")
+    key: str = Field(description="sha256 of the fields from teacher_model to tensor_parallel_size.")
     teacher_model: str = Field(description="model_fingerprint of the teacher that was checked.")
     vllm_version: str
+    platform: str = Field(default="", description="'cpu', or 'cuda:' + the CUDA device's name.")
+    model_runner_requested: str = Field(default="auto", description="VLLM_USE_V2_MODEL_RUNNER: v1, v2 or auto.")
+    enforce_eager: bool | None = Field(default=None, description="Eager (true) or compiled (false) execution.")
     dtype: str
     tensor_parallel_size: int = Field(ge=1)
+    model_runner: str = Field(default="", description="The model runner the checked engine ran: v1 or v2.")
     passed: bool = Field(description="False: the fast path disagreed with the reference; writers refuse to finish.")
     max_gap: float | None = Field(default=None, description="Largest |fast - reference| log-prob gap measured.")
+    mean_gap: float | None = Field(default=None, description="Mean |fast - reference| log-prob gap measured.")
+    logit_max: float | None = Field(default=None, description="Largest |logit| of the checked rows (sets the "
+                                                                "half-precision tolerance).")
     tolerance: float
+    mean_tolerance: float | None = Field(default=None, description="Bound on the mean gap.")
     windows: int = Field(ge=0, description="First-batch windows compared.")
     reference: str = Field(description="What the fast path was compared against.")
     writer_index: int = Field(ge=0, description="Writer that ran the check.")

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stage1_teacher.head import Targets, TeacherHead, UnsupportedHead, distill_targets, sample_seed
+from stage1_teacher import budget, preflight
+from stage1_teacher.head import Targets, TeacherHead, UnsupportedHead, block_rows, distill_targets, sample_seed
+from xtcache.devices import compute_device
 from xtcache.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -138,47 +140,95 @@ def reference_k(mode: str, k: int, model_vocab: int, vocab_size: int) -> int:
     return min(model_vocab, k + max(0, model_vocab - vocab_size))
 
 
-def default_tolerance(dtype: str) -> float:
-    """Largest allowed |fast - reference| log-prob gap on the first batch.
+HALF_MANTISSA_BITS = {"bfloat16": 7, "bf16": 7, "auto": 7, "float16": 10, "fp16": 10, "half": 10}
 
-    In float32 both paths agree to ~1e-5. In half precision (and "auto", which vLLM may run in fp16
-    or bf16) vLLM's own log-probs come from half-precision logits: with logits of magnitude ~20 one
-    rounding step is 0.016 (fp16) or 0.125 (bf16), so single entries can differ by a few tenths
-    while the head is right. A wrong head (missing soft-capping or scaling) shifts every entry, which
-    the mean gap (MEAN_GAP_FACTOR x smaller bound) catches.
+
+def logit_ulp(dtype: str, logit_max: float) -> float:
+    """Spacing of `dtype`'s representable values at the magnitude of the largest logit (0 in fp32).
+
+    vLLM's reference log-probs come from logits rounded to the engine's dtype ("auto" counts as
+    bf16, the coarser of the two half types), so their error grows with the logits' scale: at
+    |z| in [32, 64) one bf16 step is 0.25 nats, at [16, 32) 0.125.
     """
-    return 1e-3 if dtype in ("float32", "fp32") else 0.5
+    bits = HALF_MANTISSA_BITS.get(dtype)
+    if bits is None or not np.isfinite(logit_max) or logit_max <= 0:
+        return 0.0
+    return float(2.0 ** (np.floor(np.log2(logit_max)) - bits))
 
 
-MEAN_GAP_FACTOR = 10  # the mean gap must stay below tolerance / MEAN_GAP_FACTOR
+def default_tolerance(dtype: str, logit_max: float = 0.0) -> tuple[float, float]:
+    """(largest, mean) |fast - reference| log-prob gap allowed on the first batch.
 
-
-def compare_with_reference(hidden: list, reference: list, head: TeacherHead, tolerance: float) -> float:
-    """Largest |fast - reference| log-prob gap over the reference's ids and realized tokens.
-
-    Raises CaptureError when the largest gap exceeds `tolerance` or the mean gap exceeds
-    `tolerance / MEAN_GAP_FACTOR`.
+    In float32 both paths agree to ~1e-5: (1e-3, 1e-4). In half precision the reference rounds
+    each logit to the nearest representable value, an error uniform within half a step u =
+    `logit_ulp(dtype, logit_max)`: its mean size is u/4 (measured on a 152k vocabulary in bf16:
+    0.03 at top logits of 20-30, u = 0.125; 0.062 near 45, u = 0.25). The mean bound is u/2 (at
+    least 0.05), twice that expectation; single entries may differ by a step on each side, so the
+    largest bound is 4u (at least 0.5). A wrong head (missing soft-capping or scaling) shifts
+    every entry by far more than a rounding step, which the mean bound catches.
     """
-    import torch
+    u = logit_ulp(dtype, logit_max)
+    if dtype in ("float32", "fp32") or u == 0.0 and dtype not in HALF_MANTISSA_BITS:
+        return 1e-3, 1e-4
+    return max(0.5, 4 * u), max(0.05, u / 2)
 
-    gap, total, count = 0.0, 0.0, 0
+
+def compare_with_reference(hidden: list, reference: list, head: TeacherHead, dtype: str,
+                           tolerance: float | None = None) -> dict:
+    """The fast path's log-probs against the reference's at the reference's ids and realized tokens.
+
+    Logits are made block by block on the head's device (`head_rows`), so no [L-1, V] matrix of a
+    whole window exists. Returns the check record's fields (max and mean gap, the largest logit,
+    the tolerances); raises CaptureError, carrying them as `.check`, when the largest gap exceeds
+    the tolerance (`--check-tolerance`, else `default_tolerance` at the largest logit) or the mean
+    gap its bound.
+    """
+    gap, total, count, logit_max = 0.0, 0.0, 0, 0.0
     for h, ref in zip(hidden, reference):
         if len(ref.ids) == 0:
             continue
-        z = head.logits(h[:-1])
-        lp = (z - torch.logsumexp(z, -1, keepdim=True)).cpu().numpy()
-        ids = np.minimum(ref.ids, lp.shape[1] - 1)
-        diff = np.abs(np.take_along_axis(lp, ids, 1) - ref.logprobs)
+        lp, zmax = head_rows_logprobs(head, h[:-1], ref.ids)
+        diff = np.abs(lp - ref.logprobs)
         gap = max(gap, float(diff.max()))
         total, count = total + float(diff.sum()), count + diff.size
+        logit_max = max(logit_max, zmax)
     mean = total / max(1, count)
-    if not np.isfinite(gap) or gap > tolerance or mean > tolerance / MEAN_GAP_FACTOR:
-        raise CaptureError(
+    tol, mean_tol = default_tolerance(dtype, logit_max)
+    if tolerance is not None:
+        tol, mean_tol = tolerance, tolerance / MEAN_GAP_FACTOR
+    check = {"max_gap": gap, "mean_gap": mean, "logit_max": logit_max, "tolerance": tol, "mean_tolerance": mean_tol}
+    if not np.isfinite(gap) or gap > tol or mean > mean_tol:
+        err = CaptureError(
             f"the hidden-state fast path disagrees with vLLM's own prompt log-probs on the first batch: "
-            f"max |gap| = {gap:.4g}, mean {mean:.3g} (tolerance {tolerance:g}, mean {tolerance / MEAN_GAP_FACTOR:g}). "
-            "The teacher's output head is not reproduced (unusual scaling or head); rerun with --no-fast-path, "
-            "or raise --check-tolerance if the dtype explains it")
-    return gap
+            f"max |gap| = {gap:.4g}, mean {mean:.3g} (tolerance {tol:g}, mean {mean_tol:g}, derived from {dtype} "
+            f"rounding at the largest logit {logit_max:.1f}). The teacher's output head is not reproduced (unusual "
+            "scaling or head); rerun with --no-fast-path, or set --check-tolerance if the dtype explains it")
+        err.check = {**check, "passed": False}
+        raise err
+    return check
+
+
+MEAN_GAP_FACTOR = 10  # with --check-tolerance T the mean gap must stay below T / MEAN_GAP_FACTOR
+
+
+def head_rows_logprobs(head: TeacherHead, hidden, ids: np.ndarray) -> tuple[np.ndarray, float]:
+    """Log-probs at `ids` [n, k] of the rows of `hidden` [n, H] and the largest |logit| seen.
+
+    Rows go through the head in blocks of `block_rows(V)`; everything is computed on the
+    head's device and only the [n, k] gathered values come back.
+    """
+    import torch
+
+    ids = np.minimum(ids, head.model_vocab - 1)
+    out = np.empty(ids.shape, dtype=np.float32)
+    zmax = []
+    step = block_rows(head.model_vocab)
+    for a in range(0, int(hidden.shape[0]), step):
+        z = head.logits(hidden[a:a + step])  # [r, V_model] fp32 on the head's device
+        lp = z.gather(1, torch.as_tensor(ids[a:a + step]).to(z.device)) - torch.logsumexp(z, -1, keepdim=True)
+        out[a:a + step] = lp.cpu().numpy()
+        zmax.append(z.abs().amax().reshape(1))
+    return out, float(torch.cat(zmax).amax().cpu().numpy()) if zmax else 0.0
 
 
 class EngineCache:
@@ -198,15 +248,24 @@ class EngineCache:
         self.engines.clear()
 
 
-def check_key(teacher_model: str, dtype: str, tensor_parallel_size: int) -> dict:
-    """What a first-batch check of the fast path depends on, and its sha256 (`key`)."""
+def check_key(teacher_model: str, teacher) -> dict:
+    """Where a first-batch check of the fast path was made, and its sha256 (`key`).
+
+    `teacher`: the dump's teacher settings. A check holds for one teacher, vLLM version, platform
+    (CPU, or the CUDA device's name: the CPU and CUDA builds report the same version), requested
+    model runner, eager or compiled execution, dtype and tensor-parallel size; a record made
+    anywhere else has another key and is never trusted.
+    """
     import hashlib
     import json
 
     import vllm
 
-    d = {"teacher_model": teacher_model, "vllm_version": vllm.__version__, "dtype": dtype,
-         "tensor_parallel_size": tensor_parallel_size}
+    from stage1_teacher.capture_vllm import platform_name, requested_model_runner, resolved_eager
+
+    d = {"teacher_model": teacher_model, "vllm_version": vllm.__version__, "platform": platform_name(),
+         "model_runner_requested": requested_model_runner(), "enforce_eager": resolved_eager(teacher.enforce_eager),
+         "dtype": teacher.dtype, "tensor_parallel_size": teacher.tensor_parallel_size}
     return {**d, "key": hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()}
 
 
@@ -240,18 +299,16 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
         cap.start_seconds = time.perf_counter() - t0
         return cap
 
-    from stage1_teacher.capture_vllm import VllmHiddenEngine, VllmOptions, VllmPromptLogprobEngine, on_cuda
+    from stage1_teacher.capture_vllm import VllmHiddenEngine, VllmPromptLogprobEngine, vllm_options
 
-    opts = VllmOptions(model=t.teacher, tensor_parallel_size=t.tensor_parallel_size, dtype=t.dtype,
-                       gpu_memory_utilization=t.gpu_memory_utilization, max_model_len=max_model_len,
-                       max_num_batched_tokens=t.max_num_batched_tokens or max(8192, max_model_len),
-                       enforce_eager=t.enforce_eager, seed=c.seed)
+    opts = vllm_options(cfg, max_model_len)
+    preflight.check_device_memory(cfg, opts, window_len=window_len, k=k, reference_check=trusted is None)
     head = None
     notes = []
-    if t.fast_path:
+    if t.fast_path:  # read into host memory; it moves to the device once the engine has started
         try:
-            head = TeacherHead.load(t.teacher, "cuda" if on_cuda() else "cpu",
-                                    dtype=None if t.dtype in ("auto", "float32") else _torch_dtype(t.dtype))
+            head = TeacherHead.load(t.teacher, "cpu", dtype=None if t.dtype in ("auto", "float32")
+                                    else _torch_dtype(t.dtype))
         except UnsupportedHead as e:
             msg = f"FALLBACK to vLLM prompt log-probs (slower): {e}"
             log.warning(msg)
@@ -264,38 +321,54 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
         cap.start_seconds = time.perf_counter() - t0
         return cap
 
-    if trusted is not None:  # the store holds a passed check of this teacher, vLLM, dtype and TP
+    path = "vLLM hidden states + teacher lm_head (exact)"
+    if trusted is not None:  # the store holds a passed check of this teacher, vLLM, platform, dtype and TP
         eng = make(("vllm-hidden", opts), lambda: VllmHiddenEngine(opts))
-        cap = Capture(engine=eng, kind="hidden", head=head, notes=notes, check_gap=trusted.get("max_gap"),
-                      path="vLLM hidden states + teacher lm_head (exact)", **common)
+        if trusted:
+            _same_runner(trusted, eng)
+        cap = Capture(engine=eng, kind="hidden", head=head.to(compute_device()), notes=notes,
+                      check_gap=trusted.get("max_gap"), path=path, **common)
         cap.start_seconds = time.perf_counter() - t0
         return cap
     sample = first_batch[:CHECK_WINDOWS]
+    before = budget.device_memory_used(t.tensor_parallel_size)  # None off CUDA
     ref_engine = make(("vllm-plp", opts, CHECK_K), lambda: VllmPromptLogprobEngine(opts, min(CHECK_K, model_vocab)))
     try:
         reference = ref_engine.run(sample)
     finally:
         if engines is None:
             ref_engine.close()
+    if engines is None:
+        budget.wait_for_release(before, lambda: budget.device_memory_used(t.tensor_parallel_size))
     eng = make(("vllm-hidden", opts), lambda: VllmHiddenEngine(opts))
     start = time.perf_counter() - t0
-    tol = t.check_tolerance if t.check_tolerance is not None else default_tolerance(t.dtype)
-    check = {"tolerance": tol, "windows": len(sample), "reference": f"vLLM prompt log-probs (top {CHECK_K})"}
+    check = {"windows": len(sample), "reference": f"vLLM prompt log-probs (top {CHECK_K})",
+             "model_runner": eng.model_runner()}
     try:
-        gap = compare_with_reference(eng.run(sample), reference, head, tol)
+        head = head.to(compute_device())
+        measured = compare_with_reference(eng.run(sample), reference, head, t.dtype, t.check_tolerance)
     except BaseException as e:
         if engines is None:
             eng.close()
         if isinstance(e, CaptureError):
-            e.check = {**check, "passed": False, "max_gap": None}
+            e.check = {**check, **(getattr(e, "check", None) or {"passed": False, "tolerance": 0.0})}
         raise
-    log.info("fast path checked against vLLM prompt log-probs on %d windows: max gap %.3g (tolerance %g)",
-             len(sample), gap, tol)
-    cap = Capture(engine=eng, kind="hidden", head=head, notes=notes, check_gap=gap,
-                  check={**check, "passed": True, "max_gap": gap},
-                  path="vLLM hidden states + teacher lm_head (exact)", **common)
+    log.info("fast path checked against vLLM prompt log-probs on %d windows: max gap %.3g, mean %.3g (tolerance "
+             "%g, mean %g, at the largest logit %.1f)", len(sample), measured["max_gap"], measured["mean_gap"],
+             measured["tolerance"], measured["mean_tolerance"], measured["logit_max"])
+    cap = Capture(engine=eng, kind="hidden", head=head, notes=notes, check_gap=measured["max_gap"],
+                  check={**check, **measured, "passed": True}, path=path, **common)
     cap.start_seconds = start
     return cap
+
+
+def _same_runner(trusted: dict, engine) -> None:
+    """A trusted record checked another model runner than the one this engine chose: refuse it."""
+    ran = engine.model_runner()
+    if trusted.get("model_runner") and trusted["model_runner"] != ran:
+        raise CaptureError(f"the first-batch check this store trusts ran on vLLM's model runner "
+                           f"{trusted['model_runner']}; this engine runs {ran}: set VLLM_USE_V2_MODEL_RUNNER to "
+                           f"match, or start a new --out so the check runs here")
 
 
 def _torch_dtype(name: str):

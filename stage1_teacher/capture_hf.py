@@ -39,7 +39,9 @@ class HfEngine:
         weight_files(model_dir)  # refuse teachers without safetensors before loading anything
         if dtype not in DTYPES:
             raise CaptureError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        from xtcache.devices import compute_device
+
+        self.device = compute_device()
         torch_dtype = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else torch.float32
         log.info("loading %s with transformers on %s (%s)", model_dir, self.device, torch_dtype)
         self.model = AutoModelForCausalLM.from_pretrained(

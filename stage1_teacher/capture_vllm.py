@@ -34,9 +34,33 @@ log = logging.getLogger(__name__)
 
 
 def on_cuda() -> bool:
-    import torch
+    """A CUDA device is there (asked through NVML: nothing is initialised before the engine forks)."""
+    from xtcache.devices import cuda_present
 
-    return torch.cuda.is_available()
+    return cuda_present()
+
+
+def resolved_eager(enforce_eager: bool | None) -> bool:
+    """--enforce-eager as the engine runs it: the flag, else eager on CPU and compiled on CUDA."""
+    return enforce_eager if enforce_eager is not None else not on_cuda()
+
+
+def platform_name() -> str:
+    """'cpu', or 'cuda:' + device 0's product name read through NVML (CUDA stays uninitialised)."""
+    from vllm.platforms import current_platform as p
+
+    kind = str(p.device_type or "unknown")
+    if kind == "cuda" and type(p).__name__ == "NvmlCudaPlatform":
+        return f"cuda:{p.get_device_name(0)}"
+    return kind
+
+
+def requested_model_runner() -> str:
+    """The model runner asked for through VLLM_USE_V2_MODEL_RUNNER: 'v1', 'v2' or 'auto' (vLLM picks)."""
+    value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if value in ("1", "true"):
+        return "v2"
+    return "v1" if value in ("0", "false") else "auto"
 
 
 @dataclass(frozen=True)
@@ -61,14 +85,21 @@ class VllmOptions:
             util = 0.8 if cuda else 0.3
         kw = dict(model=self.model, tokenizer=self.model, tensor_parallel_size=self.tensor_parallel_size,
                   dtype=self.dtype, gpu_memory_utilization=util, seed=self.seed, enable_prefix_caching=False,
-                  trust_remote_code=False)
+                  trust_remote_code=False, enforce_eager=resolved_eager(self.enforce_eager))
         if self.max_model_len is not None:
             kw["max_model_len"] = self.max_model_len
         if self.max_num_batched_tokens is not None:
             kw["max_num_batched_tokens"] = self.max_num_batched_tokens
-        eager = self.enforce_eager if self.enforce_eager is not None else not cuda
-        kw["enforce_eager"] = eager
         return kw
+
+
+def vllm_options(cfg, max_model_len: int) -> VllmOptions:
+    """The engine options of a `teacher-dump` config (its teacher and capture settings)."""
+    t = cfg.teacher
+    return VllmOptions(model=t.teacher, tensor_parallel_size=t.tensor_parallel_size, dtype=t.dtype,
+                       gpu_memory_utilization=t.gpu_memory_utilization, max_model_len=max_model_len,
+                       max_num_batched_tokens=t.max_num_batched_tokens or max(8192, max_model_len),
+                       enforce_eager=t.enforce_eager, seed=cfg.capture.seed)
 
 
 class _VllmEngine:
@@ -88,6 +119,10 @@ class _VllmEngine:
             self.llm = LLM(**kw)
         self.options = options
 
+    def model_runner(self) -> str:
+        """'v1' or 'v2': the model runner this engine's workers use."""
+        return "v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+
     def close(self) -> None:
         """Shut the engine's processes down (idempotent)."""
         llm = getattr(self, "llm", None)
@@ -100,9 +135,9 @@ class _VllmEngine:
             log.debug("vLLM shutdown: %s", e)
         del llm
         gc.collect()
-        if on_cuda():
-            import torch
+        import torch
 
+        if torch.cuda.is_initialized():  # the head or a check's logits may hold cached blocks
             torch.cuda.empty_cache()
 
 
@@ -115,7 +150,10 @@ class VllmHiddenEngine(_VllmEngine):
     def __init__(self, options: VllmOptions):
         from vllm.config import PoolerConfig
 
-        super().__init__(options, runner="pooling", pooler_config=PoolerConfig(
+        # head_dtype "model": the pooler hands the hidden states over in the model's dtype (vLLM's
+        # default casts them to fp32: twice the bytes through the engine's transport for a bf16
+        # teacher, and no information, since the model computed them in its dtype)
+        super().__init__(options, runner="pooling", hf_overrides={"head_dtype": "model"}, pooler_config=PoolerConfig(
             task="token_embed", tok_pooling_type="ALL", use_activation=False))
 
     def run(self, windows: list[np.ndarray]) -> list:
@@ -205,7 +243,9 @@ def main(argv: list[str]) -> None:
         hidden = fast.run(windows)
     finally:
         fast.close()
-    head = TeacherHead.load(model, "cuda" if on_cuda() else "cpu")
+    from xtcache.devices import compute_device
+
+    head = TeacherHead.load(model, "cpu").to(compute_device())
     for w, h, r in zip(windows, hidden, want):
         lp = torch.log_softmax(head.logits(h), -1)[:-1].cpu().numpy()
         got = np.take_along_axis(lp, r.ids, 1)

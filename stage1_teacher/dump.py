@@ -406,7 +406,7 @@ class CheckRecords:
         from xtcache.store_io import Location
 
         t = cfg.teacher
-        self.what = check_key(plan.fingerprints["teacher_model"], t.dtype, t.tensor_parallel_size)
+        self.what = check_key(plan.fingerprints["teacher_model"], t)
         self.loc = Location(plan.out, cfg.store.storage_options)
         self.rel = f"capture_checks/{self.what['key']}.json"
         self.writer = cfg.store.shard_index
@@ -434,11 +434,17 @@ class CheckRecords:
             raw = other.read_json(self.rel)
             if raw is None:
                 raise CaptureError(f"--trust-check-from {self.trust_from}: that store holds no first-batch check of "
-                                   f"this teacher, vLLM {self.what['vllm_version']}, dtype {self.what['dtype']} and "
-                                   f"tensor-parallel size {self.what['tensor_parallel_size']} ({self.rel}); drop the "
-                                   "option to run the check here")
+                                   f"this teacher, vLLM {self.what['vllm_version']} on {self.what['platform']}, "
+                                   f"{'eager' if self.what['enforce_eager'] else 'compiled'}, dtype "
+                                   f"{self.what['dtype']} and tensor-parallel size "
+                                   f"{self.what['tensor_parallel_size']} ({self.rel}); drop the option to run the "
+                                   "check here")
             rec = read_model(CaptureCheck, raw, f"{other.url}/{self.rel}")
             self.borrowed, self.borrowed_from = rec, other.url
+        if rec is not None and any(getattr(rec, f) != v for f, v in self.what.items()):
+            raise CorruptionError(f"{self.rel}: the record names another teacher, vLLM, platform or settings than "
+                                  f"its key ({rec.platform or 'no platform'}, vLLM {rec.vllm_version}, dtype "
+                                  f"{rec.dtype}); it was not written by xtcache for this key: remove it")
         if rec is not None and not rec.passed:
             raise CaptureError(f"writer {rec.writer_index}'s first-batch check of the fast path failed for this teacher "
                                f"(vLLM {rec.vllm_version}, dtype {rec.dtype}); rerun the store with --no-fast-path")
@@ -675,7 +681,9 @@ def _share_cpu_with_vllm(cfg):
     """
     import torch
 
-    if cfg.teacher.engine != "vllm" or torch.cuda.is_available():
+    from xtcache.devices import cuda_present
+
+    if cfg.teacher.engine != "vllm" or cuda_present():
         return lambda: None
     before = torch.get_num_threads()
     reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)

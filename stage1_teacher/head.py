@@ -4,7 +4,7 @@
 `lm_head.weight`, or the input embedding when the embeddings are tied) plus the logit scaling and
 soft-capping its config asks for. `distill_targets` turns a block of logits into exactly the
 arrays a `DocRecord` holds, vectorized in torch on the teacher's device, in row blocks so a
-[rows, vocab] float32 matrix never exceeds `block_rows` rows:
+[rows, vocab] float32 matrix never exceeds `block_rows(V)` rows:
 
   topk     k most likely ids and their log-probs, residual = 1 - sum(exp(top-k log-probs))
   full     log-probs of every tokenizer id (k = V), residual = mass outside the tokenizer
@@ -91,6 +91,11 @@ class TeacherHead:
         weight = weight.to(device=device, dtype=dtype or torch.float32)
         return cls(weight=weight, logit_scale=scale, softcap=float(softcap) if softcap else None, architecture=arch)
 
+    def to(self, device) -> "TeacherHead":
+        """The same head with its weight on `device` (a no-op where it already is)."""
+        return TeacherHead(weight=self.weight.to(device), logit_scale=self.logit_scale, softcap=self.softcap,
+                           architecture=self.architecture)
+
     def logits(self, hidden):
         """float32 [N, V_model] logits from final hidden states [N, H] (any float dtype)."""
         import torch
@@ -154,6 +159,11 @@ BLOCK_ELEMENTS = 1 << 27  # at most this many float32 logits at once (512 MiB: 8
 MAX_BLOCK_ROWS = 1024  # small blocks stay in cache; measured fastest on CPU
 
 
+def block_rows(model_vocab: int) -> int:
+    """Rows of [rows, V_model] float32 logits made at once: at most BLOCK_ELEMENTS, MAX_BLOCK_ROWS."""
+    return max(16, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, model_vocab)))
+
+
 def _split_logits(rows, head: "TeacherHead | None", V: int):
     """(real [r, V] contiguous, padded [r, V_model - V]) float32 logits of one block of rows."""
     import torch.nn.functional as F
@@ -176,7 +186,7 @@ def _split_logits(rows, head: "TeacherHead | None", V: int):
 
 
 def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_samples: int = 0,
-                    generator=None, head: TeacherHead | None = None, block_rows: int | None = None) -> Targets:
+                    generator=None, head: TeacherHead | None = None, rows_per_block: int | None = None) -> Targets:
     """Exact top-k / full / sampled targets for next tokens `targets` [n].
 
     `rows`: logits [n, V_model], or final hidden states [n, H] when the teacher's `head` is given
@@ -188,9 +198,10 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
     import torch
 
     n = int(rows.shape[0])
+    device = head.weight.device if head is not None else rows.device  # where the logits are made
     v_model = head.model_vocab if head is not None else int(rows.shape[1])
     V = min(vocab_size, v_model)
-    block_rows = block_rows or max(16, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, v_model)))
+    rows_per_block = rows_per_block or block_rows(v_model)
     try:
         k = support_width(mode, k, num_samples, V)
     except ValueError as e:
@@ -200,11 +211,12 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
     counts = np.zeros((n, k), dtype=np.uint16) if mode == "sampled" else None
     residual = np.zeros(n, dtype=np.float32)
     realized = np.zeros(n, dtype=np.float32)
-    targets = torch.as_tensor(np.asarray(targets, dtype=np.int64), device=rows.device)
-    if n and int(targets.max()) >= V:
+    targets = np.asarray(targets, dtype=np.int64)
+    if n and int(targets.max()) >= V:  # checked on the host: no device read-back
         raise CaptureError(f"a teacher token id is >= the tokenizer's vocabulary ({V})")
-    for a in range(0, n, block_rows):
-        b = min(n, a + block_rows)
+    targets = torch.as_tensor(targets).to(device)
+    for a in range(0, n, rows_per_block):
+        b = min(n, a + rows_per_block)
         real, pad = _split_logits(rows[a:b], head, V)  # [r, V], [r, V_model - V]
         if mode == "topk":
             val, idx = torch.topk(real, k, dim=-1, sorted=True)  # [r, k]; val[:, 0] is the row max
