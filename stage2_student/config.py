@@ -149,6 +149,8 @@ class TrainConfig:
     """Output directory: metrics.jsonl, checkpoints/, hf/, summary.json."""
     seed: int = 0
     """Seed of the data order and of torch."""
+    deterministic: bool = False
+    """Deterministic algorithms only (torch.use_deterministic_algorithms, cuDNN, CUBLAS_WORKSPACE_CONFIG=:4096:8): bit-identical resume on GPU, at some speed; off by default."""
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

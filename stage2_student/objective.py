@@ -146,14 +146,18 @@ class Objective:
                  measure_agreement: bool = True, row_chunk: int = ROW_CHUNK, with_ce: bool = True):
         if kind is not None and kind not in KINDS:
             raise ValueError(f"--loss {kind!r}: use {', '.join(KINDS)}")
+        if teacher_tail not in ("ghost", "uniform"):
+            raise ValueError(f"teacher_tail {teacher_tail!r}: use 'ghost' or 'uniform'")
+        if kind == "sampled" and temperature != 1.0:
+            raise ConfigError(f"--temperature {temperature:g} with --loss sampled: the cache holds draws of the T=1 "
+                              "teacher, which cannot be re-tempered; use --temperature 1 (docs/losses.md)")
         if kind == "pkl" and projection is None:
             raise ProjectionError("--loss pkl needs a projection map (--projection, or built from both tokenizers)")
         self.kind, self.projection = kind, projection
         self.kd_weight, self.ce_weight, self.dynamic_scaling = kd_weight, ce_weight, dynamic_scaling
         self.row_chunk = int(row_chunk)
         self.with_ce = with_ce  # False: this teacher's pass skips CE (another teacher's pass computes it)
-        self.spec = _Spec(kind, 1.0 if kind == "sampled" else float(temperature), jsd_beta, alm_tau, teacher_tail,
-                          projection)
+        self.spec = _Spec(kind, float(temperature), jsd_beta, alm_tau, teacher_tail, projection)
         cross = kind in ("pkl", "alm")
         self.measure_agreement = measure_agreement and kind is not None and (not cross or projection is not None)
 
@@ -451,7 +455,9 @@ def _block_terms(spec: _Spec, z_rows: Tensor, blk: Block, teacher: dict) -> tupl
                                             None if cnt is None else _take(cnt, blk.t_sel),
                                             None if res is None else _take(res, blk.t_sel), cdt)
     valid = torch.isfinite(log_p1)
-    log_p, p_rest = losses.temper_teacher(log_p1, resid, t, tail=spec.tail, valid=valid)  # [M, k], [M]
+    v_teacher = spec.projection.teacher_vocab if spec.kind == "pkl" else zt.shape[1]  # the uniform tail's V
+    log_p, p_rest = losses.temper_teacher(log_p1, resid, t, tail=spec.tail, vocab_size=v_teacher,
+                                          valid=valid)  # [M, k], [M]
     if spec.kind == "pkl":
         kd = _pkl_block(zt, lse, blk, ids, log_p, p_rest, spec.projection, cdt)
     else:

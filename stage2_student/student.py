@@ -10,6 +10,8 @@ import os
 import socket
 from pathlib import Path
 
+from xtcache.errors import ConfigError
+
 
 def setup_distributed() -> tuple[int, int, int]:
     """Start (or join) the process group; returns (rank, local rank, world size).
@@ -26,7 +28,7 @@ def setup_distributed() -> tuple[int, int, int]:
         with socket.socket() as sock:  # a free port for this single-process group
             sock.bind(("127.0.0.1", 0))
             os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
-    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    os.environ["LOCAL_RANK"] = str(local_rank(os.environ))
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import deepspeed
 
@@ -36,6 +38,41 @@ def setup_distributed() -> tuple[int, int, int]:
     # this rank's GPU before anything lands on "the" device (a no-op on CPU)
     deepspeed.get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     return dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
+
+
+def local_rank(env) -> int:
+    """This process's device index on its node, from the launcher's environment `env`.
+
+    torchrun and deepspeed set LOCAL_RANK; without it, a one-process job is 0 and LOCAL_WORLD_SIZE
+    (ranks per node, node-contiguous as torchrun numbers them) gives RANK % LOCAL_WORLD_SIZE. The
+    global RANK alone is never taken for it: on a second node it names a GPU that does not exist.
+    """
+    if "LOCAL_RANK" in env:
+        return int(env["LOCAL_RANK"])
+    if int(env.get("WORLD_SIZE", "1")) == 1:
+        return 0
+    if "LOCAL_WORLD_SIZE" in env:
+        return int(env["RANK"]) % int(env["LOCAL_WORLD_SIZE"])
+    raise ConfigError(f"RANK={env.get('RANK')} WORLD_SIZE={env['WORLD_SIZE']} are set but LOCAL_RANK is not, so this "
+                      "process cannot tell which GPU of its node is its own: launch with torchrun or deepspeed, or "
+                      "set LOCAL_RANK (or LOCAL_WORLD_SIZE) for every process")
+
+
+def set_deterministic(on: bool) -> None:
+    """--deterministic: deterministic algorithms everywhere (what bit-identical resume needs on a GPU).
+
+    Call before CUDA starts: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it creates its handle. An
+    operation without a deterministic implementation then raises instead of running.
+    """
+    if not on:
+        return
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    import torch
+
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def teardown_distributed() -> None:

@@ -33,6 +33,7 @@ from stage2_student.student import (  # noqa: F401
     load_student,
     load_tokenizer,
     model_inputs,
+    set_deterministic,
     setup_distributed,
     teardown_distributed,
     to_device,
@@ -88,6 +89,9 @@ class Trainer:
             if measure is not None:
                 measure.to(self.device)
         self.metrics_path = self.out / METRICS_FILE
+        log.info("train-student: %d rank(s) on %s, ZeRO-%d, %s, deterministic algorithms %s", world, self.device,
+                 self.ds_config["zero_optimization"]["stage"], "bf16" if cfg.deepspeed.bf16 else "fp32",
+                 "on" if cfg.deterministic else "off (--deterministic for bit-identical resume on GPU)")
 
     def all_reduce(self, values: list[float]) -> list[float]:
         import torch
@@ -247,6 +251,7 @@ class Trainer:
         per_s = (lambda n: n / train_seconds if train_seconds > 0 else None)  # noqa: E731
         return {
             "steps": self.step, "steps_run": steps_done, "world_size": self.world, "train_seconds": train_seconds,
+            "deterministic": self.cfg.deterministic,
             "steps_per_s": per_s(steps_done), "tokens_per_s": per_s(tokens_done),
             "initial_eval_kl": evals[0]["kl"] if evals else None,
             "final_eval_kl": final["kl"] if final else None, "eval_kl_definition": self.data.measure_definition,
@@ -287,6 +292,7 @@ class Trainer:
 
 def train(cfg: TrainConfig, make_data: Callable[[TrainConfig, object, int, int], StageData] | None = None) -> dict:
     """Run stage 2 in this process (one rank of the job); tears the process group down at the end."""
+    set_deterministic(cfg.deterministic)  # before CUDA starts (setup_distributed picks the device)
     rank, _, world = setup_distributed()
     try:
         if rank != 0:

@@ -176,3 +176,77 @@ def test_the_trainer_moves_every_tensor_it_gives_the_device(name, sparse_mm_on_f
     assert row.device == FAKE_ACCELERATOR and row.shape == (5 + 5 * obj.num_teachers,)
     assert all(p.grad is not None and p.grad.device == FAKE_ACCELERATOR for p in model.parameters())
     assert valid_pos == N
+
+
+# --------------------------------------------------------------------------------------------
+# the process: which device is this rank's, and deterministic algorithms
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}, 1),  # torchrun / deepspeed, second node
+    ({}, 0),  # plain python
+    ({"RANK": "0", "WORLD_SIZE": "1"}, 0),
+    ({"RANK": "11", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, 3),
+])
+def test_local_rank_comes_from_the_launcher_never_from_the_global_rank(env, want):
+    from stage2_student.student import local_rank
+
+    assert local_rank(env) == want
+
+
+def test_a_multi_process_job_without_local_rank_is_refused():
+    from stage2_student.student import local_rank
+    from xtcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="LOCAL_RANK is not"):
+        local_rank({"RANK": "9", "WORLD_SIZE": "16"})
+
+
+_DETERMINISM = """
+import os, torch
+from stage2_student.student import set_deterministic
+set_deterministic({on})
+print(torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+      torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+from tests.test_device_stage2 import _case, N, V
+for name in ("topk kl", "pkl topk", "dynamic entropy", "alm"):  # every op of the objective is allowed on CPU
+    obj, batch = _case(name)
+    logits = torch.randn(1, N, V, requires_grad=True)
+    obj(logits, obj.prepare(batch, vocab=V), chunks_total=float(N), tokens_total=float(N))[0].backward()
+print("objective ok")
+"""
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_deterministic_sets_torch_cudnn_and_cublas_before_cuda_starts(on):
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_train_kd import REPO
+
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _DETERMINISM.format(on=on)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last = proc.stdout.strip().splitlines()[0], proc.stdout.strip().splitlines()[-1]
+    assert first == ("True :4096:8 True False" if on else "False None False False"), first
+    assert last == "objective ok"
+
+
+def test_the_deterministic_flag_reaches_the_config(monkeypatch):
+    import typer
+    from typer.testing import CliRunner
+
+    from stage2_student import cli
+
+    seen = []
+    monkeypatch.setattr("stage2_student.trainer.train", seen.append)
+    app = typer.Typer()
+    app.command()(cli.train_student)
+    base = ["--cache", "/c", "--student", "/s", "--out", "/o"]
+    for flags in (base, [*base, "--deterministic"]):
+        result = CliRunner().invoke(app, flags)
+        assert result.exit_code == 0, result.output
+    assert [c.deterministic for c in seen] == [False, True]

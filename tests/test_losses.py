@@ -565,3 +565,35 @@ def test_one_logits_sized_gradient_buffer_in_backward():
     with CountFullSize():
         torch.autograd.grad(loss, logits)
     assert CountFullSize.count == 1
+
+
+def test_uniform_teacher_tail_trains_and_is_exact_when_the_tail_is_uniform():
+    """teacher_tail="uniform" (the unstored mass spread over the V - k other ids): with a teacher and a
+    student both uniform outside the stored ids, the tempered rest bucket is exact, so the loss is the
+    full-vocabulary KL at T; the ghost tail is not. At T = 1 both tails give the same loss."""
+    gen = torch.Generator().manual_seed(31)
+    n, k, t = 6, 3, 2.0
+    ids = torch.stack([torch.randperm(V, generator=gen)[:k] for _ in range(n)])
+    logit_t = torch.full((n, V), -1.0, dtype=torch.float64).scatter(1, ids, torch.randn(n, k, generator=gen,
+                                                                                          dtype=torch.float64) + 2)
+    z = torch.full((1, n, V), 0.3, dtype=torch.float64).scatter(2, ids[None], torch.randn(1, n, k, generator=gen,
+                                                                                         dtype=torch.float64))
+    full = torch.log_softmax(logit_t, -1)
+    logp = full.gather(1, ids)
+    batch = _same_batch(torch.arange(n)[None], ids, logp, (1 - logp.exp().sum(-1)).clamp(min=0))
+    kd = {tail: _sums(Objective("kl", temperature=t, teacher_tail=tail, ce_weight=0.0), z, batch)[0].item()
+          for tail in ("uniform", "ghost")}
+    p, log_q = torch.softmax(logit_t / t, -1), torch.log_softmax(z[0] / t, -1)
+    want = (p * (p.log() - log_q)).sum().item() * t**2
+    assert kd["uniform"] == pytest.approx(want, rel=1e-9)
+    assert abs(kd["ghost"] - want) > 1e-3 * want
+    at_1 = [_sums(Objective("kl", teacher_tail=tail), z, batch)[0].item() for tail in ("uniform", "ghost")]
+    assert at_1[0] == pytest.approx(at_1[1], rel=1e-12)
+
+
+def test_temperature_with_sampled_targets_is_refused():
+    with pytest.raises(ConfigError, match="--temperature 2 with --loss sampled"):
+        Objective("sampled", temperature=2.0)
+    with pytest.raises(ValueError, match="teacher_tail 'flat'"):
+        Objective("kl", teacher_tail="flat")
+    Objective("sampled", temperature=1.0)  # the default is fine

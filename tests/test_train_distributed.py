@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train_kd import REPO, run_stage2
+from tests.test_train_kd import REPO, cpu_env, run_stage2
 
 
 def flags(toy_setup, caches, **extra) -> list[str]:
@@ -128,7 +128,7 @@ def test_resume_continues_exactly_and_export_loads(tmp_path, toy_setup, kd_cache
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "xtcache.cli", "train-student", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "xtcache.cli", "train-student", *args], cwd=REPO, env=cpu_env(),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -163,6 +163,7 @@ def test_projection_of_other_tokenizers_is_refused(tmp_path, toy_setup, kd_cache
 @pytest.mark.slow
 @pytest.mark.gpu
 def test_bf16_on_gpu_trains_and_exports(tmp_path, toy_setup, kd_caches):
-    run = run_stage2(tmp_path / "gpu", *flags(toy_setup, kd_caches, max_steps=6, zero_stage=3), "--bf16")
-    assert run["summary"]["steps"] == 6
+    run = run_stage2(tmp_path / "gpu", *flags(toy_setup, kd_caches, max_steps=6, zero_stage=3), "--bf16",
+                     "--deterministic", cpu=False)
+    assert run["summary"]["steps"] == 6 and run["summary"]["deterministic"] is True
     assert run["summary"]["final_eval_kl"] < run["eval"][0]["kl"]

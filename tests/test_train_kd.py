@@ -20,15 +20,25 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_stage2(out: Path, *flags: str, nproc: int = 1) -> dict:
-    """`python -m stage2_student FLAGS` (under torchrun when nproc > 1); returns summary and metrics."""
+def cpu_env(cpu: bool = True) -> dict:
+    """The environment of a stage 2 subprocess: launcher variables cleared, threads at 1; pinned to the
+    CPU unless `cpu` is False, so that the suite's CPU invariances (bit-identical resume, world-size
+    equivalence, 2 ranks on one host) hold on a GPU host too (rank 1 would find no second GPU there)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if cpu:
+        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+    return env
+
+
+def run_stage2(out: Path, *flags: str, nproc: int = 1, cpu: bool = True) -> dict:
+    """`python -m stage2_student FLAGS` (under torchrun when nproc > 1), on the CPU unless `cpu` is
+    False (GPU tests); returns summary and metrics."""
     cmd = [sys.executable, "-m", "stage2_student", "--out", str(out), *flags]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "stage2_student", "--out", str(out), *flags]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(cpu), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"summary": json.loads((out / "summary.json").read_text()),
