@@ -127,12 +127,13 @@ def align_lock(loc: Location) -> Claim:
 
 
 def acquire_align_lock(loc: Location, who: str) -> Claim:
-    """The alignment lock, taken now; a dead holder on this host is replaced, a live or remote one refused."""
+    """The alignment lock, taken now; a dead holder on this host is replaced, a live or remote one (or
+    another object of this process) refused."""
     lock = align_lock(loc)
     other = lock.try_acquire()
     if other is None:
         return lock
-    if other.get("host") == socket.gethostname() and not pid_alive(other.get("pid")):
+    if other.get("host") == socket.gethostname() and other.get("pid") != os.getpid() and not pid_alive(other.get("pid")):
         lock.take_over(other)
         return lock
     raise StoreError(f"{lock.held_by(other)}: `xtcache align` is running on this store, and {who} cannot run "
