@@ -31,7 +31,7 @@ from xtcache.testing.devices import (
 
 N, V = 24, 32  # positions of the micro-batch (3 row blocks of 8), student vocabulary
 
-CASES = ["topk kl", "topk rkl", "topk jsd", "topk kl T=2", "full", "sampled", "pkl topk", "pkl full", "pkl T=2",
+CASES = ["topk kl", "topk rkl", "topk jsd", "topk kl T=2", "topk kl T=2 uniform", "full", "sampled", "pkl topk", "pkl full", "pkl T=2",
          "alm", "ce", "sum", "dynamic likelihood", "dynamic entropy", "dynamic max-prob", "select", "mean-probs"]
 
 
@@ -40,7 +40,8 @@ def _case(name: str):
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     if name.startswith("topk"):
         obj, batch = _memory_case("topk k=16", N, V, gen)
-        obj = Objective(name.split()[1], temperature=2.0 if name.endswith("T=2") else 1.0, row_chunk=8)
+        obj = Objective(name.split()[1], temperature=2.0 if "T=2" in name else 1.0, row_chunk=8,
+                        teacher_tail="uniform" if name.endswith("uniform") else "ghost")
     elif name == "pkl T=2":
         obj, batch = _memory_case("pkl topk", N, V, gen)
         obj = Objective("pkl", projection=obj.projection, temperature=2.0, row_chunk=8)
@@ -91,7 +92,7 @@ def sparse_mm_on_fake_devices(monkeypatch):
 
     def checked(sparse, dense):
         if sparse.device != dense.device:
-            raise FakeTensorDeviceMismatchError(torch.ops.aten.mm.default, [sparse.device, dense.device])
+            raise FakeTensorDeviceMismatchError(torch.ops.aten.mm.default, sparse.device, dense.device)
         if sparse.device.type == "cpu":
             return real(sparse, dense)
         return dense.new_zeros(sparse.shape[0], dense.shape[1]) + dense.sum(dim=0, keepdim=True) * 0.0
@@ -111,6 +112,12 @@ def test_objective_forward_and_backward_on_a_fake_accelerator(name, sparse_mm_on
         loss.backward()
     assert loss.device == FAKE_ACCELERATOR and logits.grad.device == FAKE_ACCELERATOR
     assert all(m.device == FAKE_ACCELERATOR for m in metrics.values()), metrics
+
+
+def test_the_sparse_matmul_stand_in_checks_devices(sparse_mm_on_fake_devices):
+    w = torch.eye(3).to_sparse()
+    with fake_accelerator(), pytest.raises(FakeTensorDeviceMismatchError):
+        torch.sparse.mm(w, torch.empty(3, 2, device=FAKE_ACCELERATOR))
 
 
 def test_a_plan_left_on_the_host_is_caught():
