@@ -30,6 +30,7 @@ import numpy as np
 
 from schemas.models import support_width
 from stage1_teacher import preflight
+from stage1_teacher.cache_inputs import capture_identity, record_digests, share_digests
 from stage1_teacher.capture import needs_check
 from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
 from stage1_teacher.corpus import iter_corpus
@@ -122,6 +123,7 @@ class Plan:
     out: str
     shard_plan: object  # shard_plan.ShardPlan
     messages_field: str | None = None  # conversation corpus: the field holding the messages
+    corpus_digests: object = None  # cache_inputs.ShareDigests: this job's files, checked against the store
 
 
 def make_plan(cfg: TeacherDumpConfig) -> Plan:
@@ -181,13 +183,21 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
                          storage_options=cfg.data_options, store_options=s.storage_options, dry_run=cfg.dry_run)
     settings = settings_for_fingerprint(cfg, window_len=window_len, boundary_tokenizers=boundary,
                                         shard_plan=shards.fingerprint, conversation=conversation)
+    settings["capture_engine"] = capture_identity(t)
+    # one job: every byte's digest is in the key; several: each job checks its files against the store
+    share = None if s.num_shards > 1 else share_digests(
+        cfg.input.data, shards, 0, s.out, storage_options=cfg.data_options, store_options=s.storage_options)
     fingerprints = {"teacher_model": fpr.model_fingerprint(t.teacher), "teacher_tokenizer": t_fp,
-                    "corpus": shards.corpus_fingerprint, "settings": fpr.settings_fingerprint(settings)}
+                    "corpus": shards.corpus_fingerprint if share is None else fpr.content_fingerprint(
+                        share.files.values()), "settings": fpr.settings_fingerprint(settings)}
     key = fpr.cache_key(**fingerprints)
     out = s.out or cache_path_for(s.cache_dir, key)
+    share = share or share_digests(cfg.input.data, shards, s.shard_index, out, storage_options=cfg.data_options,
+                                   store_options=s.storage_options)
+    log.info("corpus check, job %d: %s", s.shard_index, share.stats.line())
     return Plan(teacher_tok=teacher_tok, students=students, vocab_size=vocab_size, k=k,
                 window_len=window_len, max_model_len=max_model_len, cache_key=key, fingerprints=fingerprints,
-                settings=settings, out=out, shard_plan=shards, messages_field=messages_field)
+                settings=settings, out=out, shard_plan=shards, messages_field=messages_field, corpus_digests=share)
 
 
 def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
@@ -362,6 +372,7 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
     try:
         if cfg.store.num_shards > 1:
             _store_plan(plan, cfg.store.storage_options)
+        record_digests(plan.out, plan.corpus_digests, plan.shard_plan.fingerprint, cfg.store.storage_options)
         committed = {m.part_index: m for m in writer.committed_parts()}
         if committed and not cfg.store.resume:
             raise ConfigError(f"--out {plan.out}: writer {cfg.store.shard_index} already has {len(committed)} "

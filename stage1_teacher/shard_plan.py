@@ -17,10 +17,11 @@ its own ranges, so the cluster reads the corpus once in total instead of `N` tim
   those bytes (or changing the ids to byte offsets, which changes every cache key of a JSONL
   corpus); a corpus of a few huge JSONL files should be cut into files or converted to Parquet.
 * With `--out` and `N > 1` the plan is built once, by writer 0, and stored in the store as
-  `shard_plan.json` (with the corpus fingerprint): the other writers wait for it and read it
-  instead of reading every file's footer and fingerprint sample themselves. Its fingerprint is
-  part of the capture settings (the cache key) and of the manifest, so a store is never filled
-  under two plans; a run asking for another number of jobs is refused.
+  `shard_plan.json` (with the listing's fingerprint: names and sizes): the other writers wait for
+  it and read it instead of reading every file's footer themselves. Its fingerprint is part of the
+  capture settings (the cache key) and of the manifest, so a store is never filled under two
+  plans; a run asking for another number of jobs is refused. The corpus content is checked job by
+  job, each on the files it reads (`stage1_teacher.cache_inputs`): planning reads no data page.
 
     python -m stage1_teacher.shard_plan 8 corpus/*.parquet   # prints the plan's balance
 """
@@ -203,11 +204,13 @@ def parquet_row_groups(f, url: str, text_field: str) -> tuple[tuple[int, int], .
 
 
 def build_plan(urls: list[str], text_field: str, num_jobs: int, storage_options: dict | None) -> ShardPlan:
-    """List the corpus, fingerprint it and plan it (what writer 0, or a single job, does)."""
-    from xtcache.fingerprint import corpus_fingerprint
+    """List the corpus and plan it (what writer 0, or a single job, does). The plan carries the
+    listing's fingerprint (names and sizes): no content is read here; each job digests its own
+    files (`stage1_teacher.cache_inputs`)."""
+    from xtcache.fingerprint import listing_fingerprint
 
     listing = list_corpus(urls, text_field, storage_options)
-    return plan_shards(listing, num_jobs, corpus_fingerprint(urls, storage_options))
+    return plan_shards(listing, num_jobs, listing_fingerprint((f.name, f.size) for f in listing))
 
 
 def obtain_plan(urls: list[str], text_field: str, *, num_jobs: int, job: int, out: str | None,

@@ -75,3 +75,22 @@ def test_corpus_and_settings_fingerprints(tmp_path):
     key = fpm.cache_key(teacher_model="m", teacher_tokenizer="t", corpus="c", settings=s1)
     assert len(key) == 64
     assert key != fpm.cache_key(teacher_model="m", teacher_tokenizer="t", corpus="c", settings=s2 + "x")
+
+
+def test_tokenizer_fingerprint_of_a_file_with_truncation_and_padding_equals_the_loaded_one(toy_setup, tmp_path):
+    """`python -m xtcache.fingerprint DIR` prints the value a store records for the loaded tokenizer."""
+    from xtcache.tokenizer import load_tokenizer
+
+    content = json.loads((toy_setup.teacher_tokenizer / "tokenizer.json").read_text())
+    content["truncation"] = {"direction": "Right", "max_length": 16, "strategy": "LongestFirst", "stride": 0}
+    content["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                          "pad_type_id": 0, "pad_token": "<pad>"}
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(toy_setup.teacher_tokenizer, tok_dir)
+    (tok_dir / "tokenizer.json").write_text(json.dumps(content))
+    loaded = load_tokenizer(str(tok_dir), "teacher tokenizer")
+    assert fpm.tokenizer_fingerprint(tok_dir) == fpm.tokenizer_fingerprint(loaded)
+    assert fpm.tokenizer_fingerprint(tok_dir) == fpm.tokenizer_fingerprint(toy_setup.teacher_tokenizer)
+    printed = subprocess.run([sys.executable, "-m", "xtcache.fingerprint", str(tok_dir)], cwd=REPO, check=True,
+                             capture_output=True, text=True).stdout
+    assert fpm.tokenizer_fingerprint(loaded) in printed

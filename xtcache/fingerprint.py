@@ -1,9 +1,10 @@
 """Stable content hashes of everything a teacher cache depends on.
 
 A cache is reusable only for the same teacher weights, teacher tokenizer, corpus and capture
-settings; `cache_key` combines their fingerprints into one hex string that names the cache. Every
+settings (the capture engine and its version among them); `cache_key` combines their fingerprints into one hex string that names the cache. Every
 fingerprint is a sha256 hex digest of canonical bytes (sorted-key JSON, file contents), so it is the
-same across runs, processes and machines.
+same across runs, processes and machines. The corpus fingerprint covers every byte of every file
+(`xtcache.file_digest` says how the bytes are read at most once per version of a file).
 
     python -m xtcache.fingerprint path/to/tokenizer_or_model_dir
 """
@@ -20,7 +21,6 @@ from typing import Any, Iterable
 from xtcache.errors import XtcacheError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-SAMPLE_BYTES = 1 << 20  # corpus files: hash the first and last MiB, plus the size
 
 
 def _canonical_json(obj: Any) -> bytes:
@@ -41,6 +41,8 @@ def tokenizer_fingerprint(path_or_tokenizer: Any) -> str:
     Accepts a tokenizer directory, a `tokenizer.json` path, a `tokenizers.Tokenizer`, or a
     transformers fast tokenizer (its backend tokenizer is serialised). Added special tokens are part
     of `tokenizer.json`, so two tokenizers with the same fingerprint split every text identically.
+    Its `truncation` and `padding` settings are left out: they do not change how a text is split,
+    and `xtcache.tokenizer.load_tokenizer` turns both off, so a file and its loaded tokenizer agree.
     """
     if isinstance(path_or_tokenizer, (str, os.PathLike)):
         path = Path(path_or_tokenizer)
@@ -56,6 +58,8 @@ def tokenizer_fingerprint(path_or_tokenizer: Any) -> str:
             raise XtcacheError(
                 f"cannot fingerprint {type(path_or_tokenizer).__name__}: pass a fast tokenizer or its directory")
         content = json.loads(backend.to_str())
+    if isinstance(content, dict):
+        content = {**content, "truncation": None, "padding": None}
     return hashlib.sha256(_canonical_json(content)).hexdigest()
 
 
@@ -76,29 +80,43 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
     return hashlib.sha256(_canonical_json(parts)).hexdigest()
 
 
-def corpus_fingerprint(files: Iterable[str | os.PathLike], storage_options: dict | None = None) -> str:
-    """sha256 over each file's name, size and a content sample (first and last MiB), in given order.
+def corpus_fingerprint(files: Iterable[str | os.PathLike], storage_options: dict | None = None,
+                       hasher=None) -> str:
+    """sha256 over each file's name, size and whole-content sha256, in the given order.
 
-    Files may be local paths or fsspec URLs (`storage_options` for the latter); the same bytes
-    under the same base name give the same fingerprint wherever they live.
+    Any byte of any file, a renamed, added, removed or reordered file changes it. Files may be
+    local paths or fsspec URLs (`storage_options` for the latter); the same bytes under the same
+    base name give the same fingerprint wherever they live. Digests come from `hasher`
+    (`xtcache.file_digest.FileHasher`: hash cache, validators, else one full read per file).
     """
+    from xtcache.file_digest import FileHasher
     from xtcache.store_io import file_system
 
-    entries = []
+    hasher = hasher or FileHasher(storage_options)
+    digests = []
     for f in files:
         fs, path = file_system(str(f), storage_options)
         if not fs.isfile(path):
             raise XtcacheError(f"corpus file {f} does not exist")
-        size = int(fs.size(path))
-        h = hashlib.sha256()  # two ranged reads: nothing else of a remote file is fetched
-        tail_start = size - SAMPLE_BYTES if size > 2 * SAMPLE_BYTES else min(size, SAMPLE_BYTES)
-        for start, end in ((0, min(size, SAMPLE_BYTES)), (tail_start, min(size, tail_start + SAMPLE_BYTES))):
-            if end > start:  # object stores refuse empty ranges
-                h.update(fs.cat_file(path, start=start, end=end))  # by keyword: s3fs takes version_id second
-        entries.append({"name": os.path.basename(path.rstrip("/")), "size": size, "sample_sha256": h.hexdigest()})
+        digests.append(hasher.digest(str(f)))
+    return content_fingerprint(digests)
+
+
+def content_fingerprint(digests: Iterable) -> str:
+    """`corpus_fingerprint` of already computed `FileDigest`s (name, size, sha256; in order)."""
+    entries = [{"name": d.name, "size": d.size, "sha256": d.sha256} for d in digests]
     if not entries:
         raise XtcacheError("corpus fingerprint: no corpus files given")
-    return hashlib.sha256(_canonical_json(entries)).hexdigest()
+    return hashlib.sha256(_canonical_json({"files": entries, "content": "sha256"})).hexdigest()
+
+
+def listing_fingerprint(names_and_sizes: Iterable[tuple[str, int]]) -> str:
+    """sha256 over each file's base name and size, in order (no content: a multi-job store's key,
+    whose jobs check the content of their own files against the digests the store records)."""
+    entries = [{"name": str(n), "size": int(s)} for n, s in names_and_sizes]
+    if not entries:
+        raise XtcacheError("corpus fingerprint: no corpus files given")
+    return hashlib.sha256(_canonical_json({"files": entries, "content": "per-job digests"})).hexdigest()
 
 
 def settings_fingerprint(settings: dict[str, Any]) -> str:

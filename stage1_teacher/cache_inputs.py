@@ -1,0 +1,147 @@
+"""What a teacher cache depends on beyond its flags: the corpus bytes and the capture engine.
+
+**Corpus content.** Each `teacher-dump` job digests (sha256 of every byte, `xtcache.file_digest`)
+the corpus files its shard-plan ranges touch, before any teacher work, and records the digests in
+the store as `corpus_digests/wNNNNN.json` (one object per writer, written after its claim).
+
+* A single job touches every file: the whole-content digests are the corpus part of the cache
+  key (`xtcache.fingerprint.content_fingerprint`), so any edit gives another key and
+  `--cache-dir` computes a new cache instead of reusing the old one.
+* With `--num-shards N > 1` the key holds the corpus listing (names and sizes, from writer 0's
+  plan) and every job, when it runs again on a store (a rerun, `--resume`, a reuse of a complete
+  store), compares its files' digests with those the store's writers recorded for the same files;
+  a changed file is refused with its name. Nobody reads more than its own share: writer 0 no
+  longer samples every file to plan, and a Parquet file split between jobs is digested by each
+  of them (the bench, `bench/shard_plan.py`, shows that cost).
+* A recorded digest whose validator (object-store ETag / generation / checksum, or local size,
+  mtime, ctime and inode) equals the file's current one is trusted without a read; a machine's
+  hash cache serves the rest; only what neither knows is read in full, and counted.
+
+**Capture engine.** `capture_identity` names the path that computes the stored values (vLLM fast
+path, vLLM prompt log-probs, transformers), its library version and vLLM's tensor-parallel size:
+the first-batch check accepts gaps up to 0.5 nats outside fp32 between such paths, so a cache of
+one is not reused for another. (A fast path that falls back to prompt log-probs does so for every
+run of the same teacher, whose weights are already in the key.)
+
+    python -m stage1_teacher.cache_inputs 4 corpus/*.jsonl   # digests job by job, with their cost
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+from xtcache.errors import StoreError
+from xtcache.file_digest import DigestStats, FileDigest, FileHasher
+
+log = logging.getLogger(__name__)
+
+RECORDS = "corpus_digests"
+
+
+@dataclass
+class ShareDigests:
+    """The digests of the files one job touches (by file index in --data), and what they cost."""
+
+    job: int
+    files: dict[int, FileDigest]
+    stats: DigestStats
+
+
+def touched_files(shard_plan, job: int) -> list[int]:
+    """Indices of the files job `job`'s ranges read (some of a split Parquet file's row groups count)."""
+    return sorted({r.file for r in shard_plan.jobs[job]})
+
+
+def writers_of(shard_plan, files: list[int]) -> list[int]:
+    """Every job whose ranges touch one of `files` (the writers whose records cover them)."""
+    want = set(files)
+    return [j for j, ranges in enumerate(shard_plan.jobs) if any(r.file in want for r in ranges)]
+
+
+def record_path(job: int) -> str:
+    return f"{RECORDS}/w{job:05d}.json"
+
+
+def read_records(out: str, writers: list[int], store_options: dict | None) -> dict[int, list[tuple[int, FileDigest]]]:
+    """file index -> [(writer, recorded digest)] from the store at `out` (empty when it has none)."""
+    from xtcache.store_io import Location
+
+    loc = Location(out, store_options)
+    found: dict[int, list[tuple[int, FileDigest]]] = {}
+    for w in writers:
+        raw = loc.read_json(record_path(w))
+        if raw is None:
+            continue
+        try:
+            for fi, d in raw["files"].items():
+                found.setdefault(int(fi), []).append((w, FileDigest.from_json(d)))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise StoreError(f"{out}/{record_path(w)}: not a corpus digest record ({type(e).__name__}: {e}); the "
+                             "store is damaged: write a new --out") from None
+    return found
+
+
+def share_digests(urls: list[str], shard_plan, job: int, out: str | None, *, storage_options: dict | None,
+                  store_options: dict | None, hasher: FileHasher | None = None) -> ShareDigests:
+    """Digest job `job`'s files; with a store at `out`, refuse any whose content differs from the
+    digest a writer of that store recorded for it."""
+    hasher = hasher or FileHasher(storage_options)
+    files = touched_files(shard_plan, job)
+    recorded = read_records(out, writers_of(shard_plan, files), store_options) if out else {}
+    digests = {}
+    for fi in files:
+        recs = recorded.get(fi, [])
+        d = hasher.digest(urls[fi], recorded=recs[0][1] if recs else None)
+        for w, r in recs:
+            if (r.name, r.size, r.sha256) != (d.name, d.size, d.sha256):
+                raise StoreError(
+                    f"--data {urls[fi]}: its content changed since writer {w} of --out {out} read it (sha256 "
+                    f"{r.sha256[:12]}.., {r.size} bytes recorded; now {d.sha256[:12]}.., {d.size} bytes); that store "
+                    "holds teacher outputs of the old bytes: restore the file, or write a new store (another --out, "
+                    "or delete this one)")
+        digests[fi] = d
+    return ShareDigests(job=job, files=digests, stats=hasher.stats)
+
+
+def record_digests(out: str, share: ShareDigests, plan_fingerprint: str, store_options: dict | None) -> None:
+    """Store this writer's digests (replacing its earlier record: same content, maybe new validators)."""
+    from xtcache.store_io import Location, now_iso
+
+    Location(out, store_options).write_json_atomic(record_path(share.job), {
+        "writer_index": share.job, "shard_plan": plan_fingerprint, "created": now_iso(),
+        "files": {str(fi): d.as_json() for fi, d in share.files.items()}})
+
+
+def capture_identity(teacher) -> dict:
+    """The engine that computes the stored values, its version and (vLLM) tensor-parallel size."""
+    if teacher.engine == "hf":
+        import transformers
+
+        return {"engine": "transformers", "transformers_version": transformers.__version__}
+    import vllm
+
+    return {"engine": "vllm", "path": "hidden states + lm_head" if teacher.fast_path else "prompt log-probs",
+            "vllm_version": vllm.__version__, "tensor_parallel_size": teacher.tensor_parallel_size}
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+
+    from stage1_teacher.shard_plan import list_corpus, plan_shards
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("num_jobs", type=int)
+    p.add_argument("files", nargs="+")
+    p.add_argument("--text-field", default="text")
+    args = p.parse_args(argv)
+    plan = plan_shards(list_corpus(args.files, args.text_field), args.num_jobs)
+    for job in range(args.num_jobs):
+        share = share_digests(args.files, plan, job, None, storage_options=None, store_options=None,
+                              hasher=FileHasher())
+        print(f"job {job}: {len(share.files)} files; {share.stats.line()}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
