@@ -150,7 +150,9 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     info = {"cache": cfg.cache[0] if len(cfg.cache) == 1 else list(cfg.cache), "mode": manifests[0].mode,
             "k": manifests[0].k, "same_tokenizer": caps[0].same_tokenizer,
             "teacher_vocab": manifests[0].teacher_vocab_size, "student_fingerprint": student_fp,
-            "kd_loss": objective.kind, "trained_on": "ce" if cfg.loss.loss == "ce" else objective.kind}
+            "kd_loss": objective.kind, "trained_on": "ce" if cfg.loss.loss == "ce" else objective.kind,
+            "train_on": train.dataset.train_on, "trained_positions": train.dataset.plan_tokens["trained"],
+            "context_tokens": train.dataset.plan_tokens["context"]}
     if len(cfg.cache) > 1:
         info["teachers"] = [{"cache": u, "mode": m.mode, "k": m.k, "same_tokenizer": c.same_tokenizer,
                              "teacher_vocab": m.teacher_vocab_size, "kd_loss": k, "weight": w}

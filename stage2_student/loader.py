@@ -4,13 +4,17 @@ A `CacheDataset` reads the store lazily through `xtcache.store.CacheReader` (any
 a `CacheLoader` wraps it in a torch DataLoader, so shard decoding and batch building happen in
 worker processes. Micro-batches follow the "Stage 2 batch" table of docs/architecture.md.
 
-Packing. Each shard's documents (train or held-out split) are packed, in stored order, into
-windows of `seq_len` student tokens, cut only at chunk boundaries; several documents may share a
-window. When a document continues in the next window, its last chunk of the previous window is
-repeated first as context (it is never a valid chunk there and its CE labels are masked), so that
-every chunk of a long document is predicted exactly once. A chunk longer than a window is
-skipped (counted in `skipped_chunks`). A chunk is valid when both sides are non-empty, its first
-student token has a predicting logit in the window and all its teacher rows have a prediction.
+Packing (`xtcache.packing`). Each shard's documents (train or held-out split) are packed, in stored
+order, into windows of `seq_len` student tokens, cut only at chunk boundaries; several documents may
+share a window. Plain text (and `--train-on all`): when a document continues in the next window, its
+last chunk of the previous window is repeated first as context (it is never a valid chunk there and
+its CE labels are masked), so that every chunk of a long document is predicted exactly once.
+`--train-on assistant|last-assistant`: windows are cut around the chunks holding a trained token
+(`pack_trained`): each is trained once, after as much of its document as fits (context chunks
+already trained are masked the same way), and no window holds only text that trains nothing. A
+chunk longer than a window is skipped (counted in `skipped_chunks`). A chunk is valid when both
+sides are non-empty, its first student token has a predicting logit in the window and all its
+teacher rows have a prediction.
 
 Conversation caches. Each student token has a stored role (`xtcache.chat`); `train_on`
 (assistant, last-assistant or all) picks the tokens trained: a position whose predicted token is
@@ -40,6 +44,14 @@ import numpy as np
 import torch
 
 from xtcache.errors import ConfigError, CorruptionError, XtcacheError
+from xtcache.packing import (  # noqa: F401 (pack_documents, pack_trained: re-exported)
+    WindowPlan,
+    common_boundaries,
+    group_trained,
+    pack,
+    pack_documents,
+    pack_trained,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,73 +60,6 @@ IGNORE = -100
 
 # --------------------------------------------------------------------------------------------
 # pure packing
-
-
-@dataclass
-class ShardPlan:
-    """Windows of one shard: window w holds segments [window_offsets[w], window_offsets[w+1])."""
-
-    window_offsets: np.ndarray  # int64 [W+1]
-    seg_doc: np.ndarray  # int64 [S] document index inside the shard
-    seg_lo: np.ndarray  # int64 [S] first chunk (a context chunk when seg_ctx)
-    seg_hi: np.ndarray  # int64 [S] exclusive last chunk
-    seg_ctx: np.ndarray  # bool  [S] first chunk is context repeated from the previous window
-    skipped_chunks: int = 0
-
-    @property
-    def num_windows(self) -> int:
-        return int(self.window_offsets.shape[0] - 1)
-
-
-def pack_documents(doc_indices, chunk_lengths: list[np.ndarray], seq_len: int) -> ShardPlan:
-    """Greedy packing of documents (student-token length of each chunk) into windows.
-
-    doc_indices: the documents to pack, in order; chunk_lengths[i]: int [C_i] for document
-    doc_indices[i]. Windows never exceed `seq_len` tokens and cut only between chunks.
-    """
-    offsets, docs, los, his, ctxs = [0], [], [], [], []
-    used, skipped = 0, 0
-
-    def close():
-        nonlocal used
-        if len(docs) > offsets[-1]:
-            offsets.append(len(docs))
-        used = 0
-
-    for d, lens in zip(doc_indices, chunk_lengths):
-        lens = np.asarray(lens, dtype=np.int64)
-        c, n_chunks = 0, lens.shape[0]
-        ctx = False
-        while c < n_chunks:
-            start = c - 1 if ctx else c
-            base = used + (lens[c - 1] if ctx else 0)
-            fit = int(np.searchsorted(np.cumsum(lens[c:]), seq_len - base, side="right"))
-            if fit == 0:
-                if ctx:  # the context chunk leaves no room: start the window without it
-                    ctx = False
-                    continue
-                if used == 0:  # a single chunk longer than a window
-                    skipped += 1
-                    c += 1
-                    continue
-                close()
-                continue
-            docs.append(d)
-            los.append(start)
-            his.append(c + fit)
-            ctxs.append(ctx)
-            used = base + int(lens[c:c + fit].sum())
-            c += fit
-            ctx = False
-            if c < n_chunks:  # the document goes on in the next window, after a context chunk
-                close()
-                ctx = lens[c - 1] > 0
-        if used >= seq_len:
-            close()
-    close()
-    return ShardPlan(np.asarray(offsets, dtype=np.int64), np.asarray(docs, dtype=np.int64),
-                     np.asarray(los, dtype=np.int64), np.asarray(his, dtype=np.int64),
-                     np.asarray(ctxs, dtype=bool), skipped)
 
 
 def epoch_window_order(num_windows: list[int], seed: int, epoch: int, *, shuffle: bool = True) -> np.ndarray:
@@ -214,7 +159,7 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
     """Numpy micro-batch (docs/architecture.md "Stage 2 batch") from windows of segments.
 
     Each window is a list of segments (source, doc, chunk_lo, chunk_hi, context) where `context`
-    is the number of leading context chunks (a bool: one or none), optionally followed by
+    is the number of leading context chunks (only a window's first segment has any), optionally followed by
     (group, keep): int64 [hi - lo] the micro-batch's chunk group of each chunk (the
     `chunk_group` of the valid chunks) and bool [hi - lo] which chunks may be valid at all.
     """
@@ -311,18 +256,6 @@ def join_views(views: list[dict], num_groups: int) -> dict:
         out.update({f"t{i}/{k}": v[k] for k in TEACHER_KEYS if k in v})
     out["num_teachers"], out["num_groups"] = len(views), num_groups
     return out
-
-
-def common_boundaries(ends: list[np.ndarray]) -> np.ndarray:
-    """Student-token ends shared by every teacher's chunks of one document: the chunk groups.
-
-    A group is the smallest run of student tokens that whole chunks of every teacher cover; with
-    one teacher each group is one chunk (with any empty-student chunks after it).
-    """
-    common = np.unique(ends[0])
-    for e in ends[1:]:
-        common = np.intersect1d(common, e, assume_unique=False)
-    return common[common > 0]
 
 
 @dataclass
@@ -446,51 +379,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
                           for si, sid in enumerate(c.shard_ids) for di, d in enumerate(metas[sid].docs)})
         n = len(urls)
         counts = self._join_counts(where)
-        ends_cache: dict[tuple[int, int], list[np.ndarray]] = {}
-
-        def ends(ci: int, si: int) -> list[np.ndarray]:
-            if (ci, si) not in ends_cache:
-                ends_cache[(ci, si)] = self._chunk_ends(readers[ci], self.caches[ci], self.caches[ci].shard_ids[si])
-            return ends_cache[(ci, si)]
-
-        # plan units: the documents first stored in cache ci's shard si (every document of a joined
-        # run is in cache 0 with --teachers-missing drop), members [D, N, 2]: (shard, doc) per cache
-        self.plans: list[ShardPlan] = []
-        self.members: list[np.ndarray] = []
-        self.skipped_chunks = self.documents = 0
-        taken: set[str] = set()
-        for ci in range(n if missing == "partial" else 1):
-            by_shard: dict[int, list[str]] = {}
-            for doc, (si, _) in where[ci].items():
-                if doc in taken or (missing == "drop" and not all(doc in w for w in where)):
-                    continue
-                if split != "all" and is_held_out(doc, holdout_fraction) != (split == "eval"):
-                    continue
-                by_shard.setdefault(si, []).append(doc)
-            for si in sorted(by_shard):
-                docs = by_shard[si]
-                taken.update(docs)
-                members = np.full((len(docs), n, 2), -1, dtype=np.int64)
-                lengths = []
-                for i, doc in enumerate(docs):
-                    per = []
-                    for cj in range(n):
-                        if doc in where[cj]:
-                            members[i, cj] = where[cj][doc]
-                            per.append((cj, ends(cj, where[cj][doc][0])[where[cj][doc][1]]))
-                    totals = {int(e[-1]) if e.size else 0 for _, e in per}
-                    if len(totals) > 1:
-                        raise ConfigError(
-                            f"document {doc} has {' vs '.join(str(int(e[-1]) if e.size else 0) for _, e in per)} "
-                            f"student tokens in {' vs '.join(urls[cj] for cj, _ in per)}: the caches were aligned "
-                            "differently for this student tokenizer; re-run `xtcache align` on them")
-                    lengths.append(np.diff(common_boundaries([e for _, e in per]), prepend=0))
-                plan = pack_documents(range(len(docs)), lengths, seq_len)
-                self.skipped_chunks += plan.skipped_chunks
-                self.documents += len(docs)
-                if plan.num_windows:
-                    self.plans.append(plan)
-                    self.members.append(members)
+        self._plan_units(readers, where, split, holdout_fraction)
         if n > 1:
             log.info("joined %d caches by document id: %d documents in every cache, %d in only some of them "
                      "(--teachers-missing %s: %s)", n, counts[0], counts[1], missing,
@@ -509,9 +398,14 @@ class CacheDataset(torch.utils.data.IterableDataset):
                     f"the {split} split of {', '.join(urls)} packs into {self.num_windows} windows of {seq_len} "
                     f"tokens, fewer than one optimizer step needs ({step_windows} = micro-batch {micro_batch_size} "
                     f"x world {world_size} x grad-accum {grad_accum}); lower --seq-len or --micro-batch-size")
-        log.info("loader %s split=%s: %d documents, %d windows, %d shards, %d micro-batches/epoch on rank %d "
-                 "(planned in %.1fs)", ", ".join(urls), split, self.documents, self.num_windows, len(self.plans),
-                 self.batches_per_epoch, rank, time.perf_counter() - t0)
+        read = sum(p.read_tokens for p in self.plans)
+        trained = sum(p.trained_tokens for p in self.plans)
+        log.info("loader %s split=%s: %d documents, %d windows, %d shards, %d micro-batches/epoch on rank %d; "
+                 "%s: %d trained positions, %d context tokens read for them (%.2f tokens read per trained "
+                 "position; planned in %.1fs)", ", ".join(urls), split, self.documents, self.num_windows,
+                 len(self.plans), self.batches_per_epoch, rank, f"--train-on {self.train_on}" if self.train_on
+                 else "plain text", trained, read - trained, read / max(1, trained), time.perf_counter() - t0)
+        self.plan_tokens = {"trained": trained, "context": read - trained}
         self.start = (0, 0)  # (epoch, micro-batches consumed in it): set by CacheLoader before iterating
         self._readers: dict[int, object] = {}
         self._cache: OrderedDict[tuple[int, int], ShardSource] = OrderedDict()
@@ -555,14 +449,75 @@ class CacheDataset(torch.utils.data.IterableDataset):
                               "content hash): they were written from different corpora")
         return len(common), len(union) - len(common)
 
-    def _chunk_ends(self, reader, cache: TeacherCache, sid: str) -> list[np.ndarray]:
-        """Every document's student chunk ends (document-local, int64) in one part of one cache."""
+    def _plan_units(self, readers, where: list[dict[str, tuple[int, int]]], split: str, fraction: float) -> None:
+        """Pack the documents of the split into windows: `plans`, `members`, `skipped_chunks`, `documents`.
+
+        Plan units: the documents first stored in cache ci's shard si (every document of a joined run
+        is in cache 0 with --teachers-missing drop), members [D, N, 2]: (shard, doc) per cache.
+        """
+        n, urls = len(self.urls), self.urls
+        parts: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray | None]]] = {}
+
+        def doc_chunks(ci: int, si: int, di: int) -> tuple[np.ndarray, np.ndarray | None]:
+            if (ci, si) not in parts:
+                parts[(ci, si)] = self._chunk_ends(readers[ci], self.caches[ci], self.caches[ci].shard_ids[si])
+            return parts[(ci, si)][di]
+
+        self.plans, self.members = [], []
+        self.skipped_chunks = self.documents = 0
+        taken: set[str] = set()
+        for ci in range(n if self.missing == "partial" else 1):
+            by_shard: dict[int, list[str]] = {}
+            for doc, (si, _) in where[ci].items():
+                if doc in taken or (self.missing == "drop" and not all(doc in w for w in where)):
+                    continue
+                if split != "all" and is_held_out(doc, fraction) != (split == "eval"):
+                    continue
+                by_shard.setdefault(si, []).append(doc)
+            for si in sorted(by_shard):
+                docs = by_shard[si]
+                taken.update(docs)
+                members = np.full((len(docs), n, 2), -1, dtype=np.int64)
+                lengths, trained = [], []
+                for i, doc in enumerate(docs):
+                    per = []
+                    for cj in range(n):
+                        if doc in where[cj]:
+                            members[i, cj] = where[cj][doc]
+                            per.append((cj, *doc_chunks(cj, *where[cj][doc])))
+                    totals = {int(e[-1]) if e.size else 0 for _, e, _ in per}
+                    if len(totals) > 1:
+                        raise ConfigError(
+                            f"document {doc} has {' vs '.join(str(int(e[-1]) if e.size else 0) for _, e, _ in per)} "
+                            f"student tokens in {' vs '.join(urls[cj] for cj, _, _ in per)}: the caches were aligned "
+                            "differently for this student tokenizer; re-run `xtcache align` on them")
+                    bounds = common_boundaries([e for _, e, _ in per])
+                    lengths.append(np.diff(bounds, prepend=0))
+                    if per[0][2] is not None:  # the student side (and its roles) is the same in every cache
+                        trained.append(group_trained(bounds, per[0][2]))
+                plan = pack(range(len(docs)), lengths, trained if self.train_on not in (None, "all") else None,
+                            self.seq_len)
+                self.skipped_chunks += plan.skipped_chunks
+                self.documents += len(docs)
+                if plan.num_windows:
+                    self.plans.append(plan)
+                    self.members.append(members)
+
+    def _chunk_ends(self, reader, cache: TeacherCache, sid: str) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Every document's student chunk ends (document-local, int64) in one part of one cache, with
+        its trained student tokens (bool, conversation caches; else None)."""
         if cache.identity:
             offs = reader.doc_pos_offsets(sid)
-            return [np.arange(1, int(x) + 1, dtype=np.int64) for x in np.diff(offs)]
+            return [(np.arange(1, int(x) + 1, dtype=np.int64), None) for x in np.diff(offs)]
         al = reader.read_alignment(self.fingerprint, sid)
-        return [al.student_end[al.doc_chunk_offsets[d]:al.doc_chunk_offsets[d + 1]].astype(np.int64)
-                for d in range(al.doc_chunk_offsets.shape[0] - 1)]
+        trained = None
+        if self.train_on is not None and al.student_role is not None:
+            from xtcache.chat import trained_roles
+
+            trained = trained_roles(al.student_role, self.train_on)
+        c_off, s_off = al.doc_chunk_offsets, al.doc_student_offsets
+        return [(al.student_end[c_off[d]:c_off[d + 1]].astype(np.int64),
+                 None if trained is None else trained[s_off[d]:s_off[d + 1]]) for d in range(c_off.shape[0] - 1)]
 
     # -- reading
 
@@ -655,7 +610,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
                 for ci in range(n):
                     group = np.searchsorted(bounds, ends[ci], side="left")  # [C] group of every chunk
                     lo, hi = np.searchsorted(group, [g_lo, g_hi], side="left")
-                    n_ctx = int(np.searchsorted(group, g_lo + 1, side="left") - lo) if plan.seg_ctx[x] else 0
+                    n_ctx = int(np.searchsorted(group, g_lo + int(plan.seg_ctx[x]), side="left") - lo)
                     seg = segment_chunks(srcs[ci], dids[ci], int(lo), int(hi), n_ctx)
                     local = group[lo:hi] - g_lo
                     if present[ci]:  # a group counts when each teacher present has its real chunks there all valid

@@ -1,6 +1,7 @@
 """`xtcache inspect`, `xtcache verify` and `xtcache cache ls`: look into teacher-cache stores.
 
     xtcache inspect out/cache                 # documents, positions, bytes/position, alignment groups
+    xtcache inspect out/chat --seq-len 2048   # + how --train-on packs a conversation store into windows
     xtcache verify out/cache [--all]          # checksums, counts, schema, format version of every part
     xtcache cache ls --cache-dir ~/.cache/xtcache
 
@@ -81,8 +82,56 @@ def conversation_summary(reader, fp: str) -> dict[str, Any]:
     return {**total, "student_tokens": tokens, "trained_share": {k: v / max(1, tokens) for k, v in share.items()}}
 
 
+def window_summary(reader, fp: str, seq_len: int, train_on: str) -> dict[str, int]:
+    """How `train-student --seq-len seq_len --train-on train_on` packs one alignment group of a
+    conversation store (`xtcache.packing`, every document, one part at a time as the loader does):
+    windows, trained positions, context tokens read for them, trained chunks longer than a window."""
+    import numpy as np
+
+    from xtcache.chat import trained_roles
+    from xtcache.packing import common_boundaries, group_trained, pack
+
+    out = {"windows": 0, "trained": 0, "context": 0, "skipped_chunks": 0}
+    for sid in reader.alignment_parts(fp):
+        al = reader.read_alignment(fp, sid)
+        trained = trained_roles(al.student_role, train_on)
+        c_off, s_off = al.doc_chunk_offsets, al.doc_student_offsets
+        ends = [al.student_end[c_off[d]:c_off[d + 1]].astype(np.int64) for d in range(len(c_off) - 1)]
+        bounds = [common_boundaries([e]) for e in ends]
+        lengths = [np.diff(b, prepend=0) for b in bounds]
+        counts = [group_trained(b, trained[s_off[d]:s_off[d + 1]]) for d, b in enumerate(bounds)]
+        plan = pack(range(len(ends)), lengths, None if train_on == "all" else counts, seq_len)
+        out["windows"] += plan.num_windows
+        out["trained"] += plan.trained_tokens
+        out["context"] += plan.read_tokens - plan.trained_tokens
+        out["skipped_chunks"] += plan.skipped_chunks
+    return out
+
+
+def _print_windows(url: str, storage_options: dict | None, groups, seq_len: int) -> None:
+    from xtcache.store import CacheReader
+
+    reader = CacheReader(url, storage_options)
+    rows = []
+    for fp in groups:
+        for train_on in ("assistant", "last-assistant", "all"):
+            w = window_summary(reader, fp, seq_len, train_on)
+            rows.append((fp[:16], train_on, f"{w['windows']:,}", f"{w['trained']:,}", f"{w['context']:,}",
+                         f"{(w['trained'] + w['context']) / max(1, w['trained']):.2f}", f"{w['skipped_chunks']:,}"))
+    print()
+    print(f"windows of --seq-len {seq_len} per --train-on: trained positions, context tokens read for them, "
+          "tokens read per trained position, trained chunks longer than a window (never trained)")
+    print(_table(rows, ("alignment group", "--train-on", "windows", "trained", "context", "read/trained",
+                        "skipped chunks")))
+
+
 def inspect(
     store: str = typer.Argument(..., help="Store path or fsspec URL."),
+    seq_len: int = typer.Option(None, "--seq-len", min=2,
+                                help="Conversation stores: also pack every alignment group into windows of this "
+                                     "many student tokens as `train-student --seq-len` does, and print each "
+                                     "--train-on choice's windows, trained positions and context tokens read "
+                                     "(reads every alignment part's chunk ends and roles)."),
     storage_options: str = typer.Option(None, "--storage-options", help=STORAGE_OPTIONS_HELP),
 ) -> None:
     """Print what a teacher-cache store holds: sizes, compression, alignment groups, fingerprints."""
@@ -149,6 +198,8 @@ def inspect(
               "characters; spans / characters a template changed (no KD); characters aligned to other text")
         print(_table(c_rows, ("alignment group", "role mix", "trained share", "content chars",
                               "unaligned spans / chars", "misaligned chars")))
+        if seq_len is not None:
+            _print_windows(store, parse_storage_options(storage_options), s["conversation"], seq_len)
 
 
 # ----------------------------------------------------------------------------------------- verify
