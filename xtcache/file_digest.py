@@ -143,6 +143,8 @@ class FileHasher:
         fs, path = file_system(url, self.storage_options)
         local = is_local(url)
         try:
+            if not local:  # a cached listing (a --data glob's) may hold the ETag of an older version
+                fs.invalidate_cache(path)
             info = os.stat(path) if local else fs.info(path)
         except (OSError, ValueError) as e:
             raise ConfigError(f"--data {url}: cannot reach it ({type(e).__name__}: {e})") from None
