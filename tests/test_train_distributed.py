@@ -99,8 +99,10 @@ def test_world1_accum2_equals_world2_accum1_and_resumes_at_the_other_world_size(
 
 @pytest.mark.slow
 def test_resume_continues_exactly_and_export_loads(tmp_path, toy_setup, kd_caches):
-    run = flags(toy_setup, kd_caches, max_steps=6, save_every=3, grad_accum=2, zero_stage=2)
+    # --deterministic: the flag GPU resumes need; on CPU every op of the run must accept it
+    run = [*flags(toy_setup, kd_caches, max_steps=6, save_every=3, grad_accum=2, zero_stage=2), "--deterministic"]
     full = run_stage2(tmp_path / "full", *run)
+    assert full["summary"]["deterministic"] is True
     # the same run stopped after step 3: only its step-3 checkpoint survives, then --resume latest
     part = tmp_path / "part" / "checkpoints"
     part.mkdir(parents=True)
