@@ -10,7 +10,7 @@ else
 VLLM_EXTRA := cpu
 endif
 
-.PHONY: setup demo lint test test-fast bench clean
+.PHONY: setup demo lint test test-fast bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ bench: setup
 	$(PY) bench/align.py
 	$(PY) bench/teacher_dump.py
 	$(PY) bench/train_step.py
+
+# Both stages end to end on one CUDA GPU (tiny teacher and student): capture rate against vLLM
+# forward only, the bf16 first-batch check, step time and peak memory, in one table.
+gpu-check: setup
+	$(PY) bench/gpu_check.py --device cuda
 
 clean:
 	rm -rf $(VENV) .xtcache_demo

@@ -54,9 +54,9 @@ class TeacherConfig:
     fast_path: bool = True
     """vLLM: capture hidden states and apply the teacher's lm_head (exact, fast); off: prompt log-probs."""
     check_tolerance: float | None = None
-    """Largest allowed |fast - reference| log-prob gap on the first batch; default by dtype (fp32 1e-3, else 0.5)."""
+    """Largest allowed |fast - reference| log-prob gap on the first batch (the mean must stay below a tenth of it); default: fp32 1e-3, half precision 4 rounding steps at the largest logit (at least 0.5; mean: half a step, at least 0.05)."""
     trust_check_from: str | None = None
-    """Another store whose passed first-batch check of this teacher (same weights, vLLM version, dtype, tensor-parallel size) this dump trusts instead of starting the check's engine: one teacher filling several stores checks once."""
+    """Another store whose passed first-batch check of this teacher (same weights, vLLM version, platform and device, model runner, eager or compiled, dtype, tensor-parallel size) this dump trusts instead of starting the check's engine: one teacher filling several stores checks once."""
 
 
 @dataclass(kw_only=True)

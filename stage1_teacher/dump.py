@@ -346,6 +346,7 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
     from xtcache.store import CacheWriter
 
     t_start = time.perf_counter()
+    _place_job(cfg)
     preflight.check_inputs(cfg)  # corpus rows and output location, before the teacher is hashed or loaded
     plan = make_plan(cfg)
     if cfg.dry_run:
@@ -681,6 +682,20 @@ def _fill_batch(state: _PartState, batch: list, raws: list, cap) -> None:
             a["counts"][doc_rows] = t.counts
         a["residual"][doc_rows] = t.residual
         a["realized"][doc_rows] = t.realized
+
+
+def _place_job(cfg) -> None:
+    """Under a launcher that starts several jobs per node, give this job its own GPUs (before
+    anything asks CUDA a question: the engine's workers inherit CUDA_VISIBLE_DEVICES)."""
+    from xtcache.devices import cuda_present, job_devices
+
+    if not cuda_present():
+        return
+    devices = job_devices(cfg.teacher.tensor_parallel_size)
+    if devices is not None:
+        log.info("job with LOCAL_RANK %s of %s on this node: CUDA_VISIBLE_DEVICES=%s", os.environ["LOCAL_RANK"],
+                 os.environ["LOCAL_WORLD_SIZE"], devices)
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
 
 
 def _share_cpu_with_vllm(cfg):

@@ -262,7 +262,7 @@ class Trainer:
             "kd_loss": self.data.objective.kind, "metrics": str(self.metrics_path.resolve()),
             "teachers": self._teacher_summary(evals, final),
             "hf_dir": str(hf_dir.resolve()), "checkpoints": str((self.out / checkpoint.CKPT_DIR).resolve()),
-            "data": self.data.info, "student_params": self.num_params,
+            "data": self.data.info, "student_params": self.num_params, **peak_memory(),
             "student_params_local_at_load": self.params_local_at_load,
         }
 
@@ -288,6 +288,18 @@ class Trainer:
             out.append({"mixture": True, "initial_eval_kl": evals[0].get("mixture_kl") if evals else None,
                         "final_eval_kl": final.get("mixture_kl")})
         return out
+
+
+def peak_memory() -> dict:
+    """This process's peak memory: device memory allocated by torch on CUDA, else resident host memory."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_initialized():
+        return {"peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20, "peak_memory_kind": "CUDA allocated"}
+    return {"peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_memory_kind": "host resident"}
 
 
 def train(cfg: TrainConfig, make_data: Callable[[TrainConfig, object, int, int], StageData] | None = None) -> dict:

@@ -277,3 +277,27 @@ def test_a_fixed_mean_tolerance_refuses_a_right_bf16_head_at_large_logits():
     assert default_tolerance("bfloat16", 60.0) == (1.0, 0.125)
     assert default_tolerance("float16", 45.0) == (0.5, 0.05)
     assert default_tolerance("float32", 45.0) == (1e-3, 1e-4)
+
+
+# ----------------------------------------------------------------------------- several jobs per node
+
+@pytest.mark.parametrize("env, tp, want", [
+    ({}, 1, None),  # no launcher
+    ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, 2, None),  # one job per node keeps every device
+    ({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}, 1, "3"),
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, 2, "2,3"),
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 2, "6,7"),
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": ""}, 1, None),  # GPUs hidden: CPU
+])
+def test_each_job_on_a_node_gets_its_own_gpus(env, tp, want):
+    from xtcache.devices import job_devices
+
+    assert job_devices(tp, env, device_count=lambda: 8) == want
+
+
+def test_too_few_gpus_for_a_node_s_jobs_is_refused():
+    from xtcache.devices import job_devices
+    from xtcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="8 jobs on this node .* need 16 GPUs, and 8 are visible"):
+        job_devices(2, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}, device_count=lambda: 8)

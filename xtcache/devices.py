@@ -35,5 +35,41 @@ def compute_device(index: int = 0):
     return torch.device("cuda", index) if cuda_present() else torch.device("cpu")
 
 
+def job_devices(tensor_parallel_size: int, env=None, device_count=None) -> str | None:
+    """CUDA_VISIBLE_DEVICES for one of several jobs a launcher started on one node, or None.
+
+    torchrun (and the deepspeed launcher) start LOCAL_WORLD_SIZE processes per node and tell each
+    its LOCAL_RANK, but every process sees every GPU, and vLLM places its workers on the first
+    `tensor_parallel_size` visible devices: without this all jobs of a node would share GPU 0.
+    Job LOCAL_RANK takes devices [LOCAL_RANK x TP, (LOCAL_RANK + 1) x TP) of those visible (an
+    existing CUDA_VISIBLE_DEVICES list is sliced). One job per node, or no launcher: None (the
+    job keeps every visible device). Too few devices for the node's jobs: ConfigError.
+    """
+    from xtcache.errors import ConfigError
+
+    env = os.environ if env is None else env
+    local_world = int(env.get("LOCAL_WORLD_SIZE") or 1)
+    if "LOCAL_RANK" not in env or local_world <= 1:
+        return None
+    rank = int(env["LOCAL_RANK"])
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() == "":
+        return None  # every device hidden on purpose: the job runs on the CPU
+    devices = visible.split(",") if visible else [str(i) for i in range((device_count or _nvml_count)())]
+    need = local_world * tensor_parallel_size
+    if len(devices) < need:
+        raise ConfigError(f"{local_world} jobs on this node (LOCAL_WORLD_SIZE) x --tensor-parallel-size "
+                          f"{tensor_parallel_size} need {need} GPUs, and {len(devices)} are visible: start fewer "
+                          "jobs per node (--nproc-per-node) or lower --tensor-parallel-size")
+    return ",".join(devices[rank * tensor_parallel_size:(rank + 1) * tensor_parallel_size])
+
+
+def _nvml_count() -> int:
+    os.environ[NVML_CHECK] = "1"
+    import torch
+
+    return torch.cuda.device_count()
+
+
 if __name__ == "__main__":
     print(f"cuda_present() = {cuda_present()}; compute device: {compute_device()}")
