@@ -93,8 +93,8 @@ def bench_conversations(name: str, s_tok, t_tok, convs: list[dict], repeat: int)
     _, (s_flat, t_flat) = timed(tokenize)
 
     def align():  # as stage 1: one batch encoding per side, the message texts collected once
-        ts = renderings(None, t_texts, convs, markers=t_mark, encoded=t_flat)
-        ss = renderings(None, s_texts, convs, markers=s_mark, encoded=s_flat, texts_of=ts)
+        ts = renderings(t_tok, t_texts, convs, markers=t_mark, encoded=t_flat)
+        ss = renderings(s_tok, s_texts, convs, markers=s_mark, encoded=s_flat, texts_of=ts)
         return align_conversations(convs, ss, ts)
 
     best = {"render": float("inf"), "tokenize": float("inf"), "batch": float("inf")}

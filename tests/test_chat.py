@@ -28,8 +28,8 @@ from xtcache.chat import (
     misaligned_chars,
     render,
     renderings,
-    shared_pieces,
 )
+from xtcache.chat_spans import shared_pieces
 from xtcache.testing.chat import FAMILIES, chat_corpus, chat_tokenizer, write_chat_jsonl
 from xtcache.testing.suite import REPO
 
@@ -76,7 +76,7 @@ def _check_exact_cover(conv, s, t, ca):
                 owner[lo:hi] = c
         chunk_of.append((cover, owner))
     checked = 0
-    for p, q in shared_pieces(s.located.pieces, t.located.pieces):
+    for p, q in shared_pieces(s.located, t.located):
         for r, piece, k in ((s, p, 0), (t, q, 1)):
             inside = (r.offsets[:, 0] >= piece.start) & (r.offsets[:, 1] <= piece.end)
             straddle = ~inside & (r.offsets[:, 0] < piece.end) & (r.offsets[:, 1] > piece.start)

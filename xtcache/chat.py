@@ -6,10 +6,10 @@ and each student render it with the chat template of their own tokenizer, so the
 in everything the templates add (role headers, separators, injected system text) and agree only
 on the messages' text. This module aligns two such renderings:
 
-1. `locate` finds each message's reasoning and content, in order, in a rendering (a cursor search
-   of the exact string; a template that trims whitespace is matched on the trimmed string, the
-   trimmed characters counted as unaligned; a text the template changed otherwise is not found:
-   the whole piece is counted unaligned and gets no KD, it is never forced into alignment);
+1. `locate_in` places each message's reasoning and content in a rendering by construction: the
+   template renders the conversation again with each text replaced by a same-length run of a
+   private-use character (`xtcache.chat_spans`); a text the template changed, dropped or trimmed
+   is unaligned (counted, no KD, never trained), never searched for or forced into alignment;
 2. the pieces found in both renderings are laid out once in a virtual text, each side's template
    text in a block of its own next to the other side's, and each side's tokens are mapped into
    that text by their character offsets; `xtcache.align.align_flat` then cuts the chunks: shared
@@ -23,9 +23,9 @@ on the messages' text. This module aligns two such renderings:
    text. Stage 2 builds its `--train-on` masks from these codes.
 
 A token that straddles a piece boundary (BPE merging a template newline into the content) is mapped
-onto the piece and its chunk marked inexact. Only the search for each message text (`locate`, one
-`str.find` per text) runs in Python; the layout of every gap and piece, the token mapping, the chunk
-walk and the misalignment check are numpy over the whole batch.
+onto the piece and its chunk marked inexact. Rendering and reading the marked renderings run in
+Python per conversation; the layout of every gap and piece, the token mapping, the chunk walk and
+the self-check (`xtcache.chat_check`) are numpy over the whole batch.
 
     python -c "from xtcache.chat import render; help(render)"
 """
@@ -34,13 +34,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
 from xtcache.align import Alignment, align_flat
+from xtcache.chat_check import Flat, flat_side, misaligned_chars, misplaced_chars, text_positions, wrong_role_chars
+from xtcache.chat_spans import (
+    Located,
+    locate,
+    marked_conversation,
+    message_texts,
+    needs_quiet,
+    pair_spans,
+    placeholder_base,
+    unlocated,
+)
 from xtcache.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 ROLE_TEMPLATE, ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL, ROLE_OTHER = 0, 1, 2, 3, 4, 5
 LAST_ASSISTANT = 0x80  # bit set on the tokens of the conversation's last assistant message
@@ -49,7 +63,6 @@ ROLE_NAMES = {ROLE_TEMPLATE: "template", ROLE_SYSTEM: "system", ROLE_USER: "user
 _ROLE_CODES = {"system": ROLE_SYSTEM, "developer": ROLE_SYSTEM, "user": ROLE_USER, "human": ROLE_USER,
                "assistant": ROLE_ASSISTANT, "model": ROLE_ASSISTANT, "gpt": ROLE_ASSISTANT, "tool": ROLE_TOOL,
                "ipython": ROLE_TOOL, "function": ROLE_TOOL}
-REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 TRAIN_ON = ("assistant", "all", "last-assistant")
 
 
@@ -184,115 +197,25 @@ def render(tokenizer, conv: dict, *, where: str = "") -> str:
     return text
 
 
-
-
-@dataclass
-class Piece:
-    """One message text (reasoning or content) found in a rendering at [start, end)."""
-
-    msg: int
-    field: int  # 0 reasoning, 1 content
-    start: int
-    end: int
-    text: str
-
-
-@dataclass
-class Located:
-    """Where the message texts of a conversation (`texts`, as `message_texts` gives them) are in one
-    rendering `text`: `at[k]` is where text k starts (-1: not found), `width[k]` how many characters
-    were found there (the whole text, or its trimmed core; 0 when not found)."""
-
-    text: str
-    texts: list
-    at: list[int]
-    width: list[int]
-    content_chars: int = 0
-    unaligned_chars: int = 0
-    unaligned_spans: int = 0
-
-    @property
-    def pieces(self) -> list[Piece]:
-        """The texts found, as Pieces, in order."""
-        return [Piece(m, f, a, a + w, self.text[a:a + w]) for (m, f, _), a, w in zip(self.texts, self.at, self.width)
-                if a >= 0]
-
-
-def message_texts(conv: dict) -> list[tuple[int, int, str]]:
-    """(message, field, text) of every non-empty reasoning and content string, in order."""
-    out = []
-    for i, m in enumerate(conv["messages"]):
-        r = m.get("reasoning_content") or m.get("reasoning") or m.get("thinking")
-        if r and isinstance(r, str):
-            out.append((i, 0, r))
-        c = m.get("content")
-        if c and isinstance(c, str):
-            out.append((i, 1, c))
-    return out
-
-
-def locate(text: str, conv: dict, texts: list | None = None) -> Located:
-    """Find each message text of `conv` (`texts`: its `message_texts`, when already at hand) in
-    `text`, in order from a cursor."""
+def locate_in(tokenizer, text: str, conv: dict, texts: list | None = None) -> Located:
+    """Where the message texts of `conv` (`texts`: its `message_texts`, when already at hand) are in
+    `text`, its rendering by `tokenizer`'s template: read from a marked rendering (and, where a text
+    has leading or trailing whitespace, a quiet one) of the same template (`xtcache.chat_spans`).
+    A template that rejects the marked conversation, or a rendering that uses every private-use
+    character it would need, leaves every text unaligned (counted), with a warning."""
     texts = message_texts(conv) if texts is None else texts
-    at_list, width_list = [], []
-    add_at, add_width, find = at_list.append, width_list.append, text.find
-    cursor = content = unaligned = spans = 0
-    for _, _, s in texts:
-        n = len(s)
-        content += n
-        at = find(s, cursor)
-        if at >= 0:
-            add_at(at)
-            add_width(n)
-            cursor = at + n
-            continue
-        core = s.strip()
-        at = text.find(core, cursor) if core and core != s else -1
-        unaligned += n - len(core) if at >= 0 else n
-        spans += 1
-        at_list.append(at)
-        width_list.append(len(core) if at >= 0 else 0)
-        if at >= 0:
-            cursor = at + len(core)
-    return Located(text, texts, at_list, width_list, content, unaligned, spans)
-
-
-def _pair(at_s: np.ndarray, w_s: np.ndarray, at_t: np.ndarray, w_t: np.ndarray, texts) -> tuple[np.ndarray, ...]:
-    """Which message texts are found on both sides, and where their shared span starts on each side
-    and how wide it is (arrays over the texts; `texts[k]` is text k). A side that kept whitespace
-    the other trimmed is narrowed to the trimmed core."""
-    both = (at_s >= 0) & (at_t >= 0)
-    start_s, start_t = at_s.copy(), at_t.copy()
-    for k in np.flatnonzero(both & (w_s != w_t)).tolist():  # rare: one side trimmed
-        lead = texts[k].find(texts[k].strip())
-        if lead < 0:
-            both[k] = False
-        elif w_s[k] > w_t[k]:
-            start_s[k] += lead
-        else:
-            start_t[k] += lead
-    return both, start_s, start_t, np.minimum(w_s, w_t)
-
-
-def shared_pieces(a: list[Piece], b: list[Piece]) -> list[tuple[Piece, Piece]]:
-    """Pieces found on both sides with the same text (a side that kept whitespace the other trimmed
-    is narrowed to the trimmed core)."""
-    by_key = {(q.msg, q.field): q for q in b}
-    qs = [by_key.get((p.msg, p.field)) for p in a]
-    arr = lambda xs: np.array(xs, dtype=np.int64).reshape(-1)  # noqa: E731
-    at_t = arr([q.start if q else -1 for q in qs])
-    w_t = arr([q.end - q.start if q else 0 for q in qs])
-    longer = [p.text if q is None or len(p.text) >= len(q.text) else q.text for p, q in zip(a, qs)]
-    both, start_s, start_t, width = _pair(arr([p.start for p in a]), arr([p.end - p.start for p in a]), at_t, w_t,
-                                          longer)
-    out = []
-    for k in np.flatnonzero(both).tolist():
-        p, q, w = a[k], qs[k], int(width[k])
-        s0, t0 = int(start_s[k]), int(start_t[k])
-        out.append((Piece(p.msg, p.field, s0, s0 + w, p.text[s0 - p.start:s0 - p.start + w]),
-                    Piece(q.msg, q.field, t0, t0 + w, q.text[t0 - q.start:t0 - q.start + w])))
-    return out
+    if not texts:
+        return unlocated(text, texts)
+    base = placeholder_base(text, len(texts))
+    try:
+        if base is None:
+            raise ConversationError("the rendering contains the private-use characters its placeholders need")
+        marked = render(tokenizer, marked_conversation(conv, texts, base))
+        quiet = render(tokenizer, marked_conversation(conv, texts, base, quiet=True)) if needs_quiet(texts) else None
+    except ConversationError as e:
+        log.warning("conversation messages left unaligned (no KD, not trained): %s", e)
+        return unlocated(text, texts)
+    return locate(text, marked, texts, base, quiet)
 
 
 # ------------------------------------------------------------------------------ alignment
@@ -373,9 +296,9 @@ def renderings(tokenizer, texts: list[str], convs: list[dict], *, markers=None, 
     if markers is None:
         markers = turn_marker_ids(tokenizer)
     msg_texts = [None] * len(texts) if texts_of is None else [x.texts for x in texts_of.located]
+    located = [locate_in(tokenizer, x, c, m) for x, c, m in zip(texts, convs, msg_texts)]
     return Renderings(list(texts), np.asarray(ids, dtype=np.int64), np.asarray(offs, dtype=np.int64).reshape(-1, 2),
-                      np.asarray(counts, dtype=np.int64), [locate(x, c, m) for x, c, m in zip(texts, convs, msg_texts)],
-                      np.asarray(markers, dtype=np.int64))
+                      np.asarray(counts, dtype=np.int64), located, np.asarray(markers, dtype=np.int64))
 
 
 @dataclass
@@ -410,28 +333,8 @@ def _map_tokens(offsets: np.ndarray, table: np.ndarray):
     return np.stack([va, vb], axis=1), straddle, region
 
 
-@dataclass
-class _Flat:
-    """One side of a batch: tokens concatenated, offsets shifted into the joined texts."""
-
-    ids: np.ndarray
-    offs: np.ndarray  # batch-global character offsets (document d starts at base[d])
-    counts: np.ndarray
-    base: np.ndarray
-    lens: np.ndarray  # characters of each rendering
-    markers: np.ndarray  # bool [N]: end-of-turn candidates with a non-empty span
-
-
-def _flat_side(side: Renderings) -> _Flat:
-    lens = np.fromiter((len(x) for x in side.texts), dtype=np.int64, count=len(side))
-    base = np.cumsum(lens + 1) - (lens + 1)
-    offs = side.offsets + np.repeat(base, side.counts)[:, None]
-    markers = np.isin(side.ids, side.marker_ids) & (offs[:, 1] > offs[:, 0])
-    return _Flat(side.ids, offs, side.counts, base, lens, markers)
-
-
-def _layout(convs: list[dict], students: Renderings, teachers: Renderings, fs: _Flat,
-            ft: _Flat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+def _layout(convs: list[dict], students: Renderings, teachers: Renderings, fs: Flat,
+            ft: Flat) -> tuple:
     """Region tables of a batch of conversations, one walk in numpy over all their gaps.
 
     A conversation with n shared pieces has n + 1 gaps (before each piece, and after the last);
@@ -440,7 +343,9 @@ def _layout(convs: list[dict], students: Renderings, teachers: Renderings, fs: _
     the piece itself (shared by both sides). Per side the rows are (start, end, vstart, vlen,
     is_piece, role) in batch coordinates (rendered offsets in the joined texts, virtual starts
     running over the batch); empty regions are left out. Returns both tables, each conversation's
-    virtual start and length, and its text counts."""
+    virtual start and length, its text counts, and the shared texts' student spans (batch start,
+    width), every text's global message index and length, and every message's role code (the self-check's
+    input)."""
     n_docs = len(convs)
     n_texts = np.fromiter((len(x.texts) for x in students.located), dtype=np.int64, count=n_docs)
     texts = [x for loc in students.located for _, _, x in loc.texts]
@@ -458,8 +363,8 @@ def _layout(convs: list[dict], students: Renderings, teachers: Renderings, fs: _
     msg += (np.cumsum(n_msgs) - n_msgs)[doc]  # batch-global message index
     length = np.fromiter((len(x) for x in texts), dtype=np.int64, count=total)
     found = [np.fromiter(chain.from_iterable(getattr(loc, key) for loc in side.located), dtype=np.int64, count=total)
-             for side in (students, teachers) for key in ("at", "width")]
-    both, start_s, start_t, width = _pair(*found, texts)
+             for side in (students, teachers) for key in ("at", "skip", "width")]
+    both, start_s, start_t, width = pair_spans(*found)
     pair = np.flatnonzero(both)
     p_doc = doc[pair]
     n_pairs = np.bincount(p_doc, minlength=n_docs)
@@ -515,7 +420,8 @@ def _layout(convs: list[dict], students: Renderings, teachers: Renderings, fs: _
     spans = np.bincount(doc, weights=got < length, minlength=n_docs).astype(np.int64)
     stats = [{"content_chars": c, "shared_chars": s, "unaligned_spans": n, "unaligned_chars": c - s}
              for c, s, n in zip(content.tolist(), shared.tolist(), spans.tolist())]
-    return tables[0], tables[1], v_base, vlens, stats
+    shared = (start_s[pair] + fs.base[p_doc], width[pair], msg, length, roles)  # for the self-check
+    return tables[0], tables[1], v_base, vlens, stats, shared
 
 
 def segments(s: Renderings, t: Renderings, conv: dict) -> list[tuple[str, str, str, int]]:
@@ -524,7 +430,7 @@ def segments(s: Renderings, t: Renderings, conv: dict) -> list[tuple[str, str, s
     'template' (one side only: no KD), 'content' (the same message text on both sides: exact chunks)
     or 'turn end' (the two end-of-turn markers, paired). For documentation and debugging;
     `align_conversations` does the same work for a batch."""
-    tab_s, tab_t, _, _, _ = _layout([conv], s, t, _flat_side(s), _flat_side(t))
+    tab_s, tab_t, *_ = _layout([conv], s, t, flat_side(s), flat_side(t))
     by_v: dict[int, list] = {}
     for k, tab in enumerate((tab_s, tab_t)):
         for a, b, v, _, piece, role in tab.tolist():
@@ -543,8 +449,8 @@ def align_conversations(convs: list[dict], students: Renderings, teachers: Rende
     (one vectorized `align_flat` walk over the batch; all renderings of a side from one tokenizer)."""
     if not convs:
         return []
-    fs, ft = _flat_side(students), _flat_side(teachers)
-    *tables, v_base, vlens, stats = _layout(convs, students, teachers, fs, ft)
+    fs, ft = flat_side(students), flat_side(teachers)
+    *tables, v_base, vlens, stats, shared = _layout(convs, students, teachers, fs, ft)
     mapped = []
     for f, tab in zip((fs, ft), tables):
         voffs, straddle, region = _map_tokens(f.offs, tab)
@@ -553,56 +459,30 @@ def align_conversations(convs: list[dict], students: Renderings, teachers: Rende
     texts = [" " * n for n in vlens.tolist()]  # only the lengths matter: the offsets are trusted, not byte-checked
     (s_v, s_flag, s_role), (t_v, t_flag, _) = mapped
     aligns = align_flat(texts, (fs.ids, s_v, fs.counts, s_flag), (ft.ids, t_v, ft.counts, t_flag), None, None)
-    wrong = misaligned_chars(aligns, students, teachers, fs, ft)
-    for st, w in zip(stats, wrong.tolist()):
-        st["misaligned_chars"] = w
+    _self_check(aligns, students, teachers, fs, ft, s_role, shared, stats)
     roles = np.split(s_role.astype(np.uint8), np.cumsum(fs.counts)[:-1])
     return [ConversationAlignment(a, r, st) for a, r, st in zip(aligns, roles, stats)]
 
 
-def misaligned_chars(aligns, students: Renderings, teachers: Renderings, fs: _Flat | None = None,
-                     ft: _Flat | None = None) -> np.ndarray:
-    """Per conversation: characters of exact content chunks whose two sides' rendered text differs
-    (0 unless the alignment is wrong): the check behind `inspect`'s "misaligned" count. Every exact
-    chunk of the batch is checked (end-of-turn pairs are not content and are left out): runs of
-    chunks that continue each other are compared as whole strings, a differing run chunk by chunk."""
-    n_docs = len(aligns)
-    fs = fs or _flat_side(students)
-    ft = ft or _flat_side(teachers)
-    ends, joined = [], []
-    n_chunks = np.fromiter((a.num_chunks for a in aligns), dtype=np.int64, count=n_docs)
-    for f, rends, key in ((fs, students, "student_end"), (ft, teachers, "teacher_end")):
-        tok_base = np.cumsum(f.counts) - f.counts
-        e = np.concatenate([getattr(a, key) for a in aligns] + [np.zeros(0, np.int32)]).astype(np.int64)
-        e += np.repeat(tok_base, n_chunks)
-        first = np.concatenate(([0], e[:-1])) if e.shape[0] else e
-        starts_doc = np.cumsum(n_chunks) - n_chunks
-        has = n_chunks > 0
-        first[starts_doc[has]] = tok_base[has]
-        ends.append((first, e))
-        joined.append("\x00".join(rends.texts) + "\x00")  # the offsets' batch coordinates (_flat_side)
-    doc = np.repeat(np.arange(n_docs), n_chunks)
-    exact = np.concatenate([a.exact for a in aligns] + [np.zeros(0, bool)])
-    (sf, se), (tf, te) = ends
-    so, to = fs.offs, ft.offs
-    sel = exact & (se > sf) & (te > tf)
-    sel[sel] &= ~fs.markers[sf[sel]] & ~ft.markers[tf[sel]]
-    a_s, b_s = so[sf[sel], 0], so[se[sel] - 1, 1]
-    a_t, b_t = to[tf[sel], 0], to[te[sel] - 1, 1]
-    width = b_s - a_s
-    bad = width != (b_t - a_t)
-    same = np.flatnonzero(~bad & (width > 0))
-    if same.shape[0]:
-        # consecutive chunks that continue each other on both sides form one run; each run's two
-        # texts are compared as strings, and only a run that differs is searched chunk by chunk
-        a_s, b_s, a_t, b_t = a_s[same], b_s[same], a_t[same], b_t[same]
-        run = np.flatnonzero(np.concatenate(([True], (a_s[1:] != b_s[:-1]) | (a_t[1:] != b_t[:-1]))))
-        last = np.concatenate((run[1:], [same.shape[0]])) - 1
-        s_text, t_text = joined
-        for r0, r1, x0, x1, y0 in zip(run.tolist(), last.tolist(), a_s[run].tolist(), b_s[last].tolist(),
-                                      a_t[run].tolist()):
-            if s_text[x0:x1] != t_text[y0:y0 + x1 - x0]:
-                for c in range(r0, r1 + 1):
-                    x, y, w = int(a_s[c]), int(a_t[c]), int(b_s[c] - a_s[c])
-                    bad[same[c]] = s_text[x:x + w] != t_text[y:y + w]
-    return np.bincount(doc[sel][bad], weights=width[bad], minlength=n_docs).astype(np.int64)
+def _self_check(aligns, students: Renderings, teachers: Renderings, fs: Flat, ft: Flat, s_role: np.ndarray,
+                shared: tuple, stats: list[dict]) -> None:
+    """Fill each conversation's `misaligned_chars`: the characters that the checks of
+    `xtcache.chat_check` find paired with other text (`text_mismatch_chars`), paired with another
+    place of the message texts (`misplaced_chars`) or in a student token of the wrong role
+    (`wrong_role_chars`); each count is kept in the stats as well."""
+    start, width, msg, length, roles = shared
+    # the message of each student character, read from the marked rendering, on the shared spans only
+    # (a text located on one side is template text to the layout)
+    in_shared = np.zeros(int((fs.lens + 1).sum()), dtype=bool)
+    inner = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
+    in_shared[np.repeat(start, width) + inner] = True
+    pos = text_positions(students, fs)
+    text_msg = np.repeat(msg, length)  # the message of each character of the batch's texts
+    owner = np.where(in_shared & (pos >= 0), text_msg[np.maximum(pos, 0)] if text_msg.size else -1, -1)
+    counts = {"text_mismatch_chars": misaligned_chars(aligns, students, teachers, fs, ft),
+              "misplaced_chars": misplaced_chars(aligns, students, teachers, fs, ft, pos),
+              "wrong_role_chars": wrong_role_chars(fs, s_role, owner, roles)}
+    for d, st in enumerate(stats):
+        for key, c in counts.items():
+            st[key] = int(c[d])
+        st["misaligned_chars"] = sum(st[key] for key in counts)
