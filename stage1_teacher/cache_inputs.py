@@ -1,8 +1,10 @@
 """What a teacher cache depends on beyond its flags: the corpus bytes and the capture engine.
 
-**Corpus content.** Each `teacher-dump` job digests (sha256 of every byte, `xtcache.file_digest`)
+**Corpus content.** Each `teacher-dump` job digests (sha256, `xtcache.file_digest`) its bytes of
 the corpus files its shard-plan ranges touch, before any teacher work, and records the digests in
-the store as `corpus_digests/wNNNNN.json` (one object per writer, written after its claim).
+the store as `corpus_digests/wNNNNN.json` (one object per writer, written after its claim). A file
+read by one job is its whole; a Parquet file split between jobs is cut at their first row groups'
+byte offsets (`file_spans`), so the jobs' spans cover each of its bytes once.
 
 * A single job touches every file: the whole-content digests are the corpus part of the cache
   key (`xtcache.fingerprint.content_fingerprint`), so any edit gives another key and
@@ -10,9 +12,11 @@ the store as `corpus_digests/wNNNNN.json` (one object per writer, written after 
 * With `--num-shards N > 1` the key holds the corpus listing (names and sizes, from writer 0's
   plan) and every job, when it runs again on a store (a rerun, `--resume`, a reuse of a complete
   store), compares its files' digests with those the store's writers recorded for the same files;
-  a changed file is refused with its name. Nobody reads more than its own share: writer 0 no
-  longer samples every file to plan, and a Parquet file split between jobs is digested by each
-  of them (the bench, `bench/shard_plan.py`, shows that cost).
+  a changed file is refused with its name. A job checks the other writers' spans of its files
+  too, by a read only when the file's validator changed since their record, so a job that runs
+  after an edit of a file shared with a finished job refuses as well. On a cold machine each job
+  reads its own share once more, nothing else: writer 0 no longer samples every file to plan
+  (`bench/shard_plan.py` shows the cost).
 * A recorded digest whose validator (object-store ETag / generation / checksum, or local size,
   mtime, ctime and inode) equals the file's current one is trusted without a read; a machine's
   hash cache serves the rest; only what neither knows is read in full, and counted.
@@ -85,24 +89,65 @@ def read_records(out: str, writers: list[int], store_options: dict | None) -> di
 
 def share_digests(urls: list[str], shard_plan, job: int, out: str | None, *, storage_options: dict | None,
                   store_options: dict | None, hasher: FileHasher | None = None) -> ShareDigests:
-    """Digest job `job`'s files; with a store at `out`, refuse any whose content differs from the
-    digest a writer of that store recorded for it."""
+    """Digest job `job`'s bytes of every file it touches; with a store at `out`, refuse a file whose
+    bytes differ from those a writer of that store recorded (each writer's span, checked by a read
+    only when the file's validator changed since that writer's record)."""
     hasher = hasher or FileHasher(storage_options)
     files = touched_files(shard_plan, job)
     recorded = read_records(out, writers_of(shard_plan, files), store_options) if out else {}
     digests = {}
     for fi in files:
+        spans = file_spans(urls[fi], shard_plan, fi, storage_options)
         recs = recorded.get(fi, [])
-        d = hasher.digest(urls[fi], recorded=recs[0][1] if recs else None)
+        own = next((r for w, r in recs if w == job and r.span == spans[job]), None)
+        mine = hasher.digest(urls[fi], recorded=own, span=spans[job])
         for w, r in recs:
-            if (r.name, r.size, r.sha256) != (d.name, d.size, d.sha256):
+            if r is own or (r.validator and r.validator == mine.validator):
+                now = mine if r is own else r  # the file is the version writer w read
+            else:
+                now = hasher.digest(urls[fi], span=r.span)
+            if (r.name, r.size, r.sha256) != (now.name, now.size, now.sha256):
+                where = "" if r.span is None else f" (bytes {r.span[0]}..{r.span[1]})"
                 raise StoreError(
-                    f"--data {urls[fi]}: its content changed since writer {w} of --out {out} read it (sha256 "
-                    f"{r.sha256[:12]}.., {r.size} bytes recorded; now {d.sha256[:12]}.., {d.size} bytes); that store "
-                    "holds teacher outputs of the old bytes: restore the file, or write a new store (another --out, "
-                    "or delete this one)")
-        digests[fi] = d
+                    f"--data {urls[fi]}: its content changed since writer {w} of --out {out} read it{where}: sha256 "
+                    f"{r.sha256[:12]}.., {r.size} bytes recorded; now {now.sha256[:12]}.., {now.size} bytes. That "
+                    "store holds teacher outputs of the old bytes: restore the file, or write a new store (another "
+                    "--out, or delete this one)")
+        digests[fi] = mine
     return ShareDigests(job=job, files=digests, stats=hasher.stats)
+
+
+def file_spans(url: str, shard_plan, fi: int, storage_options: dict | None) -> dict[int, tuple[int, int] | None]:
+    """Job -> the bytes of file `fi` it vouches for: the whole file (None) when one job reads it; for a
+    Parquet file split between jobs, from its first row group's start (0 for the first job) to the
+    next job's (the file's end for the last), so the spans cover every byte once."""
+    jobs = {j: r for j, ranges in enumerate(shard_plan.jobs) for r in ranges if r.file == fi}
+    if len(jobs) == 1:
+        return {j: None for j in jobs}
+    starts, size = parquet_row_group_starts(url, storage_options)
+    entry = shard_plan.files[fi]
+    if entry.row_groups is None or len(starts) != len(entry.row_groups):
+        raise StoreError(f"--data {url}: its row groups differ from the shard plan's; the corpus changed since the "
+                         "plan, start a new --out")
+    return {j: (0 if r.start == 0 else starts[r.start], size if r.stop == len(starts) else starts[r.stop])
+            for j, r in jobs.items()}
+
+
+def parquet_row_group_starts(url: str, storage_options: dict | None) -> tuple[list[int], int]:
+    """Byte offset where each row group's first column chunk begins, and the file size (footer only)."""
+    import pyarrow.parquet as pq
+
+    from xtcache.store_io import file_system, is_local
+
+    fs, path = file_system(url, storage_options)
+    with fs.open(path, "rb", **({} if is_local(url) else {"cache_type": "none"})) as f:
+        md = pq.ParquetFile(f).metadata
+    starts = []
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        starts.append(min(c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset is not None
+                          else c.data_page_offset for c in (rg.column(i) for i in range(rg.num_columns))))
+    return starts, int(fs.size(path))
 
 
 def record_digests(out: str, share: ShareDigests, plan_fingerprint: str, store_options: dict | None) -> None:

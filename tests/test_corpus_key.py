@@ -263,3 +263,38 @@ def test_cache_key_names_the_capture_engine_its_version_and_tensor_parallel_size
     assert plans["vllm fast path"].settings["capture_engine"] == {
         "engine": "vllm", "path": "hidden states + lm_head", "vllm_version": vllm.__version__, "tensor_parallel_size": 1}
     assert plans["transformers"].settings["capture_engine"]["engine"] == "transformers"
+
+
+def test_a_parquet_file_split_between_jobs_is_checked_span_by_span(tmp_path, monkeypatch):
+    """Two jobs share one Parquet file: their spans cover it once, each reads only its own on a cold
+    machine and nothing on a rerun, and after an edit in job 1's span both jobs refuse the store."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stage1_teacher.cache_inputs import file_spans, record_digests, share_digests
+    from stage1_teacher.shard_plan import list_corpus, plan_shards
+
+    monkeypatch.setattr(file_digest, "RACY_S", 0.2)
+    path = tmp_path / "split.parquet"
+    pq.write_table(pa.table({"text": [_words(4096, seed=i) for i in range(64)]}), path, row_group_size=8,
+                   compression="none", use_dictionary=False)
+    urls, out = [str(path)], str(tmp_path / "store")
+    plan = plan_shards(list_corpus(urls, "text"), 2)
+    spans = file_spans(urls[0], plan, 0, None)
+    size = path.stat().st_size
+    assert spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == size and 0 < spans[1][0] < size
+    time.sleep(0.3)
+
+    def check(job):
+        return share_digests(urls, plan, job, out, storage_options=None, store_options=None,
+                             hasher=FileHasher(cache_path=None))
+
+    for job in (0, 1):
+        share = check(job)
+        assert share.stats.bytes_read == spans[job][1] - spans[job][0]  # its own share, once
+        record_digests(out, share, plan.fingerprint, None)
+    assert check(0).stats.bytes_read == check(1).stats.bytes_read == 0  # validators unchanged: nothing read
+    edit_middle(path, spans[1][0] + 100)
+    for job in (1, 0):  # job 0's own bytes are unchanged, but job 1's recorded span is not
+        with pytest.raises(StoreError, match=r"split\.parquet: its content changed since writer 1 of --out .* \(bytes"):
+            check(job)

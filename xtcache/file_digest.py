@@ -1,7 +1,8 @@
-"""Whole-content sha256 digests of corpus files, read at most once per version of a file.
+"""Content sha256 digests of corpus files, read at most once per version of a file.
 
-A corpus file's digest is the sha256 of all its bytes, so any edit anywhere in it changes the
-digest. Reading every byte is the cost; it is paid once per version of a file, as git and DVC do:
+A corpus file's digest is the sha256 of all its bytes (or of a byte span [lo, hi) of it, for a
+file that several jobs share), so any edit anywhere in it changes the digest. Reading every byte
+is the cost; it is paid once per version of a file, as git and DVC do:
 
 * a **validator** says which version of a file this is without reading it: for a local file its
   size, mtime_ns, ctime_ns and inode (os.stat); on an object store the checksums or generation it
@@ -43,20 +44,25 @@ STORE_VALIDATORS = ("ChecksumSHA256", "ETag", "etag", "VersionId", "generation",
 
 @dataclass(frozen=True)
 class FileDigest:
-    """One corpus file's content digest and the validator of the version that was hashed."""
+    """The sha256 of a corpus file's bytes (or of the byte span [lo, hi) of it) and the validator
+    of the version that was hashed."""
 
     name: str  # base name (the document ids' source)
-    size: int
+    size: int  # of the whole file
     sha256: str
     validator: dict = field(default_factory=dict)  # {}: no validator, never trusted without a read
+    span: tuple[int, int] | None = None  # None: the whole file
 
     def as_json(self) -> dict:
-        return {"name": self.name, "size": self.size, "sha256": self.sha256, "validator": self.validator}
+        return {"name": self.name, "size": self.size, "sha256": self.sha256, "validator": self.validator,
+                "span": None if self.span is None else list(self.span)}
 
     @staticmethod
     def from_json(d: dict) -> FileDigest:
+        span = d.get("span")
         return FileDigest(name=str(d["name"]), size=int(d["size"]), sha256=str(d["sha256"]),
-                          validator=dict(d.get("validator") or {}))
+                          validator=dict(d.get("validator") or {}),
+                          span=None if span is None else (int(span[0]), int(span[1])))
 
 
 @dataclass
@@ -64,14 +70,14 @@ class DigestStats:
     """What obtaining digests cost: files, how each digest was obtained, bytes read, seconds."""
 
     files: int = 0
-    read: int = 0  # files read in full
+    read: int = 0  # files (or spans) read
     bytes_read: int = 0
     from_cache: int = 0  # hash cache hits
     from_record: int = 0  # validator equal to a recorded digest's
     seconds: float = 0.0
 
     def line(self) -> str:
-        return (f"{self.files} corpus files digested in {self.seconds:.2f} s: {self.read} read in full "
+        return (f"{self.files} corpus files digested in {self.seconds:.2f} s: {self.read} read "
                 f"({self.bytes_read / 1e6:,.1f} MB), {self.from_cache} from the hash cache, {self.from_record} from "
                 "a recorded digest with an unchanged validator")
 
@@ -135,8 +141,10 @@ class FileHasher:
         self.stats = DigestStats()
         self._no_validator_logged = False
 
-    def digest(self, url: str, recorded: FileDigest | None = None) -> FileDigest:
-        """The file's digest; a recorded digest with the file's current validator is returned as is."""
+    def digest(self, url: str, recorded: FileDigest | None = None, span: tuple[int, int] | None = None
+               ) -> FileDigest:
+        """The digest of the file (or of its bytes [lo, hi) with `span`); a recorded digest of the same
+        span with the file's current validator is returned as is."""
         from xtcache.store_io import file_system, is_local
 
         t0 = time.perf_counter()
@@ -153,31 +161,35 @@ class FileHasher:
         name = os.path.basename(path.rstrip("/"))
         self.stats.files += 1
         try:
-            if recorded is not None and v and recorded.validator == v:
+            if recorded is not None and v and recorded.validator == v and recorded.span == span:
                 self.stats.from_record += 1
                 return recorded
-            key = json.dumps({"file": os.path.realpath(path) if local else url, **v}, sort_keys=True)
+            key = json.dumps({"file": os.path.realpath(path) if local else url, **v,
+                              **({"span": list(span)} if span is not None else {})}, sort_keys=True)
             sha = self.cache.get(key) if v else None
             if sha is not None:
                 self.stats.from_cache += 1
-                return FileDigest(name, size, sha, v)
+                return FileDigest(name, size, sha, v, span)
             if not v and not self._no_validator_logged:
                 log.warning("%s: the file system gives no checksum or generation for its files; each is read in full "
                             "to check it", url)
                 self._no_validator_logged = True
-            sha = self._read(fs, path, local)
+            sha = self._read(fs, path, local, span or (0, size))
             racy = local and time.time_ns() - max(info.st_mtime_ns, info.st_ctime_ns) < RACY_S * 1e9
             if v and not racy:
                 self.cache.put(key, sha)
-            return FileDigest(name, size, sha, v if not racy else {})
+            return FileDigest(name, size, sha, v if not racy else {}, span)
         finally:
             self.stats.seconds += time.perf_counter() - t0
 
-    def _read(self, fs, path: str, local: bool) -> str:
+    def _read(self, fs, path: str, local: bool, span: tuple[int, int]) -> str:
         h = hashlib.sha256()
+        lo, hi = span
         with (open(path, "rb") if local else fs.open(path, "rb", block_size=READ_BLOCK, cache_type="none")) as f:
-            while block := f.read(READ_BLOCK):
+            f.seek(lo)
+            while lo < hi and (block := f.read(min(READ_BLOCK, hi - lo))):
                 h.update(block)
+                lo += len(block)
                 self.stats.bytes_read += len(block)
         self.stats.read += 1
         return h.hexdigest()
