@@ -59,6 +59,13 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
         require_template(student_tok, f"student tokenizer ({student_path})")
         fp = chat_fingerprint(student_tok)
         identity = fp == conversation.get("teacher_chat")
+        if identity:
+            teacher_tok = student_tok
+        elif teacher_tok is None or chat_fingerprint(teacher_tok) != conversation.get("teacher_chat"):
+            why = "it was not found" if teacher_tok is None else "its chat template is not the store's"
+            raise StoreError(f"xtcache align on the conversation store {url} renders each conversation again in the "
+                             "teacher's chat template, to locate its messages by construction: pass "
+                             f"--teacher-tokenizer with the tokenizer the store was written with ({why})")
     else:
         fp = tokenizer_fingerprint(student_tok)
         identity = fp == reader.manifest.fingerprints.get("teacher_tokenizer")
@@ -84,7 +91,7 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
             shard = reader.read_shard(meta.shard_id)
             docs = [shard.doc(i) for i in range(shard.num_docs)]
             if conversation is not None:
-                records = _conversation_records(docs, student_tok, identity, conversation, meta.shard_id)
+                records = _conversation_records(docs, student_tok, teacher_tok, identity, conversation, meta.shard_id)
             elif identity:
                 records = [AlignmentRecord(student_ids=d.teacher_ids.astype(np.int32),
                                            alignment=identity_alignment(len(d.teacher_ids))) for d in docs]
@@ -100,9 +107,10 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
     return stats
 
 
-def _conversation_records(docs, student_tok, identity: bool, conversation: dict, shard_id: str) -> list:
+def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conversation: dict, shard_id: str) -> list:
     """Alignment records of a conversation part: each document's messages rendered with the
-    student's template and aligned to the stored teacher rendering and tokens."""
+    student's template and aligned to the stored teacher rendering and tokens (whose messages are
+    located by rendering them again with `teacher_tok`'s template)."""
     import json
 
     from xtcache.align import identity_alignment
@@ -116,7 +124,7 @@ def _conversation_records(docs, student_tok, identity: bool, conversation: dict,
     stored = (np.concatenate([np.asarray(d.teacher_ids, np.int64) for d in docs]),
               np.concatenate([np.asarray(d.char_offsets, np.int64).reshape(-1, 2) for d in docs]),
               np.array([len(d.teacher_ids) for d in docs], dtype=np.int64))
-    teachers = renderings(None, [d.text for d in docs], convs, markers=markers, encoded=stored)
+    teachers = renderings(teacher_tok, [d.text for d in docs], convs, markers=markers, encoded=stored)
     if identity:
         students = teachers
     else:

@@ -275,6 +275,20 @@ def test_chat_corpus_through_dump_and_align_has_no_misaligned_characters(chat_ru
     _cli("verify", chat_run["store"])  # every array of every part and group, checks on
 
 
+def test_align_needs_the_teacher_template_to_locate_messages(chat_run):
+    """`xtcache align` locates a conversation store's messages by rendering them again in the
+    teacher's template: without the teacher tokenizer, or with another template, it refuses."""
+    from stage1_teacher.align_cmd import align_store
+    from xtcache.errors import StoreError
+    from xtcache.tokenizer import load_tokenizer
+
+    with pytest.raises(StoreError, match="--teacher-tokenizer .* .it was not found"):
+        align_store(str(chat_run["store"]), str(chat_run["third_tok"]), teacher_tok=None)
+    with pytest.raises(StoreError, match="its chat template is not the store's"):
+        align_store(str(chat_run["store"]), str(chat_run["third_tok"]),
+                    teacher_tok=load_tokenizer(str(chat_run["student_tok"])))
+
+
 @pytest.mark.parametrize("train_on", ["assistant", "last-assistant", "all"])
 def test_loader_masks_keep_kd_and_ce_inside_the_trained_turns(chat_run, train_on):
     from stage2_student.loader import CacheDataset
