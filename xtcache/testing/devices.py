@@ -22,9 +22,11 @@ suspends the mode; a CPU tensor made there is real and enters the mode again as 
 Two devices because autograd on a fake `cuda` tensor asks the CUDA device guard for a stream,
 which a CPU-only build does not have: the process aborts (a C++ terminate, not an exception).
 Some other operations need the CUDA runtime even on fake tensors (advanced indexing
-`z[rows, cols]` raises "not linked with support for cuda devices"), so `fake_cuda()` suits simple
-forward code (a matmul, a gather); `fake_cuda()` disables autograd; `fake_accelerator()` runs the same checks on the
-`meta` device, whose guard exists on every build, so backward works. Use an indexed device
+`z[rows, cols]` raises "not linked with support for cuda devices"). So `fake_cuda()` disables
+autograd and suits simple forward code (a matmul, a gather); `fake_accelerator()` runs the same
+checks on the `meta` device, whose guard exists on every build, so backward works. Sparse x dense
+matmuls have no meta kernel at all: a test replaces `torch.sparse.mm` with a device-checking
+stand-in (tests/test_device_stage2.py). Use an indexed device
 (`FAKE_CUDA`, never the string "cuda"): `.to("cuda")` resolves the current CUDA device and fails.
 """
 
