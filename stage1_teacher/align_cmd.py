@@ -142,21 +142,17 @@ def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conver
 
 def _align_docs(docs, s_ids, s_off, s_info, t_info, shard_id: str) -> list:
     """Alignments of a part's documents to stored teacher tokens; AlignmentError names the first failure."""
-    from xtcache.align import align_batch, align_offsets
+    from xtcache.align import align_batch, align_offsets, batch_or_each
 
     t_ids = [d.teacher_ids for d in docs]
     t_off = [d.char_offsets for d in docs]
-    try:
-        return align_batch([d.text for d in docs], s_ids, s_off, t_ids, t_off, student_info=s_info,
-                           teacher_info=t_info)
-    except AlignmentError:
-        pass
-    for d, si, so, ti, to in zip(docs, s_ids, s_off, t_ids, t_off):
-        try:
-            align_offsets(d.text, si, so, ti, to, student_info=s_info, teacher_info=t_info)
-        except AlignmentError as e:
-            raise AlignmentError(f"document {d.doc_id} of part {shard_id}: {e}") from None
-    raise AssertionError("align_batch failed but every document aligns on its own")
+    info = dict(student_info=s_info, teacher_info=t_info)
+    out = batch_or_each(len(docs), lambda: align_batch([d.text for d in docs], s_ids, s_off, t_ids, t_off, **info),
+                        lambda i: align_offsets(docs[i].text, s_ids[i], s_off[i], t_ids[i], t_off[i], **info))
+    for d, a in zip(docs, out):
+        if isinstance(a, AlignmentError):
+            raise AlignmentError(f"document {d.doc_id} of part {shard_id}: {a}")
+    return out
 
 
 def ensure_groups(url: str, students, teacher_tok, storage_options: dict | None = None) -> list[str]:

@@ -134,7 +134,7 @@ class Preparer:
                 continue
             s_ids, s_off = _encode(s.tokenizer, texts, "student tokenizer")
             todo = [i for i in keep if i not in failed]
-            for i, a in zip(todo, self._align(todo, texts, s, s_ids, s_off, t_ids, t_off, failed)):
+            for i, a in zip(todo, self._align(todo, docs, s, s_ids, s_off, t_ids, t_off, failed)):
                 if a is not None:
                     aligns[i][s.fingerprint] = AlignmentRecord(student_ids=s_ids[i], alignment=a)
         out: list[PreparedDoc | Skipped] = []
@@ -230,44 +230,33 @@ class Preparer:
     def _align_convs(self, live, convs, docs, s_rend, t_rend, name) -> list:
         """ConversationAlignments of conversations `live` (their Renderings `s_rend`, `t_rend`, in that
         order; None where one fails: that row is skipped)."""
+        from xtcache.align import batch_or_each
         from xtcache.chat import align_conversations
 
-        if not live:
-            return []
-        try:
-            return align_conversations([convs[i] for i in live], s_rend, t_rend)
-        except AlignmentError:
-            pass
-        out = []
+        out = batch_or_each(len(live), lambda: align_conversations([convs[i] for i in live], s_rend, t_rend),
+                            lambda k: align_conversations([convs[live[k]]], s_rend.take([k]), t_rend.take([k]))[0])
         for k, i in enumerate(live):
-            try:
-                out.append(align_conversations([convs[i]], s_rend.take([k]), t_rend.take([k]))[0])
-            except AlignmentError as e:
-                log.warning("skipping row %d of %s for %s: %s", docs[i].row, docs[i].source, name, e)
-                out.append(None)
+            if isinstance(out[k], AlignmentError):
+                log.warning("skipping row %d of %s for %s: %s", docs[i].row, docs[i].source, name, out[k])
+                out[k] = None
         return out
 
-    def _align(self, todo, texts, s, s_ids, s_off, t_ids, t_off, failed: set[int]) -> list:
+    def _align(self, todo, docs, s, s_ids, s_off, t_ids, t_off, failed: set[int]) -> list:
         """Alignments of documents `todo` (None where it fails: those are added to `failed`)."""
-        from xtcache.align import align_batch, align_offsets
+        from xtcache.align import align_batch, align_offsets, batch_or_each
 
-        if not todo:
-            return []
-        try:
-            return align_batch([texts[i] for i in todo], [s_ids[i] for i in todo], [s_off[i] for i in todo],
-                               [t_ids[i] for i in todo], [t_off[i] for i in todo], student_info=s.info,
-                               teacher_info=self.teacher_info)
-        except AlignmentError:
-            pass  # find the documents that fail, one by one
-        out = []
-        for i in todo:
-            try:
-                out.append(align_offsets(texts[i], s_ids[i], s_off[i], t_ids[i], t_off[i], student_info=s.info,
-                                         teacher_info=self.teacher_info))
-            except AlignmentError as e:
-                log.warning("skipping document %d of this batch for %s: %s", i, s.name, e)
+        info = dict(student_info=s.info, teacher_info=self.teacher_info)
+        out = batch_or_each(len(todo), lambda: align_batch(
+            [docs[i].text for i in todo], [s_ids[i] for i in todo], [s_off[i] for i in todo],
+            [t_ids[i] for i in todo], [t_off[i] for i in todo], **info),
+            lambda k: align_offsets(docs[todo[k]].text, s_ids[todo[k]], s_off[todo[k]], t_ids[todo[k]],
+                                    t_off[todo[k]], **info))
+        for k, i in enumerate(todo):
+            if isinstance(out[k], AlignmentError):
+                log.warning("skipping row %d of %s: it does not align for %s: %s", docs[i].row, docs[i].source,
+                            s.name, out[k])
                 failed.add(i)
-                out.append(None)
+                out[k] = None
         return out
 
     def tokens(self, pd: PreparedDoc, w: Window) -> np.ndarray:

@@ -431,6 +431,26 @@ def _flat(ids_list, offsets_list, masks_list):
         None if masks is None else masks.astype(bool)
 
 
+def batch_or_each(n: int, batch, one) -> list:
+    """`batch()` (n results) in one pass when it succeeds; otherwise `one(i)` for each of the n
+    items, one by one: its result, or the AlignmentError that names why item i does not align.
+
+    Every caller that aligns many documents at once uses this, so one document that does not
+    align costs its batch a second pass, not the whole run.
+    """
+    try:
+        return batch()
+    except AlignmentError:
+        pass
+    out: list = []
+    for i in range(n):
+        try:
+            out.append(one(i))
+        except AlignmentError as e:
+            out.append(e)
+    return out
+
+
 def align_batch(texts: list[str], student_ids, student_offsets, teacher_ids, teacher_offsets,
                 student_special_masks=None, teacher_special_masks=None, *,
                 student_info: TokenizerInfo | None = None,
@@ -528,7 +548,9 @@ def align_flat(texts, s_flat, t_flat, s_info, t_info) -> list[Alignment]:
 
     # split at the separator chunks (each is 1:1 by construction)
     sep_chunk = np.searchsorted(s_end, s.sep_full + 1, side="left")
-    assert np.array_equal(s_end[sep_chunk], s.sep_full + 1) and np.array_equal(t_end[sep_chunk], t.sep_full + 1)
+    if not (np.array_equal(s_end[sep_chunk], s.sep_full + 1) and np.array_equal(t_end[sep_chunk], t.sep_full + 1)):
+        raise AlignmentError("the batch's document separators did not come out as 1:1 chunks, so its documents "
+                             "cannot be told apart; align its documents one by one")
     # each document's chunks, counted from its own first token and character (one pass over the
     # batch, then a view per document)
     firsts = np.concatenate(([0], sep_chunk[:-1] + 1))
