@@ -55,6 +55,8 @@ class TeacherConfig:
     """vLLM: capture hidden states and apply the teacher's lm_head (exact, fast); off: prompt log-probs."""
     check_tolerance: float | None = None
     """Largest allowed |fast - reference| log-prob gap on the first batch (the mean must stay below a tenth of it); default: fp32 1e-3, half precision 4 rounding steps at the largest logit (at least 0.5; mean: half a step, at least 0.05)."""
+    memory_check: bool = True
+    """On CUDA: refuse, before any engine starts, a configuration whose estimated device memory does not fit (docs/gpu.md); off: start anyway (the estimate is not a measurement)."""
     trust_check_from: str | None = None
     """Another store whose passed first-batch check of this teacher (same weights, vLLM version, platform and device, model runner, eager or compiled, dtype, tensor-parallel size) this dump trusts instead of starting the check's engine: one teacher filling several stores checks once."""
 

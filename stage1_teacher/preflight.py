@@ -125,6 +125,10 @@ def check_device_memory(cfg, opts, *, window_len: int, k: int, reference_check: 
     t, c = cfg.teacher, cfg.capture
     if t.engine != "vllm" or not cuda_present():
         return None  # on a CPU host vLLM's share is host memory: nothing to budget on a device
+    if not t.memory_check:
+        log.warning("--no-memory-check: device memory not budgeted; an over-budget configuration fails when vLLM "
+                    "or the lm_head runs out of memory")
+        return None
     try:
         (total, used), = b.nvml_memory(b.physical_indices(1))
     except Exception as e:  # no NVML library or driver: vLLM will report what it finds
@@ -139,7 +143,7 @@ def check_device_memory(cfg, opts, *, window_len: int, k: int, reference_check: 
     budget = b.device_budget(shape, run, total, in_use=used)
     problem = b.refusal(shape, run, budget)
     if problem:
-        raise ConfigError(problem)
+        raise ConfigError(f"{problem} (or --no-memory-check to start anyway: the budget is an estimate)")
     log.info("device memory: vLLM share %.1f GiB holds an estimated %.1f GiB; %.1f GiB of cuda:0 left "
              "outside it for an estimated %.1f GiB", budget.share / b.GiB, budget.need_inside() / b.GiB,
              budget.rest / b.GiB, budget.need_outside() / b.GiB)

@@ -192,7 +192,7 @@ def _tiny_teacher(path):
 def _cfg(teacher: str, util: float = 0.8):
     t = SimpleNamespace(engine="vllm", teacher=teacher, dtype="auto", tensor_parallel_size=1, fast_path=True,
                         gpu_memory_utilization=util, max_num_batched_tokens=None, enforce_eager=None,
-                        check_tolerance=None)
+                        check_tolerance=None, memory_check=True)
     return SimpleNamespace(teacher=t, capture=SimpleNamespace(mode="topk", num_samples=64, seed=0, batch_tokens=4096))
 
 
@@ -217,7 +217,12 @@ def test_preflight_refuses_before_any_engine_starts(tmp_path, fake_gpu, monkeypa
     monkeypatch.setattr(capture_vllm, "VllmHiddenEngine", no_engine)
     cfg = _cfg(_tiny_teacher(tmp_path / "t"))
     with pytest.raises(ConfigError, match=r"^--gpu-memory-utilization 0.8 leaves 0.4 GiB on cuda:0 outside vLLM; "
-                                          r".*need 1.0 GiB: lower --gpu-memory-utilization to 0.49$"):
+                                          r".*need 1.0 GiB: lower --gpu-memory-utilization to 0.49 "
+                                          r"\(or --no-memory-check to start anyway: the budget is an estimate\)$"):
+        capture.open_capture(cfg, vocab_size=1000, k=8, window_len=64, max_model_len=65,
+                             first_batch=[np.arange(10)])
+    cfg.teacher.memory_check = False  # the user's override: the engine starts
+    with pytest.raises(AssertionError, match="an engine started"):
         capture.open_capture(cfg, vocab_size=1000, k=8, window_len=64, max_model_len=65,
                              first_batch=[np.arange(10)])
 
