@@ -68,15 +68,19 @@ def record_path(job: int) -> str:
     return f"{RECORDS}/w{job:05d}.json"
 
 
-def read_records(out: str, writers: list[int], store_options: dict | None) -> dict[int, list[tuple[int, FileDigest]]]:
-    """file index -> [(writer, recorded digest)] from the store at `out` (empty when it has none)."""
+def read_records(out: str, writers: list[int], store_options: dict | None, plan_fingerprint: str | None = None
+                 ) -> dict[int, list[tuple[int, FileDigest]]]:
+    """file index -> [(writer, recorded digest)] from the store at `out` (empty when it has none).
+
+    With `plan_fingerprint`, records made under another shard plan (another file list: the store is
+    refused by its cache key or plan instead) are left out."""
     from xtcache.store_io import Location
 
     loc = Location(out, store_options)
     found: dict[int, list[tuple[int, FileDigest]]] = {}
     for w in writers:
         raw = loc.read_json(record_path(w))
-        if raw is None:
+        if raw is None or (plan_fingerprint is not None and raw.get("shard_plan") != plan_fingerprint):
             continue
         try:
             for fi, d in raw["files"].items():
@@ -94,7 +98,7 @@ def share_digests(urls: list[str], shard_plan, job: int, out: str | None, *, sto
     only when the file's validator changed since that writer's record)."""
     hasher = hasher or FileHasher(storage_options)
     files = touched_files(shard_plan, job)
-    recorded = read_records(out, writers_of(shard_plan, files), store_options) if out else {}
+    recorded = read_records(out, writers_of(shard_plan, files), store_options, shard_plan.fingerprint) if out else {}
     digests = {}
     for fi in files:
         spans = file_spans(urls[fi], shard_plan, fi, storage_options)

@@ -227,6 +227,17 @@ def two_jsonl(toy_setup, root: Path) -> list[Path]:
     return files
 
 
+def test_one_job_out_store_rerun_after_an_edit_is_refused(teacher, toy_setup, tmp_path):
+    out = tmp_path / "store"
+    data = two_jsonl(toy_setup, tmp_path / "data")
+    assert not dump(teacher, toy_setup, data, out=str(out)).reused
+    assert dump(teacher, toy_setup, data, out=str(out)).reused
+    edit_middle(data[0])
+    for kw in ({}, {"resume": True}):
+        with pytest.raises(StoreError, match=r"a\.jsonl: its content changed since writer 0 of --out"):
+            dump(teacher, toy_setup, data, out=str(out), **kw)
+
+
 def test_multi_job_out_store_rerun_after_an_edit_is_refused(teacher, toy_setup, tmp_path):
     out = tmp_path / "store"
     data = two_jsonl(toy_setup, tmp_path / "data")

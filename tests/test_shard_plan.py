@@ -166,10 +166,11 @@ def test_four_jobs_read_each_row_group_once_and_together_equal_one_job(parquet_c
     fs_cls = _counting_fs()
     urls = [f"countfs://{p}" for p in parquet_corpus]
     out = str(tmp_path / "store")
-    # writer 0's part: list the corpus once (footers + fingerprint samples) and store the plan
+    # writer 0's part: list the corpus once (footers only: no content sample) and store the plan
     fs_cls.reads.clear()
     plan = obtain_plan(urls, "text", num_jobs=4, job=0, out=out, storage_options={}, store_options={})
     planning = sum(e - s for _, s, e in fs_cls.reads)
+    assert planning <= len(urls) * 64 * 1024
     single = [d for d in iter_corpus(parquet_corpus, "text") if isinstance(d, Document)]
     per_job_docs, per_job_reads = [], []
     for job in range(4):
@@ -201,6 +202,13 @@ def test_four_jobs_read_each_row_group_once_and_together_equal_one_job(parquet_c
     total_read = sum(e - s for reads in per_job_reads for _, s, e in reads)
     touched = sum(len({r.file for r in job}) for job in plan.jobs)
     assert total_read <= corpus_bytes + touched * 64 * 1024  # read once, plus one footer read per file and job
+    # the corpus check: each job digests its own bytes, together every byte once
+    from stage1_teacher.cache_inputs import share_digests
+    from xtcache.file_digest import FileHasher
+
+    digested = [share_digests(urls, plan, job, None, storage_options={}, store_options=None,
+                              hasher=FileHasher({}, cache_path=None)).stats.bytes_read for job in range(4)]
+    assert sum(digested) == corpus_bytes and all(digested)
     print(f"corpus {corpus_bytes} B, 4 jobs read {total_read} B ({total_read / corpus_bytes:.2f}x), "
           f"planning (writer 0 only) {planning} B")
 
