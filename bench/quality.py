@@ -316,7 +316,7 @@ def train_row(row: Row, store: str, student: Path, out: Path, s: Settings, seed:
                     ce_weight=CE_WEIGHT)
     cfg = TrainConfig.from_flat(flat)
 
-    from stage2_student.objective import TeacherMix
+    from stage2_student.mix import TeacherMix
 
     def make_data(cfg, tokenizer, rank, world):
         data = open_stage_data(cfg, tokenizer, rank, world)
@@ -676,6 +676,8 @@ def main(argv=None) -> None:
     p.add_argument("--student-same-tok", help="with --teacher: a student on the teacher's tokenizer")
     p.add_argument("--train-data", help="with --teacher: training documents (.jsonl, field text)")
     p.add_argument("--heldout-data", help="with --teacher: held-out documents (.jsonl, field text)")
+    p.add_argument("--write-docs", action="store_true",
+                   help="also write quality.md into README.md's quality-table block (xtcache.docblock)")
     args = p.parse_args(argv)
     if args.teacher and not all([args.student, args.student_same_tok, args.train_data, args.heldout_data]):
         p.error("--teacher needs --student, --student-same-tok, --train-data and --heldout-data")
@@ -692,6 +694,10 @@ def main(argv=None) -> None:
     plot(report, out / "quality.png")
     print(md)
     print(f"wrote {out / 'quality.md'}, {out / 'quality.json'}, {out / 'quality.png'}")
+    if args.write_docs:
+        from xtcache.docblock import write_block
+
+        write_block(REPO / "README.md", "quality-table", md)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from stage2_student.config import TrainConfig
-from stage2_student.objective import Capabilities, Objective, TeacherMix, measure_definition, resolve_kind
+from stage2_student.mix import TeacherMix
+from stage2_student.objective import Capabilities, Objective, measure_definition, resolve_kind
 from stage2_student.student import load_tokenizer
 from xtcache.errors import ConfigError
 

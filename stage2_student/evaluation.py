@@ -16,8 +16,8 @@ sum_i lambda_i p_i with the --teacher-weights) which is then also `kl`; otherwis
 
 from __future__ import annotations
 
-from stage2_student.loader import num_teachers, teacher_view
-from stage2_student.objective import mix_views
+from stage2_student.join import num_teachers, teacher_view
+from stage2_student.mix import mix_views
 from stage2_student.student import dummy_batch, model_inputs, to_device
 
 

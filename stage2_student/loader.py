@@ -43,23 +43,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from stage2_student.batches import ShardSource, build_micro_batch, segment_chunks
+from stage2_student.join import join_views
 from xtcache.errors import ConfigError, CorruptionError, XtcacheError
-from xtcache.packing import (  # noqa: F401 (pack_documents, pack_trained: re-exported)
-    WindowPlan,
-    common_boundaries,
-    group_trained,
-    pack,
-    pack_documents,
-    pack_trained,
-)
+from xtcache.packing import common_boundaries, group_trained, pack
 
 log = logging.getLogger(__name__)
 
-IGNORE = -100
-
 
 # --------------------------------------------------------------------------------------------
-# pure packing
+# data order
 
 
 def epoch_window_order(num_windows: list[int], seed: int, epoch: int, *, shuffle: bool = True) -> np.ndarray:
@@ -92,170 +85,6 @@ def is_held_out(doc_id: str, fraction: float) -> bool:
     return int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big") / 2**64 < fraction
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(starts[i], starts[i] + lengths[i]), int64."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(total, dtype=np.int64)
-
-
-# --------------------------------------------------------------------------------------------
-# micro-batch assembly
-
-
-@dataclass
-class ShardSource:
-    """Decoded arrays of one shard as the batch builder needs them (plain numpy)."""
-
-    doc_pos_offsets: np.ndarray  # int64 [D+1] into teacher rows
-    doc_student_offsets: np.ndarray  # int64 [D+1] into student_ids
-    doc_chunk_offsets: np.ndarray  # int64 [D+1] into the chunk arrays
-    student_ids: np.ndarray  # int32 [S]
-    student_end: np.ndarray  # int32 [C] document-local exclusive ends
-    teacher_end: np.ndarray  # int32 [C]
-    exact: np.ndarray  # bool [C]
-    has_pred: np.ndarray  # bool [P]
-    topk_ids: np.ndarray  # int32 [P, k]
-    topk_logprobs: np.ndarray | None  # float32 [P, k]
-    topk_counts: np.ndarray | None  # uint16 [P, k]
-    residual: np.ndarray  # float32 [P]
-    realized_logprob: np.ndarray  # float32 [P]
-    trained: np.ndarray | None = None  # bool [S] conversation caches: the student tokens --train-on trains
-
-
-def segment_chunks(src: ShardSource, d: int, lo: int, hi: int, n_ctx: int = 0) -> dict:
-    """The chunks [lo, hi) of document d as one window segment: student/teacher spans and validity.
-
-    A chunk is `real` when both sides are non-empty and `valid` when it is real, its first student
-    token has a predicting logit inside the segment, all its teacher rows have a prediction and it
-    is not one of the segment's first `n_ctx` (context) chunks. Independent of where the segment
-    lies in its window.
-    """
-    c0 = int(src.doc_chunk_offsets[d])
-    s_end = src.student_end[c0 + lo:c0 + hi].astype(np.int64)  # [n]
-    t_end = src.teacher_end[c0 + lo:c0 + hi].astype(np.int64)
-    s_begin = int(src.student_end[c0 + lo - 1]) if lo > 0 else 0
-    t_begin = int(src.teacher_end[c0 + lo - 1]) if lo > 0 else 0
-    s_start = np.concatenate([[s_begin], s_end[:-1]])  # [n]
-    t_start = np.concatenate([[t_begin], t_end[:-1]])
-    s_len, t_len = s_end - s_start, t_end - t_start
-    p_off = int(src.doc_pos_offsets[d])
-    no_pred = np.concatenate([[0], np.cumsum(~src.has_pred[p_off + t_begin:p_off + int(t_end[-1])])])
-    all_pred = (no_pred[t_end - t_begin] - no_pred[t_start - t_begin]) == 0
-    real = (s_len > 0) & (t_len > 0)
-    valid = real & (s_start > s_begin) & all_pred  # predicted from inside the segment
-    if src.trained is not None:  # conversation cache: every student token of the chunk trained, same text
-        s_off = int(src.doc_student_offsets[d])
-        untrained = np.concatenate([[0], np.cumsum(~src.trained[s_off + s_begin:s_off + int(s_end[-1])])])
-        valid &= (untrained[s_end - s_begin] == untrained[s_start - s_begin]) & src.exact[c0 + lo:c0 + hi]
-    valid[:n_ctx] = False
-    return dict(c0=c0, s_begin=s_begin, s_end=s_end, s_start=s_start, s_len=s_len, t_start=t_start, t_len=t_len,
-                p_off=p_off, real=real, valid=valid)
-
-
-def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> dict[str, np.ndarray | int]:
-    """Numpy micro-batch (docs/architecture.md "Stage 2 batch") from windows of segments.
-
-    Each window is a list of segments (source, doc, chunk_lo, chunk_hi, context) where `context`
-    is the number of leading context chunks (only a window's first segment has any), optionally followed by
-    (group, keep): int64 [hi - lo] the micro-batch's chunk group of each chunk (the
-    `chunk_group` of the valid chunks) and bool [hi - lo] which chunks may be valid at all.
-    """
-    b = len(windows)
-    input_ids = np.full((b, seq_len), pad_id, dtype=np.int64)
-    attention = np.zeros((b, seq_len), dtype=np.int64)
-    labels = np.full((b, seq_len), IGNORE, dtype=np.int64)
-    position_ids = np.zeros((b, seq_len), dtype=np.int64)
-    student_chunk = np.full((b, seq_len), -1, dtype=np.int64)
-    rows_by_src: list[tuple[ShardSource, np.ndarray]] = []
-    teacher_chunk, exact, groups = [], [], []
-    n_chunks = 0
-    for wi, segments in enumerate(windows):
-        pos = 0
-        masked_until = 0  # CE labels predicting context tokens are dropped
-        for src, d, lo, hi, ctx, *extra in segments:
-            n_ctx = int(ctx)
-            seg = segment_chunks(src, d, lo, hi, n_ctx)
-            s_begin, s_start, s_len, t_len = seg["s_begin"], seg["s_start"], seg["s_len"], seg["t_len"]
-            valid = seg["valid"] if not extra else seg["valid"] & extra[1]
-            s_off = int(src.doc_student_offsets[d])
-            toks = src.student_ids[s_off + s_begin:s_off + int(seg["s_end"][-1])]
-            input_ids[wi, pos:pos + len(toks)] = toks
-            position_ids[wi, pos:pos + len(toks)] = np.arange(len(toks))  # each segment attends to itself only
-            labels[wi, pos:pos + len(toks) - 1] = toks[1:]  # never across a segment boundary
-            if src.trained is not None:  # conversation cache: only positions predicting trained tokens
-                trained = src.trained[s_off + s_begin:s_off + int(seg["s_end"][-1])]
-                labels[wi, pos:pos + len(toks) - 1][~trained[1:]] = IGNORE
-            first = pos + (s_start - s_begin)  # [n] window position of each chunk's first token
-            if n_ctx:
-                masked_until = pos + int(s_len[:n_ctx].sum())
-            ids = n_chunks + np.arange(int(valid.sum()), dtype=np.int64)
-            n_chunks += ids.shape[0]
-            student_chunk[wi, _ranges(first[valid] - 1, s_len[valid])] = np.repeat(ids, s_len[valid])
-            rows_by_src.append((src, _ranges(seg["p_off"] + seg["t_start"][valid], t_len[valid])))
-            teacher_chunk.append(np.repeat(ids, t_len[valid]))
-            exact.append(src.exact[seg["c0"] + lo:seg["c0"] + hi][valid])
-            if extra:
-                groups.append(extra[0][valid])
-            pos += len(toks)
-        attention[wi, :pos] = 1
-        position_ids[wi, pos:] = np.arange(seq_len - pos)  # padding is a segment of its own
-        labels[wi, :max(masked_until - 1, 0)] = IGNORE
-    out: dict[str, np.ndarray | int] = {
-        "input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids, "labels": labels,
-        "student_chunk": student_chunk,
-        "teacher_chunk": np.concatenate(teacher_chunk) if teacher_chunk else np.zeros(0, np.int64),
-        "chunk_exact": np.concatenate(exact) if exact else np.zeros(0, bool), "num_chunks": n_chunks}
-    if groups:
-        out["chunk_group"] = np.concatenate(groups).astype(np.int64)
-    first_src = rows_by_src[0][0] if rows_by_src else None
-    k = first_src.topk_ids.shape[1] if first_src is not None else 0
-
-    def gather(name, dtype, tail=()):
-        parts = [getattr(s, name)[r] for s, r in rows_by_src]
-        return np.concatenate(parts).astype(dtype) if parts else np.zeros((0, *tail), dtype)
-
-    out["teacher_ids"] = gather("topk_ids", np.int64, (k,))
-    if first_src is not None and first_src.topk_counts is not None:
-        counts = gather("topk_counts", np.float32, (k,))
-        out["teacher_counts"] = counts
-        out["teacher_ids"] = np.where(counts > 0, out["teacher_ids"], -1)
-    else:
-        out["teacher_logprobs"] = gather("topk_logprobs", np.float32, (k,))
-    out["teacher_residual"] = gather("residual", np.float32)
-    out["teacher_realized"] = gather("realized_logprob", np.float32)
-    return out
-
-
-TEACHER_KEYS = ("student_chunk", "teacher_ids", "teacher_logprobs", "teacher_counts", "teacher_residual",
-                "teacher_realized", "teacher_chunk", "num_chunks", "chunk_exact", "chunk_group")
-"""The keys of a micro-batch that belong to one teacher; teacher i > 0 holds them as `t{i}/KEY`."""
-
-
-def num_teachers(batch: dict) -> int:
-    """How many teachers a micro-batch carries (1 for a single-cache batch)."""
-    return int(batch.get("num_teachers", 1))
-
-
-def teacher_view(batch: dict, i: int) -> dict:
-    """Teacher i's single-teacher micro-batch: the student keys plus that teacher's keys unprefixed."""
-    view = {k: v for k, v in batch.items() if "/" not in k and k not in TEACHER_KEYS}
-    prefix = "" if i == 0 else f"t{i}/"
-    for key in TEACHER_KEYS:
-        if prefix + key in batch:
-            view[key] = batch[prefix + key]
-    return view
-
-
-def join_views(views: list[dict], num_groups: int) -> dict:
-    """One micro-batch of several teachers' views (same student side): view 0 as is, the others prefixed."""
-    out = dict(views[0])
-    for i, v in enumerate(views[1:], start=1):
-        out.update({f"t{i}/{k}": v[k] for k in TEACHER_KEYS if k in v})
-    out["num_teachers"], out["num_groups"] = len(views), num_groups
-    return out
 
 
 @dataclass

@@ -17,8 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stage2_student.loader import join_views
-from stage2_student.objective import Objective, TeacherMix
+from stage2_student.join import join_views
+from stage2_student.mix import TeacherMix
+from stage2_student.objective import Objective
 from stage2_student.trainer import Trainer
 from tests.test_losses import _memory_case, _two_teacher_case
 from xtcache.testing.devices import (

@@ -17,6 +17,7 @@ from stage2_student import loader as L
 from xtcache.align import align_text, encode_with_offsets
 from xtcache.errors import ConfigError
 from xtcache.fingerprint import tokenizer_fingerprint
+from xtcache.packing import pack_documents
 from xtcache.store import AlignmentRecord, CacheReader, CacheWriter, DocRecord
 
 K = 4
@@ -31,7 +32,7 @@ SEQ = 48
        st.integers(4, 24))
 def test_pack_documents_cuts_at_chunks_and_covers_each_chunk_once(docs, seq_len):
     lens = [np.asarray(d, dtype=np.int64) for d in docs]
-    plan = L.pack_documents(list(range(len(docs))), lens, seq_len)
+    plan = pack_documents(list(range(len(docs))), lens, seq_len)
     seen = {d: np.zeros(len(x), dtype=int) for d, x in enumerate(lens)}
     for w in range(plan.num_windows):
         segs = range(plan.window_offsets[w], plan.window_offsets[w + 1])

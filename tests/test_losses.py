@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from stage2_student import losses
-from stage2_student.loader import join_views
-from stage2_student.objective import Capabilities, Objective, TeacherMix, resolve_kind
+from stage2_student.join import join_views
+from stage2_student.mix import TeacherMix
+from stage2_student.objective import Capabilities, Objective, resolve_kind
 from xtcache.errors import ConfigError, XtcacheError
 
 V = 11

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from stage2_student import loader as L
+from stage2_student.join import num_teachers, teacher_view
 from stage2_student.losses import ProjectionOperator
-from stage2_student.objective import Objective, TeacherMix, mix_views
+from stage2_student.mix import TeacherMix, mix_views
+from stage2_student.objective import Objective
 from xtcache.errors import ConfigError
 
 
@@ -96,7 +98,7 @@ def test_one_cache_is_the_n1_case_of_the_join(toy_setup, caches):
     b = batches(dataset([caches["A"]], toy_setup), 3)
     for x, y in zip(a, b):
         assert same_batch(x, y)
-        assert L.num_teachers(x) == 1 and x["num_groups"] == x["num_chunks"]
+        assert num_teachers(x) == 1 and x["num_groups"] == x["num_chunks"]
         assert torch.equal(x["chunk_group"], torch.arange(x["num_chunks"]))
 
 
@@ -105,8 +107,8 @@ def test_joined_batches_share_the_student_side_and_resume_exactly(toy_setup, cac
     assert ds.documents == 24
     first = batches(ds, 6)
     for batch in first:
-        assert L.num_teachers(batch) == 2
-        va, vb = L.teacher_view(batch, 0), L.teacher_view(batch, 1)
+        assert num_teachers(batch) == 2
+        va, vb = teacher_view(batch, 0), teacher_view(batch, 1)
         assert torch.equal(va["input_ids"], vb["input_ids"])
         g = batch["num_groups"]
         assert 0 < g <= min(va["num_chunks"], vb["num_chunks"])
@@ -134,8 +136,8 @@ def test_missing_documents_drop_or_partial_and_no_overlap_is_refused(toy_setup, 
     assert (drop.documents, partial.documents) == (16, 24)
     only_a = 0
     for batch in batches(partial, partial.batches_per_epoch):
-        present_b = set(group_positions(L.teacher_view(batch, 1)))
-        present_a = set(group_positions(L.teacher_view(batch, 0)))
+        present_b = set(group_positions(teacher_view(batch, 1)))
+        present_a = set(group_positions(teacher_view(batch, 0)))
         assert present_b <= present_a == set(range(batch["num_groups"]))
         only_a += len(present_a - present_b)
     assert only_a > 0  # the 8 documents B lacks train with teacher A alone
@@ -181,7 +183,7 @@ def test_sum_dynamic_and_select_weights(toy_setup, caches):
     single = [Objective("pkl", projection=projection(toy_setup), ce_weight=0.0),
               Objective("kl", ce_weight=0.0)]
     logits, _, loss, m = run(joined_objective(toy_setup, caches, "sum"), batch, vocab)
-    per = [o.sums(logits.detach(), o.prepare(L.teacher_view(batch, i), vocab=vocab))[0]
+    per = [o.sums(logits.detach(), o.prepare(teacher_view(batch, i), vocab=vocab))[0]
            for i, o in enumerate(single)]
     assert m["kd_sum"].item() == pytest.approx(0.7 * per[0].item() + 0.3 * per[1].item(), rel=1e-9)
     assert m["teacher_kd"].numpy() == pytest.approx([p.item() for p in per], rel=1e-9)
@@ -193,7 +195,7 @@ def test_sum_dynamic_and_select_weights(toy_setup, caches):
     _, prep, _, ms = run(joined_objective(toy_setup, caches, "select"), batch, vocab)
     like = []
     for i in range(2):
-        v = L.teacher_view(batch, i)
+        v = teacher_view(batch, i)
         rows_group = v["chunk_group"].numpy()[v["teacher_chunk"].numpy()]
         like.append(np.bincount(rows_group, weights=v["teacher_realized"].numpy().astype(np.float64), minlength=g))
     chosen_b = like[1] > like[0]
@@ -212,7 +214,7 @@ def test_sum_dynamic_and_select_weights(toy_setup, caches):
 
 def test_mean_probs_is_the_mixture_and_refuses_other_tokenizations(toy_setup, caches):
     batch = batches(dataset([caches["A"], caches["A2"]], toy_setup), 1)[0]
-    va, vb = L.teacher_view(batch, 0), L.teacher_view(batch, 1)
+    va, vb = teacher_view(batch, 0), teacher_view(batch, 1)
     mixed = mix_views([va, vb], [0.25, 0.75])
     from xtcache.store import CacheReader
 

@@ -101,9 +101,11 @@ def heldout_kls(model_dir: Path, toy_setup, caches, fraction: float) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stage2_student.loader import CacheDataset, CacheLoader, teacher_view
+    from stage2_student.join import teacher_view
+    from stage2_student.loader import CacheDataset, CacheLoader
     from stage2_student.losses import ProjectionOperator
-    from stage2_student.objective import Objective, mix_views
+    from stage2_student.mix import mix_views
+    from stage2_student.objective import Objective
     from xtcache.projection import build_projection
     from xtcache.tokenizer import load_tokenizer
 

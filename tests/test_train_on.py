@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stage2_student import loader as L
-from xtcache.packing import CONTEXT_SHARE, pack_documents, pack_trained
+from stage2_student.batches import IGNORE
+from xtcache.packing import CONTEXT_SHARE, common_boundaries, group_trained, pack_documents, pack_trained
 from xtcache.testing.chat import WORDS, chat_tokenizer, write_chat_jsonl
 from xtcache.testing.suite import REPO
 
@@ -167,7 +168,7 @@ def test_every_trained_position_is_trained_once_per_epoch(chat_store, train_on):
     ce, kd = Counter(), Counter()
     for j in range(ds.batches_per_epoch):
         b = ds.micro_batch(0, j)
-        labels = b["labels"][b["labels"] != L.IGNORE]
+        labels = b["labels"][b["labels"] != IGNORE]
         assert labels.size > 0  # no window trains nothing
         ce.update(labels.tolist())
         nxt = np.concatenate([b["input_ids"][:, 1:], np.zeros((1, 1), np.int64)], axis=1)
@@ -180,8 +181,8 @@ def test_every_trained_position_is_trained_once_per_epoch(chat_store, train_on):
     idle = 0
     for sid in ds.caches[0].shard_ids:
         docs = ds._chunk_ends(r, ds.caches[0], sid)
-        bounds = [L.common_boundaries([e]) for e, _ in docs]
-        counts = [L.group_trained(b, t) for b, (_, t) in zip(bounds, docs)]
+        bounds = [common_boundaries([e]) for e, _ in docs]
+        counts = [group_trained(b, t) for b, (_, t) in zip(bounds, docs)]
         plain = pack_documents(range(len(docs)), [np.diff(b, prepend=0) for b in bounds], SEQ)
         for w in range(plain.num_windows):
             segs = range(plain.window_offsets[w], plain.window_offsets[w + 1])
