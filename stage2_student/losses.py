@@ -111,6 +111,24 @@ def temper_teacher(logprobs: Tensor, residual: Tensor, temperature: float = 1.0,
 # student side
 
 
+def safe_log(p: Tensor) -> Tensor:
+    """log p with -inf at 0 and no NaN in backward."""
+    pos = p > 0
+    return torch.where(pos, torch.log(torch.where(pos, p, torch.ones_like(p))), torch.full_like(p, -math.inf))
+
+
+def drop_unreachable_rest(log_p: Tensor, p_rest: Tensor, no_rest: Tensor) -> tuple[Tensor, Tensor]:
+    """The teacher over its support alone on rows whose student has no mass outside it (`no_rest`).
+
+    There, the teacher's rest is mass on ids the student does not have (a full cache keeps the
+    mass of the teacher lm_head's padding columns as its residual): it is dropped and the support
+    renormalised, rather than a KL of +inf against a student rest of exactly 0.
+    """
+    drop = no_rest & (p_rest > 0)
+    shift = torch.where(drop, torch.log1p(-p_rest.clamp(max=1.0 - 1e-7)), torch.zeros_like(p_rest))
+    return log_p - shift[:, None], torch.where(drop, torch.zeros_like(p_rest), p_rest)
+
+
 def rest_logprob(z: Tensor, lse: Tensor, outside: Tensor) -> Tensor:
     """log of the student's mass outside a support, exact: logsumexp(z[outside]) - lse, [b].
 
@@ -228,3 +246,55 @@ class ProjectionOperator:
         out = torch.zeros(self.student_vocab, self.teacher_vocab, dtype=torch.float64)
         out[self._indices[0], self._indices[1]] = self._values
         return out
+
+
+def projected_kl(zt: Tensor, lse: Tensor, ids: Tensor, log_p: Tensor, p_rest: Tensor, projection: ProjectionOperator,
+                 *, num_chunks: int, student_chunk: Tensor, teacher_chunk: Tensor, inv_student_rows: Tensor,
+                 teacher_row_weight: Tensor) -> Tensor:
+    """Projected KL of whole chunks [C] (docs/losses.md), with sparse matmuls by W and an exact rest.
+
+    zt, lse: the chunks' student rows at temperature [P, V_s] and their log-sum-exp [P];
+    ids, log_p, p_rest: their teacher rows' stored ids, tempered log-probs [M, k] and rest [M];
+    student_chunk [P], teacher_chunk [M]: the chunk (0..C-1) of each row; inv_student_rows [C]:
+    1 / student rows of each chunk; teacher_row_weight [M]: 1 / teacher rows of the row's chunk.
+
+    p_c = mean of the chunk's teacher rows over K_c, the union of their stored ids (dense over the
+    teacher vocabulary for the block's chunks only: [C, V_t], no per-entry index plan);
+    q_c = W^T pbar_c over K_c, pbar_c = mean of the chunk's student softmaxes;
+    q_c(rest) = sum_s pbar_c(s) w_out_c(s), w_out_c = W (1 - 1_{K_c}) + 1_unmapped: a sum of
+    non-negative terms (the share of each student token's mass that falls outside K_c), never
+    1 - sum(q_c), so it keeps its digits at any outside mass.
+    """
+    n_c = num_chunks
+    dev = zt.device
+    cdt = zt.dtype
+    w, wt, unmapped = projection.matrices(cdt)
+    v_t = wt.shape[0]
+    t_w = teacher_row_weight.to(cdt)  # [M] 1 / rows of the row's chunk
+    p_rows = log_p.exp()  # [M, k] (0 at padding)
+    # teacher: K_c and p_c scattered into [C, V_t + 1] (padding: column V_t)
+    flat = (torch.where(ids >= 0, ids, v_t) + (teacher_chunk * (v_t + 1))[:, None]).reshape(-1)  # [M k]
+    p_c = torch.zeros(n_c * (v_t + 1), dtype=cdt, device=dev).index_put_(
+        (flat,), (p_rows * t_w[:, None]).reshape(-1), accumulate=True).view(n_c, v_t + 1)[:, :v_t]
+    in_k = torch.zeros(n_c * (v_t + 1), dtype=torch.bool, device=dev).index_put_(
+        (flat,), torch.ones((), dtype=torch.bool, device=dev)).view(n_c, v_t + 1)[:, :v_t]  # [C, V_t] K_c
+    del flat
+    p_rest_c = torch.zeros(n_c, dtype=cdt, device=dev).index_add(0, teacher_chunk, p_rest * t_w)
+    # student: chunk-averaged softmax, projected through W
+    p_bar = torch.zeros((n_c, zt.shape[1]), dtype=cdt, device=dev).index_add(
+        0, student_chunk, (zt - lse[:, None]).exp()) * inv_student_rows.to(cdt)[:, None]  # [C, V_s]
+    q_c = torch.sparse.mm(wt, p_bar.t()).t()  # [C, V_t]
+    w_out = torch.sparse.mm(w, (~in_k).to(cdt).t()) + unmapped[:, None]  # [V_s, C]
+    q_rest_c = (p_bar * w_out.t()).sum(dim=-1)  # [C]
+    no_rest = (w_out == 0).all(dim=0)  # [C] every student id's mass lands inside the chunk's support
+    drop = no_rest & (p_rest_c > 0)  # as drop_unreachable_rest: renormalise K_c, no rest
+    scale = torch.where(drop, 1.0 / (1.0 - p_rest_c.clamp(max=1.0 - 1e-7)), torch.ones_like(p_rest_c))  # [C]
+    p_rest_c = torch.where(drop, torch.zeros_like(p_rest_c), p_rest_c)
+    # KL over K_c = sum p log p - sum p log q, per chunk. The teacher's part needs no graph: with
+    # p = s p_c, sum p log p = s sum p_c log p_c + s log s sum p_c. The cross part, linear in p_c, is
+    # summed over the rows' stored entries (p_c is their t_w-weighted sum): O(M k), not O(C V_t)
+    entropy = scale * torch.xlogy(p_c, p_c).sum(dim=-1) + torch.xlogy(scale, scale) * p_c.sum(dim=-1)  # [C]
+    q_at = q_c[teacher_chunk[:, None], ids.clamp(min=0)]  # [M, k]
+    cross_rows = (p_rows * q_at.clamp(min=PROB_FLOOR).log()).sum(dim=-1) * t_w * scale[teacher_chunk]  # [M]
+    cross = torch.zeros(n_c, dtype=cross_rows.dtype, device=dev).index_add(0, teacher_chunk, cross_rows)  # [C]
+    return entropy - cross + divergence("kl", safe_log(p_rest_c)[:, None], safe_log(q_rest_c)[:, None])  # [C]

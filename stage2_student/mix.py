@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from stage2_student import losses
-from stage2_student.blocked import Prepared, _log, blocked_terms
+from stage2_student.blocked import Prepared, blocked_terms
 from stage2_student.join import num_teachers, teacher_view
 from stage2_student.objective import Objective
 from xtcache.errors import ConfigError, XtcacheError
@@ -190,7 +190,7 @@ class TeacherMix:
                     rest = resid.clamp(min=0.0)
                     n_rest = max((self.vocab_sizes[i] if self.vocab_sizes else 1) - log_p.shape[1], 1)
                     plogp = torch.where(probs > 0, probs * log_p.clamp(min=-1e30), torch.zeros_like(probs))
-                    per_row = plogp.sum(dim=-1) + torch.where(rest > 0, rest * (_log(rest) - math.log(n_rest)),
+                    per_row = plogp.sum(dim=-1) + torch.where(rest > 0, rest * (losses.safe_log(rest) - math.log(n_rest)),
                                                               torch.zeros_like(rest))
                 else:
                     per_row = probs.max(dim=-1).values

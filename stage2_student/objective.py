@@ -19,7 +19,7 @@ Memory and synchronisation. `prepare` runs on the host, on the CPU batch, before
 device: it cuts the micro-batch into blocks of student logit rows (a chunk never straddles two
 blocks) such that the loss's working set stays within 2 x one row-block of fp32 logits
 (`row_chunk` x V x 4 bytes) whatever the cache: top-k, sampled or full (k up to V), same or
-cross tokenizer. One autograd function (`_BlockedTerms`) computes KD and CE block by block in
+cross tokenizer. One autograd function (`stage2_student.blocked`) computes KD and CE block by block in
 forward and recomputes each block in backward, writing one logits-sized gradient buffer; no
 [rows, V] tensor of the whole micro-batch exists besides it. The call itself never reads a
 device value back (no `.item()`, no data-dependent shapes), so a step does not stall the GPU.
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stage2_student.blocked import Block, Prepared, _Spec, blocked_terms
+from stage2_student.blocked import Block, Prepared, TermSpec, blocked_terms
 from stage2_student.losses import EmptyMappedSupportError, NoValidChunksError, ProjectionOperator
 from xtcache.errors import ConfigError, ProjectionError, XtcacheError
 
@@ -111,7 +111,7 @@ class Objective:
         self.kd_weight, self.ce_weight, self.dynamic_scaling = kd_weight, ce_weight, dynamic_scaling
         self.row_chunk = int(row_chunk)
         self.with_ce = with_ce  # False: this teacher's pass skips CE (another teacher's pass computes it)
-        self.spec = _Spec(kind, float(temperature), jsd_beta, alm_tau, teacher_tail, projection)
+        self.spec = TermSpec(kind, float(temperature), jsd_beta, alm_tau, teacher_tail, projection)
         cross = kind in ("pkl", "alm")
         self.measure_agreement = measure_agreement and kind is not None and (not cross or projection is not None)
 
@@ -176,9 +176,8 @@ class Objective:
         rows = max(1, int(self._budget(vocab) // (_V_COPIES * 4 * vocab)))
         for s in range(0, ce_pos.size, rows):
             pos = ce_pos[s:s + rows]
-            blocks.append(Block(pos=torch.from_numpy(pos), n_kd=0, kd_chunk=torch.zeros(0, dtype=torch.int64),
-                                ce_loc=torch.arange(pos.size),
-                                ce_lab=torch.from_numpy(labels[pos])))
+            blocks.append(Block(logit_rows=torch.from_numpy(pos), num_kd_rows=0, kd_chunk=torch.zeros(0, dtype=torch.int64),
+                                ce_rows=torch.arange(pos.size), ce_labels=torch.from_numpy(labels[pos])))
         return blocks
 
     def _plan_kd(self, batch, sc, n_chunks, ce_pos, labels, vocab) -> list[Block]:
@@ -226,7 +225,7 @@ class Objective:
                 for i, p in enumerate(rows.tolist()):
                     first_row.setdefault(p, i)
                 ce_loc = np.array([first_row[p] for p in ce_b.tolist()], dtype=np.int64)
-                fields = dict(n_kd=int(t_rows.size), t_sel=_rows_selector(t_rows),
+                fields = dict(num_kd_rows=int(t_rows.size), teacher_rows=_rows_selector(t_rows),
                               kd_chunk=torch.from_numpy(tch[t_rows].astype(np.int64)))
             else:
                 sel = np.nonzero(pos_block == b)[0]
@@ -235,8 +234,8 @@ class Objective:
                 fields = self._plan_cross_block(rows, chunks_of_rows, t_rows, tch, labels)
             pos = np.concatenate([rows, extra]).astype(np.int64)
             ce_loc = np.concatenate([ce_loc, rows.size + np.arange(extra.size)]).astype(np.int64)
-            blocks.append(Block(pos=torch.from_numpy(pos), ce_loc=torch.from_numpy(ce_loc),
-                                ce_lab=torch.from_numpy(labels[pos[ce_loc]].astype(np.int64)), **fields))
+            blocks.append(Block(logit_rows=torch.from_numpy(pos), ce_rows=torch.from_numpy(ce_loc),
+                                ce_labels=torch.from_numpy(labels[pos[ce_loc]].astype(np.int64)), **fields))
         return blocks
 
     def _check_mapped(self, tids) -> None:
@@ -250,17 +249,17 @@ class Objective:
     def _plan_cross_block(rows, chunks_of_rows, t_rows, tch, labels) -> dict:
         """Index plan of a cross-tokenizer block: chunk-local ids of its rows and weights, O(rows), never
         O(rows x k) (the teacher's support is scattered on the device, block by block)."""
-        chunks = np.unique(chunks_of_rows)
-        cl = np.searchsorted(chunks, chunks_of_rows)  # [P] chunk-local index of each row
+        chunks = np.unique(chunks_of_rows)  # [C] the block's chunks
+        student_chunk = np.searchsorted(chunks, chunks_of_rows)  # [P] block-local chunk of each row
         n_c = chunks.size
-        npos = np.bincount(cl, minlength=n_c).astype(np.float64)
-        trl = np.searchsorted(chunks, tch[t_rows])  # [M]
-        nrows = np.bincount(trl, minlength=n_c).astype(np.float64)
-        return dict(n_kd=int(rows.size), n_c=n_c, t_sel=_rows_selector(t_rows), cl=torch.from_numpy(cl),
-                    kd_chunk=torch.from_numpy(chunks.astype(np.int64)),
-                    trl=torch.from_numpy(trl), inv_npos=torch.from_numpy(1.0 / npos),
-                    t_w=torch.from_numpy(1.0 / nrows[trl]),
-                    a_lab=torch.from_numpy(np.maximum(labels[rows], 0).astype(np.int64)))
+        student_rows = np.bincount(student_chunk, minlength=n_c).astype(np.float64)  # [C]
+        teacher_chunk = np.searchsorted(chunks, tch[t_rows])  # [M] block-local chunk of each teacher row
+        teacher_rows = np.bincount(teacher_chunk, minlength=n_c).astype(np.float64)  # [C]
+        return dict(num_kd_rows=int(rows.size), num_chunks=n_c, teacher_rows=_rows_selector(t_rows),
+                    student_chunk=torch.from_numpy(student_chunk), kd_chunk=torch.from_numpy(chunks.astype(np.int64)),
+                    teacher_chunk=torch.from_numpy(teacher_chunk), inv_student_rows=torch.from_numpy(1.0 / student_rows),
+                    teacher_row_weight=torch.from_numpy(1.0 / teacher_rows[teacher_chunk]),
+                    kd_labels=torch.from_numpy(np.maximum(labels[rows], 0).astype(np.int64)))
 
     def _plan_agreement(self, batch, sc, n_chunks) -> dict:
         """First logit position and the teacher's top-1 id (at the chunk's first row) of every chunk."""
