@@ -18,7 +18,10 @@ renders each one in a Llama-3-style template (student) and a ChatML-style one (t
 mapping the tokens, the chunk walk and the misalignment check. Its time per token is compared with
 the plain-text byte-BPE row (target: at most 2x); the rendering (jinja) is timed on its own.
 
-    python bench/align.py [--docs 400] [--doc-chars 2000] [--chats 400] [--repeat 7]
+    python bench/align.py [--docs 400] [--doc-chars 2000] [--chats 400] [--repeat 7] [--write-docs]
+
+`--write-docs` writes the plain-text rows into README.md's `align` block and the conversation rows
+into docs/conversations.md's `align-chat` block (xtcache.docblock), stamped with this command.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import numpy as np
 
 from xtcache.align import align_flat, align_offsets, alignment_stats, encode_flat, tokenizer_info
 from xtcache.testing import toy
+
+REPO = Path(__file__).resolve().parents[1]
+DOC_BLOCKS = {"align": "README.md", "align-chat": "docs/conversations.md"}  # --write-docs: block -> file
 
 
 def timed(fn):
@@ -121,7 +127,13 @@ def main() -> None:
                     help="most turns of the long conversations' row (the short row has 1-3 turns)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--work", default=None, help="directory for the trained tokenizers (default: a temp dir)")
+    ap.add_argument("--write-docs", action="store_true",
+                    help="also write the tables into README.md (align) and docs/conversations.md (align-chat)")
     args = ap.parse_args()
+    if args.write_docs:
+        from xtcache.docblock import require_blocks
+
+        require_blocks(REPO, DOC_BLOCKS)
     from transformers import AutoTokenizer
 
     docs = toy.stdlib_corpus(args.docs, doc_chars=args.doc_chars)
@@ -146,28 +158,48 @@ def main() -> None:
                                         s_chat, t_chat, chat_corpus(args.chats, max_turns=args.long_turns),
                                         args.repeat))
     chars = sum(len(d) for d in docs)
-    print(f"\n{len(docs)} documents, {chars:,} characters; best of {args.repeat}\n")
-    head = ("| pair | tokens (both) | tokenize s | align batch s | align/tokenize | aligned tok/s | "
-            "align per-doc s | per-doc/tokenize | exact chars |")
-    print(head)
-    print("|" + "---|" * 9)
-    for r in rows:
-        print(f"| {r['pair']} | {r['tokens']:,} | {r['tokenize_s']:.3f} | {r['batch_s']:.3f} | "
-              f"{r['batch_s'] / r['tokenize_s']:.1%} | {r['tokens'] / r['batch_s']:,.0f} | {r['loop_s']:.3f} | "
-              f"{r['loop_s'] / r['tokenize_s']:.1%} | {r['stats']['exact_char_share']:.1%} |")
-    plain = rows[0]
+    head = f"{len(docs)} documents, {chars:,} characters; best of {args.repeat}"
+    notes = conversation_notes(rows, args.chats)
+    print(f"\n{head}\n")
+    print("\n".join(table(rows)))
     print()
-    for conv in rows[2:]:
-        per_token = (conv["batch_s"] / conv["tokens"]) / (plain["batch_s"] / plain["tokens"])
-        print(f"{conv['pair']}: {conv['tokens'] / args.chats / 2:,.0f} tokens per rendering; align time per token "
-              f"{per_token:.2f}x the plain-text byte-BPE row (target <= 2x); rendering both templates "
-              f"{conv['render_s']:.3f} s ({conv['tokens'] / conv['render_s']:,.0f} tok/s)")
-    print("exact chars of a conversation row = message text found verbatim in both renderings (the rest: text a "
-          "template changed or dropped)")
+    print("\n".join(notes))
     for r in rows:
         s = r["stats"]
         print(f"{r['pair']}: chunks {s['chunks']:,}  1:1 {s['1:1']:,}  1:n {s['1:n']:,}  n:1 {s['n:1']:,}  "
               f"n:m {s['n:m']:,}  one side empty {s['empty_student'] + s['empty_teacher']:,}")
+    if args.write_docs:
+        from xtcache.docblock import write_block
+
+        write_block(REPO / "README.md", "align", "\n".join([head + ":", "", *table(rows[:2])]))
+        write_block(REPO / "docs" / "conversations.md", "align-chat",
+                    "\n".join([head + " (plain text), " + f"{args.chats} conversations per row:", "",
+                               *table(rows[:1] + rows[2:]), "", *notes]))
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The bench's markdown table of `rows`."""
+    lines = ["| pair | tokens (both) | tokenize s | align batch s | align/tokenize | aligned tok/s | "
+             "align per-doc s | per-doc/tokenize | exact chars |", "|" + "---|" * 9]
+    for r in rows:
+        lines.append(f"| {r['pair']} | {r['tokens']:,} | {r['tokenize_s']:.3f} | {r['batch_s']:.3f} | "
+                     f"{r['batch_s'] / r['tokenize_s']:.1%} | {r['tokens'] / r['batch_s']:,.0f} | {r['loop_s']:.3f} | "
+                     f"{r['loop_s'] / r['tokenize_s']:.1%} | {r['stats']['exact_char_share']:.1%} |")
+    return lines
+
+
+def conversation_notes(rows: list[dict], chats: int) -> list[str]:
+    """Each conversation row's align time per token against the plain-text byte-BPE row (target <= 2x)."""
+    plain = rows[0]
+    lines = []
+    for conv in rows[2:]:
+        per_token = (conv["batch_s"] / conv["tokens"]) / (plain["batch_s"] / plain["tokens"])
+        lines.append(f"{conv['pair']}: {conv['tokens'] / chats / 2:,.0f} tokens per rendering; align time per token "
+                     f"{per_token:.2f}x the plain-text byte-BPE row (target <= 2x); rendering both templates "
+                     f"{conv['render_s']:.3f} s ({conv['tokens'] / conv['render_s']:,.0f} tok/s)")
+    lines.append("exact chars of a conversation row = message text found verbatim in both renderings (the rest: "
+                 "text a template changed or dropped)")
+    return lines
 
 
 if __name__ == "__main__":

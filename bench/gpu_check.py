@@ -16,6 +16,7 @@ same steps on the CPU in float32 (tests/test_gpu_check.py runs it in the suite);
 which device produced it.
 
     .venv/bin/python bench/gpu_check.py [--device cuda|cpu] [--docs 64] [--steps 20] [--workdir .xtcache_gpu_check]
+        [--write-docs]      # with --device cuda: also writes the table into docs/gpu.md's `gpu-check` block
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+DOC_BLOCKS = {"gpu-check": "docs/gpu.md"}  # --write-docs (GPU runs only): block -> file
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--workdir", default=str(REPO / ".xtcache_gpu_check"))
+    p.add_argument("--write-docs", action="store_true",
+                   help="with --device cuda: also write the table into docs/gpu.md (gpu-check); a CPU run only prints")
     return p.parse_args(argv)
 
 
@@ -120,6 +125,10 @@ def table(device_name: str, dtype: str, cap: dict, summary: dict) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     dtype, device_name = device_setup(args.device)
+    if args.write_docs and args.device == "cuda":
+        from xtcache.docblock import require_blocks
+
+        require_blocks(REPO, DOC_BLOCKS)
     from xtcache.testing import toy
     from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
     from xtcache.testing.toy_teacher import build_vllm_teacher
@@ -131,9 +140,22 @@ def main(argv=None) -> None:
     teacher = str(build_vllm_teacher(setup.root))
     cap = capture(setup, teacher, args, dtype, work)
     summary = train(setup, cap["store"], args, dtype, work)
-    print(f"\n$ python bench/gpu_check.py --device {args.device} --docs {args.docs} --steps {args.steps}  "
-          f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s in all, {cap['positions']:,} positions)")
+    head = (f"$ python bench/gpu_check.py --device {args.device} --docs {args.docs} --steps {args.steps}  "
+            f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s in all, {cap['positions']:,} positions)")
+    print("\n" + head)
     print(table(device_name, dtype, cap, summary), flush=True)
+    if args.write_docs:
+        write_docs(args.device, device_name, head, table(device_name, dtype, cap, summary))
+
+
+def write_docs(device: str, device_name: str, head: str, text: str) -> None:
+    """docs/gpu.md's gpu-check block holds GPU runs only: a CPU run says so and writes nothing."""
+    if device != "cuda":
+        print("--write-docs: not written: docs/gpu.md's gpu-check block holds GPU runs only (this run: --device cpu)")
+        return
+    from xtcache.docblock import write_block
+
+    write_block(REPO / "docs" / "gpu.md", "gpu-check", head + "\n\n" + text, gpu=device_name)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ Columns:
 The key rows (CE only, online full KD, cached full, cached top-64) run on 3 seeds (seed s: the
 student initialised with seed 1 + s and data order s); the table gives mean +- standard
 deviation and says which differences are within that spread. Writes `quality.md`, `quality.json`
-and `quality.png` (held-out KL against bytes/position) under --out.
+and `quality.png` (held-out KL against bytes/position) under --out; `--write-docs` also writes
+quality.md into README.md's `quality-table` block, stamped with the command (xtcache.docblock).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+DOC_BLOCKS = {"quality-table": "README.md"}  # --write-docs: block -> file
 
 log = logging.getLogger("bench.quality")
 
@@ -681,6 +683,12 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.teacher and not all([args.student, args.student_same_tok, args.train_data, args.heldout_data]):
         p.error("--teacher needs --student, --student-same-tok, --train-data and --heldout-data")
+    if args.write_docs and (args.quick or args.teacher):
+        p.error("--write-docs: README.md's quality table is the toy teacher's full run; drop --quick / --teacher")
+    if args.write_docs:
+        from xtcache.docblock import require_blocks
+
+        require_blocks(REPO, DOC_BLOCKS)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for name in ("stage1_teacher", "stage2_student", "xtcache", "DeepSpeed", "deepspeed", "torch", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)

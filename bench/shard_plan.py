@@ -26,7 +26,9 @@ hidden-state engine only). Two stores one after the other: the first vLLM start 
 also fills compile and page caches, so store b is the fair comparison. Run it under the
 machine's vLLM lock.
 
-    .venv/bin/python bench/shard_plan.py [--files 10000] [--jobs 1000] [--seed 0] [--engine-start]
+    .venv/bin/python bench/shard_plan.py [--files 10000] [--jobs 1000] [--seed 0] [--engine-start] [--write-docs]
+
+`--write-docs` also writes the printed tables into docs/scaling.md's `shard-plan` block (xtcache.docblock).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from xtcache.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
+
+DOC_BLOCKS = {"shard-plan": "docs/scaling.md"}  # --write-docs: block -> file
 
 FOOTER_READ = 64 * 1024  # pyarrow reads the last 64 KiB of a file to find its footer
 FINGERPRINT_SAMPLE = 2 << 20  # before: the corpus key sampled the first and last MiB of every file
@@ -78,14 +84,24 @@ def synthetic_listing(n_files: int, seed: int):
 
 
 def main(argv: list[str]) -> None:
-    from stage1_teacher.shard_plan import plan_shards
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--files", type=int, default=10_000)
     p.add_argument("--jobs", type=int, default=1_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-start", action="store_true", help="also time vLLM engine starts of a two-job store")
+    p.add_argument("--write-docs", action="store_true", help="also write the tables into docs/scaling.md (shard-plan)")
     args = p.parse_args(argv)
+    if args.write_docs:
+        require_blocks(REPO, DOC_BLOCKS)
+    with tee_stdout() as printed:
+        report(args)
+    if args.write_docs:
+        write_block(REPO / "docs" / "scaling.md", "shard-plan", printed.text())
+
+
+def report(args) -> None:
+    """Plan the synthetic corpus and print the tables (and, with --engine-start, the engine starts)."""
+    from stage1_teacher.shard_plan import plan_shards
 
     files = synthetic_listing(args.files, args.seed)
     footers = footer_sizes(max(len(f.row_groups) for f in files))

@@ -10,6 +10,9 @@ distributions on held-out documents and, for k in {8, 64, 256}, prints for each 
 bytes/position (ids, values, total with residual + realized log-prob), mean KL(original top-k+rest ||
 decoded), encode/decode positions/s on one core, and the ratio against raw fp32 values + int32 ids.
 The process pins itself to one CPU core; speeds are the best of 5 runs (the machine may be shared).
+
+`--write-docs` also writes README.md's `store-codec` block (the default codecs' row per k) and
+`checked-reads` block (the checked-read table), stamped with the command (xtcache.docblock).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from xtcache.store.arrays import default_compression  # noqa: E402
 from xtcache.testing import toy  # noqa: E402
 
 CACHE = REPO / ".xtcache_bench_cache"
+DOC_BLOCKS = {"store-codec": "README.md", "checked-reads": "README.md"}  # --write-docs: block -> file
+DEFAULT_VARIANT = "q8 shuf3"  # the store's codecs: 8-bit log-probs, byte-shuffled ids, zstd 3
 TARGET_VOCAB = 80_000
 CHUNK_BYTES = 1 << 20
 log = logging.getLogger("bench.store_codec")
@@ -316,7 +321,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=4.0, help="teacher training time on first run")
     ap.add_argument("--positions", type=int, default=20_000, help="held-out teacher positions to encode")
+    ap.add_argument("--write-docs", action="store_true",
+                    help="also write README.md's store-codec and checked-reads blocks")
     args = ap.parse_args()
+    if args.write_docs:
+        from xtcache.docblock import require_blocks
+
+        require_blocks(REPO, DOC_BLOCKS)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     model_dir, held = build_teacher(args.minutes)
     ks = (8, 64, 256)
@@ -332,9 +343,10 @@ def main() -> None:
     lp = np.concatenate([d["topk_logprobs"][1:] for d in docs])
     realized = np.concatenate([d["realized"][1:] for d in docs])
     info = json.loads((model_dir.parent / "DONE").read_text())
-    print(f"teacher: vocab {vocab}, {info['steps']} training steps, loss {info['first_loss']:.2f} -> "
-          f"{info['last_loss']:.2f}; {len(ids)} held-out positions in {len(docs)} documents; "
-          f"largest top-{max(ks)} id {int(ids.max())} ({int((ids >= 65536).sum())} ids >= 65536); one core")
+    teacher_line = (f"teacher: vocab {vocab}, {info['steps']} training steps, loss {info['first_loss']:.2f} -> "
+                    f"{info['last_loss']:.2f}; {len(ids)} held-out positions in {len(docs)} documents; "
+                    f"largest top-{max(ks)} id {int(ids.max())} ({int((ids >= 65536).sum())} ids >= 65536); one core")
+    print(teacher_line)
     id_dtype = "uint16" if vocab <= 65536 else "uint32"
     permuted = np.random.default_rng(0).permutation(vocab).astype(np.int32)[ids]
     q8 = codecs.QuantizedLogProbs(8, -24.0)
@@ -354,6 +366,7 @@ def main() -> None:
            f"{'mean KL':>9} {'max|err|':>8} {'enc pos/s':>10} {'dec pos/s':>11}")
     print(hdr)
     print("-" * len(hdr))
+    default_rows = []  # (k, measure, total, raw) of the store's own codecs
     for k in ks:
         ids_k, lp_k = ids[:, :k], lp[:, :k]
         side = side_bytes(lp_k, realized)
@@ -361,6 +374,8 @@ def main() -> None:
         for name, lp_codec, c_ids, c_lp in variants:
             r = measure(ids_k, lp_k, codecs.SortedDeltaIds(id_dtype), lp_codec, c_ids, c_lp)
             total = r["ids_B"] + r["vals_B"] + side
+            if name == DEFAULT_VARIANT:
+                default_rows.append((k, r, total, raw))
             print(f"{k:>4} {name:<13} {r['ids_B']:>6.1f} {r['vals_B']:>7.1f} {side:>6.1f} {total:>7.1f} "
                   f"{raw / total:>5.1f}x {r['kl']:>9.2e} {r['max_err']:>8.4f} {r['enc']:>10,.0f} {r['dec']:>11,.0f}")
         # worst case for delta coding: a vocabulary whose id order says nothing about frequency
@@ -396,6 +411,33 @@ def main() -> None:
           "zarr + crc32c: the same with the crc32c codec; read_shard: what train-student reads (crc32c, "
           "missing objects, index, offsets, id range); read_shard verify: what `xtcache verify` reads (+ sha256, "
           "content hashes)")
+    if args.write_docs:
+        from xtcache.docblock import write_block
+
+        write_block(REPO / "README.md", "store-codec", "\n".join([teacher_line, "", *codec_table(default_rows)]))
+        write_block(REPO / "README.md", "checked-reads", "\n".join(checked_reads_table(rows)))
+
+
+def codec_table(rows) -> list[str]:
+    """README's codec table: the store's own codecs (DEFAULT_VARIANT) per k."""
+    lines = ["| k | ids B/pos | values B/pos | total B/pos | vs raw | mean KL error (nats) | decode pos/s (1 core) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for k, r, total, raw in rows:
+        lines.append(f"| {k} | {r['ids_B']:.1f} | {r['vals_B']:.1f} | {total:.1f} | {raw / total:.1f}x | "
+                     f"{r['kl']:.2e} | {r['dec']:,.0f} |")
+    return lines
+
+
+def checked_reads_table(rows) -> list[str]:
+    """README's checked-reads table: read + decode positions/s of one part, four ways, per k."""
+    lines = ["| k | B/pos without crc32c | B/pos with crc32c | Zarr, no checks | Zarr + crc32c | read_shard (trainer) "
+             "| read_shard verify | trainer read / unchecked |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for k, r in rows:
+        reads = r["reads"]
+        lines.append(f"| {k} | {r['total_unchecked']:.2f} | {r['total']:.2f} | " + " | ".join(
+            f"{reads[n]:,.0f}" for n in ("zarr, no crc32c", "zarr + crc32c", "read_shard", "read_shard verify"))
+            + f" | {reads['read_shard'] / reads['zarr, no crc32c']:.2f}x |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ get. The toy teacher's head costs 1.3x its transformer body (real teachers: 0.08
 teacher given with --teacher.
 
     .venv/bin/python bench/teacher_dump.py [--docs 256] [--top-k 64] [--max-seq-len 512] [--shapes toy,proportioned]
+        [--write-docs]      # also writes the table into README.md's `teacher-dump` block (xtcache.docblock)
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from xtcache.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
+
+DOC_BLOCKS = {"teacher-dump": "README.md"}  # --write-docs: block -> file
 
 
 def corpus_windows(teacher: str, texts: list[str], max_len: int) -> list[np.ndarray]:
@@ -140,7 +145,10 @@ def main() -> None:
                    help="toy teacher shapes to measure, comma-separated (xtcache.testing.toy_teacher.SHAPES)")
     p.add_argument("--teacher", default=None, help="measure this teacher directory instead of the toy shapes")
     p.add_argument("--student-tokenizer", default=None)
+    p.add_argument("--write-docs", action="store_true", help="also write the table into README.md (teacher-dump)")
     args = p.parse_args()
+    if args.write_docs:
+        require_blocks(REPO, DOC_BLOCKS)
     logging.basicConfig(level=logging.WARNING)
 
     from xtcache.testing import toy
@@ -157,6 +165,13 @@ def main() -> None:
                     for shape in args.shapes.split(",")}
     results = {name: measure(path, student, texts, args) for name, path in teachers.items()}
 
+    with tee_stdout() as printed:
+        print_table(results)
+    if args.write_docs:
+        write_block(REPO / "README.md", "teacher-dump", printed.text())
+
+
+def print_table(results: dict[str, dict]) -> None:
     names = list(results)
     print()
     print("| path | " + " | ".join(f"{n} teacher, positions/s" for n in names) + " |")

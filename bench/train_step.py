@@ -28,6 +28,9 @@ teacher's top-k cache, P-KL, and a second teacher on the student's own tokenizer
 and its loader (two caches read in lockstep) with the trainer.
 
     python bench/train_step.py --rows cross/ce,cross/pkl,cross/2-teachers   # only these rows
+
+`--write-docs` also writes the printed table into README.md: the `train-step` block (all rows) or,
+with `--rows cross/ce,cross/pkl,cross/2-teachers`, the `train-step-two-teachers` block.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from xtcache.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
+
+# --write-docs: block -> file; the default rows write train-step, TWO_TEACHER_ROWS write train-step-two-teachers
+DOC_BLOCKS = {"train-step": "README.md", "train-step-two-teachers": "README.md"}
+TWO_TEACHER_ROWS = "cross/ce,cross/pkl,cross/2-teachers"
 
 
 class LiveBytes:
@@ -206,7 +215,13 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--rows", help="comma-separated row names to run (default: all)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--write-docs", action="store_true",
+                    help="also write the table into README.md (train-step, or train-step-two-teachers with "
+                         f"--rows {TWO_TEACHER_ROWS})")
     args = ap.parse_args()
+    block = doc_block(args)
+    if block:
+        require_blocks(REPO, {block: DOC_BLOCKS[block]})
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return
@@ -246,7 +261,24 @@ def main() -> None:
                 print(f"{spec['name']}: FAILED\n{proc.stderr[-3000:]}")
                 continue
             results.append({**json.loads(lines[-1][7:]), "student": student_kind, "loss": loss})
-    print_table(results, args)
+    with tee_stdout() as printed:
+        print_table(results, args)
+    if block:
+        if len(results) != len(runs):
+            raise SystemExit(f"--write-docs: {len(runs) - len(results)} rows FAILED above; README.md not written")
+        write_block(REPO / "README.md", block, "```text\n" + printed.text().strip("\n") + "\n```")
+
+
+def doc_block(args) -> str | None:
+    """The README block --write-docs writes for these --rows (None without --write-docs); refuses other row sets."""
+    if not args.write_docs:
+        return None
+    if args.rows is None:
+        return "train-step"
+    if args.rows == TWO_TEACHER_ROWS:
+        return "train-step-two-teachers"
+    raise SystemExit(f"train_step.py --write-docs with --rows {args.rows}: README.md has blocks for all rows (no --rows) and "
+                        f"for --rows {TWO_TEACHER_ROWS} only; drop --write-docs or use one of those")
 
 
 def print_table(results: list[dict], args) -> None:

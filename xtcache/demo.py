@@ -30,6 +30,10 @@ Every stage runs as its own `xtcache` subprocess, exactly as a user would run it
 teacher's tokenizer carries a ChatML-style chat template and the teacher is pre-trained on
 conversations rendered in it; the student's tokenizer carries a Llama-3-style template; stage 1
 renders every conversation in both templates, and both students train with `--train-on assistant`.
+
+`xtcache demo --write-docs` (default size, plain text) also writes README.md's `demo-output` block
+(the table below) and its `demo-inspect` block (`xtcache inspect` of the demo's own top-k cache,
+abridged), stamped with the command, date and machine (xtcache.docblock).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from pathlib import Path
 import typer
 
 log = logging.getLogger(__name__)
-
+DOC_BLOCKS = {"demo-output": "README.md", "demo-inspect": "README.md"}  # --write-docs: block -> file
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @dataclass(frozen=True)
@@ -241,6 +246,7 @@ def run_demo(workdir: Path, size_name: str, *, chat: bool = False, engine: str =
         "setup_s": t_setup,
         "chat": chat,
         "engine": engine_name,
+        "cache": str(cache),
     }
     (workdir / "demo_result.json").write_text(json.dumps(result, indent=2, default=str))
     _print_table(result)
@@ -252,6 +258,10 @@ def _fmt(v, spec=".3f") -> str:
 
 
 def _print_table(r: dict) -> None:
+    typer.echo(_table(r))
+
+
+def _table(r: dict) -> str:
     kd, ce = r["distilled"], r["baseline"]
     kl_kd, kl_ce = kd.get("final_eval_kl"), ce.get("final_eval_kl")
     teacher = ("not run: the cache was found and reused (same teacher, tokenizers, corpus, settings)" if r["teacher_reused"]
@@ -278,7 +288,33 @@ def _print_table(r: dict) -> None:
         lines.append(f"  distilled student is {verdict} on held-out KL to the teacher: "
                      f"{kl_kd:.3f} vs {kl_ce:.3f} ({(1 - kl_kd / kl_ce) * 100:+.1f}% lower)")
     lines += [f"  curves: {r['png']}", f"  wall time: {r['wall_s']:.0f} s", ""]
-    typer.echo("\n".join(lines))
+    return "\n".join(lines)
+
+
+def write_readme_blocks(result: dict) -> None:
+    """README.md's demo-output block (the table) and demo-inspect block (`xtcache inspect` of the top-k
+    cache, run as a user would, abridged to the header and the array table)."""
+    from xtcache.docblock import write_block
+
+    cache = Path(result["cache"])
+    shown = os.path.relpath(cache) if not os.path.relpath(cache).startswith("..") else str(cache)
+    out = subprocess.run([sys.executable, "-m", "xtcache.cli", "inspect", shown], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"--write-docs: xtcache inspect {shown} failed (exit {out.returncode}): {out.stderr[-500:]}")
+    write_block(README, "demo-output", "```text\n" + _table(result).strip("\n") + "\n```")
+    write_block(README, "demo-inspect", "```text\n" + "\n".join(abridged_inspect(out.stdout)) + "\n```")
+
+
+def abridged_inspect(text: str) -> list[str]:
+    """`xtcache inspect`'s header lines and array table, up to the top-k size line (README's example)."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith(("mean top-k mass", "cache key", "  ")) or not line.strip():
+            continue  # the key and fingerprints: long hex strings that say nothing in an example
+        keep.append(line)
+        if line.startswith("top-k arrays:"):
+            return keep
+    raise SystemExit("--write-docs: xtcache inspect printed no 'top-k arrays:' line; README.md not written")
 
 
 def demo(
@@ -288,10 +324,21 @@ def demo(
                                                     "template, training on assistant turns."),
     engine: str = typer.Option("vllm", help="vllm | hf: the teacher-dump engine (hf: transformers, for a machine "
                                             "without a working vLLM; the tests' plain-text demo)."),
+    write_docs: bool = typer.Option(False, "--write-docs", help="Also write README.md's demo-output and demo-inspect "
+                                                               "blocks (default size, plain text, vLLM only)."),
 ) -> None:
     """Run the whole pipeline on local data: teacher-dump, projection, distilled vs CE-only student."""
     if size not in SIZES:
         raise typer.BadParameter(f"--size {size}: use one of {', '.join(SIZES)}")
     if engine not in ("vllm", "hf"):
         raise typer.BadParameter(f"--engine {engine}: use vllm or hf")
-    run_demo(Path(workdir), size, chat=chat, engine=engine)
+    if write_docs and (size != "default" or chat or engine != "vllm"):
+        raise typer.BadParameter("--write-docs: README.md shows the default plain-text demo on vLLM; drop --size, "
+                                 "--chat and --engine")
+    if write_docs:
+        from xtcache.docblock import require_blocks
+
+        require_blocks(README.parent, DOC_BLOCKS)
+    result = run_demo(Path(workdir), size, chat=chat, engine=engine)
+    if write_docs:
+        write_readme_blocks(result)
