@@ -388,6 +388,16 @@ def main() -> None:
     print("vs raw: k x (4 B int32 id + 4 B fp32 log-prob) + 8 B fp32 residual and realized log-prob "
           "(520 B at k=64) over total; side B: residual + realized log-prob")
     print()
+    rows = store_rows(docs, ks, vocab)
+    if args.write_docs:
+        from xtcache.docblock import write_block
+
+        write_block(REPO / "README.md", "store-codec", "\n".join([teacher_line, "", *codec_table(default_rows)]))
+        write_block(REPO / "README.md", "checked-reads", "\n".join(checked_reads_table(rows)))
+
+
+def store_rows(docs: list[dict], ks, vocab: int) -> list[tuple[int, dict]]:
+    """The whole store per k (default codecs): sizes, write rate, and the checked reads, printed; the rows."""
     print("whole store (default codecs; sizes from the held-out part, speeds on a part of 256 documents; one core):")
     rows = []
     for k in ks:
@@ -411,11 +421,7 @@ def main() -> None:
           "zarr + crc32c: the same with the crc32c codec; read_shard: what train-student reads (crc32c, "
           "missing objects, index, offsets, id range); read_shard verify: what `xtcache verify` reads (+ sha256, "
           "content hashes)")
-    if args.write_docs:
-        from xtcache.docblock import write_block
-
-        write_block(REPO / "README.md", "store-codec", "\n".join([teacher_line, "", *codec_table(default_rows)]))
-        write_block(REPO / "README.md", "checked-reads", "\n".join(checked_reads_table(rows)))
+    return rows
 
 
 def codec_table(rows) -> list[str]:

@@ -214,3 +214,28 @@ def test_require_blocks_exits_with_one_line_before_a_run(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(SystemExit, match="docs/gpu.md: No such file"):
         require_blocks(tmp_path, {"gpu-check": "docs/gpu.md"})
+
+
+@pytest.mark.slow
+def test_demo_writes_its_output_and_inspect_blocks_from_its_own_store(toy_setup, tmp_path, monkeypatch):
+    """The inspect example is `xtcache inspect` of the store the demo wrote (here one written the same way)."""
+    from xtcache import demo
+    from xtcache.testing.caches import build_hf_cache
+
+    store = build_hf_cache(tmp_path / "store", toy_setup.teacher_model, toy_setup.train_jsonl,
+                           [toy_setup.student_tokenizer], max_docs=7)
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- demo-output:start -->\n<!-- demo-output:end -->\nb\n"
+                      "<!-- demo-inspect:start -->\nold: documents 700\n<!-- demo-inspect:end -->\nc\n")
+    monkeypatch.setattr(demo, "README", readme)
+    run = {"steps_per_s": 2.0, "final_eval_ce": 4.9, "final_eval_kl": 1.7}
+    result = {"teacher_reused": False, "teacher_positions_per_s": 1000.0, "bytes_per_position": 50.0,
+              "cache_mb": 1.0, "eval_cache_mb": 2.0, "eval_cache_docs": 3, "distilled": run,
+              "baseline": {**run, "final_eval_kl": 2.0}, "png": "curves.png", "wall_s": 9.0, "engine": "vLLM",
+              "cache": str(store)}
+    demo.write_readme_blocks(result)
+    text = readme.read_text()
+    inspect, output = read_block(text, "demo-inspect"), read_block(text, "demo-output")
+    assert stamp_of(inspect)["how"] == "Written by" and stamp_of(output)["how"] == "Written by"
+    assert "documents       7 " in inspect and "700" not in inspect and "top-k arrays:" in inspect
+    assert "1.700 vs 2.000" in output and text.startswith("a\n") and text.endswith("\nc\n")
