@@ -109,7 +109,7 @@ def _run(consumer: str, url: str, fp: str, toy_setup, capsys) -> str:
     if consumer == "inspect":
         from xtcache.commands_store import inspect
 
-        inspect(url, None)
+        inspect(url, seq_len=None, storage_options=None)
         out = capsys.readouterr()
         return out.out + out.err
     if consumer == "align":

@@ -4,7 +4,9 @@
 a file (`open` for reading, hence `cat_file` and every Zarr chunk read) first fails with a
 transient error at rate XTCACHE_FAULT_RATE (default 0.05), drawn from a generator seeded with
 XTCACHE_FAULT_SEED (default 0): a timeout, a dropped connection or a 503 SlowDown as s3fs raises
-it (OSError EBUSY). Each injected fault is appended as a line to XTCACHE_FAULT_LOG when set, so a
+it (OSError EBUSY). A path never fails more than MAX_RUN times in a row (a burst, not an outage),
+so xtcache's bounded retries always get through and a test cannot flake on an unlucky draw;
+an outage is `rate=1.0`. Each injected fault is appended as a line to XTCACHE_FAULT_LOG when set, so a
 test in another process can count them. Listings, writes and missing files are left alone.
 
 A process opts in with `register()`; a subprocess does through a `sitecustomize.py` on its
@@ -23,6 +25,7 @@ import threading
 from fsspec.implementations.local import LocalFileSystem
 
 PROTOCOL = "faulty"
+MAX_RUN = 2  # consecutive failures of one path at most (xtcache retries 5 times)
 
 
 class FaultyFileSystem(LocalFileSystem):
@@ -35,6 +38,7 @@ class FaultyFileSystem(LocalFileSystem):
         self.rate = float(os.environ.get("XTCACHE_FAULT_RATE", "0.05")) if rate is None else rate
         self._rng = random.Random(int(os.environ.get("XTCACHE_FAULT_SEED", "0")) if seed is None else seed)
         self._lock = threading.Lock()
+        self._run: dict[str, int] = {}  # consecutive failures per path
         self.injected = 0
 
     @classmethod
@@ -49,8 +53,11 @@ class FaultyFileSystem(LocalFileSystem):
 
     def _fault(self, path: str) -> None:
         with self._lock:
-            if self._rng.random() >= self.rate:
+            run = self._run.get(path, 0)
+            if self._rng.random() >= self.rate or (run >= MAX_RUN and self.rate < 1.0):
+                self._run.pop(path, None)
                 return
+            self._run[path] = run + 1
             self.injected += 1
             n = self.injected
         log = os.environ.get("XTCACHE_FAULT_LOG")
