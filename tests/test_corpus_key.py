@@ -146,16 +146,10 @@ def test_digests_read_each_version_once(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def s3():
-    moto_server = pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"key": "testing", "secret": "testing", "endpoint_url": f"http://{host}:{port}"}
-    fs = s3fs.S3FileSystem(**options)
-    fs.mkdir("corpus-key")
-    yield options, fs
-    server.stop()
+    from xtcache.testing.s3 import s3_server
+
+    with s3_server("corpus-key") as server:
+        yield server
 
 
 def test_object_store_edit_changes_the_key_and_etag_spares_the_read(s3, tmp_path):

@@ -34,16 +34,10 @@ BUCKET = "xtcache-walkthrough"
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    moto_server = pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"key": "testing", "secret": "testing", "endpoint_url": f"http://{host}:{port}"}
-    fs = s3fs.S3FileSystem(**options)
-    fs.mkdir(BUCKET)
-    yield options, fs
-    server.stop()
+    from xtcache.testing.s3 import s3_server
+
+    with s3_server(BUCKET) as server:
+        yield server
 
 
 def _env() -> dict:

@@ -29,15 +29,10 @@ def manifest(**kw) -> Manifest:
 
 @pytest.fixture(scope="module")
 def s3():
-    moto_server = pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"key": "testing", "secret": "testing", "endpoint_url": f"http://{host}:{port}"}
-    s3fs.S3FileSystem(**options).mkdir(BUCKET)
-    yield options
-    server.stop()
+    from xtcache.testing.s3 import s3_server
+
+    with s3_server(BUCKET) as (options, _):
+        yield options
 
 
 # waits until a common start time, then takes writer 1's claim; prints WON or the refusal

@@ -86,15 +86,8 @@ def retry(what: str, fn, *args, **kwargs):
     for attempt in range(RETRY_ATTEMPTS):
         try:
             return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001  (classified right here)
-            if not is_transient(e):
-                raise
-            if attempt == RETRY_ATTEMPTS - 1:
-                raise _give_up(what, e) from e
-            delay = _delay(attempt)
-            log.warning("%s: %s (%s); retry %d of %d in %.1f s", what, type(e).__name__, e, attempt + 1,
-                        RETRY_ATTEMPTS - 1, delay)
-            time.sleep(delay)
+        except Exception as e:  # noqa: BLE001  (classified in _backoff)
+            time.sleep(_backoff(what, e, attempt))
 
 
 async def retry_async(what: str, make):
@@ -102,15 +95,21 @@ async def retry_async(what: str, make):
     for attempt in range(RETRY_ATTEMPTS):
         try:
             return await make()
-        except Exception as e:  # noqa: BLE001  (classified right here)
-            if not is_transient(e):
-                raise
-            if attempt == RETRY_ATTEMPTS - 1:
-                raise _give_up(what, e) from e
-            delay = _delay(attempt)
-            log.warning("%s: %s (%s); retry %d of %d in %.1f s", what, type(e).__name__, e, attempt + 1,
-                        RETRY_ATTEMPTS - 1, delay)
-            await asyncio.sleep(delay)
+        except Exception as e:  # noqa: BLE001  (classified in _backoff)
+            await asyncio.sleep(_backoff(what, e, attempt))
+
+
+def _backoff(what: str, e: Exception, attempt: int) -> float:
+    """Seconds to wait before retrying after `e` on attempt `attempt`; re-raises `e` when it is not
+    transient, and the give-up StoreError once RETRY_ATTEMPTS are spent. Must run in an except block."""
+    if not is_transient(e):
+        raise e
+    if attempt == RETRY_ATTEMPTS - 1:
+        raise _give_up(what, e) from e
+    delay = _delay(attempt)
+    log.warning("%s: %s (%s); retry %d of %d in %.1f s", what, type(e).__name__, e, attempt + 1,
+                RETRY_ATTEMPTS - 1, delay)
+    return delay
 
 
 def now_iso() -> str:
