@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 CHECK_K = 20  # reference log-probs compared on the first batch
 CHECK_WINDOWS = 16  # at most this many windows of the first batch are compared
+FAST_PATH = "vLLM hidden states + teacher lm_head (exact)"
 
 
 @dataclass
@@ -321,24 +322,34 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
         cap.start_seconds = time.perf_counter() - t0
         return cap
 
-    path = "vLLM hidden states + teacher lm_head (exact)"
     if trusted is not None:  # the store holds a passed check of this teacher, vLLM, platform, dtype and TP
         eng = make(("vllm-hidden", opts), lambda: VllmHiddenEngine(opts))
         if trusted:
             _same_runner(trusted, eng)
         cap = Capture(engine=eng, kind="hidden", head=head.to(compute_device()), notes=notes,
-                      check_gap=trusted.get("max_gap"), path=path, **common)
+                      check_gap=trusted.get("max_gap"), path=FAST_PATH, **common)
         cap.start_seconds = time.perf_counter() - t0
         return cap
-    sample = first_batch[:CHECK_WINDOWS]
+    return _checked_fast_path(cfg, head, first_batch[:CHECK_WINDOWS], make, model_vocab=model_vocab, opts=opts,
+                              owned=engines is None, t0=t0, notes=notes, common=common)
+
+
+def _checked_fast_path(cfg, head: TeacherHead, sample: list, make, *, model_vocab: int, opts, owned: bool, t0: float,
+                       notes: list, common: dict) -> Capture:
+    """The vLLM fast path, checked on `sample` against a prompt-log-probs reference engine that is
+    started (and, when `owned`, closed and its memory released) before the hidden-state engine;
+    the head moves to the device only once that engine has started."""
+    from stage1_teacher.capture_vllm import VllmHiddenEngine, VllmPromptLogprobEngine
+
+    t = cfg.teacher
     before = budget.device_memory_used(t.tensor_parallel_size)  # None off CUDA
     ref_engine = make(("vllm-plp", opts, CHECK_K), lambda: VllmPromptLogprobEngine(opts, min(CHECK_K, model_vocab)))
     try:
         reference = ref_engine.run(sample)
     finally:
-        if engines is None:
+        if owned:
             ref_engine.close()
-    if engines is None:
+    if owned:
         budget.wait_for_release(before, lambda: budget.device_memory_used(t.tensor_parallel_size))
     eng = make(("vllm-hidden", opts), lambda: VllmHiddenEngine(opts))
     start = time.perf_counter() - t0
@@ -348,7 +359,7 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
         head = head.to(compute_device())
         measured = compare_with_reference(eng.run(sample), reference, head, t.dtype, t.check_tolerance)
     except BaseException as e:
-        if engines is None:
+        if owned:
             eng.close()
         if isinstance(e, CaptureError):
             e.check = {**check, **(getattr(e, "check", None) or {"passed": False, "tolerance": 0.0})}
@@ -357,7 +368,7 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
              "%g, mean %g, at the largest logit %.1f)", len(sample), measured["max_gap"], measured["mean_gap"],
              measured["tolerance"], measured["mean_tolerance"], measured["logit_max"])
     cap = Capture(engine=eng, kind="hidden", head=head, notes=notes, check_gap=measured["max_gap"],
-                  check={**check, **measured, "passed": True}, path=path, **common)
+                  check={**check, **measured, "passed": True}, path=FAST_PATH, **common)
     cap.start_seconds = start
     return cap
 

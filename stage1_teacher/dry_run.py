@@ -1,0 +1,48 @@
+"""`xtcache teacher-dump --dry-run`: the documents, positions and an estimated store size of this
+job's share of the corpus, from tokenizing and aligning it, without the teacher.
+
+    xtcache teacher-dump --teacher T --student-tokenizer S --data corpus.jsonl --out store --dry-run
+"""
+
+from __future__ import annotations
+
+from stage1_teacher.config import TeacherDumpConfig
+from stage1_teacher.corpus import iter_corpus
+from stage1_teacher.dump_plan import Plan
+from stage1_teacher.prep import Preparer, iter_parts
+
+
+def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
+    """Documents, positions and an estimated store size, without the teacher."""
+    import numpy as np
+
+    from xtcache.codecs import default_codecs
+
+    prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap,
+                    conversation=plan.messages_field is not None)
+    docs = positions = windows = student_tokens = chunks = 0
+    skipped: dict[str, int] = {}
+    rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options, plan=plan.shard_plan,
+                       job=cfg.store.shard_index, messages_field=plan.messages_field)
+    for part in iter_parts(rows, prep, docs_per_part=cfg.store.docs_per_part):
+        for s in part.skipped:
+            skipped[s.reason] = skipped.get(s.reason, 0) + 1
+        for pd in part.docs:
+            docs += 1
+            positions += pd.num_tokens
+            windows += len(pd.windows)
+            for r in pd.alignments.values():
+                student_tokens += len(r.student_ids)
+                chunks += len(r.alignment.student_end)
+    codec = default_codecs(cfg.capture.mode, plan.vocab_size)
+    id_bytes = np.dtype(codec["topk_ids"]["configuration"].get("dtype", "uint32")).itemsize
+    lp_bytes = 0
+    if "topk_logprobs" in codec:
+        lp_bytes = 1 if codec["topk_logprobs"]["configuration"].get("bits", 16) <= 8 else 2
+    if cfg.capture.mode == "sampled":
+        lp_bytes = 2  # uint16 counts
+    per_position = plan.k * (id_bytes + lp_bytes) + 4 + 8 + 1 + 4 + 4
+    raw = positions * per_position + student_tokens * 4 + chunks * 9
+    return {"documents": docs, "positions": positions, "windows": windows, "skipped": skipped,
+            "student_tokens": student_tokens, "chunks": chunks, "estimated_bytes_before_compression": raw,
+            "bytes_per_position_before_compression": per_position, "store": plan.out, "cache_key": plan.cache_key}
