@@ -90,164 +90,194 @@ class _Stopped(Exception):
 
 
 def run_pipeline(cfg, plan: Plan, writer, committed: dict, summary: Summary, engines, progress: bool,
-              checks: CheckRecords | None) -> None:
-    from stage1_teacher.capture import open_capture
+                 checks: CheckRecords | None) -> None:
+    """Capture and write every part of this job that is not in `committed` (part index -> its
+    committed meta, checked against the corpus), filling `summary`."""
+    _Pipeline(cfg, plan, writer, committed, summary, progress).run(engines, checks)
 
-    prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap,
-                    conversation=plan.messages_field is not None)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    q_in: queue.Queue = queue.Queue(maxsize=2)
-    q_post: queue.Queue = queue.Queue(maxsize=2)
-    q_write: queue.Queue = queue.Queue(maxsize=2)
-    lock = threading.Lock()
-    bar = progress_bar(cfg, plan.shard_plan, progress)
 
-    def guarded(fn):
+class _Pipeline:
+    """One run's threads, their queues and the summary they fill (under `lock`)."""
+
+    def __init__(self, cfg, plan: Plan, writer, committed: dict, summary: Summary, progress: bool):
+        self.cfg, self.plan, self.writer, self.committed, self.summary = cfg, plan, writer, committed, summary
+        self.prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len,
+                             overlap=cfg.capture.window_overlap, conversation=plan.messages_field is not None)
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.q_in: queue.Queue = queue.Queue(maxsize=2)
+        self.q_post: queue.Queue = queue.Queue(maxsize=2)
+        self.q_write: queue.Queue = queue.Queue(maxsize=2)
+        self.lock = threading.Lock()
+        self.bar = progress_bar(cfg, plan.shard_plan, progress)
+        self.cap = None
+
+    def run(self, engines, checks: CheckRecords | None) -> None:
+        threads = [threading.Thread(target=self._guarded(f), name=f"xtcache-{f.__name__}", daemon=True)
+                   for f in (self.produce, self.post, self.write)]
+        threads[0].start()
+        restore_threads = share_cpu_with_vllm(self.cfg)
+        try:
+            first = self._next_input()
+            if first is None:
+                log.info("nothing to capture: every part is committed or the stream is empty")
+            else:
+                self.cap = _start_capture(self.cfg, self.plan, self.summary, first, engines, checks)
+            t_pos = time.perf_counter()
+            for th in threads[1:]:
+                th.start()
+            self._run_teacher(first, t_pos)
+            for th in threads:
+                th.join()
+            if self.cap is not None:
+                self.summary.capture_s = time.perf_counter() - t_pos
+            self.summary.prep_s = self.prep.seconds
+        except _Stopped:
+            pass
+        except BaseException:
+            self.stop.set()
+            raise
+        finally:
+            self._close(threads, restore_threads)
+        if self.errors:
+            raise self.errors[0]
+
+    def _close(self, threads: list, restore_threads) -> None:
+        if self.errors:
+            self.stop.set()
+        restore_threads()
+        if self.cap is not None:
+            self.cap.close()
+        if self.bar is not None:
+            self.bar.close()
+        for th in threads:
+            if th.is_alive() and self.errors:
+                th.join(timeout=5)
+
+    def _next_input(self):
+        t_wait = time.perf_counter()
+        item = _get(self.q_in, self.stop)
+        self.summary.input_wait_s += time.perf_counter() - t_wait
+        return item
+
+    def _run_teacher(self, item, t_pos: float) -> None:
+        """The main thread: the teacher on each batch, handed to the post thread."""
+        summary = self.summary
+        while item is not None:
+            state, batch, last = item
+            t0 = time.perf_counter()
+            raw = self.cap.engine.run([w.tokens for w in batch])
+            summary.teacher_s += time.perf_counter() - t0
+            summary.windows += len(batch)
+            summary.teacher_wait_s += _put(self.q_post, (state, batch, last, raw), self.stop)
+            item = self._next_input()
+            if self.bar is not None:
+                self.bar.set_description(f"{summary.positions / max(1e-9, time.perf_counter() - t_pos):,.0f} pos/s")
+        _put(self.q_post, None, self.stop)
+
+    def _guarded(self, fn):
         def run():
             try:
                 fn()
             except _Stopped:
                 pass
             except BaseException as e:  # handed to the main thread
-                errors.append(e)
-                stop.set()
+                self.errors.append(e)
+                self.stop.set()
         return run
 
-    def produce():
+    def produce(self) -> None:
+        cfg, plan, summary = self.cfg, self.plan, self.summary
         rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options,
                            plan=plan.shard_plan, job=cfg.store.shard_index, messages_field=plan.messages_field)
-        for part in iter_parts(rows, prep, docs_per_part=cfg.store.docs_per_part):
-            with lock:
+        for part in iter_parts(rows, self.prep, docs_per_part=cfg.store.docs_per_part):
+            with self.lock:
                 for s in part.skipped:
                     summary.skipped[s.reason] = summary.skipped.get(s.reason, 0) + 1
             if not part.docs:
                 continue
-            if part.index in committed:
-                check_committed(committed[part.index], part)
-                with lock:
+            if part.index in self.committed:
+                check_committed(self.committed[part.index], part)
+                with self.lock:
                     summary.parts_resumed += 1
-                if bar is not None:
-                    bar.update(len(part.docs))
+                if self.bar is not None:
+                    self.bar.update(len(part.docs))
                 continue
             state = _PartState(part, plan.k, cfg.capture.mode)
-            batches = part_batches(part, prep, cfg.capture.batch_tokens)
+            batches = part_batches(part, self.prep, cfg.capture.batch_tokens)
             for i, b in enumerate(batches):
-                _put(q_in, (state, b, i == len(batches) - 1), stop)
-        _put(q_in, None, stop)
+                _put(self.q_in, (state, b, i == len(batches) - 1), self.stop)
+        _put(self.q_in, None, self.stop)
 
-    def post():
+    def post(self) -> None:
         while True:
-            item = _get(q_post, stop)
+            item = _get(self.q_post, self.stop)
             if item is None:
-                _put(q_write, None, stop)
+                _put(self.q_write, None, self.stop)
                 return
             state, batch, last, raw = item
             t0 = time.perf_counter()
-            _fill_batch(state, batch, raw, cap)
-            with lock:
-                summary.post_s += time.perf_counter() - t0
+            _fill_batch(state, batch, raw, self.cap)
+            with self.lock:
+                self.summary.post_s += time.perf_counter() - t0
             if last:
-                _put(q_write, state, stop)
+                _put(self.q_write, state, self.stop)
 
-    def write():
+    def write(self) -> None:
+        summary = self.summary
         while True:
-            state = _get(q_write, stop)
+            state = _get(self.q_write, self.stop)
             if state is None:
                 return
             t0 = time.perf_counter()
             docs, aligns = state.records()
-            meta = writer.write_part(state.part.index, docs, aligns)
+            meta = self.writer.write_part(state.part.index, docs, aligns)
             nbytes = sum(a.stored_bytes for a in meta.arrays.values())
-            with lock:
+            with self.lock:
                 summary.write_s += time.perf_counter() - t0
                 summary.parts_written += 1
                 summary.documents += meta.num_docs
                 summary.positions += meta.num_positions
                 summary.predicted += meta.num_predicted
                 summary.bytes_written += nbytes
-            if bar is not None:
-                bar.update(meta.num_docs)
-                bar.set_postfix_str(f"{summary.positions:,} pos, {summary.bytes_written / 1e6:.1f} MB", refresh=False)
+            if self.bar is not None:
+                self.bar.update(meta.num_docs)
+                self.bar.set_postfix_str(f"{summary.positions:,} pos, {summary.bytes_written / 1e6:.1f} MB",
+                                         refresh=False)
 
-    threads = [threading.Thread(target=guarded(f), name=f"xtcache-{f.__name__}", daemon=True)
-               for f in (produce, post, write)]
-    threads[0].start()
-    cap = None
-    restore_threads = share_cpu_with_vllm(cfg)
+
+def _start_capture(cfg, plan: Plan, summary: Summary, first, engines, checks: CheckRecords | None):
+    """Open the capture path on the first batch (checked, or trusting the store's record) and note in
+    `summary` which path runs and where its first-batch check comes from."""
+    from stage1_teacher.capture import open_capture
+
+    trusted = None
+    if checks is not None:
+        rec = checks.read()
+        trusted = rec.model_dump() if rec is not None else (None if checks.runs_here() else {})
     try:
-        t_wait = time.perf_counter()
-        first = _get(q_in, stop)
-        summary.input_wait_s += time.perf_counter() - t_wait
-        if first is None:
-            log.info("nothing to capture: every part is committed or the stream is empty")
-        else:
-            trusted = None
-            if checks is not None:
-                rec = checks.read()
-                trusted = rec.model_dump() if rec is not None else (None if checks.runs_here() else {})
-            try:
-                cap = open_capture(cfg, vocab_size=plan.vocab_size, k=plan.k, window_len=plan.window_len,
-                                   max_model_len=plan.max_model_len, first_batch=[w.tokens for w in first[1]],
-                                   engines=engines, trusted=trusted)
-            except CaptureError as e:
-                if checks is not None and getattr(e, "check", None) is not None:
-                    checks.write(e.check)
-                raise
-            if checks is not None and cap.check is not None:
-                checks.write(cap.check)
-                summary.check_source = "ran here"
-            elif cap.kind != "hidden":  # the prompt log-probs path is the reference itself
-                summary.check_source = "not needed (prompt log-probs)"
-            elif trusted and checks.borrowed_from:
-                checks.keep_borrowed()
-                summary.check_source = f"trusted from {checks.borrowed_from}"
-            elif trusted:
-                summary.check_source = f"checked by writer {trusted['writer_index']}"
-            elif trusted is not None:
-                summary.check_source = DEFERRED
-            summary.capture_path, summary.notes, summary.check_gap = cap.path, cap.notes, cap.check_gap
-            summary.engine_start_s = cap.start_seconds
-            t_pos = time.perf_counter()
-        for th in threads[1:]:
-            th.start()
-        item = first
-        while item is not None:
-            state, batch, last = item
-            t0 = time.perf_counter()
-            raw = cap.engine.run([w.tokens for w in batch])
-            summary.teacher_s += time.perf_counter() - t0
-            summary.windows += len(batch)
-            summary.teacher_wait_s += _put(q_post, (state, batch, last, raw), stop)
-            t_wait = time.perf_counter()
-            item = _get(q_in, stop)
-            summary.input_wait_s += time.perf_counter() - t_wait
-            if bar is not None:
-                bar.set_description(f"{summary.positions / max(1e-9, time.perf_counter() - t_pos):,.0f} pos/s")
-        _put(q_post, None, stop)
-        for th in threads:
-            th.join()
-        if cap is not None:
-            summary.capture_s = time.perf_counter() - t_pos
-        summary.prep_s = prep.seconds
-    except _Stopped:
-        pass
-    except BaseException:
-        stop.set()
+        cap = open_capture(cfg, vocab_size=plan.vocab_size, k=plan.k, window_len=plan.window_len,
+                           max_model_len=plan.max_model_len, first_batch=[w.tokens for w in first[1]],
+                           engines=engines, trusted=trusted)
+    except CaptureError as e:
+        if checks is not None and getattr(e, "check", None) is not None:
+            checks.write(e.check)
         raise
-    finally:
-        if errors:
-            stop.set()
-        restore_threads()
-        if cap is not None:
-            cap.close()
-        if bar is not None:
-            bar.close()
-        for th in threads:
-            if th.is_alive() and errors:
-                th.join(timeout=5)
-    if errors:
-        raise errors[0]
+    if checks is not None and cap.check is not None:
+        checks.write(cap.check)
+        summary.check_source = "ran here"
+    elif cap.kind != "hidden":  # the prompt log-probs path is the reference itself
+        summary.check_source = "not needed (prompt log-probs)"
+    elif trusted and checks.borrowed_from:
+        checks.keep_borrowed()
+        summary.check_source = f"trusted from {checks.borrowed_from}"
+    elif trusted:
+        summary.check_source = f"checked by writer {trusted['writer_index']}"
+    elif trusted is not None:
+        summary.check_source = DEFERRED
+    summary.capture_path, summary.notes, summary.check_gap = cap.path, cap.notes, cap.check_gap
+    summary.engine_start_s = cap.start_seconds
+    return cap
 
 
 def _fill_batch(state: _PartState, batch: list, raws: list, cap) -> None:
