@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -354,7 +353,3 @@ def main(argv: list[str]) -> None:
             docs += 1
             chars += len(item.text)
     print(f"documents {docs}  characters {chars}  skipped {skipped}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
