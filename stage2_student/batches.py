@@ -5,6 +5,13 @@ range and leading context chunks); `build_micro_batch` lays the windows' student
 and valid chunks out as the "Stage 2 batch" of docs/architecture.md and gathers the teacher rows of
 the valid chunks. Pure numpy: no store access, no torch.
 
+A chunk is valid when both sides are non-empty, its first student token has a predicting logit in
+the window and all its teacher rows have a prediction. Conversation caches: each student token has
+a stored role (`xtcache.chat`) and `train_on` (assistant, last-assistant or all) picks the tokens
+trained (`ShardSource.trained`); a position whose predicted token is not one of them gets no CE
+label (-100), and a chunk is valid only when every student token in it is trained and both sides
+spell the same text (template-only and straddling chunks get no KD).
+
     batch = build_micro_batch([[(src, doc, lo, hi, ctx)], ...], seq_len=512, pad_id=0)
 """
 

@@ -2,7 +2,8 @@
 
 A `CacheDataset` reads the store lazily through `xtcache.store.CacheReader` (any fsspec URL) and
 a `CacheLoader` wraps it in a torch DataLoader, so shard decoding and batch building happen in
-worker processes. Micro-batches follow the "Stage 2 batch" table of docs/architecture.md.
+worker processes. Micro-batches follow the "Stage 2 batch" table of docs/architecture.md; they are
+built by `stage2_student.batches`, several caches joined by `stage2_student.join`.
 
 Packing (`xtcache.packing`). Each shard's documents (train or held-out split) are packed, in stored
 order, into windows of `seq_len` student tokens, cut only at chunk boundaries; several documents may
@@ -12,18 +13,10 @@ its CE labels are masked), so that every chunk of a long document is predicted e
 `--train-on assistant|last-assistant`: windows are cut around the chunks holding a trained token
 (`pack_trained`): each is trained once, after as much of its document as fits (context chunks
 already trained are masked the same way), and no window holds only text that trains nothing. A
-chunk longer than a window is skipped (counted in `skipped_chunks`). A chunk is valid when both
-sides are non-empty, its first student token has a predicting logit in the window and all its
-teacher rows have a prediction.
+chunk longer than a window is skipped (counted in `skipped_chunks`).
 
-Conversation caches. Each student token has a stored role (`xtcache.chat`); `train_on`
-(assistant, last-assistant or all) picks the tokens trained: a position whose predicted token is
-not one of them gets no CE label (-100), and a chunk is valid only when every student token in it
-is trained and both sides spell the same text (template-only and straddling chunks get no KD).
-
-Order. The packing is fixed per shard; an epoch permutes the shards and the windows inside each
-shard with (seed, epoch). Global micro-batch g holds windows [g*B, (g+1)*B) of that order,
-truncated to whole optimizer steps; rank r, accumulation index a of step s reads
+Order (`stage2_student.order`): an epoch permutes the shards and the windows inside each shard
+with (seed, epoch); rank r, accumulation index a of step s reads global micro-batch
 g = s*W*A + r*A + a. Worker w of n builds the rank's micro-batches j with j % n == w, and the
 DataLoader returns them in order, so the sequence depends on neither the number of workers nor
 prefetching, and `state_dict()` (micro-batches consumed) resumes exactly.
@@ -34,7 +27,6 @@ prefetching, and `state_dict()` (micro-batches consumed) resumes exactly.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -43,48 +35,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stage2_student.batches import ShardSource, build_micro_batch, segment_chunks
-from stage2_student.join import join_views
-from xtcache.errors import ConfigError, CorruptionError, XtcacheError
-from xtcache.packing import common_boundaries, group_trained, pack
+from stage2_student.batches import ShardSource
+from stage2_student.join import build_joined_batch, chunk_group_lengths, join_counts, join_segment
+from stage2_student.order import epoch_window_order, global_micro_batch, is_held_out
+from xtcache.errors import ConfigError, XtcacheError
+from xtcache.packing import pack
 
 log = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------------------------
-# data order
-
-
-def epoch_window_order(num_windows: list[int], seed: int, epoch: int, *, shuffle: bool = True) -> np.ndarray:
-    """Global window order of one epoch: int64 [N, 2] rows (shard index, window index).
-
-    Shards are permuted, then the windows inside each shard, with generators seeded by
-    (seed, epoch) and (seed, epoch, shard): a pure function of its arguments.
-    """
-    n = len(num_windows)
-    shard_order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
-    parts = []
-    for s in shard_order:
-        w = np.arange(num_windows[s], dtype=np.int64)
-        if shuffle:
-            w = np.random.default_rng([seed, epoch, int(s)]).permutation(w)
-        parts.append(np.stack([np.full_like(w, s), w], axis=1))
-    return np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.int64)
-
-
-def global_micro_batch(j: int, *, rank: int, world_size: int, grad_accum: int) -> int:
-    """Index of the rank's j-th micro-batch in the global micro-batch order."""
-    step, a = divmod(j, grad_accum)
-    return step * world_size * grad_accum + rank * grad_accum + a
-
-
-def is_held_out(doc_id: str, fraction: float) -> bool:
-    """Deterministic document holdout: sha256(doc_id) read as a number in [0, 1) below `fraction`."""
-    if fraction <= 0:
-        return False
-    return int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big") / 2**64 < fraction
-
-
 
 
 @dataclass
@@ -126,6 +83,21 @@ def student_fingerprint(tokenizer_or_path, *, chat: bool = False) -> str:
     return tokenizer_fingerprint(tokenizer_or_path)
 
 
+def _check_settings(*, seq_len: int, micro_batch_size: int, rank: int, world_size: int, grad_accum: int, split: str,
+                    holdout_fraction: float, missing: str) -> None:
+    """Refuse loader settings that cannot work, naming the flag."""
+    if seq_len < 2 or micro_batch_size < 1:
+        raise ConfigError(f"--seq-len {seq_len} / --micro-batch-size {micro_batch_size}: need at least 2 / 1")
+    if not 0 <= rank < world_size or grad_accum < 1:
+        raise ConfigError(f"rank {rank} of world size {world_size} with grad accumulation {grad_accum}: invalid")
+    if split not in ("train", "eval", "all"):
+        raise ValueError(f"split {split!r}: use train, eval or all")
+    if split == "eval" and holdout_fraction <= 0:
+        raise ConfigError("an eval split needs --holdout-fraction > 0 (or pass a second cache with split='all')")
+    if missing not in ("drop", "partial"):
+        raise ConfigError(f"--teachers-missing {missing!r}: choose drop or partial")
+
+
 @dataclass
 class TeacherCache:
     """One teacher cache of a CacheDataset: what the objective needs to know of it, and its parts."""
@@ -159,19 +131,10 @@ class CacheDataset(torch.utils.data.IterableDataset):
                  split: str = "train", holdout_fraction: float = 0.0, epochs: int | None = None,
                  shuffle: bool | None = None, storage_options: dict | None = None, shard_cache: int = 2,
                  allow_incomplete: bool = False, missing: str = "drop", train_on: str | None = None):
-        from xtcache.chat import TRAIN_ON
         from xtcache.store import CacheReader
 
-        if seq_len < 2 or micro_batch_size < 1:
-            raise ConfigError(f"--seq-len {seq_len} / --micro-batch-size {micro_batch_size}: need at least 2 / 1")
-        if not 0 <= rank < world_size or grad_accum < 1:
-            raise ConfigError(f"rank {rank} of world size {world_size} with grad accumulation {grad_accum}: invalid")
-        if split not in ("train", "eval", "all"):
-            raise ValueError(f"split {split!r}: use train, eval or all")
-        if split == "eval" and holdout_fraction <= 0:
-            raise ConfigError("an eval split needs --holdout-fraction > 0 (or pass a second cache with split='all')")
-        if missing not in ("drop", "partial"):
-            raise ConfigError(f"--teachers-missing {missing!r}: choose drop or partial")
+        _check_settings(seq_len=seq_len, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size,
+                        grad_accum=grad_accum, split=split, holdout_fraction=holdout_fraction, missing=missing)
         urls = [url] if isinstance(url, str) else list(url)
         if not urls:
             raise ConfigError("--cache: give at least one teacher cache")
@@ -184,18 +147,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.shard_cache = shard_cache
         t0 = time.perf_counter()
         readers = [CacheReader(u, storage_options) for u in urls]
-        kinds = {bool(r.manifest.conversation) for r in readers}
-        if len(kinds) > 1:
-            raise ConfigError(f"the caches {', '.join(urls)} mix conversation and plain-text caches: "
-                              "join caches written from the same corpus")
-        self.conversation = kinds.pop()
-        self.fingerprint = student_fingerprint(student, chat=self.conversation)
-        if train_on is not None and train_on not in TRAIN_ON:
-            raise ConfigError(f"--train-on {train_on!r}: use one of {', '.join(TRAIN_ON)}")
-        if not self.conversation and train_on not in (None, "all"):
-            raise ConfigError(f"--train-on {train_on}: the cache {urls[0]} holds plain text, without message roles; "
-                              "--train-on applies to conversation caches")
-        self.train_on = (train_on or "assistant") if self.conversation else None
+        self._resolve_student(readers, student, train_on)
         self.caches = [self._open_cache(u, r, allow_incomplete) for u, r in zip(urls, readers)]
         first = self.caches[0]
         self.mode, self.k, self.teacher_vocab_size = first.mode, first.k, first.teacher_vocab_size
@@ -206,27 +158,16 @@ class CacheDataset(torch.utils.data.IterableDataset):
             metas = {m.shard_id: m for m in r.shards}
             where.append({f"{d.source}:{d.row}:{d.content_hash}": (si, di)
                           for si, sid in enumerate(c.shard_ids) for di, d in enumerate(metas[sid].docs)})
-        n = len(urls)
-        counts = self._join_counts(where)
+        counts = join_counts(where, urls)
         self._plan_units(readers, where, split, holdout_fraction)
-        if n > 1:
+        if len(urls) > 1:
             log.info("joined %d caches by document id: %d documents in every cache, %d in only some of them "
-                     "(--teachers-missing %s: %s)", n, counts[0], counts[1], missing,
+                     "(--teachers-missing %s: %s)", len(urls), counts[0], counts[1], missing,
                      "dropped" if missing == "drop" else "trained with the teachers present")
         if self.skipped_chunks:
             log.warning("%d chunk(s) longer than --seq-len %d were skipped", self.skipped_chunks, seq_len)
         self.num_windows = sum(p.num_windows for p in self.plans)
-        step_windows = micro_batch_size * (world_size * grad_accum if split != "eval" else world_size)
-        if split == "eval":
-            n_mb = -(-self.num_windows // micro_batch_size)
-            self.batches_per_epoch = len(range(rank, n_mb, world_size))
-        else:
-            self.batches_per_epoch = (self.num_windows // step_windows) * grad_accum
-            if self.batches_per_epoch == 0:
-                raise ConfigError(
-                    f"the {split} split of {', '.join(urls)} packs into {self.num_windows} windows of {seq_len} "
-                    f"tokens, fewer than one optimizer step needs ({step_windows} = micro-batch {micro_batch_size} "
-                    f"x world {world_size} x grad-accum {grad_accum}); lower --seq-len or --micro-batch-size")
+        self.batches_per_epoch = self._batches_per_epoch()
         read = sum(p.read_tokens for p in self.plans)
         trained = sum(p.trained_tokens for p in self.plans)
         log.info("loader %s split=%s: %d documents, %d windows, %d shards, %d micro-batches/epoch on rank %d; "
@@ -247,6 +188,38 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
     # -- planning
 
+    def _resolve_student(self, readers, student, train_on: str | None) -> None:
+        """`conversation` (all caches one kind), the student `fingerprint` that keys their alignment
+        groups, and `train_on` (conversation caches: default assistant; plain text: None)."""
+        from xtcache.chat import TRAIN_ON
+
+        kinds = {bool(r.manifest.conversation) for r in readers}
+        if len(kinds) > 1:
+            raise ConfigError(f"the caches {', '.join(self.urls)} mix conversation and plain-text caches: "
+                              "join caches written from the same corpus")
+        self.conversation = kinds.pop()
+        self.fingerprint = student_fingerprint(student, chat=self.conversation)
+        if train_on is not None and train_on not in TRAIN_ON:
+            raise ConfigError(f"--train-on {train_on!r}: use one of {', '.join(TRAIN_ON)}")
+        if not self.conversation and train_on not in (None, "all"):
+            raise ConfigError(f"--train-on {train_on}: the cache {self.urls[0]} holds plain text, without message "
+                              "roles; --train-on applies to conversation caches")
+        self.train_on = (train_on or "assistant") if self.conversation else None
+
+    def _batches_per_epoch(self) -> int:
+        """Micro-batches per epoch on this rank: whole optimizer steps (eval: every window, once)."""
+        b, world, accum = self.micro_batch_size, self.world_size, self.grad_accum
+        if self.split == "eval":
+            return len(range(self.rank, -(-self.num_windows // b), world))
+        step_windows = b * world * accum
+        n = (self.num_windows // step_windows) * accum
+        if n == 0:
+            raise ConfigError(
+                f"the {self.split} split of {', '.join(self.urls)} packs into {self.num_windows} windows of "
+                f"{self.seq_len} tokens, fewer than one optimizer step needs ({step_windows} = micro-batch {b} "
+                f"x world {world} x grad-accum {accum}); lower --seq-len or --micro-batch-size")
+        return n
+
     def _open_cache(self, url: str, reader, allow_incomplete: bool) -> TeacherCache:
         """A cache's settings and usable parts; refuses a cache without an alignment for this student."""
         groups = reader.alignment_groups()
@@ -266,17 +239,6 @@ class CacheDataset(torch.utils.data.IterableDataset):
                             teacher_fingerprint=teacher_fp, identity=identity,
                             student_vocab_size=m.teacher_vocab_size if identity else groups[self.fingerprint].vocab_size,
                             shard_ids=[s.shard_id for s in reader.shards if s.shard_id in usable])
-
-    def _join_counts(self, where: list[dict]) -> tuple[int, int]:
-        """(documents in every cache, documents in only some); no document in every cache is an error."""
-        if len(where) == 1:
-            return len(where[0]), 0
-        common = set(where[0]).intersection(*where[1:])
-        union = set().union(*where)
-        if not common:
-            raise ConfigError(f"the caches {', '.join(self.urls)} share no document (matched by source, row and "
-                              "content hash): they were written from different corpora")
-        return len(common), len(union) - len(common)
 
     def _plan_units(self, readers, where: list[dict[str, tuple[int, int]]], split: str, fraction: float) -> None:
         """Pack the documents of the split into windows: `plans`, `members`, `skipped_chunks`, `documents`.
@@ -314,16 +276,10 @@ class CacheDataset(torch.utils.data.IterableDataset):
                         if doc in where[cj]:
                             members[i, cj] = where[cj][doc]
                             per.append((cj, *doc_chunks(cj, *where[cj][doc])))
-                    totals = {int(e[-1]) if e.size else 0 for _, e, _ in per}
-                    if len(totals) > 1:
-                        raise ConfigError(
-                            f"document {doc} has {' vs '.join(str(int(e[-1]) if e.size else 0) for _, e, _ in per)} "
-                            f"student tokens in {' vs '.join(urls[cj] for cj, _, _ in per)}: the caches were aligned "
-                            "differently for this student tokenizer; re-run `xtcache align` on them")
-                    bounds = common_boundaries([e for _, e, _ in per])
-                    lengths.append(np.diff(bounds, prepend=0))
-                    if per[0][2] is not None:  # the student side (and its roles) is the same in every cache
-                        trained.append(group_trained(bounds, per[0][2]))
+                    group_lengths, group_trained = chunk_group_lengths(doc, per, urls)
+                    lengths.append(group_lengths)
+                    if group_trained is not None:
+                        trained.append(group_trained)
                 plan = pack(range(len(docs)), lengths, trained if self.train_on not in (None, "all") else None,
                             self.seq_len)
                 self.skipped_chunks += plan.skipped_chunks
@@ -372,12 +328,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
                       student_ids=sd.teacher_ids, student_end=ends, teacher_end=ends,
                       exact=np.ones(ends.shape[0], dtype=bool))
         else:
-            a = reader.read_alignment(self.fingerprint, sid)  # checked: same documents as the part
-            t_len = np.diff(sd.doc_pos_offsets)
-            last = a.doc_chunk_offsets[1:][np.diff(a.doc_chunk_offsets) > 0] - 1
-            if np.any(a.teacher_end[last] != t_len[np.diff(a.doc_chunk_offsets) > 0]):
-                raise CorruptionError(f"store {cache.url}, alignment group {self.fingerprint[:12]}.. part {sid}: "
-                                      "array 'teacher_end' does not end at the teacher part's document lengths")
+            # checked: same documents as the part, each document's chunks ending at its token counts
+            a = reader.read_alignment(self.fingerprint, sid, doc_pos_offsets=sd.doc_pos_offsets)
             al = dict(doc_student_offsets=a.doc_student_offsets, doc_chunk_offsets=a.doc_chunk_offsets,
                       student_ids=a.student_ids, student_end=a.student_end, teacher_end=a.teacher_end, exact=a.exact)
             if self.train_on is not None:
@@ -419,52 +371,21 @@ class CacheDataset(torch.utils.data.IterableDataset):
         n_groups = 0
         for s, w in self.micro_batch_windows(epoch, j):
             plan, members = self.plans[s], self.members[s]
-            a, z = plan.window_offsets[w], plan.window_offsets[w + 1]
             for i in range(n):
                 windows[i].append([])
-            for x in range(a, z):
+            for x in range(plan.window_offsets[w], plan.window_offsets[w + 1]):
                 docs = members[int(plan.seg_doc[x])]  # [N, 2]
                 present = docs[:, 0] >= 0
                 ref = int(np.argmax(present))  # a teacher missing the document lays out its student side
-                srcs = [self.source(ci if present[ci] else ref, int(docs[ci if present[ci] else ref, 0]))
-                        for ci in range(n)]
-                dids = [int(docs[ci if present[ci] else ref, 1]) for ci in range(n)]
-                ends = [srcs[ci].student_end[srcs[ci].doc_chunk_offsets[dids[ci]]:
-                                             srcs[ci].doc_chunk_offsets[dids[ci] + 1]].astype(np.int64)
-                        for ci in range(n)]
-                bounds = common_boundaries([ends[ci] for ci in range(n) if present[ci]])
-                g_lo, g_hi = int(plan.seg_lo[x]), int(plan.seg_hi[x])
-                ok = np.ones(g_hi - g_lo, dtype=bool)
-                segs = []
-                for ci in range(n):
-                    group = np.searchsorted(bounds, ends[ci], side="left")  # [C] group of every chunk
-                    lo, hi = np.searchsorted(group, [g_lo, g_hi], side="left")
-                    n_ctx = int(np.searchsorted(group, g_lo + int(plan.seg_ctx[x]), side="left") - lo)
-                    seg = segment_chunks(srcs[ci], dids[ci], int(lo), int(hi), n_ctx)
-                    local = group[lo:hi] - g_lo
-                    if present[ci]:  # a group counts when each teacher present has its real chunks there all valid
-                        bad = np.bincount(local[seg["real"] & ~seg["valid"]], minlength=g_hi - g_lo)
-                        good = np.bincount(local[seg["real"] & seg["valid"]], minlength=g_hi - g_lo)
-                        ok &= (bad == 0) & (good > 0)
-                    segs.append((srcs[ci], dids[ci], int(lo), int(hi), n_ctx, local + n_groups,
-                                 np.full(hi - lo, bool(present[ci]))))
+                at = [ci if present[ci] else ref for ci in range(n)]
+                srcs = [self.source(a, int(docs[a, 0])) for a in at]
+                segs, ok = join_segment(srcs, [int(docs[a, 1]) for a in at], present, int(plan.seg_lo[x]),
+                                        int(plan.seg_hi[x]), int(plan.seg_ctx[x]), n_groups)
                 group_ok.append(ok)
-                n_groups += g_hi - g_lo
+                n_groups += ok.shape[0]
                 for ci in range(n):
                     windows[ci][-1].append(segs[ci])
-        ok = np.concatenate(group_ok) if group_ok else np.zeros(0, bool)
-        renumber = np.cumsum(ok) - 1
-        views = []
-        for ci in range(n):
-            segments = [[(src, d, lo, hi, ctx, renumber[g], keep & ok[g]) for src, d, lo, hi, ctx, g, keep in win]
-                        for win in windows[ci]]
-            views.append(build_micro_batch(segments, self.seq_len, self.pad_id))
-        for ci in range(1, n):
-            if not np.array_equal(views[ci]["input_ids"], views[0]["input_ids"]):
-                raise ConfigError(f"the student token ids of the same documents differ between {self.urls[0]} and "
-                                  f"{self.urls[ci]}: they were aligned with differently configured student "
-                                  "tokenizers; re-run `xtcache align` on one of them")
-        return join_views(views, int(ok.sum()))
+        return build_joined_batch(windows, group_ok, self.seq_len, self.pad_id, self.urls)
 
     def positions(self, start: tuple[int, int]):
         """(epoch, j) of the rank's micro-batches from `start` on, across epochs."""

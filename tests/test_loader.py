@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from schemas.models import AlignGroupMeta, Manifest
 from stage2_student import loader as L
+from stage2_student.order import epoch_window_order, global_micro_batch, is_held_out
 from xtcache.align import align_text, encode_with_offsets
 from xtcache.errors import ConfigError
 from xtcache.fingerprint import tokenizer_fingerprint
@@ -53,22 +54,22 @@ def test_pack_documents_cuts_at_chunks_and_covers_each_chunk_once(docs, seq_len)
 
 
 def test_epoch_order_and_rank_partition_are_pure():
-    a = L.epoch_window_order([3, 5, 2], seed=1, epoch=0)
-    assert np.array_equal(a, L.epoch_window_order([3, 5, 2], seed=1, epoch=0))
-    assert not np.array_equal(a, L.epoch_window_order([3, 5, 2], seed=1, epoch=1))
+    a = epoch_window_order([3, 5, 2], seed=1, epoch=0)
+    assert np.array_equal(a, epoch_window_order([3, 5, 2], seed=1, epoch=0))
+    assert not np.array_equal(a, epoch_window_order([3, 5, 2], seed=1, epoch=1))
     assert sorted(map(tuple, a.tolist())) == [(s, w) for s, n in enumerate([3, 5, 2]) for w in range(n)]
     # world 2 x accum 2: every global micro-batch exactly once, in whole steps
-    got = sorted(L.global_micro_batch(j, rank=r, world_size=2, grad_accum=2) for r in range(2) for j in range(6))
+    got = sorted(global_micro_batch(j, rank=r, world_size=2, grad_accum=2) for r in range(2) for j in range(6))
     assert got == list(range(12))
-    assert [L.global_micro_batch(j, rank=1, world_size=2, grad_accum=2) for j in range(4)] == [2, 3, 6, 7]
+    assert [global_micro_batch(j, rank=1, world_size=2, grad_accum=2) for j in range(4)] == [2, 3, 6, 7]
 
 
 def test_holdout_is_deterministic_and_near_fraction():
     ids = [f"c.jsonl:{i}:{i:016x}" for i in range(4000)]
-    share = np.mean([L.is_held_out(d, 0.1) for d in ids])
+    share = np.mean([is_held_out(d, 0.1) for d in ids])
     assert 0.08 < share < 0.12
-    assert [L.is_held_out(d, 0.1) for d in ids[:50]] == [L.is_held_out(d, 0.1) for d in ids[:50]]
-    assert not any(L.is_held_out(d, 0.0) for d in ids)
+    assert [is_held_out(d, 0.1) for d in ids[:50]] == [is_held_out(d, 0.1) for d in ids[:50]]
+    assert not any(is_held_out(d, 0.0) for d in ids)
 
 
 # ------------------------------------------------------------------------------ a real store
@@ -258,7 +259,7 @@ def test_holdout_split_is_disjoint_from_train(store):
     held = _all_batches(L.CacheLoader(_dataset(url, fp, split="eval", holdout_fraction=0.3)))
     assert rows(train) and rows(held) and not rows(train) & rows(held)
     ids = [f"{d.source}:{d.row}:{d.content_hash}" for m in CacheReader(url).shards for d in m.docs]
-    assert rows(held) <= {int(i.split(":")[1]) for i in ids if L.is_held_out(i, 0.3)}
+    assert rows(held) <= {int(i.split(":")[1]) for i in ids if is_held_out(i, 0.3)}
 
 
 def test_student_fingerprint_mismatch_points_to_align(store):
@@ -364,3 +365,26 @@ def test_packed_documents_do_not_see_each_other(store, toy_setup):
                     torch.testing.assert_close(packed[b, lo:hi], alone, atol=1e-4, rtol=1e-4)
                     checked += 1
     assert checked >= 4, "no window packed several documents; shorten the documents or raise SEQ"
+
+
+def test_a_part_longer_than_its_alignment_is_refused_by_the_reader_check(store, monkeypatch):
+    """The check that each document's chunks end at its teacher token count lives in the reader
+    (`read_alignment(doc_pos_offsets=)`); the loader hands it the offsets of the part it decoded."""
+    from xtcache.errors import CorruptionError
+
+    url, fp = store
+    real = CacheReader.read_shard
+
+    def longer_first_document(self, sid, **kw):
+        sd = real(self, sid, **kw)
+        sd.doc_pos_offsets = sd.doc_pos_offsets + (np.arange(sd.doc_pos_offsets.shape[0]) > 0)
+        return sd
+
+    monkeypatch.setattr(CacheReader, "read_shard", longer_first_document)
+    with pytest.raises(CorruptionError, match=r"alignment group .* part .*'teacher_end' are damaged: a document's "
+                                              "last chunk does not end at its token count"):
+        next(iter(L.CacheLoader(_dataset(url, fp))))
+    reader = CacheReader(url)
+    sid = reader.shards[0].shard_id
+    with pytest.raises(CorruptionError, match="does not end at its token count"):
+        reader.read_alignment(fp, sid, doc_pos_offsets=reader.read_shard(sid).doc_pos_offsets)

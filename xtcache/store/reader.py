@@ -311,9 +311,11 @@ class CacheReader:
             topk_counts=raw.get("topk_counts"), residual=raw["residual"], realized_logprob=raw["realized_logprob"],
             conversations=conversations)
 
-    def read_alignment(self, fingerprint: str, sid: str, *, verify: bool = False) -> AlignShardData:
+    def read_alignment(self, fingerprint: str, sid: str, *, verify: bool = False,
+                       doc_pos_offsets: np.ndarray | None = None) -> AlignShardData:
         """Decode one committed alignment part, checked (offsets, per-document chunk ends); `verify`
-        also checks sha256s and that each document's chunks end at its teacher token count."""
+        also checks sha256s and, like passing the teacher part's `doc_pos_offsets` (a reader that
+        decoded them already), that each document's chunks end at its token counts."""
         parts = self.alignment_parts(fingerprint)
         if sid not in parts:
             raise StoreError(f"{self._where_align(fingerprint, sid)}: no committed alignment; run `xtcache align` "
@@ -338,8 +340,8 @@ class CacheReader:
                 raise CorruptionError(f"{where}: array {name!r} is damaged: chunk ends decrease inside a document")
             if lengths is not None and np.any(ends > lengths[doc_of_chunk]):
                 raise CorruptionError(f"{where}: array {name!r} is damaged: a chunk ends past its document")
-        if verify:
-            t_len = np.diff(self.doc_pos_offsets(sid))
+        if verify or doc_pos_offsets is not None:
+            t_len = np.diff(self.doc_pos_offsets(sid) if doc_pos_offsets is None else doc_pos_offsets)
             last = c_off[1:][np.diff(c_off) > 0] - 1
             docs = np.flatnonzero(np.diff(c_off) > 0)
             if np.any(raw["teacher_end"][last] != t_len[docs]) or np.any(raw["student_end"][last] != np.diff(s_off)[docs]):
