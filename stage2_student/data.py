@@ -90,10 +90,6 @@ def load_projection(cfg: TrainConfig, manifest, student_tokenizer, student_fp: s
 
 def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> StageData:
     """Open the caches (and the held-out set), pick each teacher's KD kind, load W, build this rank's loaders."""
-    import deepspeed
-    from transformers import AutoConfig
-
-    from stage2_student.losses import ProjectionOperator
     from xtcache.fingerprint import tokenizer_fingerprint
     from xtcache.store import CacheReader
 
@@ -109,6 +105,41 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
         if len(fps) > 1 or len({m.teacher_vocab_size for m in manifests}) > 1:
             raise ConfigError("--teacher-combine mean-probs mixes distributions over one vocabulary, and the caches' "
                               "teachers have different tokenizers: use --teacher-combine sum, dynamic or select")
+    names, projections = _kinds_and_projections(cfg, manifests, caps, tokenizer, student_fp, combine)
+    weights = cfg.teacher_weights()
+    kinds = names[:1] if combine == "mean-probs" else names
+    objectives = [Objective.from_config(cfg.loss, caps[i], projections[i], kind=None if cfg.loss.loss == "ce" else
+                                        kinds[i], with_ce=i == 0) for i in range(len(kinds))]
+    objective = TeacherMix(objectives, combine=combine, weights=weights, score=cfg.loss.teacher_score,
+                           alpha=cfg.loss.teacher_alpha, vocab_sizes=[m.teacher_vocab_size for m in manifests])
+    measures = [Objective("kl" if c.same_tokenizer else "pkl", ce_weight=0.0, projection=p, with_ce=False)
+                if (c.same_tokenizer or p is not None) else None for c, p in zip(caps, projections)]
+    mixture = None
+    if len(cfg.cache) > 1 and measures[0] is not None and len({m.fingerprints.get("teacher_tokenizer")
+                                                                for m in manifests}) == 1:
+        mixture = measures[0]  # teachers of one tokenizer: their mixture is measured with teacher 0's measure
+    if combine == "mean-probs":
+        measures = [measures[0]] * len(cfg.cache)
+    info = _run_info(cfg, manifests, caps, names, objective, weights, combine, student_fp, train.dataset)
+    # held-out batches from --eval-cache are measured over what that store holds (e.g. a full cache: exact)
+    eval_caps = caps[0]
+    if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
+        eval_mode = CacheReader(cfg.eval.eval_cache[0], storage_options=cfg.loader.storage_options).manifest.mode
+        eval_caps = Capabilities(same_tokenizer=caps[0].same_tokenizer, mode=eval_mode)
+    return StageData(train=train, objective=objective, make_eval=make_eval, measures=measures,
+                     measure_definition=measure_definition(eval_caps) if measures[0] is not None else None,
+                     mixture_measure=mixture, info=info)
+
+
+def _kinds_and_projections(cfg: TrainConfig, manifests, caps: list[Capabilities], tokenizer, student_fp: str,
+                           combine: str) -> tuple[list[str], list]:
+    """Each cache's KD kind (`resolve_kind`) and projection operator (None for same-tokenizer caches,
+    and for cross-tokenizer ones without a map when the loss does not need one: logged)."""
+    import deepspeed
+    from transformers import AutoConfig
+
+    from stage2_student.losses import ProjectionOperator
+
     cross = [i for i, c in enumerate(caps) if not c.same_tokenizer]
     paths = list(cfg.loss.projection)
     if paths and len(paths) != len(cross):
@@ -134,26 +165,18 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
                 projection = ProjectionOperator(w).to(device)
         names.append(name)
         projections.append(projection)
-    weights = cfg.teacher_weights()
-    kinds = names[:1] if combine == "mean-probs" else names
-    objectives = [Objective.from_config(cfg.loss, caps[i], projections[i], kind=None if cfg.loss.loss == "ce" else
-                                        kinds[i], with_ce=i == 0) for i in range(len(kinds))]
-    objective = TeacherMix(objectives, combine=combine, weights=weights, score=cfg.loss.teacher_score,
-                           alpha=cfg.loss.teacher_alpha, vocab_sizes=[m.teacher_vocab_size for m in manifests])
-    measures = [Objective("kl" if c.same_tokenizer else "pkl", ce_weight=0.0, projection=p, with_ce=False)
-                if (c.same_tokenizer or p is not None) else None for c, p in zip(caps, projections)]
-    mixture = None
-    if len(cfg.cache) > 1 and measures[0] is not None and len({m.fingerprints.get("teacher_tokenizer")
-                                                                for m in manifests}) == 1:
-        mixture = measures[0]  # teachers of one tokenizer: their mixture is measured with teacher 0's measure
-    if combine == "mean-probs":
-        measures = [measures[0]] * len(cfg.cache)
+    return names, projections
+
+
+def _run_info(cfg: TrainConfig, manifests, caps: list[Capabilities], names: list[str], objective: TeacherMix,
+              weights: list[float], combine: str, student_fp: str, train_ds) -> dict:
+    """The run's description (the trainer's start line and run summary), logged per cache."""
     info = {"cache": cfg.cache[0] if len(cfg.cache) == 1 else list(cfg.cache), "mode": manifests[0].mode,
             "k": manifests[0].k, "same_tokenizer": caps[0].same_tokenizer,
             "teacher_vocab": manifests[0].teacher_vocab_size, "student_fingerprint": student_fp,
             "kd_loss": objective.kind, "trained_on": "ce" if cfg.loss.loss == "ce" else objective.kind,
-            "train_on": train.dataset.train_on, "trained_positions": train.dataset.plan_tokens["trained"],
-            "context_tokens": train.dataset.plan_tokens["context"]}
+            "train_on": train_ds.train_on, "trained_positions": train_ds.plan_tokens["trained"],
+            "context_tokens": train_ds.plan_tokens["context"]}
     if len(cfg.cache) > 1:
         info["teachers"] = [{"cache": u, "mode": m.mode, "k": m.k, "same_tokenizer": c.same_tokenizer,
                              "teacher_vocab": m.teacher_vocab_size, "kd_loss": k, "weight": w}
@@ -166,14 +189,7 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     if len(cfg.cache) > 1:
         log.info("%d teachers, combined per chunk group by %s, weights %s", len(cfg.cache), combine,
                  ", ".join(f"{w:.3g}" for w in weights))
-    # held-out batches from --eval-cache are measured over what that store holds (e.g. a full cache: exact)
-    eval_caps = caps[0]
-    if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
-        eval_mode = CacheReader(cfg.eval.eval_cache[0], storage_options=cfg.loader.storage_options).manifest.mode
-        eval_caps = Capabilities(same_tokenizer=caps[0].same_tokenizer, mode=eval_mode)
-    return StageData(train=train, objective=objective, make_eval=make_eval, measures=measures,
-                     measure_definition=measure_definition(eval_caps) if measures[0] is not None else None,
-                     mixture_measure=mixture, info=info)
+    return info
 
 
 def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
