@@ -36,6 +36,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from stage1_teacher.corpus import Corpus
 from xtcache.errors import StoreError
 from xtcache.file_digest import DigestStats, FileDigest, FileHasher
 
@@ -91,17 +92,21 @@ def read_records(out: str, writers: list[int], store_options: dict | None, plan_
     return found
 
 
-def share_digests(urls: list[str], shard_plan, job: int, out: str | None, *, storage_options: dict | None,
-                  store_options: dict | None, hasher: FileHasher | None = None) -> ShareDigests:
+def share_digests(corpus: Corpus | list[str], shard_plan, job: int, out: str | None, *,
+                  storage_options: dict | None, store_options: dict | None, hasher: FileHasher | None = None
+                  ) -> ShareDigests:
     """Digest job `job`'s bytes of every file it touches; with a store at `out`, refuse a file whose
     bytes differ from those a writer of that store recorded (each writer's span, checked by a read
-    only when the file's validator changed since that writer's record)."""
+    only when the file's validator changed since that writer's record). `corpus`: a resolved
+    `Corpus`, or URLs resolved here with `storage_options`."""
+    corpus = Corpus.of(corpus, storage_options=storage_options)
+    urls = corpus.urls
     hasher = hasher or FileHasher(storage_options)
     files = touched_files(shard_plan, job)
     recorded = read_records(out, writers_of(shard_plan, files), store_options, shard_plan.fingerprint) if out else {}
     digests = {}
     for fi in files:
-        spans = file_spans(urls[fi], shard_plan, fi, storage_options)
+        spans = file_spans(corpus, shard_plan, fi)
         recs = recorded.get(fi, [])
         own = next((r for w, r in recs if w == job and r.span == spans[job]), None)
         mine = hasher.digest(urls[fi], recorded=own, span=spans[job])
@@ -121,37 +126,20 @@ def share_digests(urls: list[str], shard_plan, job: int, out: str | None, *, sto
     return ShareDigests(job=job, files=digests, stats=hasher.stats)
 
 
-def file_spans(url: str, shard_plan, fi: int, storage_options: dict | None) -> dict[int, tuple[int, int] | None]:
+def file_spans(corpus: Corpus, shard_plan, fi: int) -> dict[int, tuple[int, int] | None]:
     """Job -> the bytes of file `fi` it vouches for: the whole file (None) when one job reads it; for a
     Parquet file split between jobs, from its first row group's start (0 for the first job) to the
     next job's (the file's end for the last), so the spans cover every byte once."""
     jobs = {j: r for j, ranges in enumerate(shard_plan.jobs) for r in ranges if r.file == fi}
     if len(jobs) == 1:
         return {j: None for j in jobs}
-    starts, size = parquet_row_group_starts(url, storage_options)
+    starts, size = corpus.footer(fi).starts, corpus.files[fi].size
     entry = shard_plan.files[fi]
     if entry.row_groups is None or len(starts) != len(entry.row_groups):
-        raise StoreError(f"--data {url}: its row groups differ from the shard plan's; the corpus changed since the "
-                         "plan, start a new --out")
+        raise StoreError(f"--data {corpus.files[fi].url}: its row groups differ from the shard plan's; the corpus "
+                         "changed since the plan, start a new --out")
     return {j: (0 if r.start == 0 else starts[r.start], size if r.stop == len(starts) else starts[r.stop])
             for j, r in jobs.items()}
-
-
-def parquet_row_group_starts(url: str, storage_options: dict | None) -> tuple[list[int], int]:
-    """Byte offset where each row group's first column chunk begins, and the file size (footer only)."""
-    import pyarrow.parquet as pq
-
-    from xtcache.store_io import file_system, is_local
-
-    fs, path = file_system(url, storage_options)
-    with fs.open(path, "rb", **({} if is_local(url) else {"cache_type": "none"})) as f:
-        md = pq.ParquetFile(f).metadata
-    starts = []
-    for g in range(md.num_row_groups):
-        rg = md.row_group(g)
-        starts.append(min(c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset is not None
-                          else c.data_page_offset for c in (rg.column(i) for i in range(rg.num_columns))))
-    return starts, int(fs.size(path))
 
 
 def record_digests(out: str, share: ShareDigests, plan_fingerprint: str, store_options: dict | None) -> None:
@@ -185,9 +173,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("files", nargs="+")
     p.add_argument("--text-field", default="text")
     args = p.parse_args(argv)
-    plan = plan_shards(list_corpus(args.files, args.text_field), args.num_jobs)
+    corpus = Corpus.resolve(args.files, args.text_field)
+    plan = plan_shards(list_corpus(corpus), args.num_jobs)
     for job in range(args.num_jobs):
-        share = share_digests(args.files, plan, job, None, storage_options=None, store_options=None,
+        share = share_digests(corpus, plan, job, None, storage_options=None, store_options=None,
                               hasher=FileHasher())
         print(f"job {job}: {len(share.files)} files; {share.stats.line()}")
 

@@ -7,10 +7,10 @@ runs the check, who trusts whose record, and the wait for writer 0's record.
 from __future__ import annotations
 
 import logging
-import time
 
 from stage1_teacher.config import TeacherDumpConfig
 from stage1_teacher.dump_plan import Plan
+from stage1_teacher.polling import poll_until
 from xtcache.errors import CaptureError, CorruptionError
 
 log = logging.getLogger(__name__)
@@ -96,20 +96,13 @@ class CheckRecords:
             log.info("a first-batch check record already exists at %s/%s", self.loc.url, self.rel)
 
     def wait_for_passed(self):
-        deadline = time.monotonic() + CHECK_WAIT_S
         rec = self.read()
         if rec is None:
             log.info("waiting for writer 0's first-batch check record at %s/%s", self.loc.url, self.rel)
-        while rec is None:
-            if time.monotonic() > deadline:
-                raise CaptureError(f"no first-batch check of the fast path was recorded in {self.loc.url} within "
-                                   f"{CHECK_WAIT_S:.0f} s (writer 0 runs it); this writer's parts are committed but it "
-                                   "is not marked done: rerun it with --resume once writer 0 has run")
-            time.sleep(2.0)
-            try:
-                rec = self.read()
-            except CorruptionError:  # being written
-                rec = None
+            rec = poll_until(self.read, timeout_s=CHECK_WAIT_S, poll_s=2.0, expired=lambda: CaptureError(
+                f"no first-batch check of the fast path was recorded in {self.loc.url} within {CHECK_WAIT_S:.0f} s "
+                "(writer 0 runs it); this writer's parts are committed but it is not marked done: rerun it with "
+                "--resume once writer 0 has run"))
         return rec
 
 

@@ -22,8 +22,7 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
                     conversation=plan.messages_field is not None)
     docs = positions = windows = student_tokens = chunks = 0
     skipped: dict[str, int] = {}
-    rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options, plan=plan.shard_plan,
-                       job=cfg.store.shard_index, messages_field=plan.messages_field)
+    rows = iter_corpus(plan.corpus, plan=plan.shard_plan, job=cfg.store.shard_index)
     for part in iter_parts(rows, prep, docs_per_part=cfg.store.docs_per_part):
         for s in part.skipped:
             skipped[s.reason] = skipped.get(s.reason, 0) + 1

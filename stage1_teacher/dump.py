@@ -47,8 +47,8 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
 
     t_start = time.perf_counter()
     place_job(cfg)
-    preflight.check_inputs(cfg)  # corpus rows and output location, before the teacher is hashed or loaded
-    plan = make_plan(cfg)
+    corpus = preflight.check_inputs(cfg)  # corpus rows and output location, before the teacher is hashed or loaded
+    plan = make_plan(cfg, corpus)
     if cfg.dry_run:
         return dry_run(cfg, plan)
     summary = Summary(store=plan.out)

@@ -17,6 +17,7 @@ from schemas.models import support_width
 from stage1_teacher import preflight
 from stage1_teacher.cache_inputs import capture_identity, share_digests
 from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
+from stage1_teacher.corpus import Corpus
 from stage1_teacher.prep import StudentSide
 from stage1_teacher.shard_plan import PLAN_FILE, obtain_plan
 from xtcache.errors import ConfigError, StoreError
@@ -41,10 +42,13 @@ class Plan:
     out: str
     shard_plan: object  # shard_plan.ShardPlan
     messages_field: str | None = None  # conversation corpus: the field holding the messages
+    corpus: Corpus | None = None  # --data, resolved once
     corpus_digests: object = None  # cache_inputs.ShareDigests: this job's files, checked against the store
 
 
-def make_plan(cfg: TeacherDumpConfig) -> Plan:
+def make_plan(cfg: TeacherDumpConfig, corpus: Corpus | None = None) -> Plan:
+    """Resolve everything before the teacher runs; `corpus`: --data already resolved (by
+    `preflight.check_inputs`), else resolved here."""
     from stage1_teacher.head import read_config, weight_files
     from xtcache import fingerprint as fpr
     from xtcache.store import cache_path_for
@@ -57,7 +61,8 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
     teacher_tok = load_tokenizer(t.teacher, "teacher tokenizer")
     vocab_size = len(teacher_tok)
     t_fp = fpr.tokenizer_fingerprint(teacher_tok)
-    messages_field = preflight.resolve_messages_field(cfg)
+    corpus = corpus or preflight.open_corpus(cfg)
+    messages_field = corpus.messages_field
     conversation = None
     if messages_field:  # every model renders with its own template: refuse one without, before the teacher loads
         from xtcache.chat import chat_fingerprint, require_template, turn_marker_ids
@@ -96,7 +101,7 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
                     window_len, k)
     boundary = sorted(s.fingerprint for s in students if not s.identity)
     s = cfg.store
-    shards = obtain_plan(cfg.input.data, messages_field or cfg.input.text_field, num_jobs=s.num_shards, job=s.shard_index,
+    shards = obtain_plan(corpus, corpus.field, num_jobs=s.num_shards, job=s.shard_index,
                          out=s.out,
                          storage_options=cfg.data_options, store_options=s.storage_options, dry_run=cfg.dry_run)
     settings = settings_for_fingerprint(cfg, window_len=window_len, boundary_tokenizers=boundary,
@@ -104,18 +109,19 @@ def make_plan(cfg: TeacherDumpConfig) -> Plan:
     settings["capture_engine"] = capture_identity(t)
     # one job: every byte's digest is in the key; several: each job checks its files against the store
     share = None if s.num_shards > 1 else share_digests(
-        cfg.input.data, shards, 0, s.out, storage_options=cfg.data_options, store_options=s.storage_options)
+        corpus, shards, 0, s.out, storage_options=cfg.data_options, store_options=s.storage_options)
     fingerprints = {"teacher_model": fpr.model_fingerprint(t.teacher), "teacher_tokenizer": t_fp,
                     "corpus": shards.corpus_fingerprint if share is None else fpr.content_fingerprint(
                         share.files.values()), "settings": fpr.settings_fingerprint(settings)}
     key = fpr.cache_key(**fingerprints)
     out = s.out or cache_path_for(s.cache_dir, key)
-    share = share or share_digests(cfg.input.data, shards, s.shard_index, out, storage_options=cfg.data_options,
+    share = share or share_digests(corpus, shards, s.shard_index, out, storage_options=cfg.data_options,
                                    store_options=s.storage_options)
     log.info("corpus check, job %d: %s", s.shard_index, share.stats.line())
     return Plan(teacher_tok=teacher_tok, students=students, vocab_size=vocab_size, k=k,
                 window_len=window_len, max_model_len=max_model_len, cache_key=key, fingerprints=fingerprints,
-                settings=settings, out=out, shard_plan=shards, messages_field=messages_field, corpus_digests=share)
+                settings=settings, out=out, shard_plan=shards, messages_field=messages_field, corpus_digests=share,
+                corpus=corpus)
 
 
 def manifest_for(cfg: TeacherDumpConfig, plan: Plan):

@@ -109,7 +109,7 @@ class _Pipeline:
         self.q_post: queue.Queue = queue.Queue(maxsize=2)
         self.q_write: queue.Queue = queue.Queue(maxsize=2)
         self.lock = threading.Lock()
-        self.bar = progress_bar(cfg, plan.shard_plan, progress)
+        self.bar = progress_bar(plan.corpus, plan.shard_plan, cfg.store.shard_index, progress)
         self.cap = None
 
     def run(self, engines, checks: CheckRecords | None) -> None:
@@ -188,8 +188,7 @@ class _Pipeline:
 
     def produce(self) -> None:
         cfg, plan, summary = self.cfg, self.plan, self.summary
-        rows = iter_corpus(cfg.input.data, cfg.input.text_field, storage_options=cfg.data_options,
-                           plan=plan.shard_plan, job=cfg.store.shard_index, messages_field=plan.messages_field)
+        rows = iter_corpus(plan.corpus, plan=plan.shard_plan, job=cfg.store.shard_index)
         for part in iter_parts(rows, self.prep, docs_per_part=cfg.store.docs_per_part):
             with self.lock:
                 for s in part.skipped:

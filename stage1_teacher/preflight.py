@@ -18,6 +18,7 @@ import os
 import tempfile
 from collections import Counter
 
+from stage1_teacher.corpus import Corpus, Skipped, iter_file
 from xtcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -25,39 +26,46 @@ log = logging.getLogger(__name__)
 FIRST_ROWS = 64  # rows read from each corpus file before any model loads
 
 
-def resolve_messages_field(cfg) -> str | None:
-    """The conversation field of the corpus: --messages-field, or 'messages' when the first file's
-    first row has no --text-field but a 'messages' field (recorded in cfg, logged once)."""
-    from stage1_teacher.corpus import detect_messages_field
-
-    if cfg.input.messages_field is None and cfg.input.data:
-        found = detect_messages_field(cfg.input.data[0], cfg.input.text_field, cfg.data_options)
+def open_corpus(cfg) -> Corpus:
+    """`--data` resolved once (every file exists, has a known format and a unique base name; sizes
+    kept) with its document field: --messages-field, or 'messages' when the first file's first row
+    has no --text-field but a 'messages' field (recorded in cfg, logged once)."""
+    corpus = Corpus.resolve(cfg.input.data, cfg.input.text_field, messages_field=cfg.input.messages_field,
+                            storage_options=cfg.data_options)
+    if corpus.messages_field is None:
+        found = corpus.detect_messages_field()
         if found:
             log.info("--data %s holds conversations in field %r (no %r field): rendering them with each model's "
                      "chat template", cfg.input.data[0], found, cfg.input.text_field)
-            cfg.input.messages_field = found
-    return cfg.input.messages_field
+            cfg.input.messages_field = corpus.messages_field = found
+    return corpus
 
 
-def check_inputs(cfg) -> None:
-    """Refuse bad --data files and an unwritable output location (a TeacherDumpConfig), one line each."""
-    messages_field = resolve_messages_field(cfg)
-    for url in cfg.input.data:
-        check_first_rows(url, cfg.input.text_field, cfg.data_options, messages_field)
+def check_inputs(cfg, corpus: Corpus | None = None) -> Corpus:
+    """Refuse bad --data files and an unwritable output location (a TeacherDumpConfig), one line each;
+    returns the resolved corpus (`corpus`, or `open_corpus(cfg)`)."""
+    corpus = corpus or open_corpus(cfg)
+    for fi in range(len(corpus.files)):
+        _check_first_rows(corpus, fi)
     if cfg.dry_run:
-        return
+        return corpus
     if cfg.store.out:
         writable_location("--out", cfg.store.out, cfg.store.storage_options)
     elif cfg.store.cache_dir:
         writable_location("--cache-dir", os.path.expanduser(cfg.store.cache_dir), cfg.store.storage_options)
+    return corpus
 
 
 def check_first_rows(url: str, text_field: str, storage_options: dict | None, messages_field: str | None = None) -> None:
     """The file exists and at least one of its first FIRST_ROWS rows is a usable document."""
-    from stage1_teacher.corpus import Skipped, iter_corpus
+    _check_first_rows(Corpus.resolve([url], text_field, messages_field=messages_field,
+                                     storage_options=storage_options), 0)
 
+
+def _check_first_rows(corpus: Corpus, fi: int) -> None:
+    url, messages_field = corpus.files[fi].url, corpus.messages_field
     skipped: Counter[str] = Counter()
-    rows = iter_corpus([url], text_field, storage_options=storage_options, messages_field=messages_field)
+    rows = iter_file(corpus, fi)
     try:
         for n, row in enumerate(rows):
             if not isinstance(row, Skipped):
@@ -72,7 +80,7 @@ def check_first_rows(url: str, text_field: str, storage_options: dict | None, me
     reasons = ", ".join(f"{n} {r}" for r, n in skipped.most_common())
     raise ConfigError(f"--data {url}: none of its first {sum(skipped.values())} rows is a usable document "
                       f"({reasons}); check " + (f"--messages-field {messages_field!r}" if messages_field else
-                                                f"--text-field {text_field!r}") + " and the file's format")
+                                                f"--text-field {corpus.text_field!r}") + " and the file's format")
 
 
 def writable_location(flag: str, url: str, storage_options: dict | None) -> None:

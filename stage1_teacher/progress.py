@@ -6,35 +6,27 @@ job's rows can be counted cheaply.
 
 from __future__ import annotations
 
-from stage1_teacher.config import TeacherDumpConfig
+from stage1_teacher.corpus import Corpus
 
 
-def progress_bar(cfg: TeacherDumpConfig, shard_plan, enabled: bool):
+def progress_bar(corpus: Corpus, shard_plan, job: int, enabled: bool):
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=count_rows(shard_plan, cfg), unit="doc", dynamic_ncols=True, mininterval=1.0)
+    return tqdm(total=count_rows(corpus, shard_plan, job), unit="doc", dynamic_ncols=True, mininterval=1.0)
 
 
-def count_rows(shard_plan, cfg: TeacherDumpConfig) -> int | None:
-    """Rows of this job's ranges (cheap: the plan's row-group counts or a newline count of its local
+def count_rows(corpus: Corpus, shard_plan, job: int) -> int | None:
+    """Rows of job `job`'s ranges (cheap: the plan's row-group counts or a newline count of its local
     files), for the progress bar's ETA. None (no ETA) for Arrow files and for remote text files,
     which would have to be read twice."""
-    from xtcache.store_io import is_local, local_path
-
     total = 0
-    for r in shard_plan.jobs[cfg.store.shard_index]:
+    for r in shard_plan.jobs[job]:
         rows = shard_plan.range_rows(r)
-        url = cfg.input.data[r.file]
-        if rows is not None:
-            total += rows
-        elif shard_plan.files[r.file].format == "arrow" or not is_local(url):
+        if rows is None and shard_plan.files[r.file].format != "arrow":
+            rows = corpus.count_lines(r.file)
+        if rows is None:
             return None
-        else:
-            try:
-                with open(local_path(url), "rb") as f:
-                    total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 22), b""))
-            except OSError:
-                return None
+        total += rows
     return total

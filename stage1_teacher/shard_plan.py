@@ -28,22 +28,21 @@ its own ranges, so the cluster reads the corpus once in total instead of `N` tim
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 
-from xtcache.errors import ConfigError, CorruptionError, StoreError
+from stage1_teacher.corpus import Corpus
+from stage1_teacher.polling import poll_until
+from xtcache.errors import ConfigError, StoreError
+from xtcache.fingerprint import canonical_sha256
 
 log = logging.getLogger(__name__)
 
 PLAN_FILE = "shard_plan.json"
 PLAN_WAIT_S = 1800.0  # how long writers other than 0 wait for writer 0's plan
 PLAN_POLL_S = 2.0
-LIST_THREADS = 16  # footers read at once while listing the corpus
 
 
 @dataclass(frozen=True)
@@ -85,8 +84,9 @@ class ShardPlan:
 
     def __post_init__(self):
         if not self.fingerprint:
-            self.fingerprint = _sha(_canonical({"num_jobs": self.num_jobs, "files": [f.as_json() for f in self.files],
-                                                "jobs": [[[r.file, r.start, r.stop] for r in j] for j in self.jobs]}))
+            self.fingerprint = canonical_sha256({"num_jobs": self.num_jobs, "files": [f.as_json() for f in self.files],
+                                                 "jobs": [[[r.file, r.start, r.stop] for r in j] for j in self.jobs]},
+                                                ascii_only=True)
 
     def range_bytes(self, r: Range) -> int:
         f = self.files[r.file]
@@ -162,72 +162,52 @@ def plan_shards(files: list[FileEntry], num_jobs: int, corpus_fingerprint: str =
     return ShardPlan(num_jobs=num_jobs, files=list(files), jobs=jobs, corpus_fingerprint=corpus_fingerprint)
 
 
-def list_corpus(urls: list[str], text_field: str, storage_options: dict | None = None) -> list[FileEntry]:
-    """The planner's listing: sizes, and for Parquet the row groups from the footer (no data pages)."""
-    from concurrent.futures import ThreadPoolExecutor
+def list_corpus(corpus: Corpus | list[str], text_field: str = "text",
+                storage_options: dict | None = None) -> list[FileEntry]:
+    """The planner's listing: sizes, and for Parquet the row groups from the footer (no data pages).
 
-    from stage1_teacher.corpus import check_sources, file_format
-    from xtcache.store_io import file_system, is_local
-
-    names = check_sources(urls, storage_options)
-
-    def one(url: str, name: str) -> FileEntry:
-        fs, path = file_system(url, storage_options)
-        fmt = file_format(url)
-        size = int(fs.size(path))
+    `corpus`: a resolved `Corpus`, or URLs resolved here with `text_field` and `storage_options`."""
+    corpus = Corpus.of(corpus, text_field, storage_options)
+    footers = corpus.footers()
+    entries = []
+    for fi, f in enumerate(corpus.files):
         groups = None
-        if fmt == "parquet":
-            with fs.open(path, "rb", **({} if is_local(url) else {"cache_type": "none"})) as f:
-                groups = parquet_row_groups(f, url, text_field)
-        return FileEntry(name=name, size=size, format=fmt, row_groups=groups)
-
-    # an object store answers one footer request in tens of ms: ask for several at once
-    with ThreadPoolExecutor(max_workers=min(LIST_THREADS, max(1, len(urls)))) as pool:
-        return list(pool.map(one, urls, names))
-
-
-def parquet_row_groups(f, url: str, text_field: str) -> tuple[tuple[int, int], ...]:
-    """(rows, compressed bytes of the text column) of every row group, from the footer."""
-    import pyarrow.parquet as pq
-
-    md = pq.ParquetFile(f).metadata
-    schema = md.schema.to_arrow_schema()
-    if text_field not in schema.names:
-        raise ConfigError(f"--data {url}: no column {text_field!r} (columns: {schema.names}); set --text-field")
-    groups = []
-    for g in range(md.num_row_groups):
-        rg = md.row_group(g)
-        nbytes = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns)
-                     if rg.column(c).path_in_schema.split(".")[0] == text_field)
-        groups.append((rg.num_rows, int(nbytes)))
-    return tuple(groups)
+        if fi in footers:
+            if corpus.field not in footers[fi].columns:
+                raise ConfigError(f"--data {f.url}: no column {corpus.field!r} (columns: {list(footers[fi].columns)}); "
+                                  "set --text-field")
+            groups = footers[fi].row_groups(corpus.field)
+        entries.append(FileEntry(name=f.name, size=f.size, format=f.format, row_groups=groups))
+    return entries
 
 
-def build_plan(urls: list[str], text_field: str, num_jobs: int, storage_options: dict | None) -> ShardPlan:
+def build_plan(corpus: Corpus | list[str], text_field: str, num_jobs: int, storage_options: dict | None = None
+               ) -> ShardPlan:
     """List the corpus and plan it (what writer 0, or a single job, does). The plan carries the
     listing's fingerprint (names and sizes): no content is read here; each job digests its own
     files (`stage1_teacher.cache_inputs`)."""
     from xtcache.fingerprint import listing_fingerprint
 
-    listing = list_corpus(urls, text_field, storage_options)
+    listing = list_corpus(corpus, text_field, storage_options)
     return plan_shards(listing, num_jobs, listing_fingerprint((f.name, f.size) for f in listing))
 
 
-def obtain_plan(urls: list[str], text_field: str, *, num_jobs: int, job: int, out: str | None,
+def obtain_plan(corpus: Corpus | list[str], text_field: str, *, num_jobs: int, job: int, out: str | None,
                 storage_options: dict | None, store_options: dict | None, dry_run: bool = False) -> ShardPlan:
     """This run's plan: the store's `shard_plan.json` when there is one (checked against the corpus
     listing and N), else built here (writer 0 stores it; a dry run keeps it to itself) or, for
-    writers other than 0, waited for."""
+    writers other than 0, waited for. `corpus`: a resolved `Corpus`, or URLs resolved here."""
+    corpus = Corpus.of(corpus, text_field, storage_options)
     if num_jobs == 1 or not out:
-        return build_plan(urls, text_field, num_jobs, storage_options)
+        return build_plan(corpus, text_field, num_jobs)
     from xtcache.store_io import Location
 
     loc = Location(out, store_options)
     raw = loc.read_json(PLAN_FILE)
     if raw is None and dry_run:
-        return build_plan(urls, text_field, num_jobs, storage_options)
+        return build_plan(corpus, text_field, num_jobs)
     if raw is None and job == 0:
-        plan = build_plan(urls, text_field, num_jobs, storage_options)
+        plan = build_plan(corpus, text_field, num_jobs)
         if loc.create_exclusive(PLAN_FILE, plan.as_json()):
             log.info("shard plan for %d jobs written to %s/%s (fingerprint %s..)", num_jobs, out, PLAN_FILE,
                      plan.fingerprint[:12])
@@ -235,49 +215,20 @@ def obtain_plan(urls: list[str], text_field: str, *, num_jobs: int, job: int, ou
         raw = loc.read_json(PLAN_FILE)
     if raw is None:
         log.info("waiting for writer 0 to store the shard plan at %s/%s", out, PLAN_FILE)
-        deadline = time.monotonic() + PLAN_WAIT_S
-        while raw is None:
-            if time.monotonic() > deadline:
-                raise StoreError(f"--out {out}: writer 0 stored no {PLAN_FILE} within {PLAN_WAIT_S:.0f} s; start "
-                                 "--shard-index 0 first (it lists the corpus once for all jobs)")
-            time.sleep(PLAN_POLL_S)
-            try:
-                raw = loc.read_json(PLAN_FILE)
-            except CorruptionError:  # writer 0 is writing it right now
-                raw = None
+        raw = poll_until(lambda: loc.read_json(PLAN_FILE), timeout_s=PLAN_WAIT_S, poll_s=PLAN_POLL_S,
+                         expired=lambda: StoreError(f"--out {out}: writer 0 stored no {PLAN_FILE} within "
+                                                    f"{PLAN_WAIT_S:.0f} s; start --shard-index 0 first (it lists the "
+                                                    "corpus once for all jobs)"))
     plan = ShardPlan.from_json(raw, f"{out}/{PLAN_FILE}")
     if plan.num_jobs != num_jobs:
         raise ConfigError(f"--num-shards {num_jobs}: --out {out} was planned for {plan.num_jobs} jobs; a store keeps "
                           f"one shard plan (use --num-shards {plan.num_jobs} or another --out)")
-    names = [os.path.basename(u.rstrip("/")) for u in urls]
+    names = [f.name for f in corpus.files]
     if names != [f.name for f in plan.files]:
         raise ConfigError(f"--data: the corpus files differ from those {out}/{PLAN_FILE} was planned for "
                           f"({len(names)} files given, {len(plan.files)} planned); use the same --data or another "
                           "--out")
     return plan
-
-
-def check_own_files(plan: ShardPlan, urls: list[str], job: int, storage_options: dict | None) -> None:
-    """Sizes of this job's files against the plan (a cheap stat each): a changed corpus is refused."""
-    from xtcache.store_io import file_system
-
-    for fi in sorted({r.file for r in plan.jobs[job]}):
-        fs, path = file_system(urls[fi], storage_options)
-        try:
-            size = int(fs.size(path))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--data {urls[fi]}: cannot reach it ({type(e).__name__}: {e})") from None
-        if size != plan.files[fi].size:
-            raise StoreError(f"--data {urls[fi]}: {size} bytes, but the shard plan was made for {plan.files[fi].size} "
-                             "bytes; the corpus changed since the plan, start a new --out")
-
-
-def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _sha(b: bytes) -> str:
-    return hashlib.sha256(b).hexdigest()
 
 
 # --------------------------------------------------------------------------- launcher indices

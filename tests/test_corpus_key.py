@@ -277,6 +277,7 @@ def test_a_parquet_file_split_between_jobs_is_checked_span_by_span(tmp_path, mon
     import pyarrow.parquet as pq
 
     from stage1_teacher.cache_inputs import file_spans, record_digests, share_digests
+    from stage1_teacher.corpus import Corpus
     from stage1_teacher.shard_plan import list_corpus, plan_shards
 
     monkeypatch.setattr(file_digest, "RACY_S", 0.2)
@@ -285,7 +286,7 @@ def test_a_parquet_file_split_between_jobs_is_checked_span_by_span(tmp_path, mon
                    compression="none", use_dictionary=False)
     urls, out = [str(path)], str(tmp_path / "store")
     plan = plan_shards(list_corpus(urls, "text"), 2)
-    spans = file_spans(urls[0], plan, 0, None)
+    spans = file_spans(Corpus.resolve(urls), plan, 0)
     size = path.stat().st_size
     assert spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == size and 0 < spans[1][0] < size
     time.sleep(0.3)

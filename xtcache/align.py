@@ -634,6 +634,21 @@ def _share(part, whole) -> float:
     return float(part) / float(whole) if whole else 1.0
 
 
+def chunk_shape_counts(alignments) -> dict[str, int]:
+    """Chunks by (student tokens : teacher tokens) shape over one or many alignments: 1:1, 1:n, n:1,
+    n:m, and empty (either side has no token)."""
+    alignments = [alignments] if isinstance(alignments, Alignment) else list(alignments)
+    return _shape_counts(_concat((np.diff(a.student_end, prepend=0) for a in alignments), np.int64),
+                         _concat((np.diff(a.teacher_end, prepend=0) for a in alignments), np.int64))
+
+
+def _shape_counts(ns: np.ndarray, nt: np.ndarray) -> dict[str, int]:
+    """`ns`, `nt`: student and teacher tokens of each chunk."""
+    return {"1:1": int(np.sum((ns == 1) & (nt == 1))), "1:n": int(np.sum((ns == 1) & (nt > 1))),
+            "n:1": int(np.sum((ns > 1) & (nt == 1))), "n:m": int(np.sum((ns > 1) & (nt > 1))),
+            "empty": int(np.sum((ns == 0) | (nt == 0)))}
+
+
 def alignment_stats(alignments) -> dict:
     """Chunk shape counts and exact shares over one or many alignments.
 
@@ -646,10 +661,9 @@ def alignment_stats(alignments) -> dict:
     ns = cat((np.diff(a.student_end, prepend=0) for a in alignments), np.int64)
     nt = cat((np.diff(a.teacher_end, prepend=0) for a in alignments), np.int64)
     ex = cat((a.exact for a in alignments), bool)
-    out = {"chunks": int(ns.shape[0]), "1:1": int(np.sum((ns == 1) & (nt == 1))),
-           "1:n": int(np.sum((ns == 1) & (nt > 1))), "n:1": int(np.sum((ns > 1) & (nt == 1))),
-           "n:m": int(np.sum((ns > 1) & (nt > 1))), "empty_student": int(np.sum(ns == 0)),
-           "empty_teacher": int(np.sum(nt == 0)), "exact_chunks": int(ex.sum()),
+    shapes = _shape_counts(ns, nt)
+    out = {"chunks": int(ns.shape[0]), **{k: shapes[k] for k in ("1:1", "1:n", "n:1", "n:m")},
+           "empty_student": int(np.sum(ns == 0)), "empty_teacher": int(np.sum(nt == 0)), "exact_chunks": int(ex.sum()),
            "exact_student_token_share": _share(ns[ex].sum(), ns.sum()),
            "exact_teacher_token_share": _share(nt[ex].sum(), nt.sum())}
     if all(a.char_end is not None for a in alignments):

@@ -23,8 +23,17 @@ from xtcache.errors import XtcacheError
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
-def _canonical_json(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+def canonical_json(obj: Any, *, ascii_only: bool = False) -> bytes:
+    """The bytes a fingerprint hashes: JSON with sorted keys, no whitespace, UTF-8.
+
+    `ascii_only` escapes non-ASCII characters (\\uXXXX): the shard plan's fingerprint has always been
+    taken so, and stored plans and cache keys keep it, so their file names hash as they did."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=ascii_only).encode("utf-8")
+
+
+def canonical_sha256(obj: Any, *, ascii_only: bool = False) -> str:
+    """sha256 hex digest of `canonical_json(obj)`."""
+    return hashlib.sha256(canonical_json(obj, ascii_only=ascii_only)).hexdigest()
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -60,7 +69,7 @@ def tokenizer_fingerprint(path_or_tokenizer: Any) -> str:
         content = json.loads(backend.to_str())
     if isinstance(content, dict):
         content = {**content, "truncation": None, "padding": None}
-    return hashlib.sha256(_canonical_json(content)).hexdigest()
+    return canonical_sha256(content)
 
 
 def model_fingerprint(model_dir: str | os.PathLike) -> str:
@@ -77,7 +86,7 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
         "config": json.loads(config.read_text(encoding="utf-8")),
         "weights": {p.name: _sha256_file(p) for p in weights},
     }
-    return hashlib.sha256(_canonical_json(parts)).hexdigest()
+    return canonical_sha256(parts)
 
 
 def corpus_fingerprint(files: Iterable[str | os.PathLike], storage_options: dict | None = None,
@@ -107,7 +116,7 @@ def content_fingerprint(digests: Iterable) -> str:
     entries = [{"name": d.name, "size": d.size, "sha256": d.sha256} for d in digests]
     if not entries:
         raise XtcacheError("corpus fingerprint: no corpus files given")
-    return hashlib.sha256(_canonical_json({"files": entries, "content": "sha256"})).hexdigest()
+    return canonical_sha256({"files": entries, "content": "sha256"})
 
 
 def listing_fingerprint(names_and_sizes: Iterable[tuple[str, int]]) -> str:
@@ -116,13 +125,13 @@ def listing_fingerprint(names_and_sizes: Iterable[tuple[str, int]]) -> str:
     entries = [{"name": str(n), "size": int(s)} for n, s in names_and_sizes]
     if not entries:
         raise XtcacheError("corpus fingerprint: no corpus files given")
-    return hashlib.sha256(_canonical_json({"files": entries, "content": "per-job digests"})).hexdigest()
+    return canonical_sha256({"files": entries, "content": "per-job digests"})
 
 
 def settings_fingerprint(settings: dict[str, Any]) -> str:
     """sha256 of the settings as sorted-key JSON (values must be JSON-serialisable)."""
     try:
-        return hashlib.sha256(_canonical_json(settings)).hexdigest()
+        return canonical_sha256(settings)
     except TypeError as e:
         raise XtcacheError(f"capture settings are not JSON-serialisable: {e}") from None
 
@@ -131,12 +140,18 @@ def cache_key(*, teacher_model: str, teacher_tokenizer: str, corpus: str, settin
     """One hex key from the four component fingerprints; names the cache directory."""
     parts = {"teacher_model": teacher_model, "teacher_tokenizer": teacher_tokenizer,
              "corpus": corpus, "settings": settings, "xtcache_cache_key": 1}
-    return hashlib.sha256(_canonical_json(parts)).hexdigest()
+    return canonical_sha256(parts)
 
 
 def content_hash(text: str) -> str:
     """Short sha256 of a document's utf-8 text, part of its document id."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def doc_id(source: str, row: int, content_hash: str) -> str:
+    """A document's id, 'source:row:content_hash': its file's base name, its 0-based row in that
+    file and the hash of its text."""
+    return f"{source}:{row}:{content_hash}"
 
 
 if __name__ == "__main__":

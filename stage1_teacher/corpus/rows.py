@@ -6,6 +6,7 @@ that file, and a hash of its text. Rows that cannot become a document (missing o
 field, invalid UTF-8, empty text) are yielded as `Skipped` with a reason, so the caller can count
 them in its summary instead of dropping them silently.
 
+It reads a resolved `Corpus` (`stage1_teacher.corpus.files`: the files, their formats and sizes).
 Parallel jobs read only their share: `iter_corpus(..., plan=, job=)` opens the ranges that
 `stage1_teacher.shard_plan` gave the job (Parquet row groups, whole files otherwise).
 
@@ -30,19 +31,12 @@ Formats by file suffix:
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from stage1_teacher.corpus.files import Corpus, read_lines
 from xtcache.errors import ConfigError
-from xtcache.fingerprint import content_hash
-from xtcache.store_io import is_local
-
-PARQUET = (".parquet",)
-ARROW = (".arrow", ".feather", ".ipc")
-JSONL = (".jsonl", ".json", ".ndjson")
-TEXT = (".txt",)
-SUFFIXES = PARQUET + ARROW + JSONL + TEXT
+from xtcache.fingerprint import content_hash, doc_id
 
 
 @dataclass(frozen=True)
@@ -61,7 +55,7 @@ class Document:
 
     @property
     def doc_id(self) -> str:
-        return f"{self.source}:{self.row}:{self.content_hash}"
+        return doc_id(self.source, self.row, self.content_hash)
 
 
 @dataclass(frozen=True)
@@ -71,40 +65,6 @@ class Skipped:
     source: str
     row: int
     reason: str
-
-
-def file_format(path: str) -> str:
-    """'parquet', 'arrow', 'jsonl' or 'text' from the file suffix; ConfigError otherwise."""
-    low = path.lower()
-    for suffixes, name in ((PARQUET, "parquet"), (ARROW, "arrow"), (JSONL, "jsonl"), (TEXT, "text")):
-        if low.endswith(suffixes):
-            return name
-    raise ConfigError(f"--data {path}: unknown corpus format; use one of {', '.join(SUFFIXES)}")
-
-
-def check_sources(files: list[str], storage_options: dict | None = None) -> list[str]:
-    """Validate the corpus files and return their source names (base names, which must be unique)."""
-    from xtcache.store_io import file_system
-
-    if not files:
-        raise ConfigError("--data: give at least one corpus file")
-    names = []
-    for f in files:
-        try:
-            fs, path = file_system(f, storage_options)
-            found = fs.isfile(path)
-        except (ImportError, ValueError, OSError) as e:
-            raise ConfigError(f"--data {f}: cannot reach it ({type(e).__name__}: {e}); for remote files check the "
-                              "fsspec backend (s3fs, gcsfs, ...) and --storage-options") from None
-        if not found:
-            raise ConfigError(f"--data {f}: no such file")
-        file_format(f)
-        names.append(os.path.basename(path.rstrip("/")))
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ConfigError(f"--data: two corpus files share the base name {dup[0]!r}; document ids use the base "
-                          "name, so rename one of them")
-    return names
 
 
 def _text_of(source: str, row: int, value) -> Document | Skipped:
@@ -146,40 +106,6 @@ def _iter_conversations(table_columns, names, source: str, row0: int, messages_f
     tools = table_columns[names.index(TOOLS_FIELD)].to_pylist() if TOOLS_FIELD in names else [None] * len(msgs)
     for i, (m, t) in enumerate(zip(msgs, tools)):
         yield _conversation_of(source, row0 + i, m, t)
-
-
-def detect_messages_field(url: str, text_field: str, storage_options: dict | None = None) -> str | None:
-    """'messages' when the file's first row (or schema) has no `text_field` but a `messages` field."""
-    from xtcache.store_io import file_system
-
-    fmt = file_format(url)
-    if fmt == "text":
-        return None
-    fs, path = file_system(url, storage_options)
-    with fs.open(path, "rb") as f:
-        if fmt == "jsonl":
-            for line in read_lines(f):
-                try:
-                    obj = json.loads(line.decode("utf-8"))
-                except (UnicodeDecodeError, ValueError):
-                    continue
-                names = list(obj) if isinstance(obj, dict) else []
-                break
-            else:
-                names = []
-        elif fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            names = pq.ParquetFile(f).schema_arrow.names
-        else:
-            import pyarrow as pa
-
-            data = f.read()
-            try:
-                names = pa.ipc.open_file(pa.BufferReader(data)).schema.names
-            except pa.ArrowInvalid:
-                names = pa.ipc.open_stream(pa.BufferReader(data)).schema.names
-    return "messages" if text_field not in names and "messages" in names else None
 
 
 def _iter_parquet(f, path: str, source: str, text_field: str, batch_rows: int, groups: tuple[int, int] | None = None,
@@ -253,21 +179,6 @@ def _iter_arrow(f, path: str, source: str, text_field: str, batch_rows: int, mes
             row += batch.num_rows
 
 
-def read_lines(f, block: int = 1 << 22):
-    """Lines of a binary file (without the newline), read in 4 MiB blocks: remote files' readline
-    would copy their whole read-ahead buffer for every line."""
-    tail = b""
-    while True:
-        buf = f.read(block)
-        if not buf:
-            break
-        parts = (tail + buf).split(b"\n")
-        tail = parts.pop()
-        yield from parts
-    if tail:
-        yield tail
-
-
 def _iter_jsonl(f, source: str, text_field: str, messages_field: str | None = None):
     for row, line in enumerate(read_lines(f)):
         try:
@@ -296,46 +207,51 @@ def _iter_text(f, source: str):
         yield _text_of(source, row, line.rstrip(b"\r"))
 
 
-def iter_corpus(files: list[str], text_field: str = "text", *, batch_rows: int = 1024,
+def iter_corpus(files: Corpus | list[str], text_field: str = "text", *, batch_rows: int = 1024,
                 storage_options: dict | None = None, plan=None, job: int = 0,
                 messages_field: str | None = None) -> Iterator[Document | Skipped]:
     """Every row of every file, in order, as a Document or a Skipped row (streaming).
 
-    With `messages_field`, rows are conversations (Documents with `conversation=True`).
+    `files`: a resolved `Corpus` (its fields and options are used), or URLs to resolve with
+    `text_field`, `messages_field` and `storage_options`. With a messages field, rows are
+    conversations (Documents with `conversation=True`).
 
     With a `shard_plan.ShardPlan`, only job `job`'s ranges are opened and read (Parquet: its row
     groups; other formats: its whole files), with the same row numbers as a read of everything.
     """
-    from xtcache.store_io import file_system
-
+    corpus = files if isinstance(files, Corpus) else Corpus.resolve(
+        files, text_field, messages_field=messages_field, storage_options=storage_options)
     if plan is None:
-        names = check_sources(files, storage_options)
-        todo = [(url, source, None, None) for url, source in zip(files, names)]
+        todo = [(fi, None, None) for fi in range(len(corpus.files))]
     else:
-        from stage1_teacher.shard_plan import check_own_files
+        corpus.check_plan(plan, job)
+        todo = [(r.file, (r.start, r.stop), plan.files[r.file].row_groups) for r in plan.jobs[job]]
+    for fi, groups, planned in todo:
+        yield from iter_file(corpus, fi, batch_rows, groups, planned)
 
-        check_own_files(plan, files, job, storage_options)
-        todo = [(files[r.file], plan.files[r.file].name, (r.start, r.stop), plan.files[r.file].row_groups)
-                for r in plan.jobs[job]]
-    for url, source, groups, planned in todo:
-        fmt = file_format(url)
-        fs, path = file_system(url, storage_options)
-        local = is_local(url)
-        if fmt == "arrow" and local:
-            yield from _iter_arrow(path, url, source, text_field, batch_rows, messages_field)  # memory-mapped
-            continue
-        if fmt == "text" and messages_field:
-            raise ConfigError(f"--data {url}: a .txt corpus holds plain text, not conversations (--messages-field)")
-        # remote: no read-ahead cache (fsspec's default fetches 50 MiB past every range pyarrow asks for)
-        with fs.open(path, "rb", **({} if local else {"cache_type": "none"})) as f:
-            if fmt == "parquet":
-                yield from _iter_parquet(f, url, source, text_field, batch_rows, groups, planned, messages_field)
-            elif fmt == "arrow":
-                yield from _iter_arrow(f, url, source, text_field, batch_rows, messages_field)
-            elif fmt == "jsonl":
-                yield from _iter_jsonl(f, source, text_field, messages_field)
-            else:
-                yield from _iter_text(f, source)
+
+def iter_file(corpus: Corpus, fi: int, batch_rows: int = 1024, groups: tuple[int, int] | None = None,
+              planned: tuple | None = None) -> Iterator[Document | Skipped]:
+    """The rows of file `fi` (Parquet: of row groups `groups`, planned as `planned`; None: all)."""
+    from xtcache.store_io import file_system, is_local
+
+    url, source, fmt = corpus.files[fi].url, corpus.files[fi].name, corpus.files[fi].format
+    text_field, messages_field = corpus.text_field, corpus.messages_field
+    if fmt == "arrow" and is_local(url):
+        path = file_system(url, corpus.storage_options)[1]
+        yield from _iter_arrow(path, url, source, text_field, batch_rows, messages_field)  # memory-mapped
+        return
+    if fmt == "text" and messages_field:
+        raise ConfigError(f"--data {url}: a .txt corpus holds plain text, not conversations (--messages-field)")
+    with corpus.open(fi) as f:
+        if fmt == "parquet":
+            yield from _iter_parquet(f, url, source, text_field, batch_rows, groups, planned, messages_field)
+        elif fmt == "arrow":
+            yield from _iter_arrow(f, url, source, text_field, batch_rows, messages_field)
+        elif fmt == "jsonl":
+            yield from _iter_jsonl(f, source, text_field, messages_field)
+        else:
+            yield from _iter_text(f, source)
 
 
 def main(argv: list[str]) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from schemas.models import DocId
-from xtcache.fingerprint import content_hash
+from xtcache.fingerprint import content_hash, doc_id
 
 
 @dataclass
@@ -38,7 +38,7 @@ class DocRecord:
 
     @property
     def doc_id(self) -> str:
-        return f"{self.source}:{self.row}:{self.content_hash}"
+        return doc_id(self.source, self.row, self.content_hash)
 
 
 @dataclass
@@ -74,7 +74,7 @@ class ShardData:
         return len(self.docs)
 
     def doc_ids(self) -> list[str]:
-        return [f"{d.source}:{d.row}:{d.content_hash}" for d in self.docs]
+        return [doc_id(d.source, d.row, d.content_hash) for d in self.docs]
 
     def doc(self, i: int) -> DocRecord:
         a, b = int(self.doc_pos_offsets[i]), int(self.doc_pos_offsets[i + 1])

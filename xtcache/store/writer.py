@@ -27,7 +27,7 @@ from schemas.models import (
     ShardMeta,
     WriterDone,
 )
-from xtcache import codecs
+from xtcache import align, codecs
 from xtcache.errors import FormatVersionError, StoreError, XtcacheError
 from xtcache.store.arrays import concat as _concat
 from xtcache.store.arrays import default_compression, read_arrays, write_array
@@ -321,16 +321,7 @@ def conversation_counts(records: list[AlignmentRecord], roles: np.ndarray) -> di
 
 def chunk_shape_counts(records: list[AlignmentRecord]) -> dict[str, int]:
     """Counts of chunks by (student tokens : teacher tokens) shape: 1:1, 1:n, n:1, n:m, empty."""
-    out = {"1:1": 0, "1:n": 0, "n:1": 0, "n:m": 0, "empty": 0}
-    for r in records:
-        s = np.diff(np.asarray(r.alignment.student_end, dtype=np.int64), prepend=0)
-        t = np.diff(np.asarray(r.alignment.teacher_end, dtype=np.int64), prepend=0)
-        out["empty"] += int(np.count_nonzero((s == 0) | (t == 0)))
-        out["1:1"] += int(np.count_nonzero((s == 1) & (t == 1)))
-        out["1:n"] += int(np.count_nonzero((s == 1) & (t > 1)))
-        out["n:1"] += int(np.count_nonzero((s > 1) & (t == 1)))
-        out["n:m"] += int(np.count_nonzero((s > 1) & (t > 1)))
-    return out
+    return align.chunk_shape_counts([r.alignment for r in records])
 
 
 def _package_version() -> str:
