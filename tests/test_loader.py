@@ -388,3 +388,19 @@ def test_a_part_longer_than_its_alignment_is_refused_by_the_reader_check(store, 
     sid = reader.shards[0].shard_id
     with pytest.raises(CorruptionError, match="does not end at its token count"):
         reader.read_alignment(fp, sid, doc_pos_offsets=reader.read_shard(sid).doc_pos_offsets)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 40), max_size=12), max_size=3), st.integers(41, 60), st.integers(2, 12))
+def test_common_boundaries_cuts_teacher_windows_as_stage_1_did(ends, n_tokens, max_len):
+    """xtcache.packing.common_boundaries serves stage 1's window cuts: the windows planned with it
+    equal those planned with stage1_teacher.windows.common_boundaries (None for no alignment, 0 kept)."""
+    from stage1_teacher.windows import common_boundaries as stage1_boundaries
+    from stage1_teacher.windows import plan_windows
+    from xtcache.packing import common_boundaries
+
+    arrays = [np.sort(np.asarray(e, dtype=np.int32)) for e in ends]
+    got = common_boundaries(arrays)
+    assert got.dtype == np.int64 and np.all(np.diff(got) > 0) and np.all(got > 0)
+    assert all(np.isin(got, a).all() for a in arrays)
+    assert plan_windows(n_tokens, max_len, 0, got) == plan_windows(n_tokens, max_len, 0, stage1_boundaries(arrays))

@@ -154,14 +154,19 @@ def pack_trained(doc_indices, chunk_lengths: list[np.ndarray], chunk_trained: li
 
 
 def common_boundaries(ends: list[np.ndarray]) -> np.ndarray:
-    """Student-token ends shared by every teacher's chunks of one document: the chunk groups.
+    """int64 [G] the positive chunk ends that every one of `ends` (chunk ends of one document, one
+    array per tokenization or teacher) holds, ascending; empty when `ends` is.
 
-    A group is the smallest run of student tokens that whole chunks of every teacher cover; with
-    one teacher each group is one chunk (with any empty-student chunks after it).
+    Stage 2: the student-token ends of every teacher's chunks, the chunk groups: a group is the
+    smallest run of student tokens that whole chunks of every teacher cover; with one teacher each
+    group is one chunk (with any empty-student chunks after it). Stage 1 (teacher windows): the
+    teacher-token ends of every student's alignment, where a window may be cut.
     """
-    common = np.unique(ends[0])
+    if not ends:
+        return np.zeros(0, dtype=np.int64)
+    common = np.unique(np.asarray(ends[0], dtype=np.int64))
     for e in ends[1:]:
-        common = np.intersect1d(common, e, assume_unique=False)
+        common = np.intersect1d(common, np.asarray(e, dtype=np.int64), assume_unique=False)
     return common[common > 0]
 
 
