@@ -198,3 +198,173 @@ def test_whitespace_only_and_dropped_texts_are_counted_unaligned(toks):
     # the whitespace-only user text (2) and the reasoning the teacher drops before a later user turn (5)
     assert ca.stats["unaligned_spans"] == 2 and ca.stats["unaligned_chars"] == 2 + 5
     assert ca.stats["misaligned_chars"] == 0
+
+
+# Templates that change a text (strip only newlines, escape, upper-case, write a text twice): the batch reading
+# of the marked renderings (`xtcache.chat_runs.read`) leaves such conversations to the general walk.
+CHANGING = {
+    "strip-newlines": (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>\n"
+        "{{ m.reasoning_content.strip('\\n') }}\n</think>\n\n{% endif %}{{ (m.content or '').lstrip('\\n') }}"
+        "<|im_end|>\n{% endfor %}"),
+    "escape": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ (m.content or '') | replace('a', '&a;') }}"
+              "<|im_end|>\n{% endfor %}",
+    "upper": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ (m.content or '') | upper }}<|im_end|>\n{% endfor %}",
+    "twice": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}{% if m.role == 'user' %}"
+             " ({{ m.content }}){% endif %}<|im_end|>\n{% endfor %}",
+}
+
+
+@pytest.fixture(scope="module")
+def changing(toks):
+    from transformers import AutoTokenizer
+
+    out = {}
+    for name, template in CHANGING.items():
+        tok = AutoTokenizer.from_pretrained(toks[("chatml", "student")].name_or_path)
+        tok.chat_template = template
+        out[name] = tok
+    return out
+
+
+def _core_at(loc, k):
+    s = loc.texts[k][2]
+    return loc.at[k] + (len(s) - len(s.lstrip())) - loc.skip[k] if loc.at[k] >= 0 else -1
+
+
+def _kept(loc, k):
+    """(leading, trailing) whitespace characters of text k that `loc` locates."""
+    s = loc.texts[k][2]
+    lead = len(s) - len(s.lstrip())
+    return lead - loc.skip[k], loc.width[k] - (lead - loc.skip[k]) - len(s.strip())
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                                      HealthCheck.too_slow])
+@given(data=st.data())
+def test_batch_reading_agrees_with_the_general_walk(toks, changing, data):
+    """One marked rendering read for a batch locates every text where the walk (marked and quiet
+    renderings, run by run) does, with at least the whitespace the walk finds kept; a conversation
+    it cannot read is the walk's; and the alignment of either has no error against the truth."""
+    from xtcache.chat_runs import locate_one, marked_conversations, plan, read
+    from xtcache.chat_spans import message_texts
+
+    names = sorted(FAMILIES) + sorted(CHANGING)
+    tok_of = lambda n: changing[n] if n in CHANGING else toks[(n, "student")]  # noqa: E731
+    name = data.draw(st.sampled_from(names), label="template")
+    tok = tok_of(name)
+    convs = [data.draw(conversations(name not in ("mistral", *CHANGING)), label="conversation") for _ in range(3)]
+    specials = set(tok.all_special_tokens)
+    convs = [c for c in convs if not any(sp in (m.get("content") or "") + (m.get("reasoning_content") or "")
+                                         for m in c["messages"] for sp in specials)]
+    try:
+        texts = [render(tok, c) for c in convs]
+    except ConversationError:
+        return
+    msg_texts = [message_texts(c) for c in convs]
+    p = plan(texts, msg_texts)
+    marked = []
+    for c in marked_conversations(convs, p):
+        try:
+            marked.append(render(tok, c))
+        except ConversationError:
+            marked.append(None)
+    got = read(texts, marked, p)
+    for d, conv in enumerate(convs):
+        walk = locate_one(lambda c: render(tok, c), texts[d], conv, msg_texts[d])  # noqa: B023
+        if got[d] is None:
+            continue
+        for k in range(len(msg_texts[d])):
+            assert _core_at(got[d], k) == _core_at(walk, k), (name, conv, k)
+            if walk.at[k] >= 0:
+                assert all(x >= y for x, y in zip(_kept(got[d], k), _kept(walk, k))), (name, conv, k)
+        assert got[d].unaligned_chars <= walk.unaligned_chars
+    other = toks[("llama3", "teacher")]
+    for conv in convs if name != "upper" else ():  # the truth cannot judge a text rewritten at its length
+        try:
+            found = errors(conv, tok, other)
+        except ConversationError:
+            continue
+        if name in CHANGING:  # the walk leaves a text between two changed ones unaligned (role 0), by design
+            found["wrong_role"] = 0
+        assert found == {"outside": 0, "wrong_role": 0, "mispaired": 0, "self_check": 0}, (name, conv)
+
+
+def test_a_template_that_changes_texts_is_walked_and_locates_the_rest(changing, toks):
+    """Texts a template strips of newlines or escapes: the batch reading leaves the conversation to
+    the walk, which locates the texts the template wrote verbatim."""
+    from xtcache.chat_runs import marked_conversations, plan, read
+    from xtcache.chat_spans import message_texts
+
+    conv = {"messages": [{"role": "user", "content": "\nhello there\n"},
+                         {"role": "assistant", "content": "ok", "reasoning_content": "\nthink first\n"},
+                         {"role": "user", "content": "a cat"}, {"role": "assistant", "content": "done"}]}
+    verbatim = {"strip-newlines": {"hello there", "think first", "ok", "a cat", "done"},
+                "escape": {"hello there", "ok", "done"}}  # "a cat" escaped; no reasoning rendered
+    for name, cores in verbatim.items():
+        tok = changing[name]
+        text = render(tok, conv)
+        p = plan([text], [message_texts(conv)])
+        assert read([text], [render(tok, c) for c in marked_conversations([conv], p)], p) == [None]
+        (loc,) = renderings(tok, [text], [conv]).located
+        assert {piece.text.strip() for piece in loc.pieces} == cores
+        assert errors(conv, tok, toks[("llama3", "teacher")]) == {"outside": 0, "wrong_role": 0, "mispaired": 0,
+                                                                   "self_check": 0}
+
+
+def _positions_by_character(side, f) -> np.ndarray:
+    """`xtcache.chat_check.text_positions` read one conversation at a time, every character of its
+    marked rendering (the reference for the batch reading)."""
+    out = np.full(int((f.lens + 1).sum()), -1, dtype=np.int64)
+    text_base = 0
+    for d, loc in enumerate(side.located):
+        begin, lengths = int(f.base[d]), [len(s) for _, _, s in loc.texts]
+        starts = np.cumsum([text_base] + lengths[:-1]) if lengths else np.zeros(0, np.int64)
+        got = [k for k, a in enumerate(loc.at) if a >= 0]
+        for k in got:
+            out[loc.at[k] + begin:loc.at[k] + begin + loc.width[k]] = starts[k] + loc.skip[k] + np.arange(loc.width[k])
+        if got:
+            own = np.frombuffer(loc.marked.encode("utf-32-le"), dtype=np.uint32).astype(np.int64) - loc.base
+            own = np.where((own >= 0) & (own < len(lengths)), own, -1)
+            pos = np.arange(own.shape[0])
+            run_start = np.maximum.accumulate(np.where(np.concatenate(([True], own[1:] != own[:-1])), pos, 0))
+            lead = np.array([len(s) - len(s.lstrip()) for _, _, s in loc.texts], dtype=np.int64)
+            in_text = np.where(own >= 0, starts[np.maximum(own, 0)] + lead[np.maximum(own, 0)] + pos - run_start, -1)
+            for k in got:
+                c0 = loc.at[k] + int(lead[k]) - loc.skip[k]
+                m0, n = c0 - loc.shift[k], len(loc.texts[k][2].strip())
+                out[begin + c0:begin + c0 + n] = in_text[m0:m0 + n]
+        text_base += sum(lengths)
+    return out
+
+
+def test_self_check_reads_the_marked_renderings_under_a_wrong_layout(toks):
+    """The batch's text positions equal a character-by-character reading of every marked rendering,
+    for the true layout and for one whose text is moved a character (and its marked run with it, or
+    not); a moved text is counted misaligned."""
+    import dataclasses
+
+    from xtcache.chat_check import flat_side, text_positions
+    from xtcache.testing.chat import chat_corpus
+
+    s_tok, t_tok = toks[("chatml-thinking", "student")], toks[("llama3", "teacher")]
+    convs = chat_corpus(6, max_turns=4)
+    ss = renderings(s_tok, [render(s_tok, c) for c in convs], convs)
+    ts = renderings(t_tok, [render(t_tok, c) for c in convs], convs)
+    f = flat_side(ss)
+    assert np.array_equal(text_positions(ss, f), _positions_by_character(ss, f))
+    for d, moves_run in ((1, False), (3, True)):
+        loc = ss.located[d]
+        k = max(range(len(loc.texts)), key=lambda j: loc.width[j])
+        at = list(loc.at)
+        at[k] += 1
+        shift = list(loc.shift)
+        shift[k] += 1 if moves_run else 0
+        located = list(ss.located)
+        located[d] = dataclasses.replace(loc, at=at, shift=shift)
+        moved = dataclasses.replace(ss, located=located)
+        assert np.array_equal(text_positions(moved, f), _positions_by_character(moved, f))
+        out = align_conversations(convs, moved, ts)
+        # a run moved with it reads as the layout says: the rendered text differs, not the place
+        assert out[d].stats["text_mismatch_chars" if moves_run else "misplaced_chars"] > 0, out[d].stats
+        assert all(o.stats["misaligned_chars"] == 0 for i, o in enumerate(out) if i != d)

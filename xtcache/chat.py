@@ -6,10 +6,11 @@ and each student render it with the chat template of their own tokenizer, so the
 in everything the templates add (role headers, separators, injected system text) and agree only
 on the messages' text. This module aligns two such renderings:
 
-1. `locate_in` places each message's reasoning and content in a rendering by construction: the
-   template renders the conversation again with each text replaced by a same-length run of a
-   private-use character (`xtcache.chat_spans`); a text the template changed, dropped or trimmed
-   is unaligned (counted, no KD, never trained), never searched for or forced into alignment;
+1. `xtcache.chat_runs.locate_all` places each message's reasoning and content in a rendering by
+   construction: the template renders the conversation again with each text replaced by a
+   same-length run of a private-use character (`xtcache.chat_runs`, `xtcache.chat_spans`); a text
+   the template changed, dropped or trimmed is unaligned (counted, no KD, never trained), never
+   searched for or forced into alignment;
 2. the pieces found in both renderings are laid out once in a virtual text, each side's template
    text in a block of its own next to the other side's, and each side's tokens are mapped into
    that text by their character offsets; `xtcache.align.align_flat` then cuts the chunks: shared
@@ -34,27 +35,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
+from xtcache import chat_runs
 from xtcache.align import Alignment, align_flat
-from xtcache.chat_check import Flat, flat_side, misaligned_chars, misplaced_chars, text_positions, wrong_role_chars
-from xtcache.chat_spans import (
-    Located,
-    locate,
-    marked_conversation,
-    message_texts,
-    needs_quiet,
-    pair_spans,
-    placeholder_base,
-    unlocated,
+from xtcache.chat_check import (
+    Flat,
+    exact_ranges,
+    flat_side,
+    misaligned_chars,
+    misplaced_chars,
+    text_positions,
+    wrong_role_chars,
 )
+from xtcache.chat_spans import Located, pair_spans
 from xtcache.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 ROLE_TEMPLATE, ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL, ROLE_OTHER = 0, 1, 2, 3, 4, 5
 LAST_ASSISTANT = 0x80  # bit set on the tokens of the conversation's last assistant message
@@ -197,27 +195,6 @@ def render(tokenizer, conv: dict, *, where: str = "") -> str:
     return text
 
 
-def locate_in(tokenizer, text: str, conv: dict, texts: list | None = None) -> Located:
-    """Where the message texts of `conv` (`texts`: its `message_texts`, when already at hand) are in
-    `text`, its rendering by `tokenizer`'s template: read from a marked rendering (and, where a text
-    has leading or trailing whitespace, a quiet one) of the same template (`xtcache.chat_spans`).
-    A template that rejects the marked conversation, or a rendering that uses every private-use
-    character it would need, leaves every text unaligned (counted), with a warning."""
-    texts = message_texts(conv) if texts is None else texts
-    if not texts:
-        return unlocated(text, texts)
-    base = placeholder_base(text, len(texts))
-    try:
-        if base is None:
-            raise ConversationError("the rendering contains the private-use characters its placeholders need")
-        marked = render(tokenizer, marked_conversation(conv, texts, base))
-        quiet = render(tokenizer, marked_conversation(conv, texts, base, quiet=True)) if needs_quiet(texts) else None
-    except ConversationError as e:
-        log.warning("conversation messages left unaligned (no KD, not trained): %s", e)
-        return unlocated(text, texts)
-    return locate(text, marked, texts, base, quiet)
-
-
 # ------------------------------------------------------------------------------ alignment
 
 
@@ -296,7 +273,7 @@ def renderings(tokenizer, texts: list[str], convs: list[dict], *, markers=None, 
     if markers is None:
         markers = turn_marker_ids(tokenizer)
     msg_texts = [None] * len(texts) if texts_of is None else [x.texts for x in texts_of.located]
-    located = [locate_in(tokenizer, x, c, m) for x, c, m in zip(texts, convs, msg_texts)]
+    located = chat_runs.locate_all(lambda c: render(tokenizer, c), list(texts), convs, msg_texts)
     return Renderings(list(texts), np.asarray(ids, dtype=np.int64), np.asarray(offs, dtype=np.int64).reshape(-1, 2),
                       np.asarray(counts, dtype=np.int64), located, np.asarray(markers, dtype=np.int64))
 
@@ -479,8 +456,9 @@ def _self_check(aligns, students: Renderings, teachers: Renderings, fs: Flat, ft
     pos = text_positions(students, fs)
     text_msg = np.repeat(msg, length)  # the message of each character of the batch's texts
     owner = np.where(in_shared & (pos >= 0), text_msg[np.maximum(pos, 0)] if text_msg.size else -1, -1)
-    counts = {"text_mismatch_chars": misaligned_chars(aligns, students, teachers, fs, ft),
-              "misplaced_chars": misplaced_chars(aligns, students, teachers, fs, ft, pos),
+    ranges = exact_ranges(aligns, fs, ft)
+    counts = {"text_mismatch_chars": misaligned_chars(aligns, students, teachers, fs, ft, ranges),
+              "misplaced_chars": misplaced_chars(aligns, students, teachers, fs, ft, pos, ranges),
               "wrong_role_chars": wrong_role_chars(fs, s_role, owner, roles)}
     for d, st in enumerate(stats):
         for key, c in counts.items():

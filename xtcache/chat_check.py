@@ -19,6 +19,7 @@ separator character).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,7 +48,7 @@ def flat_side(side: Renderings) -> Flat:
     return Flat(side.ids, offs, side.counts, base, lens, markers)
 
 
-def _exact_ranges(aligns, fs: Flat, ft: Flat) -> tuple[np.ndarray, ...]:
+def exact_ranges(aligns, fs: Flat, ft: Flat) -> tuple[np.ndarray, ...]:
     """Document and character ranges (batch coordinates) on each side of every exact chunk that is
     not an end-of-turn pair and has tokens on both sides."""
     n_docs = len(aligns)
@@ -71,12 +72,13 @@ def _exact_ranges(aligns, fs: Flat, ft: Flat) -> tuple[np.ndarray, ...]:
 
 
 def misaligned_chars(aligns, students: Renderings, teachers: Renderings, fs: Flat | None = None,
-                     ft: Flat | None = None) -> np.ndarray:
+                     ft: Flat | None = None, ranges: tuple | None = None) -> np.ndarray:
     """Per conversation: characters of exact content chunks whose two sides' rendered text differs
     (0 unless the alignment is wrong). Runs of chunks that continue each other are compared as
-    whole strings, a differing run chunk by chunk."""
+    whole strings, a differing run chunk by chunk. `ranges`: the exact chunks' (`exact_ranges`),
+    when already at hand."""
     fs, ft = fs or flat_side(students), ft or flat_side(teachers)
-    doc, a_s, b_s, a_t, b_t = _exact_ranges(aligns, fs, ft)
+    doc, a_s, b_s, a_t, b_t = ranges or exact_ranges(aligns, fs, ft)
     width = b_s - a_s
     bad = width != (b_t - a_t)
     same = np.flatnonzero(~bad & (width > 0))
@@ -100,47 +102,97 @@ def text_positions(side: Renderings, f: Flat) -> np.ndarray:
     The characters of each located text's core are read from the marked rendering (which run, and
     where in it), not from where the text was located; its kept whitespace from `Located`."""
     out = np.full(int((f.lens + 1).sum()), -1, dtype=np.int64)
-    text_base = 0
-    for d, loc in enumerate(side.located):
-        begin = int(f.base[d])
-        lengths = [len(s) for _, _, s in loc.texts]
-        starts = np.cumsum([text_base] + lengths[:-1]) if lengths else np.zeros(0, np.int64)
-        got = [k for k, a in enumerate(loc.at) if a >= 0]
-        for k in got:  # the whole located span, from Located
-            a, w = loc.at[k] + begin, loc.width[k]
-            out[a:a + w] = starts[k] + loc.skip[k] + np.arange(w)
-        if got:
-            code = np.frombuffer(loc.marked.encode("utf-32-le"), dtype=np.uint32).astype(np.int64) - loc.base
-            own = np.where((code >= 0) & (code < len(lengths)), code, -1)
-            pos = np.arange(own.shape[0])
-            run_start = np.maximum.accumulate(np.where(np.concatenate(([True], own[1:] != own[:-1])), pos, 0))
-            lead = np.array([len(s) - len(s.lstrip()) for _, _, s in loc.texts], dtype=np.int64)
-            in_text = np.where(own >= 0, starts[np.maximum(own, 0)] + lead[np.maximum(own, 0)] + pos - run_start, -1)
-            for k in got:  # the core, from the marked rendering
-                c0 = loc.at[k] + int(lead[k]) - loc.skip[k]  # where the core starts in the rendering
-                m0, n_core = c0 - loc.shift[k], len(loc.texts[k][2].strip())
-                out[begin + c0:begin + c0 + n_core] = in_text[m0:m0 + n_core]
-        text_base += sum(lengths)
+    locs = side.located
+    n_texts = np.fromiter((len(x.texts) for x in locs), dtype=np.int64, count=len(locs))
+    total = int(n_texts.sum())
+    at = np.fromiter(chain.from_iterable(x.at for x in locs), dtype=np.int64, count=total)
+    got = np.flatnonzero(at >= 0)
+    if not got.shape[0]:
+        return out
+    skip, width, shift = (np.fromiter(chain.from_iterable(getattr(x, key) or [0] * len(x.texts) for x in locs),
+                                      dtype=np.int64, count=total) for key in ("skip", "width", "shift"))
+    texts = [s for x in locs for _, _, s in x.texts]
+    length = np.fromiter(map(len, texts), dtype=np.int64, count=total)
+    starts = np.cumsum(length) - length
+    lead, n_core = np.zeros(total, dtype=np.int64), length.copy()
+    for j in [j for j, s in enumerate(texts) if s[:1].isspace() or s[-1:].isspace()]:
+        lead[j], n_core[j] = len(texts[j]) - len(texts[j].lstrip()), len(texts[j].strip())
+    doc = np.repeat(np.arange(len(locs)), n_texts)
+    # the located spans with kept whitespace, from Located (a span without is its core)
+    ws = got[width[got] != n_core[got]]
+    out[_ranges(at[ws] + f.base[doc[ws]], width[ws])] = _ranges(starts[ws] + skip[ws], width[ws])
+    # the cores, from the marked renderings
+    c0 = at[got] + lead[got] - skip[got]  # where the core starts in its rendering
+    d = doc[got]
+    out[_ranges(f.base[d] + c0, n_core[got])] = _cores_read(locs, n_texts, starts + lead, got, d, c0 - shift[got],
+                                                           n_core[got])
     return out
 
 
+def _ranges(starts: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """starts[i], starts[i] + 1, ..., starts[i] + widths[i] - 1 for every i, concatenated."""
+    return np.repeat(starts - (np.cumsum(widths) - widths), widths) + np.arange(int(widths.sum()))
+
+
+def _cores_read(locs, n_texts: np.ndarray, core_start: np.ndarray, got: np.ndarray, doc: np.ndarray,
+                m0: np.ndarray, n_core: np.ndarray) -> np.ndarray:
+    """For the characters [m0, m0 + n_core) of each located text's marked rendering (text `got` of
+    conversation `doc`), the index in all texts concatenated of the core character each placeholder
+    stands for (text k's run of chr(base + k): its core's character at the offset in the run), -1
+    for template text. A range that is one run of its own text's placeholder, starting where the
+    range starts, reads as its core; any other conversation is read character by character."""
+    marked = [x.marked or "" for x in locs]
+    lens = np.fromiter((len(m) + 1 for m in marked), dtype=np.int64, count=len(locs))
+    m_base = np.cumsum(lens) - lens
+    codes = np.frombuffer("".join(m + "\x00" for m in marked).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    base = np.fromiter((x.base for x in locs), dtype=np.int64, count=len(locs))
+    k = got - (np.cumsum(n_texts) - n_texts)[doc]  # each text's index in its conversation
+    inside = (m0 >= 0) & (m0 + n_core <= lens[doc] - 1)
+    start = np.where(inside, m_base[doc] + m0, 0)
+    idx = _ranges(start, n_core)
+    own = (base[doc] + k).astype(np.uint32)
+    same = np.bincount(np.repeat(np.arange(got.shape[0]), n_core), weights=codes[idx] != np.repeat(own, n_core),
+                       minlength=got.shape[0]) == 0
+    same &= inside & (codes[np.maximum(start - 1, 0)] != own)  # the run starts at m0 (a separator precedes each)
+    out = _ranges(core_start[got], n_core)
+    at = np.cumsum(n_core) - n_core  # where each range's characters are in out
+    first = np.cumsum(n_texts) - n_texts
+    for d in np.unique(doc[~same]).tolist():  # read character by character
+        mine = np.flatnonzero(doc == d)
+        n = int(n_texts[d])
+        got_d = _doc_read(locs[d], core_start[first[d]:first[d] + n], m0[mine].tolist(), n_core[mine].tolist())
+        out[at[mine[0]]:at[mine[0]] + got_d.shape[0]] = got_d
+    return out
+
+
+def _doc_read(loc, core_start: np.ndarray, m0: list[int], n_core: list[int]) -> np.ndarray:
+    """`_cores_read` for one conversation, every character of its marked rendering read (its
+    placeholder, and where its run starts)."""
+    code = np.frombuffer(loc.marked.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.int64) - loc.base
+    own = np.where((code >= 0) & (code < core_start.shape[0]), code, -1)
+    pos = np.arange(own.shape[0])
+    run_start = np.maximum.accumulate(np.where(np.concatenate(([True], own[1:] != own[:-1])), pos, 0))
+    in_text = np.where(own >= 0, core_start[np.maximum(own, 0)] + pos - run_start, -1)
+    return np.concatenate([in_text[a:a + w] for a, w in zip(m0, n_core)] + [np.zeros(0, np.int64)])
+
+
 def misplaced_chars(aligns, students: Renderings, teachers: Renderings, fs: Flat, ft: Flat,
-                    s_positions: np.ndarray | None = None) -> np.ndarray:
+                    s_positions: np.ndarray | None = None, ranges: tuple | None = None) -> np.ndarray:
     """Per conversation: characters of exact content chunks where the student's character and the
     teacher's are not the same character of the same message text (or are template text).
-    `s_positions`: the students' `text_positions`, when already at hand."""
-    doc, a_s, b_s, a_t, b_t = _exact_ranges(aligns, fs, ft)
+    `s_positions`: the students' `text_positions`, when already at hand; `ranges`: the exact
+    chunks' (`exact_ranges`), likewise."""
+    doc, a_s, b_s, a_t, b_t = ranges or exact_ranges(aligns, fs, ft)
     width = b_s - a_s
-    bad = np.zeros(len(aligns), dtype=np.int64)
     uneven = width != (b_t - a_t)
-    np.add.at(bad, doc[uneven], width[uneven])
+    bad = np.bincount(doc[uneven], weights=width[uneven], minlength=len(aligns)).astype(np.int64)
     even = np.flatnonzero(~uneven)
     w = width[even]
-    inner = np.arange(int(w.sum())) - np.repeat(np.cumsum(w) - w, w)
-    s_pos = (text_positions(students, fs) if s_positions is None else s_positions)[np.repeat(a_s[even], w) + inner]
-    t_pos = text_positions(teachers, ft)[np.repeat(a_t[even], w) + inner]
-    wrong = (s_pos != t_pos) | (s_pos < 0)
-    return bad + np.bincount(np.repeat(doc[even], w)[wrong], minlength=len(aligns)).astype(np.int64)
+    s_at = _ranges(a_s[even], w)
+    s_pos = (text_positions(students, fs) if s_positions is None else s_positions)[s_at]
+    t_pos = text_positions(teachers, ft)[s_at + np.repeat(a_t[even] - a_s[even], w)]
+    wrong = s_at[(s_pos != t_pos) | (s_pos < 0)]
+    return bad + np.bincount(np.searchsorted(fs.base, wrong, side="right") - 1, minlength=len(aligns))
 
 
 def wrong_role_chars(f: Flat, token_roles: np.ndarray, owner: np.ndarray, msg_roles: np.ndarray) -> np.ndarray:
