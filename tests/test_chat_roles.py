@@ -368,3 +368,36 @@ def test_self_check_reads_the_marked_renderings_under_a_wrong_layout(toks):
         # a run moved with it reads as the layout says: the rendered text differs, not the place
         assert out[d].stats["text_mismatch_chars" if moves_run else "misplaced_chars"] > 0, out[d].stats
         assert all(o.stats["misaligned_chars"] == 0 for i, o in enumerate(out) if i != d)
+
+
+def test_wrong_role_count_sees_tokens_given_another_role(toks, monkeypatch):
+    """The self-check's role count is 0 for the layout's roles and counts exactly the characters of
+    the tokens whose role is changed (content given another message's role, template text given a
+    role that is not its turn's tail)."""
+    import xtcache.chat as chat
+    from xtcache.testing.chat import chat_corpus
+
+    seen = []
+    real = chat.wrong_role_chars
+    monkeypatch.setattr(chat, "wrong_role_chars", lambda *a: seen.append(a) or real(*a))
+    s_tok, t_tok = toks[("llama3", "student")], toks[("chatml-thinking", "teacher")]
+    convs = chat_corpus(5, max_turns=4)
+    ss = renderings(s_tok, [render(s_tok, c) for c in convs], convs)
+    ts = renderings(t_tok, [render(t_tok, c) for c in convs], convs)
+    out = align_conversations(convs, ss, ts)
+    (f, roles, text_at, text_msg, msg_roles), = seen
+    assert not real(f, roles, text_at, text_msg, msg_roles).any()
+    is_text = np.isin(np.arange(int((f.lens + 1).sum())), text_at)
+    a, b = f.offs[:, 0], f.offs[:, 1]
+    doc = np.repeat(np.arange(len(convs)), f.counts)
+    content = [i for i in range(len(roles)) if b[i] > a[i] and is_text[a[i]:b[i]].all() and roles[i] & 0x7F == 3]
+    template = [i for i in range(len(roles)) if b[i] > a[i] and not is_text[a[i]:b[i]].any() and roles[i] == 0
+                and not is_text[f.base[doc[i]]:a[i]].any()]  # before the conversation's first text: no tail
+    changed = roles.copy()
+    changed[content[::7]] = 2  # assistant content given the user's role
+    changed[template[::5]] = 3  # a header given the assistant's role
+    want = np.bincount(doc[content[::7] + template[::5]], weights=(b - a)[content[::7] + template[::5]],
+                       minlength=len(convs))
+    assert content and template
+    assert np.array_equal(real(f, changed, text_at, text_msg, msg_roles), want)
+    assert all(o.stats["wrong_role_chars"] == 0 for o in out)

@@ -450,16 +450,15 @@ def _self_check(aligns, students: Renderings, teachers: Renderings, fs: Flat, ft
     start, width, msg, length, roles = shared
     # the message of each student character, read from the marked rendering, on the shared spans only
     # (a text located on one side is template text to the layout)
-    in_shared = np.zeros(int((fs.lens + 1).sum()), dtype=bool)
-    inner = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
-    in_shared[np.repeat(start, width) + inner] = True
     pos = text_positions(students, fs)
-    text_msg = np.repeat(msg, length)  # the message of each character of the batch's texts
-    owner = np.where(in_shared & (pos >= 0), text_msg[np.maximum(pos, 0)] if text_msg.size else -1, -1)
+    at = np.repeat(start - (np.cumsum(width) - width), width) + np.arange(int(width.sum()))  # the shared characters
+    of_text = pos[at]
+    at, of_text = at[of_text >= 0], of_text[of_text >= 0]
+    text_msg = np.repeat(msg, length)[of_text] if of_text.shape[0] else of_text  # each one's message
     ranges = exact_ranges(aligns, fs, ft)
     counts = {"text_mismatch_chars": misaligned_chars(aligns, students, teachers, fs, ft, ranges),
               "misplaced_chars": misplaced_chars(aligns, students, teachers, fs, ft, pos, ranges),
-              "wrong_role_chars": wrong_role_chars(fs, s_role, owner, roles)}
+              "wrong_role_chars": wrong_role_chars(fs, s_role, at, text_msg, roles)}
     for d, st in enumerate(stats):
         for key, c in counts.items():
             st[key] = int(c[d])

@@ -195,31 +195,30 @@ def misplaced_chars(aligns, students: Renderings, teachers: Renderings, fs: Flat
     return bad + np.bincount(np.searchsorted(fs.base, wrong, side="right") - 1, minlength=len(aligns))
 
 
-def wrong_role_chars(f: Flat, token_roles: np.ndarray, owner: np.ndarray, msg_roles: np.ndarray) -> np.ndarray:
+def wrong_role_chars(f: Flat, token_roles: np.ndarray, text_at: np.ndarray, text_msg: np.ndarray,
+                     msg_roles: np.ndarray) -> np.ndarray:
     """Per conversation: characters of student tokens whose role code differs from what their
-    characters call for. `owner` [joined characters]: the batch-global message index of the shared
-    message text each character renders (-1: template text); `msg_roles`: each message's role code.
-    A token with message text carries the role of its first or last such character's message; one
-    of template text only carries 0 or the role of the message text before it in its conversation
-    (a turn's tail: tool calls, its end-of-turn marker)."""
-    n = owner.shape[0]
+    characters call for. `text_at` (sorted) and `text_msg`: the joined characters that render a
+    shared message text and the batch-global index of that message; `msg_roles`: each message's
+    role code. A token with message text carries the role of its first or last such character's
+    message; one of template text only carries 0 or the role of the message text before it in its
+    conversation (a turn's tail: tool calls, its end-of-turn marker)."""
     n_docs = f.counts.shape[0]
-    if n == 0 or f.offs.shape[0] == 0:
+    if text_at.shape[0] == 0 or f.offs.shape[0] == 0:
         return np.zeros(n_docs, dtype=np.int64)
-    pos = np.arange(n)
-    is_text = owner >= 0
-    prev_text = np.maximum.accumulate(np.where(is_text, pos, -1))  # last text character at or before
-    next_text = np.minimum.accumulate(np.where(is_text, pos, n)[::-1])[::-1]  # first at or after
     a, b = f.offs[:, 0], f.offs[:, 1]
-    doc = np.repeat(np.arange(n_docs), f.counts)
+    text_role = msg_roles[text_msg]
+    last = text_at.shape[0] - 1
+    before_pos = np.zeros(int((f.lens + 1).sum()) + 1, dtype=np.int64)  # text characters before each position
+    is_text = np.zeros(before_pos.shape[0] - 1, dtype=bool)
+    is_text[text_at] = True
+    np.cumsum(is_text, out=before_pos[1:])
+    i_a, i_b = before_pos[a], before_pos[b]
     roles = token_roles.astype(np.int64)
-    role_of = lambda i: np.where(i >= 0, msg_roles[owner[np.clip(i, 0, n - 1)]], 0)  # noqa: E731
-    first = next_text[np.minimum(a, n - 1)]
-    has_text = first < b
-    last = prev_text[np.maximum(b - 1, 0)]
-    ok_text = (roles == role_of(np.where(has_text, first, -1))) | (roles == role_of(np.where(has_text, last, -1)))
-    before = prev_text[np.maximum(a - 1, 0)]
-    tail = role_of(np.where((a > 0) & (before >= f.base[doc]), before, -1))
-    ok_template = (roles == 0) | (roles == tail)
-    bad = (b > a) & np.where(has_text, ~ok_text, ~ok_template)
+    has_text = i_b > i_a
+    ok_text = (roles == text_role[np.minimum(i_a, last)]) | (roles == text_role[np.maximum(i_b - 1, 0)])
+    doc = np.repeat(np.arange(n_docs), f.counts)
+    before = np.maximum(i_a - 1, 0)  # the last text character before the token, in its conversation or not
+    tail = np.where((i_a > 0) & (text_at[before] >= f.base[doc]), text_role[before], 0)
+    bad = (b > a) & np.where(has_text, ~ok_text, (roles != 0) & (roles != tail))
     return np.bincount(doc[bad], weights=(b - a)[bad], minlength=n_docs).astype(np.int64)
