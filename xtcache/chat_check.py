@@ -151,11 +151,10 @@ def _cores_read(locs, n_texts: np.ndarray, core_start: np.ndarray, got: np.ndarr
     start = np.where(inside, m_base[doc] + m0, 0)
     idx = _ranges(start, n_core)
     own = (base[doc] + k).astype(np.uint32)
-    same = np.bincount(np.repeat(np.arange(got.shape[0]), n_core), weights=codes[idx] != np.repeat(own, n_core),
-                       minlength=got.shape[0]) == 0
-    same &= inside & (codes[np.maximum(start - 1, 0)] != own)  # the run starts at m0 (a separator precedes each)
+    at = np.cumsum(n_core) - n_core  # where each range's characters are in idx and out
+    same = inside & (codes[np.maximum(start - 1, 0)] != own)  # the run starts at m0 (a separator precedes each)
+    same[np.searchsorted(at, np.flatnonzero(codes[idx] != np.repeat(own, n_core)), side="right") - 1] = False
     out = _ranges(core_start[got], n_core)
-    at = np.cumsum(n_core) - n_core  # where each range's characters are in out
     first = np.cumsum(n_texts) - n_texts
     for d in np.unique(doc[~same]).tolist():  # read character by character
         mine = np.flatnonzero(doc == d)
