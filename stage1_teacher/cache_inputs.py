@@ -164,18 +164,10 @@ def capture_identity(teacher) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    import argparse
+    from stage1_teacher.shard_plan import plan_from_args
 
-    from stage1_teacher.shard_plan import list_corpus, plan_shards
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("num_jobs", type=int)
-    p.add_argument("files", nargs="+")
-    p.add_argument("--text-field", default="text")
-    args = p.parse_args(argv)
-    corpus = Corpus.resolve(args.files, args.text_field)
-    plan = plan_shards(list_corpus(corpus), args.num_jobs)
-    for job in range(args.num_jobs):
+    corpus, plan = plan_from_args(argv, __doc__.splitlines()[0])
+    for job in range(plan.num_jobs):
         share = share_digests(corpus, plan, job, None, storage_options=None, store_options=None,
                               hasher=FileHasher())
         print(f"job {job}: {len(share.files)} files; {share.stats.line()}")

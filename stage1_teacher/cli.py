@@ -1,4 +1,4 @@
-"""Command-line entry points of stage 1: `xtcache teacher-dump` and `xtcache align`.
+"""Command-line entry points of stage 1: `xtcache teacher-dump`, `xtcache align` and `xtcache generate`.
 
 The options of `teacher-dump` and `align` are made by `xtcache.cliconfig` from the fields of
 `stage1_teacher.config.TeacherDumpConfig` and `AlignConfig` (same name, '-' for '_', the field
@@ -15,6 +15,7 @@ from __future__ import annotations
 import typer
 
 from stage1_teacher.config import AlignConfig, TeacherDumpConfig
+from stage1_teacher.generate_config import GenerateConfig
 from xtcache.cliconfig import command
 
 
@@ -56,3 +57,18 @@ def _align(cfg: AlignConfig) -> None:
 
 align = command(AlignConfig, _align, name="align",
                 help="Add an alignment group for another student tokenizer to a store, without running the teacher.")
+
+
+def _generate(cfg: GenerateConfig) -> None:
+    import logging
+
+    from stage1_teacher.generate import run_generate
+
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    for line in run_generate(cfg).lines():
+        typer.echo(line)
+
+
+generate = command(GenerateConfig, _generate, name="generate",
+                   help="Sample the student's completions for a prompt set: a rollout corpus teacher-dump reads as is.",
+                   panels={None: "Run", "input": "Input", "sampling": "Sampling", "output": "Output"})

@@ -1,14 +1,9 @@
 """`xtcache teacher-dump`: run the teacher once over a corpus and write the teacher-cache store.
 
-The run is a three-stage pipeline (`stage1_teacher.pipeline`) so that the teacher never waits for the disk:
-
-  prep thread     reads the corpus, tokenizes, aligns, plans windows, packs batches (bounded queue)
-  main thread     runs the teacher on batch n+1 ...
-  post thread     ... while batch n becomes top-k / full / sampled targets (lm_head on the device)
-  writer thread   and finished parts are encoded, compressed and committed to the store
-
-Queues hold at most two items each; the time the main thread spends blocked handing a batch to
-the post thread is reported as "teacher waited on writer". Before any teacher work the cache key
+`run_teacher_dump` checks the inputs (`preflight`: --data resolved once into a `corpus.Corpus`,
+its first rows, the output location), resolves the plan and cache key (`dump_plan`), and runs the
+teacher in a pipeline of threads (`pipeline`: reading and aligning, the teacher, its targets and
+the writer overlap, so the teacher never waits for the disk). Before any teacher work the cache key
 (teacher, tokenizers, corpus and capture settings fingerprints) is looked up: a complete store
 for the same request is reused and the run says so. `--resume` keeps committed parts (checked
 against the corpus) and recomputes the rest; part boundaries are fixed runs of the writer's

@@ -1,7 +1,8 @@
 """Checks of `xtcache teacher-dump`'s inputs that run before anything expensive, and creates nothing.
 
-`check_inputs` runs first in `run_teacher_dump`, before the teacher is hashed or loaded: every
-`--data` file exists and its first rows hold documents under `--text-field` (an empty file, a binary
+`check_inputs` runs first in `run_teacher_dump`, before the teacher is hashed or loaded: it resolves
+`--data` once into the run's `corpus.Corpus` (`open_corpus`, which returns it for the rest of the
+run), every file exists and its first rows hold documents under `--text-field` (an empty file, a binary
 file or a wrong field name is refused here, not after the engine started), and the output location
 (`--out`, or `--cache-dir`) is a directory that can be written. `replace_stub` lets a rerun replace
 a store that a failed run left behind without a single committed part. `check_device_memory` runs

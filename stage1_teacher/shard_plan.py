@@ -276,15 +276,21 @@ def _int(env, name: str, default: int | None = None) -> int:
         raise ConfigError(f"environment {name}={env[name]!r}: not an integer") from None
 
 
-def main(argv: list[str]) -> None:
+def plan_from_args(argv: list[str], description: str) -> tuple[Corpus, ShardPlan]:
+    """The corpus and plan of a command line `NUM_JOBS FILE... [--text-field F]` (the modules' mains)."""
     import argparse
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("num_jobs", type=int)
     p.add_argument("files", nargs="+")
     p.add_argument("--text-field", default="text")
     args = p.parse_args(argv)
-    plan = plan_shards(list_corpus(args.files, args.text_field), args.num_jobs)
+    corpus = Corpus.resolve(args.files, args.text_field)
+    return corpus, plan_shards(list_corpus(corpus), args.num_jobs)
+
+
+def main(argv: list[str]) -> None:
+    _, plan = plan_from_args(argv, __doc__.splitlines()[0])
     jb = plan.job_bytes()
     mean = sum(jb) / len(jb)
     print(f"jobs {plan.num_jobs}  corpus bytes {plan.corpus_bytes()}  max/mean job bytes {max(jb) / max(mean, 1):.3f}  "

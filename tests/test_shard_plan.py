@@ -225,6 +225,25 @@ def test_other_job_count_or_corpus_is_refused(parquet_corpus, tmp_path):
 # ------------------------------------------------------------------------- N-job store == 1-job store
 
 
+def test_a_run_fetches_each_parquet_footer_once(teacher, toy_setup, parquet_corpus, tmp_path):
+    """--data is resolved once: the first-rows check, the messages-field detection, the shard plan,
+    the digest spans of a file split between jobs and the reader share each Parquet footer. A footer
+    fetch is a read that ends at the file's end without starting at 0 (a digest reads from 0)."""
+    from collections import Counter
+
+    fs_cls = _counting_fs()
+    urls = [f"countfs://{p}" for p in parquet_corpus]
+    fs_cls.reads.clear()
+    counts = _dump(teacher, urls, tmp_path / "store", [toy_setup.student_tokenizer], num_shards=2, shard_index=0,
+                   dry_run=True)
+    assert counts["documents"] > 0
+    size = {p: os.path.getsize(p) for p in parquet_corpus}
+    footers = Counter(p for p, start, end in fs_cls.reads if end == size[p] and start > 0)
+    assert footers == Counter(parquet_corpus)  # every file once (each file's first rows are checked)
+    plan = build_plan(parquet_corpus, "text", 2)
+    assert len({r.file for r in plan.jobs[0]} & {r.file for r in plan.jobs[1]}) == 1  # a split file's spans too
+
+
 @pytest.fixture(scope="module")
 def mixed_corpus(toy_setup, tmp_path_factory):
     """Parquet files of several row groups plus a JSONL and a text file, with rows to skip."""

@@ -5,8 +5,8 @@ Parquet footers and the field that holds the documents.
 of ms), refuses a missing file, an unknown suffix or two files with the same base name (document
 ids use the base name), and keeps names, formats and sizes. A Parquet file's footer (row counts,
 the compressed bytes of each column, the byte offset of each row group, the column names)
-is read the first time something asks for it and kept, so the shard planner, the messages-field
-detection and the per-job corpus digests share one read. Everything in stage 1 that reads `--data`
+is read the first time something asks for it and kept, so the first-rows check, the messages-field
+detection, the shard planner, the per-job corpus digests and the reader share one read. Everything in stage 1 that reads `--data`
 goes through this package (an import-linter contract keeps pyarrow inside it); the documents
 themselves are read by `stage1_teacher.corpus.rows`.
 
@@ -20,7 +20,8 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from xtcache.errors import ConfigError, StoreError
 from xtcache.store_io import file_system, is_local
@@ -60,6 +61,7 @@ class ParquetFooter:
     rows: tuple[int, ...]  # per row group
     starts: tuple[int, ...]  # byte offset where each row group's first column chunk begins
     column_bytes: tuple[dict[str, int], ...]  # per row group: compressed bytes of each top-level column
+    metadata: Any = field(default=None, compare=False, repr=False)  # pyarrow FileMetaData: the reader reuses it
 
     def row_groups(self, column: str) -> tuple[tuple[int, int], ...]:
         """(rows, compressed bytes of `column`) per row group: what reading the documents costs."""
@@ -154,7 +156,7 @@ class Corpus:
             starts.append(min(c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset is not None
                               else c.data_page_offset for c in chunks))
         return ParquetFooter(columns=tuple(md.schema.to_arrow_schema().names), rows=tuple(rows),
-                             starts=tuple(starts), column_bytes=tuple(column_bytes))
+                             starts=tuple(starts), column_bytes=tuple(column_bytes), metadata=md)
 
     def detect_messages_field(self) -> str | None:
         """'messages' when the first file's first row (or schema) has no `text_field` but a `messages` field."""

@@ -109,16 +109,17 @@ def _iter_conversations(table_columns, names, source: str, row0: int, messages_f
 
 
 def _iter_parquet(f, path: str, source: str, text_field: str, batch_rows: int, groups: tuple[int, int] | None = None,
-                  planned: tuple | None = None, messages_field: str | None = None):
+                  planned: tuple | None = None, messages_field: str | None = None, metadata=None):
     """Rows of row groups [groups[0], groups[1]) (None: all), numbered from their row in the file.
 
     `planned`: the (rows, bytes) per row group the shard plan saw; a file that changed since is refused.
+    `metadata`: the file's footer (pyarrow FileMetaData) when the corpus has read it already.
     """
     import pyarrow.parquet as pq
 
     from xtcache.errors import StoreError
 
-    pf = pq.ParquetFile(f)
+    pf = pq.ParquetFile(f, metadata=metadata)
     column = messages_field or text_field
     if column not in pf.schema_arrow.names:
         raise ConfigError(f"--data {path}: no column {column!r} (columns: {pf.schema_arrow.names}); "
@@ -245,7 +246,8 @@ def iter_file(corpus: Corpus, fi: int, batch_rows: int = 1024, groups: tuple[int
         raise ConfigError(f"--data {url}: a .txt corpus holds plain text, not conversations (--messages-field)")
     with corpus.open(fi) as f:
         if fmt == "parquet":
-            yield from _iter_parquet(f, url, source, text_field, batch_rows, groups, planned, messages_field)
+            yield from _iter_parquet(f, url, source, text_field, batch_rows, groups, planned, messages_field,
+                                     corpus.footer(fi).metadata)
         elif fmt == "arrow":
             yield from _iter_arrow(f, url, source, text_field, batch_rows, messages_field)
         elif fmt == "jsonl":
