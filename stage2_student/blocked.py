@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from stage2_student import losses
+from stage2_student import losses, onpolicy
 from stage2_student.losses import ProjectionOperator
 
 
@@ -30,6 +30,7 @@ class TermSpec:
     tau: float
     tail: str
     projection: ProjectionOperator | None = None
+    is_cap: float = 0.0  # rkl-pg: cap of the truncated importance ratio (0: no ratio)
 
 
 @dataclass
@@ -57,7 +58,8 @@ class Block:
     teacher_chunk: Tensor | None = None  # int64 [M] block-local chunk of each teacher row
     inv_student_rows: Tensor | None = None  # float64 [num_chunks] 1 / KD rows of each chunk
     teacher_row_weight: Tensor | None = None  # float64 [M] 1 / teacher rows of the row's chunk
-    kd_labels: Tensor | None = None  # int64 [P] label of each KD row, -100 as 0 (alm)
+    kd_labels: Tensor | None = None  # int64 [P] label of each KD row, -100 as 0 (alm, rkl-pg)
+    behaviour_logprobs: Tensor | None = None  # float32 [P] rkl-pg: the sampling policy's log-prob of each label
 
     def to(self, device) -> "Block":
         for f in fields(self):
@@ -156,13 +158,18 @@ def _block_terms(spec: TermSpec, z_rows: Tensor, blk: Block, teacher: dict) -> t
     if spec.kind is None or blk.num_kd_rows == 0:
         return z.new_zeros(blk.kd_chunk.shape[0]), ce
     m = blk.num_kd_rows
-    if spec.kind == "alm":
+    if spec.kind in ("alm", "rkl-pg"):  # the chunk's log-prob of its text on each side
         lq = z[:m].gather(1, blk.kd_labels[:, None])[:, 0] - lse1[:m]  # [P] label log-probs at T=1
         log_ps = torch.zeros(blk.num_chunks, dtype=cdt, device=z.device).index_add(0, blk.student_chunk, lq)
         realized = _take(teacher["teacher_realized"], blk.teacher_rows).to(cdt)
         log_pt = torch.zeros(blk.num_chunks, dtype=cdt, device=z.device).index_add(0, blk.teacher_chunk, realized)
-        kd = losses.chunk_likelihood(log_ps, log_pt, spec.tau)  # [n_c]
-        return kd, ce
+        if spec.kind == "alm":
+            return losses.chunk_likelihood(log_ps, log_pt, spec.tau), ce  # [n_c]
+        log_pb = None
+        if blk.behaviour_logprobs is not None:
+            log_pb = torch.zeros(blk.num_chunks, dtype=cdt, device=z.device).index_add(
+                0, blk.student_chunk, blk.behaviour_logprobs.to(cdt))
+        return onpolicy.reverse_kl_pg(log_ps, log_pt, log_pb, is_cap=spec.is_cap), ce  # [n_c]
     zt = z[:m] if t == 1.0 else z[:m] / t  # [m, V]
     lse = lse1[:m] if t == 1.0 else torch.logsumexp(zt, dim=-1)
     ids = _take(teacher["teacher_ids"], blk.teacher_rows)  # [M, k]

@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 from xtcache.cliconfig import flatten, from_flat
 
-LOSSES = ("auto", "pkl", "kl", "rkl", "jsd", "sampled", "alm", "ce")
+LOSSES = ("auto", "pkl", "kl", "rkl", "jsd", "sampled", "alm", "rkl-pg", "ce")
 """`--loss` choices. auto: pkl for cross-tokenizer caches (sampled ones too), sampled for same-tokenizer sampled caches, kl otherwise;
-ce: next-token cross entropy only (no teacher term)."""
+rkl-pg: the reverse-KL policy gradient on rollouts (docs/on-policy.md); ce: next-token cross entropy only (no teacher term)."""
 
 
 @dataclass(kw_only=True)
@@ -52,7 +52,7 @@ class LossConfig:
     """The training objective: w_kd * KD + w_ce * CE."""
 
     loss: str = "auto"
-    """KD loss: auto|pkl|kl|rkl|jsd|sampled|alm|ce (ce: cross entropy only)."""
+    """KD loss: auto|pkl|kl|rkl|jsd|sampled|alm|rkl-pg|ce (rkl-pg: reverse-KL policy gradient on the student's own rollouts, docs/on-policy.md; ce: cross entropy only)."""
     kd_weight: float = 1.0
     """Weight of the KD term."""
     ce_weight: float = 0.1
@@ -65,6 +65,8 @@ class LossConfig:
     """Mixing weight beta of the generalized JSD loss."""
     alm_tau: float = 100.0
     """Temperature tau of the ALM chunk-likelihood loss."""
+    is_cap: float = 2.0
+    """--loss rkl-pg: cap C of the truncated importance ratio min(p_student / p_sampler, C) per chunk (>= 1; 0: no ratio, for rollouts sampled by the weights being trained)."""
     projection: list[str] = field(default_factory=list)
     """Projection map (`xtcache projection build`) for cross-tokenizer caches; built on the fly when absent. Several --cache: one per cross-tokenizer cache, in --cache order."""
     teacher_weights: str | None = None
@@ -188,6 +190,9 @@ class TrainConfig:
             raise ValueError(f"--temperature {loss.temperature}: must be positive")
         if not 0.0 < loss.jsd_beta < 1.0:
             raise ValueError(f"--jsd-beta {loss.jsd_beta}: must lie strictly between 0 and 1")
+        if loss.is_cap != 0 and not loss.is_cap >= 1:
+            raise ValueError(f"--is-cap {loss.is_cap}: 0 (no importance ratio) or at least 1 (a cap below 1 "
+                             "down-weights even tokens of an unchanged policy)")
         if loss.alm_tau <= 0:
             raise ValueError(f"--alm-tau {loss.alm_tau}: must be positive")
         if loss.loss == "ce" and loss.ce_weight == 0:

@@ -35,10 +35,11 @@ from torch import Tensor
 
 from stage2_student.blocked import Block, Prepared, TermSpec, blocked_terms
 from stage2_student.losses import EmptyMappedSupportError, NoValidChunksError, ProjectionOperator
+from stage2_student.onpolicy import behaviour_rows
 from xtcache.errors import ConfigError, ProjectionError, XtcacheError
 
 ROW_CHUNK = 1024
-KINDS = ("kl", "rkl", "jsd", "sampled", "pkl", "alm")
+KINDS = ("kl", "rkl", "jsd", "sampled", "pkl", "alm", "rkl-pg")
 _V_COPIES = 9  # [rows, V] fp32-sized tensors a block holds at its peak (recompute + its backward)
 _K_BYTES = 72  # bytes per stored teacher entry a block holds (ids, log-probs, p, q, terms, grads)
 
@@ -56,6 +57,7 @@ def resolve_kind(requested: str, caps: Capabilities) -> str:
 
     auto: kl for same-tokenizer caches (sampled for sampled ones), pkl for cross-tokenizer caches
     (sampled ones included: P-KL then uses the teacher's empirical distribution counts / N).
+    rkl-pg (rollouts, docs/on-policy.md) reads only the realized log-probs: any cache, never auto.
     """
     same, mode = caps.same_tokenizer, caps.mode
     if requested in ("auto", "ce"):
@@ -97,7 +99,8 @@ class Objective:
     def __init__(self, kind: str | None, *, kd_weight: float = 1.0, ce_weight: float = 0.1,
                  dynamic_scaling: bool = False, temperature: float = 1.0, jsd_beta: float = 0.5,
                  alm_tau: float = 100.0, projection: ProjectionOperator | None = None, teacher_tail: str = "ghost",
-                 measure_agreement: bool = True, row_chunk: int = ROW_CHUNK, with_ce: bool = True):
+                 measure_agreement: bool = True, row_chunk: int = ROW_CHUNK, with_ce: bool = True,
+                 is_cap: float = 0.0):
         if kind is not None and kind not in KINDS:
             raise ValueError(f"--loss {kind!r}: use {', '.join(KINDS)}")
         if teacher_tail not in ("ghost", "uniform"):
@@ -105,13 +108,16 @@ class Objective:
         if kind == "sampled" and temperature != 1.0:
             raise ConfigError(f"--temperature {temperature:g} with --loss sampled: the cache holds draws of the T=1 "
                               "teacher, which cannot be re-tempered; use --temperature 1 (docs/losses.md)")
+        if kind == "rkl-pg" and temperature != 1.0:
+            raise ConfigError(f"--temperature {temperature:g} with --loss rkl-pg: the policy gradient trains the "
+                              "student's own T=1 policy against the teacher's stored T=1 log-probs; use --temperature 1")
         if kind == "pkl" and projection is None:
             raise ProjectionError("--loss pkl needs a projection map (--projection, or built from both tokenizers)")
         self.kind, self.projection = kind, projection
         self.kd_weight, self.ce_weight, self.dynamic_scaling = kd_weight, ce_weight, dynamic_scaling
         self.row_chunk = int(row_chunk)
         self.with_ce = with_ce  # False: this teacher's pass skips CE (another teacher's pass computes it)
-        self.spec = TermSpec(kind, float(temperature), jsd_beta, alm_tau, teacher_tail, projection)
+        self.spec = TermSpec(kind, float(temperature), jsd_beta, alm_tau, teacher_tail, projection, float(is_cap))
         cross = kind in ("pkl", "alm")
         self.measure_agreement = measure_agreement and kind is not None and (not cross or projection is not None)
 
@@ -123,7 +129,9 @@ class Objective:
             kind = resolve_kind(loss_cfg.loss, caps)
         kw = dict(kd_weight=loss_cfg.kd_weight, ce_weight=loss_cfg.ce_weight,
                   dynamic_scaling=loss_cfg.dynamic_scaling, temperature=loss_cfg.temperature,
-                  jsd_beta=loss_cfg.jsd_beta, alm_tau=loss_cfg.alm_tau, projection=projection)
+                  jsd_beta=loss_cfg.jsd_beta, alm_tau=loss_cfg.alm_tau, projection=projection,
+                  is_cap=loss_cfg.is_cap if kind == "rkl-pg" else 0.0,
+                  measure_agreement=kind != "rkl-pg" or caps.same_tokenizer or projection is not None)
         kw.update(overrides)
         return cls(kind, **kw)
 
@@ -186,7 +194,7 @@ class Objective:
         k = tids.shape[1]
         pos_in = np.nonzero(sc >= 0)[0]
         pos_chunk = sc[pos_in]
-        same = self.kind not in ("pkl", "alm")
+        same = self.kind not in ("pkl", "alm", "rkl-pg")  # rkl-pg: chunk sums (1:1 chunks: one token each)
         if same and pos_in.size != n_chunks:
             raise XtcacheError(f"batch has {pos_in.size} chunk logits for {n_chunks} chunks: not a same-tokenizer "
                                "batch; use the projected KL loss for cross-tokenizer caches")
@@ -232,6 +240,8 @@ class Objective:
                 rows, chunks_of_rows = pos_in[sel], pos_chunk[sel]
                 ce_loc = np.searchsorted(rows, ce_b)
                 fields = self._plan_cross_block(rows, chunks_of_rows, t_rows, tch, labels)
+                if self.kind == "rkl-pg":
+                    fields["behaviour_logprobs"] = behaviour_rows(batch, rows, self.spec.is_cap)
             pos = np.concatenate([rows, extra]).astype(np.int64)
             ce_loc = np.concatenate([ce_loc, rows.size + np.arange(extra.size)]).astype(np.int64)
             blocks.append(Block(logit_rows=torch.from_numpy(pos), ce_rows=torch.from_numpy(ce_loc),

@@ -33,7 +33,7 @@ from xtcache.testing.devices import (
 N, V = 24, 32  # positions of the micro-batch (3 row blocks of 8), student vocabulary
 
 CASES = ["topk kl", "topk rkl", "topk jsd", "topk kl T=2", "topk kl T=2 uniform", "full", "sampled", "pkl topk", "pkl full", "pkl T=2",
-         "alm", "ce", "sum", "dynamic likelihood", "dynamic entropy", "dynamic max-prob", "select", "mean-probs"]
+         "alm", "rkl-pg", "rkl-pg ratio", "ce", "sum", "dynamic likelihood", "dynamic entropy", "dynamic max-prob", "select", "mean-probs"]
 
 
 def _case(name: str):
@@ -50,6 +50,11 @@ def _case(name: str):
         obj, batch = _two_teacher_case(N, V, gen, combine=name.split()[0])
         obj.score = name.split()[1] if name.startswith("dynamic") else obj.score
         obj.vocab_sizes = [V, V // 2]
+    elif name.startswith("rkl-pg"):  # rollouts: the realized log-probs, and the sampling ones for the ratio
+        obj, batch = _memory_case("alm", N, V, gen)
+        cap = 2.0 if name.endswith("ratio") else 0.0
+        obj = Objective("rkl-pg", is_cap=cap, row_chunk=8)
+        batch["sampled_logprobs"] = -torch.rand(1, N, generator=gen) * 3
     elif name == "mean-probs":  # two teachers of one tokenizer, trained on their mixture
         (_, a), (_, b) = _memory_case("topk k=16", N, V, gen), _memory_case("topk k=16", N, V, gen)
         for view in (a, b):

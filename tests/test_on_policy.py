@@ -1,0 +1,187 @@
+"""On-policy objectives of stage 2 (docs/on-policy.md): the reverse-KL policy gradient on sampled text
+(`--loss rkl-pg`), its truncated importance ratio, and its chunk-level form across tokenizers.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_on_policy.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from stage2_student.config import TrainConfig
+from stage2_student.objective import Capabilities, Objective, resolve_kind
+from stage2_student.onpolicy import reverse_kl_pg, truncated_ratio
+from xtcache.errors import ConfigError, XtcacheError
+
+V = 5
+
+
+def _sample_batch(y: torch.Tensor, log_pt: torch.Tensor, log_pb: torch.Tensor | None = None) -> dict:
+    """A same-tokenizer rollout micro-batch: position n predicts the sampled y[n], one chunk each."""
+    n = y.shape[0]
+    batch = {"student_chunk": torch.arange(n)[None], "labels": y[None].clone(), "num_chunks": n,
+             "teacher_chunk": torch.arange(n), "teacher_ids": torch.zeros(n, 1, dtype=torch.int64),
+             "teacher_logprobs": torch.zeros(n, 1), "teacher_residual": torch.zeros(n),
+             "teacher_realized": log_pt[y]}
+    if log_pb is not None:
+        batch["sampled_logprobs"] = log_pb[y][None].float()
+    return batch
+
+
+def _estimated_grad(z, batch, is_cap):
+    """d(loss)/dz through the product's objective (KD only, normalised by the sample count)."""
+    n = batch["num_chunks"]
+    z = z.clone().requires_grad_(True)
+    obj = Objective("rkl-pg", ce_weight=0.0, is_cap=is_cap, measure_agreement=False, row_chunk=4096)
+    loss, _ = obj(z.expand(1, n, V), obj.prepare(batch, vocab=V), chunks_total=float(n), tokens_total=float(n))
+    loss.backward()
+    return z.grad
+
+
+def _reverse_kl_grad(z, log_pt):
+    z = z.clone().requires_grad_(True)
+    log_q = torch.log_softmax(z, -1)
+    (log_q.exp() * (log_q - log_pt)).sum().backward()
+    return z.grad
+
+
+def _standard_error(z, y, log_pt, weights):
+    """Standard error of the mean of the per-sample gradients w_n r_n (e_{y_n} - q), per component."""
+    log_q = torch.log_softmax(z, -1)
+    r = (log_q[y] - log_pt[y]) * weights  # [N]
+    g = r[:, None] * (torch.nn.functional.one_hot(y, V).double() - log_q.exp())  # [N, V]
+    return g.std(dim=0) / math.sqrt(y.shape[0])
+
+
+@pytest.mark.parametrize("behaviour", ["student", "other policy, ratio", "other policy, no ratio"])
+def test_reverse_kl_policy_gradient_matches_the_analytic_gradient_in_expectation(behaviour):
+    """Many sampled tokens of a tiny vocabulary: the mean policy gradient equals grad KL(q || p_t) within 5
+    standard errors of the mean, when the student sampled or when another policy did and the importance
+    ratio corrects for it; without the ratio, samples of another policy give another gradient."""
+    gen = torch.Generator().manual_seed(7)
+    z = torch.randn(V, generator=gen, dtype=torch.float64)
+    log_pt = torch.log_softmax(torch.randn(V, generator=gen, dtype=torch.float64) * 1.5, -1)
+    log_q = torch.log_softmax(z, -1)
+    log_b = log_q if behaviour == "student" else torch.log_softmax(z + torch.tensor([1.0, -1.0, 0.5, 0.0, -0.5],
+                                                                                    dtype=torch.float64), -1)
+    n = 40_000
+    y = torch.multinomial(log_b.exp(), n, replacement=True, generator=gen)
+    ratio = behaviour == "other policy, ratio"
+    got = _estimated_grad(z, _sample_batch(y, log_pt, log_b if ratio else None), is_cap=1e6 if ratio else 0.0)
+    want = _reverse_kl_grad(z, log_pt)
+    weights = (log_q[y] - log_b[y]).exp() if ratio else torch.ones(n, dtype=torch.float64)
+    tol = 5 * _standard_error(z, y, log_pt, weights) + 1e-6
+    forward_kl_grad = log_q.exp() - log_pt.exp()  # what a forward-KL loss would give: must be told apart
+    assert ((forward_kl_grad - want).abs() > 3 * tol).any()
+    if behaviour == "other policy, no ratio":
+        assert ((got - want).abs() > 3 * tol).any(), (got, want, tol)
+    else:
+        assert ((got - want).abs() <= tol).all(), (got, want, tol)
+
+
+def _cross_rollout(gen, labels_vocab=V):
+    """4 chunks: 1:1, 2:1 (two student tokens), 1:2 (two teacher rows), 1:1; and an invalid logit."""
+    student_chunk = torch.tensor([[-1, 0, 1, 1, 2], [3, -1, -1, -1, -1]])
+    labels = torch.randint(0, labels_vocab, (2, 5), generator=gen)
+    return {"student_chunk": student_chunk, "labels": labels, "num_chunks": 4,
+            "teacher_chunk": torch.tensor([0, 1, 2, 2, 3]), "teacher_ids": torch.zeros(5, 1, dtype=torch.int64),
+            "teacher_logprobs": torch.zeros(5, 1), "teacher_residual": torch.zeros(5),
+            "teacher_realized": -torch.rand(5, generator=gen, dtype=torch.float64) * 3,
+            "sampled_logprobs": -torch.rand(2, 5, generator=gen) * 3}
+
+
+def _terms(obj, logits, batch):
+    z = logits.clone().requires_grad_(True)
+    kd, _ = obj.terms(z, obj.prepare(batch, vocab=z.shape[-1]))
+    kd.sum().backward()
+    return kd.detach(), z.grad
+
+
+def test_chunk_signal_sums_each_sides_log_probs_and_equals_the_per_token_signal_on_one_to_one_chunks():
+    gen = torch.Generator().manual_seed(3)
+    batch = _cross_rollout(gen)
+    logits = torch.randn(2, 5, V, generator=gen, dtype=torch.float64)
+    kd, grad = _terms(Objective("rkl-pg", measure_agreement=False), logits, batch)
+    log_q = torch.log_softmax(logits, -1)
+    lp = log_q.gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0]  # [2, 5] label log-probs
+    real = batch["teacher_realized"]
+    log_ps = torch.stack([lp[0, 1], lp[0, 2] + lp[0, 3], lp[0, 4], lp[1, 0]])
+    log_pt = torch.stack([real[0], real[1], real[2] + real[3], real[4]])
+    torch.testing.assert_close(kd, log_ps - log_pt)
+    # gradient: r_c times grad log p_s of the chunk, i.e. r_c (onehot - q) at each of its student positions
+    want = torch.zeros_like(logits)
+    onehot = torch.nn.functional.one_hot(batch["labels"].clamp(min=0), V).double()
+    for c, positions in enumerate([[(0, 1)], [(0, 2), (0, 3)], [(0, 4)], [(1, 0)]]):
+        for b, i in positions:
+            want[b, i] = (log_ps[c] - log_pt[c]) * (onehot[b, i] - log_q[b, i].exp())
+    torch.testing.assert_close(grad, want)
+    # a same-tokenizer batch (every chunk 1:1) gives per token r_t = log p_s(y_t) - log p_t(y_t)
+    same = {**batch, "student_chunk": torch.tensor([[0, 1, 2, 3, 4], [-1] * 5]), "teacher_chunk": torch.arange(5),
+            "num_chunks": 5}
+    kd_same, _ = _terms(Objective("rkl-pg", measure_agreement=False), logits, same)
+    torch.testing.assert_close(kd_same, lp[0] - real)
+
+
+def test_the_ratio_is_one_and_changes_nothing_when_the_policy_has_not_moved():
+    gen = torch.Generator().manual_seed(4)
+    batch = _cross_rollout(gen)
+    logits = torch.randn(2, 5, V, generator=gen, dtype=torch.float64)
+    lp = torch.log_softmax(logits, -1).gather(-1, batch["labels"][..., None])[..., 0]
+    unchanged = {**batch, "sampled_logprobs": lp.float().double()}  # the sampler was these very weights
+    no_ratio = _terms(Objective("rkl-pg", measure_agreement=False, is_cap=0.0), logits, batch)
+    with_ratio = _terms(Objective("rkl-pg", measure_agreement=False, is_cap=2.0), logits, unchanged)
+    torch.testing.assert_close(with_ratio[0], no_ratio[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(with_ratio[1], no_ratio[1], rtol=1e-6, atol=1e-6)
+    # the policy moved: each chunk is weighted by min(exp(log p_s - log p_b), C)
+    for shift, cap in [(5.0, 2.0), (-1.0, 2.0), (0.3, 1.0)]:
+        moved = {**batch, "sampled_logprobs": (lp - shift).float()}  # every token: ratio exp(shift)
+        kd, _ = _terms(Objective("rkl-pg", measure_agreement=False, is_cap=cap), logits, moved)
+        tokens = torch.tensor([1.0, 2.0, 1.0, 1.0], dtype=torch.float64)  # student tokens per chunk
+        w = torch.clamp(torch.exp(shift * tokens), max=cap)
+        torch.testing.assert_close(kd, w * no_ratio[0], rtol=1e-5, atol=1e-6)
+        assert bool((w <= cap).all())
+
+
+def test_truncated_ratio_is_bounded_and_has_no_gradient():
+    log_ps = torch.tensor([0.0, -1.0, -50.0, -1e-3], requires_grad=True)
+    log_pb = torch.tensor([-100.0, -1.0, -1.0, -1e-3])  # ratio e^100 (overflow without log space), 1, e^-49, 1
+    w = truncated_ratio(log_ps, log_pb, 3.0)
+    torch.testing.assert_close(w, torch.tensor([3.0, 1.0, math.exp(-49.0), 1.0]))
+    assert not w.requires_grad
+    value = reverse_kl_pg(log_ps, torch.zeros(4), log_pb, is_cap=3.0)
+    value.sum().backward()
+    torch.testing.assert_close(log_ps.grad, (w * log_ps.detach()))  # d/d log_ps of w r log_ps with w, r held
+
+
+def test_missing_or_partial_sampling_log_probs_are_refused():
+    gen = torch.Generator().manual_seed(5)
+    batch = _cross_rollout(gen)
+    obj = Objective("rkl-pg", measure_agreement=False, is_cap=2.0)
+    no_logprobs = {k: v for k, v in batch.items() if k != "sampled_logprobs"}
+    with pytest.raises(ConfigError, match="--is-cap 0"):
+        obj.prepare(no_logprobs, vocab=V)
+    hole = {**batch, "sampled_logprobs": batch["sampled_logprobs"].clone()}
+    hole["sampled_logprobs"][0, 2] = float("nan")
+    with pytest.raises(XtcacheError, match="1 trained position"):
+        obj.prepare(hole, vocab=V)
+    Objective("rkl-pg", measure_agreement=False, is_cap=0.0).prepare(no_logprobs, vocab=V)  # no ratio: fine
+
+
+def test_rkl_pg_is_allowed_on_every_cache_never_picked_by_auto_and_trains_at_t1():
+    for same in (True, False):
+        for mode in ("topk", "full", "sampled"):
+            caps = Capabilities(same_tokenizer=same, mode=mode)
+            assert resolve_kind("rkl-pg", caps) == "rkl-pg"
+            assert resolve_kind("auto", caps) != "rkl-pg"
+    with pytest.raises(ConfigError, match="--temperature 2 with --loss rkl-pg"):
+        Objective("rkl-pg", temperature=2.0)
+    base = {"cache": ["c"], "student": "s", "out": "o", "loss": "rkl-pg"}
+    assert TrainConfig.from_flat(base).loss.is_cap == 2.0
+    for bad in (0.5, -1.0):
+        with pytest.raises(ValueError, match="--is-cap"):
+            TrainConfig.from_flat({**base, "is_cap": bad})
+    assert np.isclose(TrainConfig.from_flat({**base, "is_cap": 0}).loss.is_cap, 0.0)
