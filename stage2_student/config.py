@@ -45,6 +45,10 @@ class LoaderConfig:
     """Conversation caches: KD and CE only on positions that predict these tokens: assistant (every assistant message, end-of-turn included; the default), last-assistant (the final one) or all. Plain-text caches: unset or all."""
     teachers_missing: str = "drop"
     """Several --cache: drop the documents some cache lacks, or train them (partial) with the teachers present."""
+    corpus_cache: str | None = None
+    """An off-policy corpus cache (same teacher tokenizer) mixed into the rollouts of --cache at 1 - --rollout-fraction of the micro-batches (GKD's lambda, docs/on-policy.md)."""
+    rollout_fraction: float = 1.0
+    """With --corpus-cache: the probability lambda that a micro-batch is drawn from --cache (the rollouts), fixed by --seed and the micro-batch index."""
 
 
 @dataclass(kw_only=True)
@@ -207,6 +211,17 @@ class TrainConfig:
             raise ValueError("--eval-fraction and --eval-cache both given: choose one")
         if e.eval_cache and len(e.eval_cache) != len(self.cache):
             raise ValueError(f"{len(e.eval_cache)} --eval-cache for {len(self.cache)} --cache: give one per cache")
+        if lo.corpus_cache is not None:
+            if not 0.0 < lo.rollout_fraction < 1.0:
+                raise ValueError(f"--rollout-fraction {lo.rollout_fraction} with --corpus-cache: must lie strictly "
+                                 "between 0 and 1 (1: leave out --corpus-cache)")
+            if len(self.cache) > 1:
+                raise ValueError("--corpus-cache mixes into one rollout --cache; give one --cache")
+            if loss.loss == "rkl-pg":
+                raise ValueError("--corpus-cache with --loss rkl-pg: the policy gradient needs text the student "
+                                 "sampled; mix with a distribution loss (kl, jsd, pkl, auto)")
+        elif lo.rollout_fraction != 1.0:
+            raise ValueError(f"--rollout-fraction {lo.rollout_fraction} needs --corpus-cache (the corpus to mix in)")
         if lo.teachers_missing not in ("drop", "partial"):
             raise ValueError(f"--teachers-missing {lo.teachers_missing!r}: choose drop or partial")
         if loss.teacher_combine not in ("sum", "dynamic", "select", "mean-probs"):

@@ -106,6 +106,8 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
             raise ConfigError("--teacher-combine mean-probs mixes distributions over one vocabulary, and the caches' "
                               "teachers have different tokenizers: use --teacher-combine sum, dynamic or select")
     names, projections = _kinds_and_projections(cfg, manifests, caps, tokenizer, student_fp, combine)
+    if cfg.loader.corpus_cache:
+        _check_corpus(cfg, manifests[0], names[0], student_fp)
     weights = cfg.teacher_weights()
     kinds = names[:1] if combine == "mean-probs" else names
     objectives = [Objective.from_config(cfg.loss, caps[i], projections[i], kind=None if cfg.loss.loss == "ce" else
@@ -214,6 +216,13 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
     train_ds = CacheDataset(cfg.cache, tokenizer, grad_accum=cfg.optim.grad_accum, split="train",
                             holdout_fraction=fraction, **common)
     train = CacheLoader(train_ds, num_workers=cfg.loader.num_workers)
+    if cfg.loader.corpus_cache:  # GKD's lambda: each micro-batch from the rollouts or the corpus
+        from stage2_student.rollout_mix import MixedLoader
+
+        corpus_ds = CacheDataset([cfg.loader.corpus_cache], tokenizer, grad_accum=cfg.optim.grad_accum,
+                                 split="train", holdout_fraction=fraction, **common)
+        train = MixedLoader(train, CacheLoader(corpus_ds, num_workers=cfg.loader.num_workers),
+                            fraction=cfg.loader.rollout_fraction, seed=cfg.seed)
     if fraction > 0:
         eval_ds = CacheDataset(cfg.cache, tokenizer, split="eval", holdout_fraction=fraction, **common)
     elif cfg.eval.eval_cache:
@@ -221,3 +230,19 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
     else:
         return train, None
     return train, lambda: CacheLoader(eval_ds, num_workers=0)
+
+
+def _check_corpus(cfg: TrainConfig, rollouts, kind: str, student_fp: str) -> None:
+    """--corpus-cache trains under the rollouts' objective: same teacher tokenizer, same KD kind."""
+    from xtcache.store import CacheReader
+
+    corpus = CacheReader(cfg.loader.corpus_cache, storage_options=cfg.loader.storage_options).manifest
+    fp = corpus.fingerprints.get("teacher_tokenizer")
+    if fp != rollouts.fingerprints.get("teacher_tokenizer"):
+        raise ConfigError(f"--corpus-cache {cfg.loader.corpus_cache}: its teacher tokenizer differs from the rollout "
+                          "cache's; mix caches scored by one teacher tokenizer")
+    corpus_kind = resolve_kind(cfg.loss.loss, Capabilities(same_tokenizer=student_fp == fp, mode=corpus.mode))
+    if corpus_kind != kind:
+        raise ConfigError(f"--corpus-cache {cfg.loader.corpus_cache}: --loss {cfg.loss.loss} gives {corpus_kind} on it "
+                          f"(mode {corpus.mode}) and {kind} on the rollouts; give --loss explicitly, or mix caches of "
+                          "one mode")

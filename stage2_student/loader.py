@@ -470,6 +470,8 @@ def reshard_state(state: dict, *, rank: int, world_size: int, grad_accum: int) -
     step takes the next world_size x grad_accum micro-batches of it. So a run saved at W ranks x A
     accumulation continues exactly at W' x A' = W x A: the position is steps done x A'.
     """
+    if "mixture" in state:  # stage2_student.rollout_mix: each rank's draws depend on the rank layout
+        raise ConfigError("a run mixing --corpus-cache into rollouts resumes on its own ranks x --grad-accum only")
     old = state["world_size"] * state["grad_accum"]
     if world_size * grad_accum != old:
         saved = f"cannot resume the data stream of {state['world_size']} ranks x --grad-accum {state['grad_accum']}"

@@ -404,3 +404,53 @@ def test_common_boundaries_cuts_teacher_windows_as_stage_1_did(ends, n_tokens, m
     assert got.dtype == np.int64 and np.all(np.diff(got) > 0) and np.all(got > 0)
     assert all(np.isin(got, a).all() for a in arrays)
     assert plan_windows(n_tokens, max_len, 0, got) == plan_windows(n_tokens, max_len, 0, stage1_boundaries(arrays))
+
+
+# ------------------------------------------------------------------------------ rollouts + corpus (GKD's lambda)
+
+
+def test_rollout_draws_are_a_pure_function_near_the_fraction():
+    from stage2_student.rollout_mix import draws_rollout
+
+    draws = [draws_rollout(5, g, 0.3) for g in range(20_000)]
+    assert draws == [draws_rollout(5, g, 0.3) for g in range(20_000)]
+    assert abs(np.mean(draws) - 0.3) < 0.02  # binomial sd 0.003
+    assert draws != [draws_rollout(6, g, 0.3) for g in range(20_000)]
+    assert all(draws_rollout(5, g, 1.0) for g in range(100))
+
+
+def test_rollout_mixture_reads_each_stream_in_order_and_resumes_exactly(store, tmp_path, toy_setup, teacher_tokenizer,
+                                                                          student_tokenizer):
+    from stage2_student.rollout_mix import MixedLoader
+
+    corpus, fp = store
+    rollouts, _ = _write_store(tmp_path / "rollouts", toy_setup, teacher_tokenizer, student_tokenizer, n_docs=6,
+                               parts=2)
+
+    def mixed(seed=3):
+        return MixedLoader(L.CacheLoader(_dataset(rollouts, fp)), L.CacheLoader(_dataset(corpus, fp)), fraction=0.4,
+                           seed=seed)
+
+    n, cut = 16, 7
+    loader = mixed()
+    it = iter(loader)
+    full = [next(it) for _ in range(n)]
+    drawn = [loader.source(j) for j in range(n)]
+    assert 0 < drawn.count("rollouts") < n
+    alone = {"rollouts": iter(L.CacheLoader(_dataset(rollouts, fp))), "corpus": iter(L.CacheLoader(_dataset(corpus, fp)))}
+    for batch, name in zip(full, drawn):  # each stream's own batches, in its own order
+        _same(batch, next(alone[name]))
+    first = mixed()
+    it = iter(first)
+    head = [next(it) for _ in range(cut)]
+    state = json.loads(json.dumps(first.state_dict()))
+    del it
+    resumed = mixed()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    for a, b in zip(head + [next(it) for _ in range(n - cut)], full):
+        _same(a, b)
+    with pytest.raises(ConfigError, match="cannot resume"):
+        mixed(seed=4).load_state_dict(state)
+    with pytest.raises(ConfigError, match="own ranks"):
+        L.reshard_state(state, rank=0, world_size=2, grad_accum=1)

@@ -185,3 +185,16 @@ def test_rkl_pg_is_allowed_on_every_cache_never_picked_by_auto_and_trains_at_t1(
         with pytest.raises(ValueError, match="--is-cap"):
             TrainConfig.from_flat({**base, "is_cap": bad})
     assert np.isclose(TrainConfig.from_flat({**base, "is_cap": 0}).loss.is_cap, 0.0)
+
+
+def test_mixture_flags_are_checked_against_each_other():
+    base = {"cache": ["rollouts"], "student": "s", "out": "o"}
+    cfg = TrainConfig.from_flat({**base, "corpus_cache": "corpus", "rollout_fraction": 0.25})
+    assert (cfg.loader.corpus_cache, cfg.loader.rollout_fraction) == ("corpus", 0.25)
+    for extra, match in [({"corpus_cache": "corpus"}, "strictly between 0 and 1"),
+                         ({"corpus_cache": "corpus", "rollout_fraction": 0.0}, "strictly between 0 and 1"),
+                         ({"rollout_fraction": 0.5}, "needs --corpus-cache"),
+                         ({"corpus_cache": "corpus", "rollout_fraction": 0.5, "loss": "rkl-pg"}, "sampled"),
+                         ({"corpus_cache": "corpus", "rollout_fraction": 0.5, "cache": ["a", "b"]}, "one --cache")]:
+        with pytest.raises(ValueError, match=match):
+            TrainConfig.from_flat({**base, **extra})

@@ -1,0 +1,85 @@
+"""On-policy rollouts mixed with an off-policy corpus cache, GKD's lambda: which stream each micro-batch reads.
+
+`xtcache train-student --cache ROLLOUTS --corpus-cache CORPUS --rollout-fraction 0.5` trains each
+micro-batch on the rollout cache with probability lambda (`--rollout-fraction`), else on the corpus
+cache (Agarwal et al. 2024 draw each batch on-policy with probability lambda). The draw is a pure
+function of (seed, global micro-batch index), so the mixture is the same on every run, whatever the
+number of DataLoader workers, and a resumed run reads exactly the micro-batches an uninterrupted one
+would have (each stream keeps its own `CacheLoader` position).
+
+    train = MixedLoader(CacheLoader(rollouts), CacheLoader(corpus), fraction=0.5, seed=0)
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from stage2_student.order import global_micro_batch
+from xtcache.errors import ConfigError
+
+
+def draws_rollout(seed: int, g: int, fraction: float) -> bool:
+    """Whether global micro-batch g reads the rollouts: sha256(seed, g) read as a number in [0, 1) < fraction."""
+    if fraction >= 1.0:
+        return True
+    digest = hashlib.sha256(f"xtcache-rollout-mix:{seed}:{g}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+class MixedLoader:
+    """This rank's micro-batches, each from the rollout or the corpus stream (`draws_rollout`), resumable.
+
+    Rank r's j-th micro-batch is global micro-batch `global_micro_batch(j, ...)`; its draw picks the
+    stream, and that stream's next micro-batch is yielded. `state_dict()` holds the micro-batches
+    consumed and both streams' states; the stream of a global micro-batch depends on the rank layout,
+    so a mixed stream resumes on the same ranks x --grad-accum only (`loader.reshard_state` refuses).
+    """
+
+    def __init__(self, rollouts, corpus, *, fraction: float, seed: int):
+        if not 0.0 < fraction <= 1.0:
+            raise ConfigError(f"--rollout-fraction {fraction}: must lie in (0, 1]")
+        self.rollouts, self.corpus, self.fraction, self.seed = rollouts, corpus, float(fraction), int(seed)
+        self.consumed = 0
+
+    @property
+    def dataset(self):
+        """The rollout stream's dataset (what the run describes as its training data)."""
+        return self.rollouts.dataset
+
+    def __len__(self) -> int:
+        return len(self.rollouts)
+
+    def source(self, j: int) -> str:
+        """'rollouts' or 'corpus': the stream of this rank's j-th micro-batch."""
+        d = self.rollouts.dataset
+        g = global_micro_batch(j, rank=d.rank, world_size=d.world_size, grad_accum=d.grad_accum)
+        return "rollouts" if draws_rollout(self.seed, g, self.fraction) else "corpus"
+
+    def __iter__(self):
+        streams = {}  # started on first use: an unused stream starts no workers
+        loaders = {"rollouts": self.rollouts, "corpus": self.corpus}
+        while True:
+            name = self.source(self.consumed)
+            if name not in streams:
+                streams[name] = iter(loaders[name])
+            try:
+                batch = next(streams[name])
+            except StopIteration:
+                return
+            self.consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"mixture": {"consumed": self.consumed, "fraction": self.fraction, "seed": self.seed},
+                "rollouts": self.rollouts.state_dict(), "corpus": self.corpus.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        mix = state.get("mixture")
+        if mix is None or mix["fraction"] != self.fraction or mix["seed"] != self.seed:
+            was = "an unmixed stream" if mix is None else f"--rollout-fraction {mix['fraction']}, --seed {mix['seed']}"
+            raise ConfigError(f"cannot resume the data stream: the checkpoint has {was}, this run "
+                              f"--rollout-fraction {self.fraction}, --seed {self.seed}; resume with the settings of "
+                              "the interrupted run")
+        self.rollouts.load_state_dict(state["rollouts"])
+        self.corpus.load_state_dict(state["corpus"])
+        self.consumed = int(mix["consumed"])
