@@ -23,10 +23,10 @@ from xtcache import commands_projection, commands_store, demo
 
 def _stage_command(name: str) -> click.Command:
     """The click command `name` of a stage, built from the stage's own typer function."""
-    if name in ("teacher-dump", "align"):
+    if name in ("teacher-dump", "align", "generate"):
         from stage1_teacher import cli as stage1_cli
 
-        fn = stage1_cli.teacher_dump if name == "teacher-dump" else stage1_cli.align
+        fn = {"teacher-dump": stage1_cli.teacher_dump, "align": stage1_cli.align, "generate": stage1_cli.generate}[name]
     else:
         from stage2_student import cli as stage2_cli
 
@@ -36,7 +36,7 @@ def _stage_command(name: str) -> click.Command:
     return typer.main.get_command(one)
 
 
-STAGE_COMMANDS = ("teacher-dump", "align", "train-student")
+STAGE_COMMANDS = ("teacher-dump", "align", "generate", "train-student")
 
 
 class _AppGroup(TyperGroup):

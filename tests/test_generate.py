@@ -1,0 +1,234 @@
+"""`xtcache generate`: rollouts that teacher-dump reads as a corpus, reproducible with --engine hf,
+resumable after SIGKILL, split across jobs without overlap, keyed by the policy that wrote them.
+
+The student is the chat toy setup's Llama (a Llama-3-style template), untrained: what it writes is
+noise, which is all these tests need.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xtcache.testing.suite import REPO
+
+MAX_NEW = "12"
+
+
+@pytest.fixture(scope="module")
+def chat(toy_setup, tmp_path_factory):
+    """(chat setup, conversation prompts .jsonl, text prompts .jsonl); held-out prompts in heldout.jsonl."""
+    from xtcache.testing.chat import build_chat_setup
+
+    root = tmp_path_factory.mktemp("gen")
+    setup = build_chat_setup(toy_setup, root / "chat", num_train=6, num_heldout=3, teacher_steps=0)
+    for src, name in ((setup.train_jsonl, "prompts.jsonl"), (setup.heldout_jsonl, "heldout.jsonl")):
+        prompts = []
+        for row in map(json.loads, src.read_text().splitlines()):
+            last_user = max(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
+            prompts.append({**row, "messages": row["messages"][:last_user + 1]})
+        (root / name).write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    conv = root / "prompts.jsonl"
+    text = root / "prefixes.jsonl"
+    text.write_text("".join(json.dumps({"text": f"The cache stores {w} and"}) + "\n" for w in ("ids", "log-probs", "x")))
+    return setup, conv, text
+
+
+def _generate(setup, data, out, *extra, check=True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "xtcache.cli", "generate", "--student", str(setup.student_model), "--data", str(data),
+           "--out", str(out), "--engine", "hf", "--samples-per-prompt", "2", "--max-new-tokens", MAX_NEW,
+           "--prompts-per-part", "2", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted((out / "parts").glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def _parts(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((out / "parts").glob("*.jsonl"))}
+
+
+def test_rollouts_are_a_conversation_corpus_for_teacher_dump(chat, tmp_path):
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, conv, _ = chat
+    _generate(setup, conv, tmp_path / "r")
+    rows = _rows(tmp_path / "r")
+    prompts = [json.loads(line) for line in conv.read_text().splitlines()]
+    assert len(rows) == 2 * len(prompts)
+    tok = load_tokenizer(setup.student_model)
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    for i, row in enumerate(rows):
+        prompt = prompts[i // 2]
+        assert row["messages"][:-1] == prompt["messages"] and row["messages"][-1]["role"] == "assistant"
+        assert row["sample"] == i % 2 and row["policy"] == manifest["policy"]
+        assert row["stop_reason"] in ("stop", "length")
+        assert len(row["sampled_ids"]) == len(row["sampled_logprobs"]) <= int(MAX_NEW)
+        assert all(lp <= 0 for lp in row["sampled_logprobs"])
+        rendered = tok.apply_chat_template(prompt["messages"], tools=prompt.get("tools"), tokenize=False,
+                                           add_generation_prompt=True)
+        assert row["prompt_token_ids"] == tok(rendered, add_special_tokens=False)["input_ids"]
+        body = row["sampled_ids"][:-1] if row["stop_reason"] == "stop" else row["sampled_ids"]
+        assert row["messages"][-1]["content"] == tok.decode(body, skip_special_tokens=True)
+    assert rows[0]["prompt_id"] != rows[2]["prompt_id"] and rows[0]["prompt_id"] == rows[1]["prompt_id"]
+    dump = subprocess.run(
+        [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", str(setup.teacher_model),
+         "--student-tokenizer", str(setup.student_tokenizer), "--data", str(tmp_path / "r" / "parts" / "*.jsonl"),
+         "--out", str(tmp_path / "store"), "--engine", "hf", "--top-k", "8"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert dump.returncode == 0, dump.stderr[-3000:]
+    assert f"documents           {len(rows)} in" in dump.stdout and "skipped documents   none" in dump.stdout
+    store = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert store["settings"]["conversation"]["messages_field"] == "messages"
+
+
+def test_text_prefixes(chat, tmp_path):
+    setup, _, text = chat
+    _generate(setup, text, tmp_path / "r")
+    rows = _rows(tmp_path / "r")
+    prefixes = [json.loads(line)["text"] for line in text.read_text().splitlines()]
+    assert len(rows) == 6
+    for i, row in enumerate(rows):
+        assert row["prefix_chars"] == len(prefixes[i // 2]) and row["text"].startswith(prefixes[i // 2])
+        assert "messages" not in row
+
+
+def test_same_seed_same_rollouts_other_seed_other(chat, tmp_path):
+    setup, conv, _ = chat
+    _generate(setup, conv, tmp_path / "a")
+    _generate(setup, conv, tmp_path / "b")
+    _generate(setup, conv, tmp_path / "c", "--seed", "1")
+    assert _parts(tmp_path / "a") == _parts(tmp_path / "b")
+    ids = lambda out: [r["sampled_ids"] for r in _rows(out)]  # noqa: E731
+    assert sum(x != y for x, y in zip(ids(tmp_path / "a"), ids(tmp_path / "c"))) >= len(ids(tmp_path / "a")) // 2
+
+
+KILLER = r"""
+import os, signal, sys
+import stage1_teacher.generate as g
+from stage1_teacher.generate_config import build_generate_config
+real, calls = g.write_part, [0]
+def write_part(loc, rel, rows):
+    sha = real(loc, rel, rows)
+    calls[0] += 1
+    if calls[0] == 2:  # the second part is on disk, not yet in the index
+        os.kill(os.getpid(), signal.SIGKILL)
+    return sha
+g.write_part = write_part
+g.run_generate(build_generate_config(dict(student=sys.argv[1], data=[sys.argv[2]], out=sys.argv[3], engine="hf",
+               samples_per_prompt=2, max_new_tokens=int(sys.argv[4]), prompts_per_part=2)))
+"""
+
+
+def test_sigkill_then_resume_equals_uninterrupted(chat, tmp_path):
+    setup, conv, _ = chat
+    _generate(setup, conv, tmp_path / "whole")
+    killed = subprocess.run([sys.executable, "-c", KILLER, str(setup.student_model), str(conv), str(tmp_path / "k"),
+                             MAX_NEW], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    index = json.loads((tmp_path / "k" / "index" / "w00000.json").read_text())
+    assert [p["part"] for p in index["parts"]] == [0]
+    again = _generate(setup, conv, tmp_path / "k", check=False)
+    assert again.returncode != 0 and "--resume" in again.stderr
+    resumed = _generate(setup, conv, tmp_path / "k", "--resume")
+    assert "2 written, 1 kept" in resumed.stdout
+    assert _parts(tmp_path / "k") == _parts(tmp_path / "whole")
+
+
+def test_two_jobs_split_the_prompts(chat, tmp_path):
+    setup, conv, _ = chat
+    held = conv.with_name("heldout.jsonl")
+    for j in (0, 1):
+        _generate(setup, conv, tmp_path / "r", "--data", str(held), "--num-shards", "2", "--shard-index", str(j))
+    whole_out = tmp_path / "whole"
+    _generate(setup, conv, whole_out, "--data", str(held))
+    rows = _rows(tmp_path / "r")
+    by_writer = {p.name[:6] for p in (tmp_path / "r" / "parts").glob("*.jsonl")}
+    assert by_writer == {"w00000", "w00001"}
+    key = lambda r: (r["prompt_id"], r["sample"])  # noqa: E731
+    assert len({key(r) for r in rows}) == len(rows) == len(_rows(whole_out))
+    assert sorted(map(key, rows)) == sorted(map(key, _rows(whole_out)))
+    assert sorted(r["sampled_ids"] for r in rows) == sorted(r["sampled_ids"] for r in _rows(whole_out))
+
+
+def test_policy_fingerprint_follows_checkpoint_and_settings(chat, tmp_path):
+    import shutil
+    from dataclasses import replace
+
+    from stage1_teacher.generate_config import SamplingConfig
+    from stage1_teacher.rollouts import policy_fingerprint
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, _, _ = chat
+    tok = load_tokenizer(setup.student_model)
+    base = SamplingConfig()
+    fp = policy_fingerprint(str(setup.student_model), tok, base)["policy"]
+    assert policy_fingerprint(str(setup.student_model), tok, base)["policy"] == fp
+    for change in (dict(samples_per_prompt=2), dict(temperature=0.7), dict(top_p=0.9), dict(max_new_tokens=7),
+                   dict(seed=3)):
+        assert policy_fingerprint(str(setup.student_model), tok, replace(base, **change))["policy"] != fp, change
+    other = tmp_path / "student"
+    shutil.copytree(setup.student_model, other)
+    assert policy_fingerprint(str(other), tok, base)["policy"] == fp  # same bytes, same policy
+    from safetensors.torch import load_file, save_file
+
+    weights = next(other.glob("*.safetensors"))
+    state = load_file(str(weights))
+    name = sorted(state)[0]
+    state[name] = state[name] + 1e-3
+    save_file(state, str(weights), metadata={"format": "pt"})
+    assert policy_fingerprint(str(other), tok, base)["policy"] != fp
+
+
+def test_processed_logprobs_top_p_keeps_the_nucleus():
+    import torch
+
+    from stage1_teacher.samplers import processed_logprobs
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    lp = processed_logprobs(logits, 1.0, 0.75)
+    assert torch.isinf(lp[0, 2:]).all() and torch.allclose(lp[0, :2].exp(), torch.tensor([0.625, 0.375]))
+    lp = processed_logprobs(logits, 2.0, 1.0)
+    assert torch.allclose(lp.exp().sum(), torch.tensor(1.0)) and lp[0, 0] < torch.log(torch.tensor(0.5))
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+     "row 0: the last message is the 'assistant'"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}, {"other": 1}], "row 1: missing messages field"),
+    ([], "the file is empty"),
+])
+def test_bad_prompts_are_refused_in_one_line(chat, tmp_path, rows, message):
+    setup, _, _ = chat
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = _generate(setup, data, tmp_path / "r", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --data ") and "bad.jsonl" in last and message in last, last
+
+
+@pytest.mark.slow
+def test_vllm_generate_on_cpu_structure(chat, tmp_path):
+    setup, conv, _ = chat
+    proc = subprocess.run(
+        [sys.executable, "-m", "xtcache.cli", "generate", "--student", str(setup.student_model), "--data", str(conv),
+         "--out", str(tmp_path / "r"), "--engine", "vllm", "--samples-per-prompt", "2", "--max-new-tokens", MAX_NEW,
+         "--dtype", "float32"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "r")
+    assert len(rows) == 12
+    for row in rows:
+        assert row["stop_reason"] in ("stop", "length") and row["messages"][-1]["role"] == "assistant"
+        assert 0 < len(row["sampled_ids"]) == len(row["sampled_logprobs"]) <= int(MAX_NEW)
+        assert all(lp <= 0 for lp in row["sampled_logprobs"])
+    assert "reproducible        no" in proc.stdout or "reproducible        yes" in proc.stdout
