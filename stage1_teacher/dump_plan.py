@@ -104,6 +104,8 @@ def make_plan(cfg: TeacherDumpConfig, corpus: Corpus | None = None) -> Plan:
     shards = obtain_plan(corpus, corpus.field, num_jobs=s.num_shards, job=s.shard_index,
                          out=s.out,
                          storage_options=cfg.data_options, store_options=s.storage_options, dry_run=cfg.dry_run)
+    if s.num_shards > 1:  # this job's own files, before the teacher's weights are hashed
+        preflight.check_job_files(corpus, sorted({r.file for r in shards.jobs[s.shard_index]}))
     settings = settings_for_fingerprint(cfg, window_len=window_len, boundary_tokenizers=boundary,
                                         shard_plan=shards.fingerprint, conversation=conversation)
     settings["capture_engine"] = capture_identity(t)

@@ -365,3 +365,20 @@ def test_kill_and_resume_of_one_job_gives_the_same_store(teacher, toy_setup, mix
     one = tmp_path / "one"
     _dump(teacher, mixed_corpus, one, [toy_setup.student_tokenizer], docs_per_part=1)
     _assert_same_docs(_store_docs(one), _store_docs(out))
+
+
+def test_each_job_checks_the_first_rows_of_its_own_files_only(teacher, toy_setup, tmp_path):
+    """With several jobs, a job opens only the files of its share: a file no row of which is a document
+    stops the job that reads it, before its teacher is hashed, and not the others."""
+    texts = [json.loads(line)["text"] for line in open(toy_setup.heldout_jsonl)][:8]
+    good, bad = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    good.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    bad.write_text("".join(json.dumps({"nope": t}) + "\n" for t in texts))
+    plan = build_plan([str(good), str(bad)], "text", 2)
+    assert [{r.file for r in job} for job in plan.jobs] == [{0}, {1}]
+    counts = _dump(teacher, [str(good), str(bad)], tmp_path / "s", [toy_setup.student_tokenizer], num_shards=2,
+                   shard_index=0, dry_run=True)
+    assert counts["documents"] == 8
+    with pytest.raises(ConfigError, match=r"--data .*b\.jsonl: none of its first 8 rows is a usable document"):
+        _dump(teacher, [str(good), str(bad)], tmp_path / "s", [toy_setup.student_tokenizer], num_shards=2,
+              shard_index=1, dry_run=True)
