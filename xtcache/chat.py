@@ -24,8 +24,8 @@ on the messages' text. This module aligns two such renderings:
    text. Stage 2 builds its `--train-on` masks from these codes.
 
 A token that straddles a piece boundary (BPE merging a template newline into the content) is mapped
-onto the piece and its chunk marked inexact. Rendering and reading the marked renderings run in
-Python per conversation; the layout of every gap and piece, the token mapping, the chunk walk and
+onto the piece and its chunk marked inexact. Rendering runs in Python per conversation; reading
+the marked renderings, the layout of every gap and piece, the token mapping, the chunk walk and
 the self-check (`xtcache.chat_check`) are numpy over the whole batch.
 
     python -c "from xtcache.chat import render; help(render)"

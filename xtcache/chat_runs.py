@@ -5,18 +5,19 @@ The method is `xtcache.chat_spans`'s (placeholders of the same length, no search
 with one rendering less: in the marked conversation text k's core becomes a run of `chr(base + k)`
 and its leading and trailing whitespace become runs of two whitespace characters of their own
 (`Plan.spaces`: Unicode spaces that no rendering of the batch contains; `Plan.base`: private-use
-characters that none contains), so one marked rendering
-says both where the core is and whether the template kept the whitespace around it (a template
-that trims, trims a Unicode space alike; no quiet rendering).
+characters that none contains), so one marked rendering says both where the core is and whether
+the template kept the whitespace around it (a template that trims, trims a Unicode space alike; no
+quiet rendering).
 
 A conversation is read here when the marked rendering, with every run put back (core runs by the
 core, whitespace runs by the text's own whitespace), is its real rendering character for
 character, each core run as long as its core and each whitespace run as long as its whitespace and
 next to its core run. Every other conversation (a template that changed, escaped, split or
-partly stripped a text, or rejected the marked conversation) is left to `xtcache.chat_spans.locate`
-(the general walk, with the whitespace kept and a quiet rendering): `read` returns None for it.
+partly stripped a text, or rejected the marked conversation) is left to the general walk
+(`locate_one`: `xtcache.chat_spans.locate`, with the whitespace kept and a quiet rendering): `read`
+returns None for it. `locate_all` does both for a batch.
 
-    python -c "from xtcache.chat_runs import read; help(read)"
+    python -c "from xtcache.chat_runs import locate_all; help(locate_all)"
 """
 
 from __future__ import annotations

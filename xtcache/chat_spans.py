@@ -21,7 +21,9 @@ span is taken from the template instead:
    whitespace-only texts, texts the template dropped (earlier turns' reasoning) and texts of a
    conversation whose marked rendering the template rejects are unaligned.
 
-Pure functions on strings; `xtcache.chat.locate_in` does the rendering.
+Pure functions on strings, the general walk for one conversation; `xtcache.chat_runs` reads a whole
+batch from one marked rendering each and leaves to this walk (`chat_runs.locate_one`, which
+renders) the conversations whose template changed a text.
 
     python -c "from xtcache.chat_spans import locate; help(locate)"
 """
