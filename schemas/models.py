@@ -106,7 +106,7 @@ class CaptureCheck(_Model):
     dtype and tensor-parallel size match (all of them are in the key)."""
 
     format_version: int = FORMAT_VERSION
-    key: str = Field(description="sha256 of the fields from teacher_model to tensor_parallel_size.")
+    key: str = Field(description="sha256 of the canonical JSON of the fields from teacher_model to tensor_parallel_size.")
     teacher_model: str = Field(description="model_fingerprint of the teacher that was checked.")
     vllm_version: str
     platform: str = Field(default="", description="'cpu', or 'cuda:' + the CUDA device's name.")

@@ -257,17 +257,15 @@ def check_key(teacher_model: str, teacher) -> dict:
     model runner, eager or compiled execution, dtype and tensor-parallel size; a record made
     anywhere else has another key and is never trusted.
     """
-    import hashlib
-    import json
-
     import vllm
 
     from stage1_teacher.capture_vllm import platform_name, requested_model_runner, resolved_eager
+    from xtcache.fingerprint import canonical_sha256
 
     d = {"teacher_model": teacher_model, "vllm_version": vllm.__version__, "platform": platform_name(),
          "model_runner_requested": requested_model_runner(), "enforce_eager": resolved_eager(teacher.enforce_eager),
          "dtype": teacher.dtype, "tensor_parallel_size": teacher.tensor_parallel_size}
-    return {**d, "key": hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()}
+    return {**d, "key": canonical_sha256(d)}
 
 
 def needs_check(cfg) -> bool:
