@@ -58,7 +58,7 @@ class ResumePoint:
 
     ckpt: Path
     state: dict
-    loader: dict
+    loader: dict | None  # None: --init-from, this run's data stream starts at its beginning
     reshard: bool  # saved with another number of ranks
 
 
@@ -71,9 +71,10 @@ def checkpoint_dir(out: Path, where: str) -> Path:
     return out / CKPT_DIR / latest.read_text().strip()
 
 
-def resume_point(out: Path, where: str, *, rank: int, world: int, grad_accum: int) -> ResumePoint:
+def resume_point(out: Path, where: str, *, rank: int, world: int, grad_accum: int,
+                 fresh_data: bool = False) -> ResumePoint:
     """The checkpoint `where` names, this rank's trainer state in it (rank 0's when the checkpoint
-    had fewer ranks) and the loader state for this rank layout."""
+    had fewer ranks) and the loader state for this rank layout (none with `fresh_data`: --init-from)."""
     from stage2_student.loader import reshard_state
 
     ckpt = checkpoint_dir(out, where)
@@ -83,6 +84,8 @@ def resume_point(out: Path, where: str, *, rank: int, world: int, grad_accum: in
             break
     else:
         raise ConfigError(f"--resume: {ckpt} is not an xtcache checkpoint (no trainer_state_rank0.json)")
+    if fresh_data:
+        return ResumePoint(ckpt, state, None, reshard=state["world"] != world)
     if state["world"] == world:
         return ResumePoint(ckpt, state, state["loader"], reshard=False)
     loader = reshard_state(state["loader"], rank=rank, world_size=world, grad_accum=grad_accum)
@@ -140,7 +143,8 @@ def load(trainer, point: ResumePoint) -> int:
     path, _ = trainer.engine.load_checkpoint(str(ckpt.parent), tag=tag)
     if path is None:
         raise ConfigError(f"--resume {ckpt}: DeepSpeed could not load {ckpt.parent / tag}")
-    trainer.data.train.load_state_dict(point.loader)
+    if point.loader is not None:
+        trainer.data.train.load_state_dict(point.loader)
     rng_file = ckpt / f"rng_rank{trainer.rank}.pt"
     if not point.reshard and rng_file.exists():
         rng = torch.load(rng_file, weights_only=True)

@@ -62,9 +62,10 @@ class Trainer:
         self.ds_config = deepspeed_config(cfg, self.num_params)
         # read (and a layout the data stream cannot follow refused) before any expensive work
         self.resume = None
-        if cfg.checkpoint.resume:
-            self.resume = checkpoint.resume_point(self.out, cfg.checkpoint.resume, rank=rank, world=world,
-                                                  grad_accum=cfg.optim.grad_accum)
+        if cfg.checkpoint.resume or cfg.checkpoint.init_from:
+            self.resume = checkpoint.resume_point(self.out, cfg.checkpoint.resume or cfg.checkpoint.init_from,
+                                                  rank=rank, world=world, grad_accum=cfg.optim.grad_accum,
+                                                  fresh_data=not cfg.checkpoint.resume)
             # only ZeRO-1/2/3 states are partitioned by world size; see checkpoint.load
             universal = self.resume.reshard and self.ds_config["zero_optimization"]["stage"] > 0
             self.ds_config.setdefault("checkpoint", {})["load_universal"] = universal

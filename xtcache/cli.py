@@ -18,7 +18,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from xtcache import commands_projection, commands_store, demo
+from xtcache import commands_projection, commands_store, demo, rounds
 
 
 def _stage_command(name: str) -> click.Command:
@@ -66,6 +66,8 @@ cache_app.command("ls")(commands_store.cache_ls)
 app.add_typer(cache_app, name="cache")
 app.add_typer(commands_projection.app, name="projection")
 app.command("demo")(demo.demo)
+app.command("rounds", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+    rounds.rounds)
 
 
 @app.callback()

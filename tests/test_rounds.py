@@ -1,0 +1,147 @@
+"""`xtcache rounds`: two on-policy rounds end to end, cross-tokenizer and conversational (the Llama-3-style
+student generates in its template, the ChatML teacher scores in its own), with --engine hf for
+generate and teacher-dump (seeded: reproducible), and a driver killed with SIGKILL that resumes to the
+same final weights, bit for bit.
+
+Cost (2 cores): one uninterrupted run (module fixture) and one run killed once in each stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xtcache.testing.suite import REPO
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def chat(toy_setup, tmp_path_factory):
+    """(chat setup, prompts .jsonl): conversations cut after their last user message."""
+    from xtcache.testing.chat import build_chat_setup
+
+    root = tmp_path_factory.mktemp("rounds")
+    setup = build_chat_setup(toy_setup, root / "chat", num_train=6, num_heldout=3, teacher_steps=0)
+    prompts = []
+    for row in map(json.loads, setup.train_jsonl.read_text().splitlines()[:3]):
+        last_user = max(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
+        prompts.append({**row, "messages": row["messages"][:last_user + 1]})
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return setup, root / "prompts.jsonl"
+
+
+def _cmd(setup, prompts, workdir) -> list[str]:
+    return [sys.executable, "-m", "xtcache.cli", "rounds", "--student", str(setup.student_model), "--teacher",
+            str(setup.teacher_model), "--prompts", str(prompts), "--rounds", "2", "--workdir", str(workdir),
+            "--engine", "hf", "--samples-per-prompt", "2", "--max-new-tokens", "8", "--steps-per-round", str(STEPS),
+            "--", "--seq-len", "64", "--micro-batch-size", "2", "--zero-stage", "0", "--save-every", "1",
+            "--lr", "1e-3"]
+
+
+def _run(cmd) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _weights(workdir: Path) -> dict[str, bytes]:
+    hf = workdir / "round-001" / "train" / "hf"
+    return {p.name: p.read_bytes() for p in sorted(hf.glob("*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def full_run(chat, tmp_path_factory):
+    setup, prompts = chat
+    workdir = tmp_path_factory.mktemp("full") / "w"
+    proc = _run(_cmd(setup, prompts, workdir))
+    return workdir, proc.stdout + proc.stderr
+
+
+def test_two_rounds_chain_policies_checkpoints_and_print_their_commands(full_run, chat):
+    workdir, out = full_run
+    setup, _ = chat
+    commands = (workdir / "commands.sh").read_text().splitlines()
+    assert [c.split()[1] for c in commands] == ["generate", "teacher-dump", "train-student"] * 2
+    assert all(f"$ {c}" in out for c in commands)
+    assert f"--student {workdir}/round-000/train/hf" in commands[3]  # round 1 samples with round 0's export
+    assert f"--init-from {workdir}/round-000/train/checkpoints/step{STEPS}" in commands[5]
+    metrics = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in metrics] == [0, 1]
+    assert [m["step"] for m in metrics] == [STEPS, 2 * STEPS] and all(m["train_steps"] == STEPS for m in metrics)
+    assert all(m["rollouts"] == 6 and m["teacher_positions"] > 0 for m in metrics)
+    assert metrics[0]["policy"] != metrics[1]["policy"]  # the second round's rollouts come from the trained student
+    assert "tokens scored" in out and "final student:" in out
+    train1 = [json.loads(x) for x in (workdir / "round-001" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in train1 if r["kind"] == "train"] == [STEPS + 1, 2 * STEPS]  # continued, not restarted
+
+
+def test_each_round_cache_is_aligned_and_trains_exactly_the_generated_turn(full_run, chat):
+    from xtcache.chat import chat_fingerprint, trained_roles
+    from xtcache.commands_store import store_summary
+    from xtcache.store import CacheReader
+    from xtcache.tokenizer import load_tokenizer
+
+    workdir, _ = full_run
+    setup, _ = chat
+    tok = load_tokenizer(str(setup.student_model))
+    fp = chat_fingerprint(tok)
+    for r in (0, 1):
+        cache = workdir / f"round-{r:03d}" / "cache"
+        inspect = _run([sys.executable, "-m", "xtcache.cli", "inspect", str(cache)]).stdout
+        assert "misaligned chars" in inspect
+        assert store_summary(str(cache))["conversation"][fp]["misaligned_chars"] == 0
+        reader = CacheReader(str(cache))
+        seen = 0
+        for shard in reader.shards:
+            al = reader.read_alignment(fp, shard.shard_id)
+            convs = reader.read_shard(shard.shard_id).conversations
+            for d, conv in enumerate(map(json.loads, convs)):
+                a, b = int(al.doc_student_offsets[d]), int(al.doc_student_offsets[d + 1])
+                ids, trained = al.student_ids[a:b], trained_roles(al.student_role[a:b], "last-assistant")
+                first = int(np.argmax(trained))
+                assert trained[first:].all()  # one run of trained tokens, to the end of the document
+                prompt = tok.apply_chat_template(conv["messages"][:-1], tools=conv.get("tools"), tokenize=False,
+                                                 add_generation_prompt=True)
+                assert tok.decode(ids[:first]) == prompt
+                assert tok.decode(ids[first:]) == conv["messages"][-1]["content"].strip() + "<|eot_id|>"
+                seen += 1
+        assert seen == 6
+
+
+def _kill_when(cmd, workdir: Path, marker: str) -> None:
+    """Start the driver, SIGKILL it (the driver only: its stage dies with it) once `marker` exists."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (workdir / marker).exists():
+            assert proc.poll() is None, f"the driver ended (exit {proc.returncode}) before {marker} appeared"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_driver_killed_in_each_stage_resumes_to_the_same_final_weights(full_run, chat, tmp_path):
+    """One run killed three times, once in each stage, each time rerun with the same command."""
+    setup, prompts = chat
+    workdir = tmp_path / "w"
+    cmd = _cmd(setup, prompts, workdir)
+    for marker in ("round-000/train/checkpoints/latest",  # train-student, after its first checkpoint
+                   "round-001/rollouts/manifest.json",  # generate, once it has started its output
+                   "round-001/cache/manifest.json"):  # teacher-dump, likewise
+        _kill_when(cmd, workdir, marker)
+    assert not (workdir / "round-001" / "done" / "train-student.json").exists()
+    out = _run(cmd)
+    commands = (workdir / "commands.sh").read_text().splitlines()
+    resumed = [c.split()[1] for c in commands if "--resume" in c]
+    assert {"generate", "teacher-dump", "train-student"} <= set(resumed), out.stderr[-2000:]
+    assert _weights(workdir) == _weights(full_run[0]) != {}
