@@ -8,7 +8,9 @@ Everything that writes, reads or checks arrays goes through this table: the writ
 Shapes are written with the counts of a part: `D` documents, `P` teacher positions, `k` entries
 per position (the manifest's `k`), `B` text bytes, `M` conversation bytes, `S` student tokens, `C` chunks.
 Arrays marked `conversation` are held by the parts of conversation stores only (manifest field
-`conversation`, format version 2).
+`conversation`, format version 2). Arrays marked `optional` may be absent from a part that could
+hold them: `sampled_logprobs`, written for the alignment group of the student that sampled a
+rollout corpus (`xtcache generate`) only.
 
     python -c "from schemas.arrays import TEACHER_ARRAYS; print([a.name for a in TEACHER_ARRAYS])"
 """
@@ -32,6 +34,7 @@ class ArrayDef:
     transform: str | None = None  # 'ids' or 'logprobs': an xtcache transform, configured in the manifest
     shuffle: bool = False  # default compression: byte shuffle + zstd (blosc) instead of plain zstd
     conversation: bool = False  # held by the parts of conversation stores only
+    optional: bool = False  # a part may hold it or not (its index says); readers accept both
 
     def resolve(self, counts: dict[str, int]) -> tuple[int, ...]:
         """The concrete shape for a part's counts, e.g. {"D": 3, "P": 100, "k": 8}."""
@@ -72,6 +75,7 @@ ALIGN_ARRAYS: tuple[ArrayDef, ...] = (
     ArrayDef("teacher_end", ("int32",), ("C",)),
     ArrayDef("exact", ("bool",), ("C",)),
     ArrayDef("student_role", ("uint8",), ("S",), conversation=True),
+    ArrayDef("sampled_logprobs", ("float32",), ("S",), conversation=True, optional=True),
 )
 """Arrays of `align/{F}/shards/{S}/`, in the order an alignment part is written."""
 

@@ -154,7 +154,7 @@ def run_generate(cfg: GenerateConfig) -> GenerateSummary:
                 summary.rows += committed[part]["rows"]
                 continue
             sampler = sampler or _sampler(cfg, tokenizer)
-            rows = _generate_part(sampler, tokenizer, docs, cfg, policy["policy"], summary)
+            rows = _generate_part(sampler, tokenizer, docs, cfg, policy, summary)
             claim.check("committing a part")
             sha = write_part(loc, part_name(w, part), rows)
             committed[part] = {"part": part, "name": part_name(w, part), "rows": len(rows), "prompts": len(docs),
@@ -174,12 +174,13 @@ def run_generate(cfg: GenerateConfig) -> GenerateSummary:
     return summary
 
 
-def _generate_part(sampler, tokenizer, docs, cfg: GenerateConfig, policy: str, summary: GenerateSummary) -> list[dict]:
+def _generate_part(sampler, tokenizer, docs, cfg: GenerateConfig, policy: dict, summary: GenerateSummary) -> list[dict]:
     prompts = [prompt_of(d, tokenizer) for d in docs]
     rows = []
     for prompt, completions in zip(prompts, sampler.sample(prompts, cfg.sampling)):
         for i, c in enumerate(completions):
-            rows.append(rollout_row(prompt, i, c, completion_text(tokenizer, c, sampler.stop), policy))
+            rows.append(rollout_row(prompt, i, c, completion_text(tokenizer, c, sampler.stop), policy["policy"],
+                                    policy["chat"]))
             summary.generated_tokens += len(c.ids)
             summary.stopped += c.stop_reason == "stop"
     summary.rows += len(rows)

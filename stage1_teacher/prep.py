@@ -15,7 +15,8 @@ Conversation corpora (`Preparer(conversation=True)`): each row is rendered with 
 template (that rendering is the stored document text) and with each student's template, tokenized
 without added special tokens (the templates write their own) and aligned by `xtcache.chat`; a row
 a template rejects is skipped with the reason "chat template rejected the row" and a warning
-naming the row.
+naming the row. A rollout row of `xtcache generate` gets its sampling log-probs in the group of the
+student that sampled it (`stage1_teacher.sampled`).
 
     python -c "import stage1_teacher.prep as p; help(p.Preparer)"
 """
@@ -97,6 +98,7 @@ class Preparer:
         self.bos_prefix = adds_bos(teacher_tok)
         self.bos_id = teacher_tok.bos_token_id
         self.seconds = 0.0  # time spent in prepare(), for the run summary
+        self.unmatched_rollouts = 0  # rollout rows whose sampling student is none of `students`
         self.conversation = conversation
         if conversation:
             from xtcache.chat import turn_marker_ids
@@ -212,6 +214,7 @@ class Preparer:
                     aligns[i][s.fingerprint] = AlignmentRecord(student_ids=r.ids.astype(np.int32),
                                                                alignment=ca.alignment, student_role=ca.student_role,
                                                                stats=ca.stats)
+        self._attach_sampled(docs, aligns)
         out: list[PreparedDoc | Skipped] = []
         t_views = list(t_rend)
         for i, d in enumerate(docs):
@@ -226,6 +229,25 @@ class Preparer:
             out.append(self._prepared(rendered, r.ids.astype(np.int32), r.offsets.astype(np.int32), aligns[i],
                                       conversation=d.text))
         return out
+
+    def _attach_sampled(self, docs: list[Document], aligns: dict[int, dict]) -> None:
+        """Rollout rows: the sampled turn's ids checked and log-probs stored in the sampling student's group
+        (`stage1_teacher.sampled`); a row sampled by none of the --student-tokenizer's is counted and logged."""
+        from stage1_teacher.sampled import attach_sampled
+
+        for i, by_fp in aligns.items():
+            sampled = docs[i].sampled
+            if sampled is None:
+                continue
+            if sampled.chat in by_fp:
+                by_fp[sampled.chat] = attach_sampled(by_fp[sampled.chat], sampled)
+            elif sampled.chat not in {s.fingerprint for s in self.students}:
+                if not self.unmatched_rollouts:
+                    log.warning("row %d of %s is a rollout of a student (chat fingerprint %s..) that is none of the "
+                                "--student-tokenizer's: its sampling log-probs are not stored (rkl-pg needs --is-cap 0 "
+                                "on this cache); pass the sampling student's tokenizer", docs[i].row, docs[i].source,
+                                sampled.chat[:12])
+                self.unmatched_rollouts += 1
 
     def _align_convs(self, live, convs, docs, s_rend, t_rend, name) -> list:
         """ConversationAlignments of conversations `live` (their Renderings `s_rend`, `t_rend`, in that

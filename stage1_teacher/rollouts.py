@@ -86,8 +86,9 @@ def completion_text(tokenizer, c: Completion, stop_ids: set[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def rollout_row(prompt: Prompt, sample: int, c: Completion, text: str, policy: str) -> dict:
-    """One row of a part file (a conversation row or a text row; both with the sampling record)."""
+def rollout_row(prompt: Prompt, sample: int, c: Completion, text: str, policy: str, chat: str) -> dict:
+    """One row of a part file (a conversation row or a text row; both with the sampling record and the
+    student's chat fingerprint `chat`, which names the alignment group teacher-dump stores it in)."""
     if prompt.conversation is not None:
         head = {"messages": [*prompt.conversation["messages"], {"role": "assistant", "content": text}]}
         if prompt.conversation.get("tools"):
@@ -95,7 +96,7 @@ def rollout_row(prompt: Prompt, sample: int, c: Completion, text: str, policy: s
     else:
         head = {"text": prompt.text + text, "prefix_chars": len(prompt.text)}
     return {**head, "stop_reason": c.stop_reason, "prompt_id": prompt.prompt_id, "sample": sample, "policy": policy,
-            "sampled_ids": c.ids, "sampled_logprobs": [round(float(x), 6) for x in c.logprobs],
+            "chat_fingerprint": chat, "sampled_ids": c.ids, "sampled_logprobs": [round(float(x), 6) for x in c.logprobs],
             "prompt_token_ids": prompt.token_ids}
 
 

@@ -10,7 +10,9 @@ the window and all its teacher rows have a prediction. Conversation caches: each
 a stored role (`xtcache.chat`) and `train_on` (assistant, last-assistant or all) picks the tokens
 trained (`ShardSource.trained`); a position whose predicted token is not one of them gets no CE
 label (-100), and a chunk is valid only when every student token in it is trained and both sides
-spell the same text (template-only and straddling chunks get no KD).
+spell the same text (template-only and straddling chunks get no KD). Rollout caches that store the
+sampling policy's log-probs (`ShardSource.sampled_logprobs`) also give `sampled_logprobs` [B, L],
+laid out like `labels` (NaN where the label was not sampled), for `--loss rkl-pg`'s ratio.
 
     batch = build_micro_batch([[(src, doc, lo, hi, ctx)], ...], seq_len=512, pad_id=0)
 """
@@ -51,6 +53,7 @@ class ShardSource:
     residual: np.ndarray  # float32 [P]
     realized_logprob: np.ndarray  # float32 [P]
     trained: np.ndarray | None = None  # bool [S] conversation caches: the student tokens --train-on trains
+    sampled_logprobs: np.ndarray | None = None  # float32 [S] rollout caches: sampling log-probs, NaN: not sampled
 
 
 def segment_chunks(src: ShardSource, d: int, lo: int, hi: int, n_ctx: int = 0) -> dict:
@@ -97,6 +100,7 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
     labels = np.full((b, seq_len), IGNORE, dtype=np.int64)
     position_ids = np.zeros((b, seq_len), dtype=np.int64)
     student_chunk = np.full((b, seq_len), -1, dtype=np.int64)
+    sampled = None  # float32 [b, seq_len], laid out like labels, once a source has sampling log-probs
     rows_by_src: list[tuple[ShardSource, np.ndarray]] = []
     teacher_chunk, exact, groups = [], [], []
     n_chunks = 0
@@ -113,6 +117,11 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
             input_ids[wi, pos:pos + len(toks)] = toks
             position_ids[wi, pos:pos + len(toks)] = np.arange(len(toks))  # each segment attends to itself only
             labels[wi, pos:pos + len(toks) - 1] = toks[1:]  # never across a segment boundary
+            if src.sampled_logprobs is not None:  # the sampling policy's log-prob of each label
+                if sampled is None:
+                    sampled = np.full((b, seq_len), np.nan, dtype=np.float32)
+                sampled[wi, pos:pos + len(toks) - 1] = src.sampled_logprobs[s_off + s_begin + 1:
+                                                                            s_off + int(seg["s_end"][-1])]
             if src.trained is not None:  # conversation cache: only positions predicting trained tokens
                 trained = src.trained[s_off + s_begin:s_off + int(seg["s_end"][-1])]
                 labels[wi, pos:pos + len(toks) - 1][~trained[1:]] = IGNORE
@@ -136,6 +145,8 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
         "student_chunk": student_chunk,
         "teacher_chunk": np.concatenate(teacher_chunk) if teacher_chunk else np.zeros(0, np.int64),
         "chunk_exact": np.concatenate(exact) if exact else np.zeros(0, bool), "num_chunks": n_chunks}
+    if sampled is not None:
+        out["sampled_logprobs"] = sampled  # stage2_student.onpolicy.SAMPLED_KEY
     if groups:
         out["chunk_group"] = np.concatenate(groups).astype(np.int64)
     first_src = rows_by_src[0][0] if rows_by_src else None

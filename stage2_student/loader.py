@@ -331,7 +331,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
             # checked: same documents as the part, each document's chunks ending at its token counts
             a = reader.read_alignment(self.fingerprint, sid, doc_pos_offsets=sd.doc_pos_offsets)
             al = dict(doc_student_offsets=a.doc_student_offsets, doc_chunk_offsets=a.doc_chunk_offsets,
-                      student_ids=a.student_ids, student_end=a.student_end, teacher_end=a.teacher_end, exact=a.exact)
+                      student_ids=a.student_ids, student_end=a.student_end, teacher_end=a.teacher_end, exact=a.exact,
+                      sampled_logprobs=a.sampled_logprobs)
             if self.train_on is not None:
                 from xtcache.chat import trained_roles
 

@@ -198,6 +198,10 @@ def inspect(
               "characters; spans / characters a template changed (no KD); characters aligned to other text")
         print(_table(c_rows, ("alignment group", "role mix", "trained share", "content chars",
                               "unaligned spans / chars", "misaligned chars")))
+        for fp, c in s["conversation"].items():
+            if "sampled_turns" in c:  # rollouts (stage1_teacher.sampled)
+                print(f"rollouts in {fp[:16]}: sampled turns {c['sampled_turns']:,}, whose stored ids are not the "
+                      f"sampled ids {c['sampled_mismatch']:,} (no sampling log-probs there)")
         if seq_len is not None:
             _print_windows(store, parse_storage_options(storage_options), s["conversation"], seq_len)
 

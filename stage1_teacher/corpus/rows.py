@@ -17,7 +17,9 @@ Conversation corpora: rows whose `--messages-field` (detected as `messages` when
 is absent from the first row) holds a list of messages `{role, content, ...}`, with an optional
 per-row `tools` list (or its JSON text), in any format but .txt. Such a row becomes a Document
 with `conversation=True` whose text is the conversation's JSON (`xtcache.chat.conversation_json`); stage 1 renders it with
-each model's chat template (`xtcache.chat`).
+each model's chat template (`xtcache.chat`). A JSONL rollout row of `xtcache generate` also carries its
+`sampled_ids`, `sampled_logprobs`, `chat_fingerprint` and `policy` (`Document.sampled`), which stage 1
+stores for the sampling student's alignment group (`stage1_teacher.sampled`).
 
 Formats by file suffix:
   .parquet                       pyarrow ParquetFile.iter_batches on the text column
@@ -40,6 +42,16 @@ from xtcache.fingerprint import content_hash, doc_id
 
 
 @dataclass(frozen=True)
+class Sampled:
+    """What a rollout row of `xtcache generate` records about its generated (last assistant) turn."""
+
+    ids: tuple[int, ...]  # the student token ids sampled, the stop token included
+    logprobs: tuple[float, ...]  # their log-probs under the sampling policy
+    chat: str  # the sampling student's chat fingerprint (xtcache.chat.chat_fingerprint)
+    policy: str = ""  # the policy fingerprint
+
+
+@dataclass(frozen=True)
 class Document:
     """One corpus row that holds text."""
 
@@ -48,6 +60,7 @@ class Document:
     text: str
     content_hash: str = field(default="")
     conversation: bool = False  # text is a conversation's JSON (xtcache.chat.conversation_json)
+    sampled: Sampled | None = None  # rollout rows (JSONL): the sampled turn's ids and log-probs
 
     def __post_init__(self):
         if not self.content_hash:
@@ -89,7 +102,7 @@ def _text_of(source: str, row: int, value) -> Document | Skipped:
 TOOLS_FIELD = "tools"
 
 
-def _conversation_of(source: str, row: int, messages, tools=None) -> Document | Skipped:
+def _conversation_of(source: str, row: int, messages, tools=None, sampled: Sampled | None = None) -> Document | Skipped:
     from xtcache.chat import conversation_json, parse_conversation
 
     if messages is None:
@@ -97,7 +110,20 @@ def _conversation_of(source: str, row: int, messages, tools=None) -> Document | 
     conv = parse_conversation(messages, tools)
     if isinstance(conv, str):
         return Skipped(source, row, conv)
-    return Document(source, row, conversation_json(conv), conversation=True)
+    return Document(source, row, conversation_json(conv), conversation=True, sampled=sampled)
+
+
+def _sampled_of(obj: dict) -> Sampled | None | str:
+    """The sampling record of a rollout row (`xtcache generate`), None for other rows, or the reason it is
+    unusable (a row with `sampled_ids` but no matching log-probs or no chat fingerprint)."""
+    ids, lps = obj.get("sampled_ids"), obj.get("sampled_logprobs")
+    if ids is None:
+        return None
+    chat = obj.get("chat_fingerprint")
+    if (not isinstance(ids, list) or not isinstance(lps, list) or len(ids) != len(lps) or not isinstance(chat, str)
+            or not all(isinstance(i, int) for i in ids) or not all(isinstance(x, (int, float)) for x in lps)):
+        return "rollout row without matching sampled_ids, sampled_logprobs and chat_fingerprint"
+    return Sampled(tuple(ids), tuple(float(x) for x in lps), chat, str(obj.get("policy", "")))
 
 
 def _iter_conversations(table_columns, names, source: str, row0: int, messages_field: str):
@@ -194,8 +220,12 @@ def _iter_jsonl(f, source: str, text_field: str, messages_field: str | None = No
                 yield Skipped(source, row, "invalid JSON")
             continue
         if messages_field:
-            yield (_conversation_of(source, row, obj.get(messages_field), obj.get(TOOLS_FIELD))
-                   if isinstance(obj, dict) else Skipped(source, row, "missing messages field"))
+            if not isinstance(obj, dict):
+                yield Skipped(source, row, "missing messages field")
+                continue
+            sampled = _sampled_of(obj)
+            yield (Skipped(source, row, sampled) if isinstance(sampled, str) else
+                   _conversation_of(source, row, obj.get(messages_field), obj.get(TOOLS_FIELD), sampled))
             continue
         if not isinstance(obj, dict) or text_field not in obj:
             yield Skipped(source, row, "missing text field")

@@ -217,6 +217,8 @@ class CacheReader:
             if names is not None and a.name not in names:
                 continue
             spec = meta.arrays.get(a.name)
+            if spec is None and a.optional:
+                continue
             if spec is None:
                 raise CorruptionError(f"{where}: array {a.name!r} is missing from its index")
             if spec.dtype not in a.dtypes or tuple(spec.shape) != a.resolve(counts):
@@ -347,6 +349,7 @@ class CacheReader:
             if np.any(raw["teacher_end"][last] != t_len[docs]) or np.any(raw["student_end"][last] != np.diff(s_off)[docs]):
                 raise CorruptionError(f"{where}: arrays 'student_end'/'teacher_end' are damaged: a document's last "
                                       "chunk does not end at its token count")
+        check_sampled_logprobs(raw.get("sampled_logprobs"), where)
         return AlignShardData(fingerprint=fingerprint, shard_id=sid, **raw)
 
     def total_bytes(self) -> int:
@@ -357,3 +360,10 @@ def _check_offsets(offs: np.ndarray, total: int, where: str, name: str) -> None:
     if offs.shape[0] == 0 or int(offs[0]) != 0 or int(offs[-1]) != total or np.any(np.diff(offs) < 0):
         raise CorruptionError(f"{where}: array {name!r} is damaged: offsets are not a non-decreasing run from 0 to "
                               f"{total}")
+
+
+def check_sampled_logprobs(lp: np.ndarray | None, where: str) -> None:
+    """`sampled_logprobs` (optional): a log-prob (finite, at most 0) or NaN (not sampled) per student token."""
+    if lp is not None and (np.any(np.isinf(lp)) or np.any(lp > 0)):
+        raise CorruptionError(f"{where}: array 'sampled_logprobs' is damaged: it holds values that are neither a "
+                              "log-prob (finite, at most 0) nor NaN")

@@ -49,6 +49,7 @@ class AlignmentRecord:
     alignment: Any  # Alignment: student_end int32 [C], teacher_end int32 [C], exact bool [C]
     student_role: np.ndarray | None = None  # uint8 [S] conversation stores: xtcache.chat role code per token
     stats: dict | None = None  # conversation stores: content/unaligned character counts (xtcache.chat)
+    sampled_logprobs: np.ndarray | None = None  # float32 [S] rollouts: the sampling policy's log-prob, NaN: not sampled
 
 
 @dataclass
@@ -101,6 +102,7 @@ class AlignShardData:
     teacher_end: np.ndarray  # int32 [C]
     exact: np.ndarray  # bool [C]
     student_role: np.ndarray | None = None  # uint8 [S] conversation stores only
+    sampled_logprobs: np.ndarray | None = None  # float32 [S] optional: the sampling policy's log-probs (NaN: none)
 
     def record(self, i: int) -> AlignmentRecord:
         from xtcache.align import Alignment
@@ -110,5 +112,6 @@ class AlignShardData:
         return AlignmentRecord(
             student_ids=self.student_ids[a:b],
             student_role=None if self.student_role is None else self.student_role[a:b],
+            sampled_logprobs=None if self.sampled_logprobs is None else self.sampled_logprobs[a:b],
             alignment=Alignment(student_end=self.student_end[c0:c1], teacher_end=self.teacher_end[c0:c1],
                                 exact=self.exact[c0:c1]))

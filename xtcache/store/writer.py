@@ -292,7 +292,10 @@ class CacheWriter:
                 raise XtcacheError(f"alignment part {sid}: a conversation store needs a role per student token")
             arrays["student_role"] = _concat([r.student_role for r in records], np.uint8)
             conversation = conversation_counts(records, arrays["student_role"])
-        if list(arrays) != [a.name for a in align_arrays(self.manifest.conversation)]:
+            if any(r.sampled_logprobs is not None for r in records):  # the sampling student's group of rollouts
+                arrays["sampled_logprobs"] = _sampled(records, sid)
+        if list(arrays) != [a.name for a in align_arrays(self.manifest.conversation) if a.name in arrays or
+                            not a.optional]:
             raise XtcacheError(f"alignment part {sid}: arrays {list(arrays)} are not the contract's "
                                "(schemas/arrays.py align_arrays)")
         group = f"{base}/shards/{sid}"
@@ -308,7 +311,10 @@ def conversation_counts(records: list[AlignmentRecord], roles: np.ndarray) -> di
     """Character counts of a conversation part's alignment and its student tokens by role."""
     from xtcache.chat import LAST_ASSISTANT, ROLE_NAMES
 
-    out = {k: 0 for k in ("content_chars", "shared_chars", "unaligned_chars", "unaligned_spans", "misaligned_chars")}
+    keys = ["content_chars", "shared_chars", "unaligned_chars", "unaligned_spans", "misaligned_chars"]
+    if any("sampled_turns" in (r.stats or {}) for r in records):  # rollouts, the sampling student's group
+        keys += ["sampled_turns", "sampled_mismatch"]
+    out = {k: 0 for k in keys}
     for r in records:
         for k in out:
             out[k] += int((r.stats or {}).get(k, 0))
@@ -317,6 +323,18 @@ def conversation_counts(records: list[AlignmentRecord], roles: np.ndarray) -> di
         out[f"role_{name}"] = int(base[code])
     out["role_last_assistant"] = int(np.count_nonzero(roles & LAST_ASSISTANT))
     return out
+
+
+def _sampled(records: list[AlignmentRecord], sid: str) -> np.ndarray:
+    """float32 [S] sampling log-probs of a part's student tokens; NaN for documents that have none."""
+    out = []
+    for i, r in enumerate(records):
+        lp = r.sampled_logprobs
+        if lp is not None and len(lp) != len(r.student_ids):
+            raise XtcacheError(f"alignment part {sid}: document {i} has {len(lp)} sampling log-probs for "
+                               f"{len(r.student_ids)} student tokens")
+        out.append(np.full(len(r.student_ids), np.nan, np.float32) if lp is None else lp)
+    return _concat(out, np.float32)
 
 
 def chunk_shape_counts(records: list[AlignmentRecord]) -> dict[str, int]:
