@@ -107,12 +107,15 @@ def test_each_round_cache_is_aligned_and_trains_exactly_the_generated_turn(full_
             for d, conv in enumerate(map(json.loads, convs)):
                 a, b = int(al.doc_student_offsets[d]), int(al.doc_student_offsets[d + 1])
                 ids, trained = al.student_ids[a:b], trained_roles(al.student_role[a:b], "last-assistant")
-                first = int(np.argmax(trained))
-                assert trained[first:].all()  # one run of trained tokens, to the end of the document
+                first, end = int(np.argmax(trained)), len(trained) - int(np.argmax(trained[::-1]))
+                assert trained[first:end].all()  # one run of trained tokens
                 prompt = tok.apply_chat_template(conv["messages"][:-1], tools=conv.get("tools"), tokenize=False,
                                                  add_generation_prompt=True)
                 assert tok.decode(ids[:first]) == prompt
-                assert tok.decode(ids[first:]) == conv["messages"][-1]["content"].strip() + "<|eot_id|>"
+                # the generated turn; its end-of-turn token is trained or not (not sampled: a 'length' stop),
+                # and nothing else follows
+                assert tok.decode(ids[first:end]).removesuffix("<|eot_id|>") == conv["messages"][-1]["content"].strip()
+                assert tok.decode(ids[first:]).removesuffix("<|eot_id|>") == conv["messages"][-1]["content"].strip()
                 seen += 1
         assert seen == 6
 
@@ -145,3 +148,31 @@ def test_driver_killed_in_each_stage_resumes_to_the_same_final_weights(full_run,
     resumed = [c.split()[1] for c in commands if "--resume" in c]
     assert {"generate", "teacher-dump", "train-student"} <= set(resumed), out.stderr[-2000:]
     assert _weights(workdir) == _weights(full_run[0]) != {}
+
+
+def _cfg(tmp_path, **kw):
+    from xtcache.rounds import RoundsConfig
+
+    return RoundsConfig(**{"student": "S", "teacher": "T", "prompts": ["p.jsonl"], "rounds": 2,
+                           "workdir": str(tmp_path / "w"), "engine": "hf", **kw})
+
+
+def test_a_workdir_refuses_other_settings_changed_outputs_and_owned_flags(full_run, chat, tmp_path):
+    import shutil
+
+    from xtcache.errors import ConfigError
+    from xtcache.rounds import check_settings, run_stage
+
+    with pytest.raises(ValueError, match="--max-steps: set by xtcache rounds"):
+        _cfg(tmp_path, train_args=["--max-steps", "9"])
+    check_settings(_cfg(tmp_path))
+    check_settings(_cfg(tmp_path, rounds=5))  # more rounds: the same work directory goes on
+    with pytest.raises(ConfigError, match=r"other settings \(max_new_tokens\)"):
+        check_settings(_cfg(tmp_path, max_new_tokens=9))
+    setup, prompts = chat
+    workdir = tmp_path / "copy"
+    shutil.copytree(full_run[0], workdir)
+    cfg = _cfg(tmp_path, workdir=str(workdir), student=str(setup.student_model), teacher=str(setup.teacher_model),
+               prompts=[str(prompts)], samples_per_prompt=2, max_new_tokens=8, steps_per_round=STEPS)
+    with pytest.raises(ConfigError, match="round 0 generate was run as"):  # the record names the copied workdir
+        run_stage(cfg, 0, "generate")

@@ -251,7 +251,7 @@ def summary_table(metrics: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _check_settings(cfg: RoundsConfig) -> None:
+def check_settings(cfg: RoundsConfig) -> None:
     """Record the settings in WORKDIR/rounds.json; refuse a rerun with others (--rounds may grow)."""
     path = Path(cfg.workdir) / SETTINGS_FILE
     mine = {k: v for k, v in asdict(cfg).items() if k != "rounds"}
@@ -267,7 +267,7 @@ def _check_settings(cfg: RoundsConfig) -> None:
 def run_rounds(cfg: RoundsConfig) -> list[dict]:
     """All rounds, skipping finished stages; returns the per-round metrics (also WORKDIR/metrics.jsonl)."""
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
-    _check_settings(cfg)
+    check_settings(cfg)
     metrics = []
     for r in range(cfg.rounds):
         for stage in STAGES:
