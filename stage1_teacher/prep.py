@@ -235,12 +235,13 @@ class Preparer:
         (`stage1_teacher.sampled`); a row sampled by none of the --student-tokenizer's is counted and logged."""
         from stage1_teacher.sampled import attach_sampled
 
+        toks = {s.fingerprint: s.tokenizer for s in self.students}
         for i, by_fp in aligns.items():
             sampled = docs[i].sampled
             if sampled is None:
                 continue
             if sampled.chat in by_fp:
-                by_fp[sampled.chat] = attach_sampled(by_fp[sampled.chat], sampled)
+                by_fp[sampled.chat] = attach_sampled(by_fp[sampled.chat], sampled, toks[sampled.chat])
             elif sampled.chat not in {s.fingerprint for s in self.students}:
                 if not self.unmatched_rollouts:
                     log.warning("row %d of %s is a rollout of a student (chat fingerprint %s..) that is none of the "

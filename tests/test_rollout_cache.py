@@ -153,24 +153,41 @@ def test_generated_turns_not_spelled_by_their_ids_are_counted_and_get_no_log_pro
         spelled[key] = tok.decode(body) == text and tok(text, add_special_tokens=False)["input_ids"] == body
     assert totals["sampled_turns"] == len(rows) == 8
     assert totals["sampled_mismatch"] == sum(not ok for ok in spelled.values())
+    same = 0
+    for key, ok in spelled.items():
+        body = rows[key]["sampled_ids"][:-1] if rows[key]["stop_reason"] == "stop" else rows[key]["sampled_ids"]
+        text = tok.decode(body)
+        same += not ok and "\ufffd" not in text and text == rows[key]["messages"][-1]["content"].strip()
+    assert totals["sampled_same_text"] == same
     for key, ok in spelled.items():
         lp = docs[key][2]
         assert int(np.isfinite(lp).sum()) == (len(rows[key]["sampled_ids"]) if ok else 0)
 
 
 def test_tampered_sampled_ids_are_counted_and_get_no_log_probs(rollouts, tmp_path):
+    from xtcache.tokenizer import load_tokenizer
+
     setup, _, _, parts, _ = rollouts
+    tok = load_tokenizer(setup.student_model)
     rows = _rows(parts)
     key = sorted(rows)[1]
     first = rows[key]["sampled_ids"][0]
     rows[key] = {**rows[key], "sampled_ids": [first - 1 if first > 0 else 1, *rows[key]["sampled_ids"][1:]]}
+    other = sorted(rows)[3]  # the same text in other tokens: split inside a word, each half tokenized alone
+    text = rows[other]["messages"][-1]["content"]
+    stop = rows[other]["sampled_ids"][-1:] * (rows[other]["stop_reason"] == "stop")
+    ids = next(ids for k in range(1, len(text)) if (ids := tok(text[:k], add_special_tokens=False)["input_ids"]
+               + tok(text[k:], add_special_tokens=False)["input_ids"] + stop) != rows[other]["sampled_ids"])
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    rows[other] = {**rows[other], "sampled_ids": ids, "sampled_logprobs": [-0.5] * len(ids)}
     _write_rows(tmp_path / "parts", rows)
     store = _dump(setup, tmp_path / "parts", tmp_path / "cache")
     _, _, totals, docs = _group(store, setup)
-    assert totals["sampled_turns"] == 8 and totals["sampled_mismatch"] == 1
-    assert np.all(np.isnan(docs[key][2]))
-    assert sum(int(np.isfinite(lp).sum()) > 0 for _, _, lp in docs.values()) == 7
-    assert "not the sampled ids 1" in _cli("inspect", store).stdout
+    assert totals["sampled_turns"] == 8 and totals["sampled_mismatch"] == 2 and totals["sampled_same_text"] == 1
+    assert np.all(np.isnan(docs[key][2])) and np.all(np.isnan(docs[other][2]))
+    assert sum(int(np.isfinite(lp).sum()) > 0 for _, _, lp in docs.values()) == 6
+    assert "not the sampled ids 2 (no sampling log-probs there; of them spelling the same text 1)" in _cli(
+        "inspect", store).stdout
 
 
 def _train(setup, store: Path, out: Path, *extra, check=True) -> subprocess.CompletedProcess:

@@ -201,7 +201,8 @@ def inspect(
         for fp, c in s["conversation"].items():
             if "sampled_turns" in c:  # rollouts (stage1_teacher.sampled)
                 print(f"rollouts in {fp[:16]}: sampled turns {c['sampled_turns']:,}, whose stored ids are not the "
-                      f"sampled ids {c['sampled_mismatch']:,} (no sampling log-probs there)")
+                      f"sampled ids {c['sampled_mismatch']:,} (no sampling log-probs there; of them spelling the "
+                      f"same text {c.get('sampled_same_text', 0):,})")
         if seq_len is not None:
             _print_windows(store, parse_storage_options(storage_options), s["conversation"], seq_len)
 

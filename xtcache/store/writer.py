@@ -313,7 +313,7 @@ def conversation_counts(records: list[AlignmentRecord], roles: np.ndarray) -> di
 
     keys = ["content_chars", "shared_chars", "unaligned_chars", "unaligned_spans", "misaligned_chars"]
     if any("sampled_turns" in (r.stats or {}) for r in records):  # rollouts, the sampling student's group
-        keys += ["sampled_turns", "sampled_mismatch"]
+        keys += ["sampled_turns", "sampled_mismatch", "sampled_same_text"]
     out = {k: 0 for k in keys}
     for r in records:
         for k in out:
