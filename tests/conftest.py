@@ -106,7 +106,16 @@ def has_cuda() -> bool:
         return False
 
 
+# The longest files first (measured `--durations`, longest first): pytest-xdist hands whole files to
+# the workers in collection order, so a long file collected last would run alone at the end.
+LONGEST_FIRST = ["test_demo_chat.py", "test_demo.py", "test_train_distributed.py", "test_train_multi.py",
+                 "test_stage1_vllm.py", "test_s3_walkthrough.py", "test_generate.py", "test_rounds.py",
+                 "test_gpu_check.py", "test_stage1_dump.py"]
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file stays
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
