@@ -288,26 +288,70 @@ class ConversationAlignment:
 def _map_tokens(offsets: np.ndarray, table: np.ndarray):
     """Virtual offsets [N, 2], straddle flags [N] and region index [N] of one side's tokens
     (batch-global coordinates) given its region table rows (start, end, vstart, vlen, piece, role)."""
-    starts, ends, vstart, vlen, piece = table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4]
-    a, b = offsets[:, 0], offsets[:, 1]
+    # [R] each region's rendered span, virtual start and length, and whether it is a shared piece
+    region_start, region_end, region_vstart, region_vlen, is_piece = table[:, :5].T
+    tok_start, tok_end = offsets[:, 0], offsets[:, 1]  # [N] each token's rendered characters
     # the region of each character position: the last one starting at or before it (-1 before the first)
-    n_pos = int(max(b.max(initial=0), starts[-1] if starts.shape[0] else 0)) + 1
-    edges = np.concatenate(([0], np.minimum(starts, n_pos), [n_pos]))
-    region_at = np.repeat(np.arange(-1, starts.shape[0]), np.diff(edges))
-    ra = region_at[a]
+    n_pos = int(max(tok_end.max(initial=0), region_start[-1] if region_start.shape[0] else 0)) + 1
+    edges = np.concatenate(([0], np.minimum(region_start, n_pos), [n_pos]))
+    region_at = np.repeat(np.arange(-1, region_start.shape[0]), np.diff(edges))  # [n_pos]
+    first_region = region_at[tok_start]  # [N] the region of each token's first character
     # a token straddles when the next region starts before its last character
-    straddle = (b > a) & (region_at[np.maximum(b - 1, a)] != ra)
-    region = ra.copy()
+    straddle = (tok_end > tok_start) & (region_at[np.maximum(tok_end - 1, tok_start)] != first_region)
+    region = first_region.copy()  # [N] the region each token is mapped into: a straddling one's first piece
     over = np.flatnonzero(straddle)
-    rb = np.searchsorted(starts, b[over] - 1, side="right") - 1
-    for i, last in zip(over.tolist(), rb.tolist()):
-        hit = [r for r in range(int(ra[i]), last + 1) if piece[r] and ends[r] > a[i] and starts[r] < b[i]]
-        region[i] = hit[0] if hit else ra[i]
-    r0, w = starts[region], vlen[region]
-    va = vstart[region] + np.clip(a - r0, 0, w)
-    vb = vstart[region] + np.clip(b - r0, 0, w)
-    vb = np.maximum(vb, va + ((b > a) & straddle & (vb == va)))  # a straddling token keeps a character
-    return np.stack([va, vb], axis=1), straddle, region
+    last_region = np.searchsorted(region_start, tok_end[over] - 1, side="right") - 1  # of each straddling token
+    for i, last in zip(over.tolist(), last_region.tolist()):
+        hit = [r for r in range(int(first_region[i]), last + 1)
+               if is_piece[r] and region_end[r] > tok_start[i] and region_start[r] < tok_end[i]]
+        region[i] = hit[0] if hit else first_region[i]
+    origin, vlen = region_start[region], region_vlen[region]  # [N] the mapped region's start and length
+    v_start = region_vstart[region] + np.clip(tok_start - origin, 0, vlen)
+    v_end = region_vstart[region] + np.clip(tok_end - origin, 0, vlen)
+    # a straddling token keeps a character
+    v_end = np.maximum(v_end, v_start + ((tok_end > tok_start) & straddle & (v_end == v_start)))
+    return np.stack([v_start, v_end], axis=1), straddle, region
+
+
+def _message_roles(convs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """Messages of each conversation (int64 [D]) and the role code of every message of the batch
+    (int64 [M], conversation by conversation), with `LAST_ASSISTANT` set on each conversation's
+    last assistant message."""
+    n_docs = len(convs)
+    n_msgs = np.fromiter((len(c["messages"]) for c in convs), dtype=np.int64, count=n_docs)
+    roles = np.fromiter((_ROLE_CODES.get(m.get("role"), ROLE_OTHER) for c in convs for m in c["messages"]),
+                        dtype=np.int64, count=int(n_msgs.sum()))
+    msg_doc = np.repeat(np.arange(n_docs), n_msgs)
+    asst = np.flatnonzero(roles == ROLE_ASSISTANT)
+    last = np.ones(asst.shape[0], dtype=bool)
+    last[:-1] = msg_doc[asst[1:]] != msg_doc[asst[:-1]]
+    roles[asst[last]] |= LAST_ASSISTANT
+    return n_msgs, roles
+
+
+def _turn_markers(side: Flat, gap_start: np.ndarray, gap_end: np.ndarray, ends_turn: np.ndarray):
+    """Per gap (arrays [G], batch coordinates): whether this side has an end-of-turn marker in the
+    gap (looked for only where a turn ends), and the marker's start and end (`gap_end` without one)."""
+    marks = side.offs[side.markers]  # [K, 2] the side's end-of-turn candidates
+    if marks.shape[0] == 0:
+        return np.zeros(gap_end.shape[0], dtype=bool), gap_end, gap_end
+    j = np.minimum(np.searchsorted(marks[:, 0], gap_start, side="left"), marks.shape[0] - 1)
+    has = ends_turn & (marks[j, 0] >= gap_start) & (marks[j, 1] <= gap_end)
+    return has, np.where(has, marks[j, 0], gap_end), np.where(has, marks[j, 1], gap_end)
+
+
+def _coverage_stats(n_docs: int, doc: np.ndarray, length: np.ndarray, paired: np.ndarray,
+                    text_width: np.ndarray) -> list[dict]:
+    """Each conversation's located message characters, those shared by both sides, and the texts
+    and characters left unaligned. `doc`, `length`, `text_width`: each located text's conversation,
+    length and shared width (int64 [T]); `paired`: the texts located on both sides (int64 [P])."""
+    content_chars = np.bincount(doc, weights=length, minlength=n_docs).astype(np.int64)
+    shared_chars = np.bincount(doc[paired], weights=text_width[paired], minlength=n_docs).astype(np.int64)
+    got = np.zeros(length.shape[0], np.int64)
+    got[paired] = text_width[paired]
+    unaligned_spans = np.bincount(doc, weights=got < length, minlength=n_docs).astype(np.int64)
+    return [{"content_chars": c, "shared_chars": s, "unaligned_spans": n, "unaligned_chars": c - s}
+            for c, s, n in zip(content_chars.tolist(), shared_chars.tolist(), unaligned_spans.tolist())]
 
 
 def _layout(convs: list[dict], students: Renderings, teachers: Renderings, fs: Flat,
@@ -324,80 +368,69 @@ def _layout(convs: list[dict], students: Renderings, teachers: Renderings, fs: F
     width), every text's global message index and length, and every message's role code (the self-check's
     input)."""
     n_docs = len(convs)
-    n_texts = np.fromiter((len(x.texts) for x in students.located), dtype=np.int64, count=n_docs)
+    # the message texts located in the renderings: T of them over the batch
+    n_texts = np.fromiter((len(x.texts) for x in students.located), dtype=np.int64, count=n_docs)  # [D]
     texts = [x for loc in students.located for _, _, x in loc.texts]
-    n_msgs = np.fromiter((len(c["messages"]) for c in convs), dtype=np.int64, count=n_docs)
-    roles = np.fromiter((_ROLE_CODES.get(m.get("role"), ROLE_OTHER) for c in convs for m in c["messages"]),
-                        dtype=np.int64, count=int(n_msgs.sum()))
-    msg_doc = np.repeat(np.arange(n_docs), n_msgs)
-    asst = np.flatnonzero(roles == ROLE_ASSISTANT)
-    last = np.ones(asst.shape[0], dtype=bool)
-    last[:-1] = msg_doc[asst[1:]] != msg_doc[asst[:-1]]
-    roles[asst[last]] |= LAST_ASSISTANT
-    doc = np.repeat(np.arange(n_docs), n_texts)
+    n_msgs, roles = _message_roles(convs)
+    doc = np.repeat(np.arange(n_docs), n_texts)  # [T] each text's conversation
     total = int(n_texts.sum())
     msg = np.fromiter((m for loc in students.located for m, _, _ in loc.texts), dtype=np.int64, count=total)
-    msg += (np.cumsum(n_msgs) - n_msgs)[doc]  # batch-global message index
-    length = np.fromiter((len(x) for x in texts), dtype=np.int64, count=total)
+    msg += (np.cumsum(n_msgs) - n_msgs)[doc]  # [T] batch-global message index
+    length = np.fromiter((len(x) for x in texts), dtype=np.int64, count=total)  # [T]
     found = [np.fromiter(chain.from_iterable(getattr(loc, key) for loc in side.located), dtype=np.int64, count=total)
              for side in (students, teachers) for key in ("at", "skip", "width")]
-    both, start_s, start_t, width = pair_spans(*found)
-    pair = np.flatnonzero(both)
-    p_doc = doc[pair]
-    n_pairs = np.bincount(p_doc, minlength=n_docs)
+    on_both, s_text_start, t_text_start, text_width = pair_spans(*found)  # [T]
+    paired = np.flatnonzero(on_both)  # [P] the texts located on both sides: the shared pieces
+    paired_doc = doc[paired]  # [P]
+    n_paired = np.bincount(paired_doc, minlength=n_docs)  # [D]
 
-    # gaps: pair i sits at gap i + its document; each document ends with a gap of its own
-    n_gaps = pair.shape[0] + n_docs
-    first = np.cumsum(n_pairs) - n_pairs + np.arange(n_docs)
-    final = first + n_pairs
-    at_pair = np.arange(pair.shape[0]) + p_doc
-    is_pair = np.zeros(n_gaps, dtype=bool)
-    is_pair[at_pair] = True
-    es, et, w = (np.zeros(n_gaps, np.int64) for _ in range(3))
-    cur = np.full(n_gaps, -1, dtype=np.int64)  # the message of the gap's piece (-1: the closing gap)
-    es[at_pair], es[final] = start_s[pair] + fs.base[p_doc], fs.base + fs.lens
-    et[at_pair], et[final] = start_t[pair] + ft.base[p_doc], ft.base + ft.lens
-    w[at_pair] = width[pair]
-    cur[at_pair] = msg[pair]
-    ps, pt, prev = np.empty_like(es), np.empty_like(et), np.empty_like(cur)
-    ps[1:], pt[1:], prev[1:] = (es + w)[:-1], (et + w)[:-1], cur[:-1]
-    ps[first], pt[first], prev[first] = fs.base, ft.base, -1
-    ends_turn = (prev >= 0) & (~is_pair | (cur != prev))
-    turn_role = np.where(prev >= 0, roles[np.maximum(prev, 0)], ROLE_TEMPLATE)
-    eot = []  # per side: has an end-of-turn marker in this gap, its start and end
-    for f, begin, end in ((fs, ps, es), (ft, pt, et)):
-        marks = f.offs[f.markers]
-        if marks.shape[0] == 0:
-            eot.append((np.zeros(n_gaps, dtype=bool), end, end))
-            continue
-        j = np.minimum(np.searchsorted(marks[:, 0], begin, side="left"), marks.shape[0] - 1)
-        has = ends_turn & (marks[j, 0] >= begin) & (marks[j, 1] <= end)
-        eot.append((has, np.where(has, marks[j, 0], end), np.where(has, marks[j, 1], end)))
-    (has_s, e1, a1), (has_t, e2, a2) = eot
-    pre_role = np.where((prev >= 0) & (~ends_turn | has_s), turn_role, ROLE_TEMPLATE)
-    slots = np.maximum(np.stack([e1 - ps, e2 - pt, has_s | has_t, es - a1, et - a2, w], axis=1), 0)
-    vst = (np.cumsum(slots) - slots.reshape(-1)).reshape(n_gaps, 6)
-    piece_role = roles[np.maximum(cur, 0)]
+    # gaps: pair i sits at gap i + its document; each document ends with a gap of its own (G gaps)
+    n_gaps = paired.shape[0] + n_docs
+    doc_first_gap = np.cumsum(n_paired) - n_paired + np.arange(n_docs)  # [D]
+    doc_last_gap = doc_first_gap + n_paired  # [D] the closing gap
+    paired_gap = np.arange(paired.shape[0]) + paired_doc  # [P] the gap each piece ends
+    gap_has_piece = np.zeros(n_gaps, dtype=bool)
+    gap_has_piece[paired_gap] = True
+    # [G] where each gap ends on each side (its piece starts there), and its piece's width
+    s_gap_end, t_gap_end, piece_width = (np.zeros(n_gaps, np.int64) for _ in range(3))
+    piece_msg = np.full(n_gaps, -1, dtype=np.int64)  # the message of the gap's piece (-1: the closing gap)
+    s_gap_end[paired_gap], s_gap_end[doc_last_gap] = s_text_start[paired] + fs.base[paired_doc], fs.base + fs.lens
+    t_gap_end[paired_gap], t_gap_end[doc_last_gap] = t_text_start[paired] + ft.base[paired_doc], ft.base + ft.lens
+    piece_width[paired_gap] = text_width[paired]
+    piece_msg[paired_gap] = msg[paired]
+    # [G] where each gap starts on each side (the previous piece ends there), and that piece's message
+    s_gap_start, t_gap_start, prev_msg = np.empty_like(s_gap_end), np.empty_like(t_gap_end), np.empty_like(piece_msg)
+    s_gap_start[1:], t_gap_start[1:] = (s_gap_end + piece_width)[:-1], (t_gap_end + piece_width)[:-1]
+    prev_msg[1:] = piece_msg[:-1]
+    s_gap_start[doc_first_gap], t_gap_start[doc_first_gap], prev_msg[doc_first_gap] = fs.base, ft.base, -1
+    ends_turn = (prev_msg >= 0) & (~gap_has_piece | (piece_msg != prev_msg))
+    turn_role = np.where(prev_msg >= 0, roles[np.maximum(prev_msg, 0)], ROLE_TEMPLATE)
+    s_has_eot, s_eot_start, s_eot_end = _turn_markers(fs, s_gap_start, s_gap_end, ends_turn)
+    t_has_eot, t_eot_start, t_eot_end = _turn_markers(ft, t_gap_start, t_gap_end, ends_turn)
+    pre_role = np.where((prev_msg >= 0) & (~ends_turn | s_has_eot), turn_role, ROLE_TEMPLATE)
+    # [G, 6] virtual length of each gap's slots: student / teacher template text before the marker,
+    # the shared marker, student / teacher template text after it, the piece; then their virtual starts
+    slot_len = np.maximum(np.stack([s_eot_start - s_gap_start, t_eot_start - t_gap_start, s_has_eot | t_has_eot,
+                                    s_gap_end - s_eot_end, t_gap_end - t_eot_end, piece_width], axis=1), 0)
+    slot_vstart = (np.cumsum(slot_len) - slot_len.reshape(-1)).reshape(n_gaps, 6)
+    piece_role = roles[np.maximum(piece_msg, 0)]
     zero, one = np.zeros(n_gaps, np.int64), np.ones(n_gaps, np.int64)
     tables = []
-    for k, (begin, pre_end, has, post, end) in enumerate(((ps, e1, has_s, a1, es), (pt, e2, has_t, a2, et))):
-        rows = np.stack([
-            np.stack([begin, pre_end, vst[:, k], slots[:, k], zero, pre_role], axis=1),
-            np.stack([pre_end, post, vst[:, 2], one, zero, turn_role], axis=1),
-            np.stack([post, end, vst[:, 3 + k], slots[:, 3 + k], zero, zero], axis=1),
-            np.stack([end, end + w, vst[:, 5], w, one, piece_role], axis=1)], axis=1)
-        keep = np.stack([slots[:, k] > 0, has, slots[:, 3 + k] > 0, is_pair], axis=1)
+    for k, (gap_start, eot_start, has_eot, eot_end, gap_end) in enumerate((
+            (s_gap_start, s_eot_start, s_has_eot, s_eot_end, s_gap_end),
+            (t_gap_start, t_eot_start, t_has_eot, t_eot_end, t_gap_end))):
+        rows = np.stack([  # [G, 4, 6]: the side's four regions of each gap
+            np.stack([gap_start, eot_start, slot_vstart[:, k], slot_len[:, k], zero, pre_role], axis=1),
+            np.stack([eot_start, eot_end, slot_vstart[:, 2], one, zero, turn_role], axis=1),
+            np.stack([eot_end, gap_end, slot_vstart[:, 3 + k], slot_len[:, 3 + k], zero, zero], axis=1),
+            np.stack([gap_end, gap_end + piece_width, slot_vstart[:, 5], piece_width, one, piece_role], axis=1)],
+            axis=1)
+        keep = np.stack([slot_len[:, k] > 0, has_eot, slot_len[:, 3 + k] > 0, gap_has_piece], axis=1)
         tables.append(rows[keep])
-    v_base = vst[first, 0]
-    vlens = vst[final, 5] - v_base
-    content = np.bincount(doc, weights=length, minlength=n_docs).astype(np.int64)
-    shared = np.bincount(p_doc, weights=width[pair], minlength=n_docs).astype(np.int64)
-    got = np.zeros(total, np.int64)
-    got[pair] = width[pair]
-    spans = np.bincount(doc, weights=got < length, minlength=n_docs).astype(np.int64)
-    stats = [{"content_chars": c, "shared_chars": s, "unaligned_spans": n, "unaligned_chars": c - s}
-             for c, s, n in zip(content.tolist(), shared.tolist(), spans.tolist())]
-    shared = (start_s[pair] + fs.base[p_doc], width[pair], msg, length, roles)  # for the self-check
+    v_base = slot_vstart[doc_first_gap, 0]  # [D]
+    vlens = slot_vstart[doc_last_gap, 5] - v_base  # [D]
+    stats = _coverage_stats(n_docs, doc, length, paired, text_width)
+    shared = (s_text_start[paired] + fs.base[paired_doc], text_width[paired], msg, length, roles)  # for the self-check
     return tables[0], tables[1], v_base, vlens, stats, shared
 
 
