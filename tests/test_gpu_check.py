@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_gpu_check_runs_both_stages_on_the_cpu(toy_setup, teacher, tmp_path):
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--docs", "8", "--steps", "3",
-                           "--max-seq-len", "128", "--workdir", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--docs", "4", "--steps", "2",
+                           "--max-seq-len", "64", "--workdir", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = dict(re.findall(r"^\| (.+?) +\| (.+) \|$", proc.stdout, re.M))
