@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 
 from xtcache.errors import ConfigError, StoreError
@@ -143,24 +141,7 @@ def write_part(loc, rel: str, rows: list[dict]) -> str:
     """Write one part file whole (local: temp file, fsync, rename; remote: one PUT, which object
     stores make visible atomically); returns the sha256 of its bytes."""
     data = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in rows).encode("utf-8")
-    path = loc.path(rel)
-    if loc.local:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-    else:
-        from xtcache.store_io import retry
-
-        retry(f"{loc.url}/{rel}", loc.fs.pipe_file, path, data)
+    loc.write_bytes_atomic(rel, data)
     return hashlib.sha256(data).hexdigest()
 
 

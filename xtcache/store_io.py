@@ -225,7 +225,11 @@ class Location:
             raise CorruptionError(f"{self.url}/{rel} is not valid JSON: {e}") from None
 
     def write_json_atomic(self, rel: str, obj: dict) -> None:
-        data = json.dumps(obj, indent=1, sort_keys=True).encode("utf-8")
+        self.write_bytes_atomic(rel, json.dumps(obj, indent=1, sort_keys=True).encode("utf-8"))
+
+    def write_bytes_atomic(self, rel: str, data: bytes) -> None:
+        """Write `rel` whole (local: temp file, fsync, rename; remote: one PUT, which object stores
+        make visible atomically)."""
         path = self.path(rel)
         if self.local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
