@@ -65,15 +65,13 @@ def prompt_of(doc, tokenizer) -> Prompt:
     if last not in ("user", "human"):
         raise ConfigError(f"--data {where}: the last message is the {last!r}'s; a prompt conversation ends with "
                           "the user's message (the student writes the next assistant turn)")
-    from xtcache.chat import require_template
+    from xtcache.chat import ConversationError, render, require_template
 
     require_template(tokenizer, "student")
     try:
-        text = tokenizer.apply_chat_template(conv["messages"], tools=conv.get("tools") or None, tokenize=False,
-                                             add_generation_prompt=True)
-    except Exception as e:  # jinja's TemplateError, raise_exception(), a template's own type errors
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"--data {where}: the student's chat template rejects it ({msg})") from None
+        text = render(tokenizer, conv, where=f"--data {where} (the student's template)", add_generation_prompt=True)
+    except ConversationError as e:
+        raise ConfigError(str(e)) from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own specials
     return Prompt(doc.doc_id, where, list(ids), conv)
 

@@ -181,12 +181,13 @@ def turn_marker_ids(tokenizer) -> list[int]:
     return sorted(int(i) for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False))
 
 
-def render(tokenizer, conv: dict, *, where: str = "") -> str:
-    """The conversation in the tokenizer's chat template (no generation prompt).
-    ConversationError naming `where` when the template rejects it."""
+def render(tokenizer, conv: dict, *, where: str = "", add_generation_prompt: bool = False) -> str:
+    """The conversation in the tokenizer's chat template (with the template's generation prompt only
+    when asked: a prompt for the next assistant turn). ConversationError naming `where` when the
+    template rejects it."""
     try:
         text = tokenizer.apply_chat_template(conv["messages"], tools=conv.get("tools") or None, tokenize=False,
-                                             add_generation_prompt=False)
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja's TemplateError, raise_exception(), a template's own type errors
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConversationError(f"{where or 'a conversation'}: the chat template rejects it ({msg})") from None
