@@ -30,8 +30,9 @@ from typing import Iterator
 import numpy as np
 
 from stage1_teacher.corpus import Document, Skipped
-from stage1_teacher.windows import Window, common_boundaries, plan_windows, window_tokens
+from stage1_teacher.windows import Window, plan_windows, window_tokens
 from xtcache.errors import AlignmentError
+from xtcache.packing import common_boundaries
 
 log = logging.getLogger(__name__)
 

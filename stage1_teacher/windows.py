@@ -41,7 +41,7 @@ def plan_windows(n_tokens: int, max_len: int, overlap: int = 0, boundaries: np.n
     """Windows covering rows [0, n_tokens) exactly once, each at most `max_len` tokens long.
 
     `boundaries`: sorted teacher token indices where a cut is allowed without splitting a chunk
-    (chunk ends); None allows a cut anywhere. `bos_prefix`: feed one BOS token before every window
+    (chunk ends; `xtcache.packing.common_boundaries` of every alignment); None or empty allows a cut anywhere. `bos_prefix`: feed one BOS token before every window
     after the first (the document's own first token is that BOS).
     """
     if max_len < 2:
@@ -77,13 +77,3 @@ def window_tokens(ids: np.ndarray, w: Window, bos_id: int | None) -> np.ndarray:
     if w.prefix:
         return np.concatenate(([bos_id], body)).astype(np.int64)
     return body
-
-
-def common_boundaries(teacher_ends: list[np.ndarray]) -> np.ndarray | None:
-    """Teacher indices that are chunk ends in every alignment (None when no alignment constrains)."""
-    if not teacher_ends:
-        return None
-    out = np.unique(np.asarray(teacher_ends[0], dtype=np.int64))
-    for ends in teacher_ends[1:]:
-        out = np.intersect1d(out, np.asarray(ends, dtype=np.int64))
-    return out

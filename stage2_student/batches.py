@@ -56,7 +56,30 @@ class ShardSource:
     sampled_logprobs: np.ndarray | None = None  # float32 [S] rollout caches: sampling log-probs, NaN: not sampled
 
 
-def segment_chunks(src: ShardSource, d: int, lo: int, hi: int, n_ctx: int = 0) -> dict:
+@dataclass(frozen=True)
+class Segment:
+    """Chunks [lo, hi) of one document, as a window holds them. Arrays are [hi - lo], one per chunk;
+    student positions count from the document's first student token, teacher positions from its
+    first teacher row."""
+
+    c0: int  # the document's first chunk in the shard's chunk arrays
+    s_begin: int  # the segment's first student token
+    s_start: np.ndarray  # int64: each chunk's first student token
+    s_end: np.ndarray  # int64: each chunk's exclusive student end
+    s_len: np.ndarray  # int64: student tokens per chunk
+    t_start: np.ndarray  # int64: each chunk's first teacher row
+    t_len: np.ndarray  # int64: teacher rows per chunk
+    p_off: int  # the document's first row in the shard's position arrays
+    real: np.ndarray  # bool: both sides non-empty
+    valid: np.ndarray  # bool: real, predicted inside the segment, trained, past the context chunks
+
+    @property
+    def s_stop(self) -> int:
+        """The exclusive end of the segment's student tokens."""
+        return int(self.s_end[-1])
+
+
+def segment_chunks(src: ShardSource, d: int, lo: int, hi: int, n_ctx: int = 0) -> Segment:
     """The chunks [lo, hi) of document d as one window segment: student/teacher spans and validity.
 
     A chunk is `real` when both sides are non-empty and `valid` when it is real, its first student
@@ -82,8 +105,8 @@ def segment_chunks(src: ShardSource, d: int, lo: int, hi: int, n_ctx: int = 0) -
         untrained = np.concatenate([[0], np.cumsum(~src.trained[s_off + s_begin:s_off + int(s_end[-1])])])
         valid &= (untrained[s_end - s_begin] == untrained[s_start - s_begin]) & src.exact[c0 + lo:c0 + hi]
     valid[:n_ctx] = False
-    return dict(c0=c0, s_begin=s_begin, s_end=s_end, s_start=s_start, s_len=s_len, t_start=t_start, t_len=t_len,
-                p_off=p_off, real=real, valid=valid)
+    return Segment(c0=c0, s_begin=s_begin, s_start=s_start, s_end=s_end, s_len=s_len, t_start=t_start,
+                   t_len=t_len, p_off=p_off, real=real, valid=valid)
 
 
 def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> dict[str, np.ndarray | int]:
@@ -110,10 +133,10 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
         for src, d, lo, hi, ctx, *extra in segments:
             n_ctx = int(ctx)
             seg = segment_chunks(src, d, lo, hi, n_ctx)
-            s_begin, s_start, s_len, t_len = seg["s_begin"], seg["s_start"], seg["s_len"], seg["t_len"]
-            valid = seg["valid"] if not extra else seg["valid"] & extra[1]
+            s_begin, s_start, s_len, t_len = seg.s_begin, seg.s_start, seg.s_len, seg.t_len
+            valid = seg.valid if not extra else seg.valid & extra[1]
             s_off = int(src.doc_student_offsets[d])
-            toks = src.student_ids[s_off + s_begin:s_off + int(seg["s_end"][-1])]
+            toks = src.student_ids[s_off + s_begin:s_off + seg.s_stop]
             input_ids[wi, pos:pos + len(toks)] = toks
             position_ids[wi, pos:pos + len(toks)] = np.arange(len(toks))  # each segment attends to itself only
             labels[wi, pos:pos + len(toks) - 1] = toks[1:]  # never across a segment boundary
@@ -121,9 +144,9 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
                 if sampled is None:
                     sampled = np.full((b, seq_len), np.nan, dtype=np.float32)
                 sampled[wi, pos:pos + len(toks) - 1] = src.sampled_logprobs[s_off + s_begin + 1:
-                                                                            s_off + int(seg["s_end"][-1])]
+                                                                            s_off + seg.s_stop]
             if src.trained is not None:  # conversation cache: only positions predicting trained tokens
-                trained = src.trained[s_off + s_begin:s_off + int(seg["s_end"][-1])]
+                trained = src.trained[s_off + s_begin:s_off + seg.s_stop]
                 labels[wi, pos:pos + len(toks) - 1][~trained[1:]] = IGNORE
             first = pos + (s_start - s_begin)  # [n] window position of each chunk's first token
             if n_ctx:
@@ -131,9 +154,9 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
             ids = n_chunks + np.arange(int(valid.sum()), dtype=np.int64)
             n_chunks += ids.shape[0]
             student_chunk[wi, _ranges(first[valid] - 1, s_len[valid])] = np.repeat(ids, s_len[valid])
-            rows_by_src.append((src, _ranges(seg["p_off"] + seg["t_start"][valid], t_len[valid])))
+            rows_by_src.append((src, _ranges(seg.p_off + seg.t_start[valid], t_len[valid])))
             teacher_chunk.append(np.repeat(ids, t_len[valid]))
-            exact.append(src.exact[seg["c0"] + lo:seg["c0"] + hi][valid])
+            exact.append(src.exact[seg.c0 + lo:seg.c0 + hi][valid])
             if extra:
                 groups.append(extra[0][valid])
             pos += len(toks)

@@ -106,8 +106,8 @@ def join_segment(srcs: list[ShardSource], dids: list[int], present: np.ndarray, 
         seg = segment_chunks(srcs[ci], dids[ci], int(lo), int(hi), n_ctx)
         local = group[lo:hi] - g_lo
         if present[ci]:  # a group counts when each teacher present has its real chunks there all valid
-            bad = np.bincount(local[seg["real"] & ~seg["valid"]], minlength=g_hi - g_lo)
-            good = np.bincount(local[seg["real"] & seg["valid"]], minlength=g_hi - g_lo)
+            bad = np.bincount(local[seg.real & ~seg.valid], minlength=g_hi - g_lo)
+            good = np.bincount(local[seg.real & seg.valid], minlength=g_hi - g_lo)
             ok &= (bad == 0) & (good > 0)
         segs.append((srcs[ci], dids[ci], int(lo), int(hi), n_ctx, local + group_offset,
                      np.full(hi - lo, bool(present[ci]))))

@@ -39,6 +39,7 @@ from stage2_student.batches import ShardSource
 from stage2_student.join import build_joined_batch, chunk_group_lengths, join_counts, join_segment
 from stage2_student.order import epoch_window_order, global_micro_batch, is_held_out
 from xtcache.errors import ConfigError, XtcacheError
+from xtcache.fingerprint import doc_id
 from xtcache.packing import pack
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
         where: list[dict[str, tuple[int, int]]] = []
         for c, r in zip(self.caches, readers):
             metas = {m.shard_id: m for m in r.shards}
-            where.append({f"{d.source}:{d.row}:{d.content_hash}": (si, di)
+            where.append({doc_id(d.source, d.row, d.content_hash): (si, di)
                           for si, sid in enumerate(c.shard_ids) for di, d in enumerate(metas[sid].docs)})
         counts = join_counts(where, urls)
         self._plan_units(readers, where, split, holdout_fraction)

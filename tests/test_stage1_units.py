@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from stage1_teacher import config
 from stage1_teacher.corpus import Document, Skipped, iter_corpus
-from stage1_teacher.windows import common_boundaries, plan_windows, window_has_pred, window_tokens
+from stage1_teacher.windows import plan_windows, window_has_pred, window_tokens
 from xtcache.cliconfig import read_config_file
 from xtcache.errors import ConfigError
 
@@ -51,11 +51,6 @@ def test_window_tokens_prepend_bos():
     toks = [window_tokens(ids, w, bos_id=10) for w in ws]
     assert toks[0].tolist() == list(range(10, 18))
     assert toks[1][0] == 10 and toks[1][1:].tolist() == list(range(10 + ws[1].ctx_start, 10 + ws[1].end))
-
-
-def test_common_boundaries():
-    assert common_boundaries([]) is None
-    assert common_boundaries([np.array([1, 3, 5]), np.array([3, 4, 5])]).tolist() == [3, 5]
 
 
 # ------------------------------------------------------------------------------------ targets
