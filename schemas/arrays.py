@@ -60,8 +60,8 @@ TEACHER_ARRAYS: tuple[ArrayDef, ...] = (
     ArrayDef("topk_logprobs", ("uint8", "uint16", "float16", "float32"), ("P", "k"), modes=("topk", "full"),
              transform="logprobs"),
     ArrayDef("topk_counts", ("uint16",), ("P", "k"), modes=("sampled",)),
-    ArrayDef("residual", ("float32",), ("P",), shuffle=True),
-    ArrayDef("realized_logprob", ("float32",), ("P",), shuffle=True),
+    ArrayDef("residual", ("float32", "float16"), ("P",), shuffle=True),
+    ArrayDef("realized_logprob", ("float32", "float16"), ("P",), shuffle=True),
     ArrayDef("doc_conversation_offsets", ("int64",), ("D+1",), conversation=True),
     ArrayDef("doc_conversation", ("uint8",), ("M",), conversation=True),
 )

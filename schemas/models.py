@@ -16,12 +16,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of the on-disk layout; written to the manifest and to every part's metadata."""
 
-READ_VERSIONS = (1, 2)
+READ_VERSIONS = (1, 2, 3)
 """Versions a reader of this xtcache reads: 2 added conversation stores; a version 1 store is a
-plain-text store of version 2's layout (and keeps version 1 when an alignment group is added)."""
+plain-text store of version 2's layout (and keeps version 1 when an alignment group is added);
+3 added the sqrt-prob value code and float16 residual / realized log-prob (codec v2)."""
 
 Mode = Literal["topk", "full", "sampled"]
 

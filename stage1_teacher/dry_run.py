@@ -16,7 +16,7 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
     """Documents, positions and an estimated store size, without the teacher."""
     import numpy as np
 
-    from xtcache.codecs import default_codecs
+    from xtcache.codecs import codec_from_config, default_codecs, side_dtype
 
     prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap,
                     conversation=plan.messages_field is not None)
@@ -37,10 +37,10 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
     id_bytes = np.dtype(codec["topk_ids"]["configuration"].get("dtype", "uint32")).itemsize
     lp_bytes = 0
     if "topk_logprobs" in codec:
-        lp_bytes = 1 if codec["topk_logprobs"]["configuration"].get("bits", 16) <= 8 else 2
+        lp_bytes = np.dtype(codec_from_config(codec["topk_logprobs"]).dtype).itemsize
     if cfg.capture.mode == "sampled":
         lp_bytes = 2  # uint16 counts
-    per_position = plan.k * (id_bytes + lp_bytes) + 4 + 8 + 1 + 4 + 4
+    per_position = plan.k * (id_bytes + lp_bytes) + 4 + 8 + 1 + 2 * np.dtype(side_dtype()).itemsize
     raw = positions * per_position + student_tokens * 4 + chunks * 9
     return {"documents": docs, "positions": positions, "windows": windows, "skipped": skipped,
             "student_tokens": student_tokens, "chunks": chunks, "estimated_bytes_before_compression": raw,

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.models import FORMAT_VERSION, AlignGroupMeta, Manifest
-from xtcache.codecs import FloatLogProbs, QuantizedLogProbs, SortedDeltaIds
+from xtcache.codecs import FloatLogProbs, QuantizedLogProbs, SortedDeltaIds, SqrtProbs
 from xtcache.errors import CorruptionError, FormatVersionError, StoreError, XtcacheError
 from xtcache.store import (
     AlignmentRecord,
@@ -82,14 +82,15 @@ def manifest(mode="topk", k=8, V=70_000, **kw) -> Manifest:
     return Manifest(cache_key=kw.pop("cache_key", "key-a"), mode=mode, k=k, teacher_vocab_size=V, **kw)
 
 
-def check_same(doc: DocRecord, got: DocRecord, mode: str, tol: float, floor: float = -24.0) -> None:
-    """`got` equals `doc`, with stored log-probs within `tol` of the originals clamped at `floor`."""
+def check_same(doc: DocRecord, got: DocRecord, mode: str, tol: float, floor: float = -24.0, sqrt: bool = False) -> None:
+    """`got` equals `doc`, with stored log-probs within `tol` of the originals clamped at `floor` (`sqrt`: their
+    sqrt(p) within `tol`, the sqrt-prob code of format version 3) and float16 side arrays within 2^-11."""
     assert got.text == doc.text and got.doc_id == doc.doc_id
     np.testing.assert_array_equal(got.teacher_ids, doc.teacher_ids)
     np.testing.assert_array_equal(got.char_offsets, doc.char_offsets)
     np.testing.assert_array_equal(got.has_pred, doc.has_pred)
-    np.testing.assert_array_equal(got.residual, doc.residual)
-    np.testing.assert_array_equal(got.realized_logprob, doc.realized_logprob)
+    np.testing.assert_allclose(got.residual, doc.residual, rtol=2.0**-11, atol=2.0**-25)
+    np.testing.assert_allclose(got.realized_logprob, doc.realized_logprob, rtol=2.0**-11)
     hp = doc.has_pred
     if mode == "sampled":
         for t in np.flatnonzero(hp):
@@ -100,6 +101,9 @@ def check_same(doc: DocRecord, got: DocRecord, mode: str, tol: float, floor: flo
     order = np.argsort(doc.topk_ids, axis=1, kind="stable")
     np.testing.assert_array_equal(got.topk_ids[hp], np.take_along_axis(doc.topk_ids, order, 1)[hp])
     want_lp = np.take_along_axis(doc.topk_logprobs, order, 1)[hp]
+    if sqrt:
+        assert np.abs(np.exp(got.topk_logprobs[hp] / 2.0) - np.exp(want_lp / 2.0)).max(initial=0) <= tol
+        return
     if tol > 0:
         want_lp = np.maximum(want_lp, floor)
     assert np.abs(got.topk_logprobs[hp] - want_lp).max(initial=0) <= tol
@@ -121,7 +125,7 @@ def test_round_trip_every_mode(tmp_path, mode, k, V, where):
     got = [reader.read_shard(s.shard_id, verify=True) for s in reader.shards]
     records = [g.doc(i) for g in got for i in range(g.num_docs)]
     for doc, rec in zip(docs, records, strict=True):
-        check_same(doc, rec, mode, tol=24.0 / 255 / 2 + 1e-6)
+        check_same(doc, rec, mode, tol=SqrtProbs(127).max_sqrt_error + 1e-6, sqrt=True)
     assert not reader.is_complete()
 
 
@@ -274,7 +278,7 @@ def test_not_a_store_and_newer_version(tmp_path):
     raw = json.loads(man.read_text())
     raw["format_version"] = FORMAT_VERSION + 1
     man.write_text(json.dumps(raw))
-    with pytest.raises(FormatVersionError, match="format version 2"):
+    with pytest.raises(FormatVersionError, match=f"format version {FORMAT_VERSION + 1}"):
         CacheReader(url)
 
 
@@ -433,7 +437,7 @@ def test_s3_round_trip_through_moto(monkeypatch):
         assert reader.is_complete()
         got = reader.read_shard(shard_id(0, 0), verify=True)
         for i, doc in enumerate(docs):
-            check_same(doc, got.doc(i), "topk", tol=24.0 / 255 / 2 + 1e-6)
+            check_same(doc, got.doc(i), "topk", tol=SqrtProbs(127).max_sqrt_error + 1e-6, sqrt=True)
         from xtcache.commands_store import verify_store
 
         assert verify_store(url, options) == []

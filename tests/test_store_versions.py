@@ -1,10 +1,18 @@
-"""Stores of format version 1 (before conversations) still read, and stay version 1 when extended.
+"""Stores of format versions 1 (before conversations) and 2 (before codec v2) still read and verify,
+and keep their version when extended.
 
 `tests/fixtures/store_v1` was written by the xtcache of format version 1 (commit 39ac103) with
 `tests/fixtures/make_store_v1.py`:
 
     git archive 39ac103 | tar -x -C /tmp/old && cd /tmp/old && \
         PYTHONPATH=. python $REPO/tests/fixtures/make_store_v1.py $REPO/tests/fixtures/store_v1
+
+`tests/fixtures/store_v2` (8-bit log-prob codes, float32 side arrays, ids above 16 bits) was written
+by the xtcache of format version 2 (commit 87f80aa) with `tests/fixtures/make_store_v2.py`, which also
+saved the values it wrote as `tests/fixtures/store_v2_source.npz`:
+
+    git archive 87f80aa | tar -x -C /tmp/old && cd /tmp/old && \
+        PYTHONPATH=. python $REPO/tests/fixtures/make_store_v2.py $REPO/tests/fixtures/store_v2
 """
 
 from __future__ import annotations
@@ -21,12 +29,13 @@ from xtcache.errors import FormatVersionError
 from xtcache.store import AlignmentRecord, CacheReader, CacheWriter
 
 V1 = Path(__file__).resolve().parent / "fixtures" / "store_v1"
+V2 = Path(__file__).resolve().parent / "fixtures" / "store_v2"
 
 
 def test_a_version_1_store_reads_and_verifies():
     from xtcache.commands_store import store_summary, verify_store
 
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
     r = CacheReader(str(V1))
     assert r.manifest.format_version == 1 and not r.manifest.conversation and r.is_complete()
     shard = r.read_shard(r.shards[0].shard_id, verify=True)
@@ -58,3 +67,48 @@ def test_conversations_need_version_2(tmp_path):
     m = CacheReader(str(V1)).manifest.model_copy(update={"conversation": True})
     with pytest.raises(FormatVersionError, match="cannot write format version 1 with conversations"):
         CacheWriter(str(tmp_path / "x"), m)
+
+
+def test_a_version_2_store_reads_and_verifies_with_its_own_codecs():
+    from xtcache import codecs
+    from xtcache.commands_store import verify_store
+
+    r = CacheReader(str(V2))
+    assert r.manifest.format_version == 2 and r.is_complete()
+    assert r.manifest.codecs["topk_logprobs"].name == codecs.QUANT_NAME
+    shard = r.read_shard(r.shards[0].shard_id, verify=True)
+    src = np.load(V2.parent / "store_v2_source.npz")
+    ids = np.concatenate([src["topk_ids0"], src["topk_ids1"]])
+    lp = np.concatenate([src["topk_logprobs0"], src["topk_logprobs1"]])
+    assert ids.max() >= 65_536  # uint32 deltas
+    order = np.argsort(ids, axis=1)
+    has = shard.has_pred
+    np.testing.assert_array_equal(shard.topk_ids[has], np.take_along_axis(ids, order, 1)[has])
+    q8 = codecs.QuantizedLogProbs(8, -24.0)
+    err = np.abs(shard.topk_logprobs - np.take_along_axis(lp, order, 1))[has]
+    assert err.max() <= q8.max_abs_error + 1e-5
+    assert shard.residual.dtype == np.float32 and shard.realized_logprob.dtype == np.float32
+    np.testing.assert_array_equal(shard.residual, np.concatenate([src["residual0"], src["residual1"]]))
+    assert verify_store(str(V2)) == []
+
+
+def test_a_writer_resuming_a_version_2_store_writes_version_2_parts(tmp_path):
+    store = tmp_path / "v2"
+    shutil.copytree(V2, store)
+    r = CacheReader(str(store))
+    shard = r.read_shard(r.shards[0].shard_id)
+    with CacheWriter(str(store), r.manifest, resume=True) as w:
+        meta = w.write_part(1, [_record_from(shard)])
+    assert meta.format_version == 2 and meta.arrays["residual"].dtype == "float32"
+    assert meta.arrays["topk_logprobs"].transform.name == "xtcache.quantized_logprobs"
+    assert CacheReader(str(store)).read_shard(meta.shard_id, verify=True).texts == [shard.texts[0]]
+
+
+def _record_from(shard):
+    from xtcache.store import DocRecord
+
+    n = int(shard.doc_pos_offsets[1])
+    return DocRecord(source="again", row=0, text=shard.texts[0], teacher_ids=shard.teacher_ids[:n],
+                     char_offsets=shard.char_offsets[:n], has_pred=shard.has_pred[:n], topk_ids=shard.topk_ids[:n],
+                     topk_logprobs=shard.topk_logprobs[:n], topk_counts=None, residual=shard.residual[:n],
+                     realized_logprob=shard.realized_logprob[:n])

@@ -9,6 +9,9 @@ in each part's index and the manifest), so a reader never guesses how bytes were
   after the first is 1. The row permutation is returned so values can follow their ids.
 - `QuantizedLogProbs`: uniform quantization of log-probs over [-L, 0] to `bits`-bit codes with a
   stated maximum absolute error `step / 2` for values in [-L, 0]; values below -L are clamped to -L.
+- `SqrtProbs` (format version 3): uniform quantization of sqrt(p) to `levels` + 1 codes, i.e. uniform
+  in the Fisher metric: every entry carries the same KL error, about 1 / (6 levels^2) nats, whatever
+  its probability (a log-prob code spends its levels on log-probs below -10 that carry no mass).
 - `FloatLogProbs`: lossless float32, or float16 (relative error <= 2^-11).
 - `Compression`: the Zarr v3 bytes-to-bytes codecs (zstd, optionally inside blosc with byte/bit
   shuffle) applied to the transformed arrays.
@@ -23,11 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from schemas.models import FORMAT_VERSION
 from xtcache.errors import StoreError, XtcacheError
 
 IDS_NAME = "xtcache.sorted_delta_ids"
 QUANT_NAME = "xtcache.quantized_logprobs"
 FLOAT_NAME = "xtcache.float_logprobs"
+SQRT_NAME = "xtcache.sqrt_probs"
 
 
 def check_ids(ids: np.ndarray, vocab_size: int, what: str = "top-k ids") -> None:
@@ -119,6 +124,52 @@ class QuantizedLogProbs:
 
 
 @dataclass(frozen=True)
+class SqrtProbs:
+    """code = round(sqrt(exp(x)) * levels) in uint8; decoded log-prob 2 * log(code / levels).
+
+    Code 0 (p < 1 / (2 levels)^2) decodes to sqrt(p) = 1 / (4 levels), the middle of its bin, so
+    every decoded log-prob is finite. Error per entry, stated in the codec config: |sqrt(p') - sqrt(p)|
+    <= 1 / (2 levels) (`max_sqrt_error`); its KL contribution is 2 (sqrt(p') - sqrt(p))^2 to second
+    order, at most 1 / (2 levels^2) and on average 1 / (6 levels^2) (`mean_kl_per_entry`).
+    """
+
+    levels: int = 127
+    dtype = "uint8"  # the stored dtype (a class constant, not a field)
+
+    def __post_init__(self):
+        if not 1 <= self.levels <= 255:
+            raise XtcacheError(f"sqrt-prob codes: levels={self.levels}: use 1..255 (uint8 codes)")
+
+    @property
+    def max_sqrt_error(self) -> float:
+        return 0.5 / self.levels
+
+    @property
+    def mean_kl_per_entry(self) -> float:
+        return 1.0 / (6.0 * self.levels**2)
+
+    def to_config(self) -> dict[str, Any]:
+        return {"name": SQRT_NAME, "configuration": {
+            "levels": self.levels, "max_sqrt_error": self.max_sqrt_error, "mean_kl_per_entry": self.mean_kl_per_entry}}
+
+    def encode(self, logprobs: np.ndarray) -> np.ndarray:
+        """log-probs float [...] -> uint8 codes [...]; NaN and -inf encode as 0, +inf as `levels`."""
+        x = np.nan_to_num(np.asarray(logprobs, dtype=np.float64), nan=-np.inf, posinf=0.0)
+        codes = np.rint(np.exp(0.5 * np.minimum(x, 0.0)) * self.levels)
+        return codes.astype(np.uint8)
+
+    def table(self) -> np.ndarray:
+        """float32 [256]: the decoded log-prob of each code (codes above `levels` decode as `levels`)."""
+        s = np.minimum(np.arange(256, dtype=np.float64), self.levels) / self.levels
+        s[0] = 0.25 / self.levels
+        return (2.0 * np.log(s)).astype(np.float32)
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        """uint8 codes [...] -> float32 log-probs [...]: one table lookup per entry."""
+        return self.table()[codes]
+
+
+@dataclass(frozen=True)
 class FloatLogProbs:
     """Log-probs stored as float32 (lossless) or float16."""
 
@@ -161,7 +212,7 @@ class Compression:
         return {"name": "xtcache.compression", "configuration": asdict(self)}
 
 
-LogProbCodec = QuantizedLogProbs | FloatLogProbs
+LogProbCodec = QuantizedLogProbs | SqrtProbs | FloatLogProbs
 
 
 def codec_from_config(cfg: dict[str, Any] | Any):
@@ -175,15 +226,25 @@ def codec_from_config(cfg: dict[str, Any] | Any):
         return QuantizedLogProbs(bits=conf["bits"], min_logprob=conf["min_logprob"])
     if name == FLOAT_NAME:
         return FloatLogProbs(**conf)
+    if name == SQRT_NAME:
+        return SqrtProbs(levels=conf["levels"])
     if name == "xtcache.compression":
         return Compression(**conf)
     raise StoreError(f"unknown codec {name!r}: this store was written by a newer xtcache; upgrade xtcache")
 
 
-def default_codecs(mode: str, vocab_size: int) -> dict[str, dict[str, Any]]:
-    """The transforms a store uses unless the manifest names others."""
+def default_codecs(mode: str, vocab_size: int, format_version: int = FORMAT_VERSION) -> dict[str, dict[str, Any]]:
+    """The transforms a store of `format_version` uses unless the manifest names others: log-probs as
+    sqrt(p) in 127 levels from version 3 (bench/store_codec.py), 8-bit log-probs before."""
     ids = SortedDeltaIds(dtype="uint16" if vocab_size <= 65536 else "uint32")
     out = {"topk_ids": ids.to_config()}
     if mode != "sampled":
-        out["topk_logprobs"] = QuantizedLogProbs(bits=8, min_logprob=-24.0).to_config()
+        values = SqrtProbs(127) if format_version >= 3 else QuantizedLogProbs(bits=8, min_logprob=-24.0)
+        out["topk_logprobs"] = values.to_config()
     return out
+
+
+def side_dtype(format_version: int = FORMAT_VERSION) -> str:
+    """Stored dtype of `residual` and `realized_logprob`: float16 from format version 3 (relative error
+    at most 2^-11, NaN kept), float32 before. Readers cast either to float32."""
+    return "float16" if format_version >= 3 else "float32"

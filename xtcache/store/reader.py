@@ -310,7 +310,8 @@ class CacheReader:
         return ShardData(
             shard_id=sid, docs=list(meta.docs), texts=texts, doc_pos_offsets=pos, teacher_ids=raw["teacher_ids"],
             char_offsets=raw["char_offsets"], has_pred=raw["has_pred"], topk_ids=ids, topk_logprobs=logprobs,
-            topk_counts=raw.get("topk_counts"), residual=raw["residual"], realized_logprob=raw["realized_logprob"],
+            topk_counts=raw.get("topk_counts"), residual=raw["residual"].astype(np.float32, copy=False),
+            realized_logprob=raw["realized_logprob"].astype(np.float32, copy=False),
             conversations=conversations)
 
     def read_alignment(self, fingerprint: str, sid: str, *, verify: bool = False,

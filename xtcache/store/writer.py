@@ -83,8 +83,8 @@ class CacheWriter:
                                      f"{' with conversations' if manifest.conversation else ''}: this xtcache writes "
                                      f"version {FORMAT_VERSION} (and adds alignment groups to version 1 stores)")
         if not manifest.codecs:
-            manifest.codecs = {k: CodecConfig(**v) for k, v in
-                               codecs.default_codecs(manifest.mode, manifest.teacher_vocab_size).items()}
+            manifest.codecs = {k: CodecConfig(**v) for k, v in codecs.default_codecs(
+                manifest.mode, manifest.teacher_vocab_size, manifest.format_version).items()}
         if manifest.mode != "sampled" and "topk_logprobs" not in manifest.codecs:
             raise XtcacheError(f"mode {manifest.mode!r} needs a 'topk_logprobs' codec in the manifest")
         if not manifest.created:
@@ -247,8 +247,9 @@ class CacheWriter:
             "char_offsets": (_concat([d.char_offsets for d in docs], np.int32, (2,)), None),
             "has_pred": (has_pred, None),
             "topk_ids": (deltas, self.ids_codec.to_config()),
-            "residual": (_concat([d.residual for d in docs], np.float32), None),
-            "realized_logprob": (_concat([d.realized_logprob for d in docs], np.float32), None),
+            "residual": (_concat([d.residual for d in docs], codecs.side_dtype(m.format_version)), None),
+            "realized_logprob": (_concat([d.realized_logprob for d in docs], codecs.side_dtype(m.format_version)),
+                                 None),
         }
         if counts is not None:
             out["topk_counts"] = (counts, None)
