@@ -16,6 +16,7 @@ import typer
 
 from stage1_teacher.config import AlignConfig, TeacherDumpConfig
 from stage1_teacher.generate_config import GenerateConfig
+from stage1_teacher.policy_eval import policy_eval_command as policy_eval  # noqa: F401  (xtcache policy-eval)
 from xtcache.cliconfig import command
 
 

@@ -54,8 +54,8 @@ class Completion:
     stop_reason: str  # "stop" | "length"
 
 
-def prompt_of(doc, tokenizer) -> Prompt:
-    """The Prompt of a corpus Document; ConfigError naming the row when it cannot be one."""
+def prompt_of(doc, tokenizer, flag: str = "--data") -> Prompt:
+    """The Prompt of a corpus Document; ConfigError naming `flag`, the file and the row when it cannot be one."""
     where = f"{doc.source} row {doc.row}"
     if not doc.conversation:
         ids = tokenizer(doc.text, add_special_tokens=True)["input_ids"]
@@ -63,13 +63,13 @@ def prompt_of(doc, tokenizer) -> Prompt:
     conv = json.loads(doc.text)
     last = conv["messages"][-1].get("role")
     if last not in ("user", "human"):
-        raise ConfigError(f"--data {where}: the last message is the {last!r}'s; a prompt conversation ends with "
+        raise ConfigError(f"{flag} {where}: the last message is the {last!r}'s; a prompt conversation ends with "
                           "the user's message (the student writes the next assistant turn)")
     from xtcache.chat import ConversationError, render, require_template
 
     require_template(tokenizer, "student")
     try:
-        text = render(tokenizer, conv, where=f"--data {where} (the student's template)", add_generation_prompt=True)
+        text = render(tokenizer, conv, where=f"{flag} {where} (the student's template)", add_generation_prompt=True)
     except ConversationError as e:
         raise ConfigError(str(e)) from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own specials

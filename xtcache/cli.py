@@ -23,10 +23,11 @@ from xtcache import commands_projection, commands_store, demo, rounds
 
 def _stage_command(name: str) -> click.Command:
     """The click command `name` of a stage, built from the stage's own typer function."""
-    if name in ("teacher-dump", "align", "generate"):
+    if name in ("teacher-dump", "align", "generate", "policy-eval"):
         from stage1_teacher import cli as stage1_cli
 
-        fn = {"teacher-dump": stage1_cli.teacher_dump, "align": stage1_cli.align, "generate": stage1_cli.generate}[name]
+        fn = {"teacher-dump": stage1_cli.teacher_dump, "align": stage1_cli.align, "generate": stage1_cli.generate,
+              "policy-eval": stage1_cli.policy_eval}[name]
     else:
         from stage2_student import cli as stage2_cli
 
@@ -36,7 +37,7 @@ def _stage_command(name: str) -> click.Command:
     return typer.main.get_command(one)
 
 
-STAGE_COMMANDS = ("teacher-dump", "align", "generate", "train-student")
+STAGE_COMMANDS = ("teacher-dump", "align", "generate", "policy-eval", "train-student")
 
 
 class _AppGroup(TyperGroup):

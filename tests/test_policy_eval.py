@@ -1,0 +1,178 @@
+"""`xtcache policy-eval` (stage1_teacher/policy_eval.py): the on-policy measure.
+
+Checked against a second construction: the student's own forward on prompt ids + sampled ids (no
+rendering, no spans). Same model on both sides: every sample the teacher tokenizes as it was sampled
+gives r = 0; a teacher whose logits are exactly twice the student's (its final norm scaled by 2)
+gives r = sum over the sampled ids of log_softmax(z) - log_softmax(2 z), which the test computes from
+the student's logits. Cross-tokenizer: the teacher tokens summed spell exactly the completion text
+(and the teacher's end-of-turn marker when the student stopped), with at most the template's newline
+before it when a token straddles it.
+
+Cost (2 cores): a chat setup with a briefly trained teacher (so that samples stop), a few seconds of sampling.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from xtcache.errors import ConfigError
+from xtcache.testing.suite import REPO
+
+SAMPLES, NEW_TOKENS = 3, 20
+
+
+@pytest.fixture(scope="module")
+def chat(toy_setup, tmp_path_factory):
+    """(chat setup, prompts .jsonl): held-out conversations cut after their last user message."""
+    from xtcache.testing.chat import build_chat_setup
+
+    root = tmp_path_factory.mktemp("policy_eval")
+    setup = build_chat_setup(toy_setup, root / "chat", num_train=40, num_heldout=6, teacher_steps=60)
+    prompts = []
+    for row in map(json.loads, setup.heldout_jsonl.read_text().splitlines()):
+        last_user = max(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
+        prompts.append({**row, "messages": row["messages"][:last_user + 1]})
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return setup, root / "prompts.jsonl", root
+
+
+def _run(student, teacher, prompts, **kw):
+    from stage1_teacher.policy_eval import policy_eval
+
+    return policy_eval(str(student), str(teacher), str(prompts), samples_per_prompt=SAMPLES,
+                       max_new_tokens=NEW_TOKENS, seed=kw.pop("seed", 0), **kw)
+
+
+def _sampled_as_tokenized(scores):
+    return [s for s in scores if s.scored and s.teacher_ids == s.student_ids]
+
+
+def _expected_r(model_dir, prompts_path, scores, scale: float) -> list[float]:
+    """sum over the sampled ids of log_softmax(z) - log_softmax(scale z), z the model's logits on
+    prompt ids + sampled ids (the second construction)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stage1_teacher.policy_eval import read_prompts
+    from xtcache.tokenizer import load_tokenizer
+
+    prompts = {p.prompt_id: p for p in read_prompts(str(prompts_path), load_tokenizer(model_dir))}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for s in scores:
+        ids = prompts[s.prompt_id].token_ids
+        with torch.inference_mode():
+            z = model(input_ids=torch.tensor([ids + list(s.student_ids)])).logits[0].double()  # [L, V]
+        z = z[len(ids) - 1:-1]  # [n, V]: the logits that predicted the sampled ids
+        y = torch.tensor(s.student_ids)[:, None]
+        r = torch.log_softmax(z, -1).gather(1, y).sum() - torch.log_softmax(scale * z, -1).gather(1, y).sum()
+        out.append(float(r))
+    return out
+
+
+def test_same_model_gives_zero_on_every_sample_it_tokenizes_as_sampled(chat):
+    setup, prompts, _ = chat
+    report, scores = _run(setup.teacher_model, setup.teacher_model, prompts)
+    same = _sampled_as_tokenized(scores)
+    assert len(same) >= 4
+    assert any(s.stopped for s in same) and any(not s.stopped for s in same)  # the marker path and the length path
+    for s in same:
+        assert s.student_logprob - s.teacher_logprob == pytest.approx(0.0, abs=1e-3)
+        assert s.teacher_logprob < -1.0  # a real sum, not an empty one
+    assert report["samples"] == 6 * SAMPLES and report["prompts"] == 6
+
+
+def test_teacher_with_doubled_logits_gives_the_independent_value(chat, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    setup, prompts, _ = chat
+    sharp = tmp_path / "sharp"
+    shutil.copytree(setup.teacher_model, sharp)
+    model = AutoModelForCausalLM.from_pretrained(str(sharp), dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2.0)  # logits = lm_head(norm(h)) are exactly doubled
+    model.save_pretrained(str(sharp))
+    report, scores = _run(setup.teacher_model, sharp, prompts)
+    same = _sampled_as_tokenized(scores)
+    assert len(same) >= 3
+    want = _expected_r(setup.teacher_model, prompts, same, 2.0)
+    got = [s.student_logprob - s.teacher_logprob for s in same]
+    assert got == pytest.approx(want, abs=1e-3)
+    assert min(want) > 0.1  # a nonzero value: the check could fail
+    assert report["reverse_kl_per_token"] > 0.01
+
+
+def test_cross_tokenizer_teacher_sums_exactly_the_completion_text(chat):
+    from stage1_teacher.policy_eval import read_prompts, sample_student
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, prompts, _ = chat
+    report, scores = _run(setup.student_model, setup.teacher_model, prompts)
+    s_tok = load_tokenizer(setup.student_model)
+    t_tok = load_tokenizer(setup.teacher_model)
+    _, texts = sample_student(str(setup.student_model), s_tok, read_prompts(str(prompts), s_tok),
+                              samples_per_prompt=SAMPLES, max_new_tokens=NEW_TOKENS, seed=0)
+    flat = [t for ts in texts for t in ts]
+    assert report["unscored"] == sum(not t for t in flat)  # only empty completions are left out
+    for s, text in zip(scores, flat):
+        if s.scored:
+            spelled = t_tok.decode(list(s.teacher_ids))
+            turn = text + ("<|im_end|>" if s.stopped else "")
+            # a token may straddle the template's newline before the text (BPE merges whitespace runs)
+            assert spelled.endswith(turn) and spelled[:len(spelled) - len(turn)] in ("", "\n")
+    assert math.isfinite(report["reverse_kl_per_token"]) and report["reverse_kl_per_token"] > 0
+    assert report["teacher_nll_per_token"] > 0 and report["teacher_nll_per_byte"] > 0
+
+
+def test_summary_is_the_ratio_of_sums():
+    from stage1_teacher.policy_eval import SampleScore, summarize
+
+    scores = [SampleScore("a", 0, (1, 2), -3.0, -5.0, (1, 2), 4, True),
+              SampleScore("a", 1, (1, 2, 3, 4), -6.0, -7.0, (1,), 6, False),
+              SampleScore("b", 0, (1,), -1.0, float("nan"), (), 0, True)]
+    r = summarize(scores)
+    assert r["reverse_kl_per_token"] == pytest.approx((2.0 + 1.0) / 6)
+    assert r["teacher_nll_per_token"] == pytest.approx(12.0 / 6)
+    assert r["teacher_nll_per_byte"] == pytest.approx(12.0 / 10)
+    assert (r["samples"], r["scored"], r["unscored"]) == (3, 2, 1)
+    assert r["stopped_fraction"] == pytest.approx(2 / 3)
+    # delta-method standard error of sum(r) / sum(n): residuals r_i - R n_i = 2 - 1, 1 - 2
+    assert r["reverse_kl_per_token_se"] == pytest.approx(math.sqrt(2.0 / 2) / 3)
+
+
+def test_bad_prompts_are_refused_in_one_line(chat, tmp_path):
+    from stage1_teacher.policy_eval import read_prompts
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, _, _ = chat
+    tok = load_tokenizer(setup.student_model)
+    with pytest.raises(ConfigError, match=r"^--prompts .*missing\.jsonl: no such file"):
+        read_prompts(str(tmp_path / "missing.jsonl"), tok)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+                   + "\n")
+    with pytest.raises(ConfigError, match=r"^--prompts .*bad\.jsonl row 0: the last message is the 'assistant'"):
+        read_prompts(str(bad), tok)
+
+
+def test_cli_writes_the_report_and_refuses_a_missing_file(chat, tmp_path):
+    setup, prompts, _ = chat
+    out = tmp_path / "report.json"
+    base = [sys.executable, "-m", "xtcache.cli", "policy-eval", "--student", str(setup.teacher_model), "--teacher",
+            str(setup.teacher_model), "--samples-per-prompt", "1", "--max-new-tokens", "4"]
+    proc = subprocess.run([*base, "--prompts", str(prompts), "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["samples"] == 6 and "reverse_kl_per_token" in proc.stdout
+    proc = subprocess.run([*base, "--prompts", str(tmp_path / "none.jsonl")], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --prompts ")
