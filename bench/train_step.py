@@ -54,6 +54,21 @@ from xtcache.docblock import require_blocks, tee_stdout, write_block  # noqa: E4
 # --write-docs: block -> file; the default rows write train-step, TWO_TEACHER_ROWS write train-step-two-teachers
 DOC_BLOCKS = {"train-step": "README.md", "train-step-two-teachers": "README.md"}
 TWO_TEACHER_ROWS = "cross/ce,cross/pkl,cross/2-teachers"
+# The proportioned students (rows cross-1b/..., same-1b/...): hidden 256, 4 layers, 4k vocabularies, so that the LM
+# head takes about the share of a step's FLOPs it takes in a 1B model (Llama-3.2-1B: 2048 x 128k of about 1.2G
+# matmul parameters per token, 22%); the table prints the share of each student (`head_flop_share`)
+# (student, loss, cache(s), student model) of every row, in table order
+ROWS = [("cross", "ce", "topk", "cross_student"), ("cross", "pkl", "topk", "cross_student"),
+        ("cross", "pkl full", "full", "cross_student"), ("cross", "alm", "topk", "cross_student"),
+        ("same", "ce", "topk", "same_student"), ("same", "kl", "topk", "same_student"),
+        ("same", "kl full", "full", "same_student"), ("same", "rkl", "topk", "same_student"),
+        ("same", "jsd", "topk", "same_student"), ("same", "sampled", "sampled", "same_student"),
+        ("cross", "2-teachers", ("topk", "second"), "cross_student"),
+        ("cross-1b", "ce", "topk-1b", "cross_student-1b"), ("cross-1b", "pkl", "topk-1b", "cross_student-1b"),
+        ("same-1b", "ce", "topk-1b", "same_student-1b"), ("same-1b", "kl", "topk-1b", "same_student-1b"),
+        ("same-1b", "kl full", "full-1b", "same_student-1b")]
+PROPORTIONED = dict(num_docs=300, doc_chars=1200, teacher_vocab=4096, student_vocab=4096, teacher_hidden=64,
+                    teacher_layers=2, student_hidden=256, student_layers=4, teacher_steps=150, teacher_seq_len=128)
 
 
 class LiveBytes:
@@ -169,37 +184,65 @@ def worker(spec: dict) -> dict:
         return {"name": spec["name"], "step_ms": 1000 * step_s, "peak_mib": peak / 2**20,
                 "teacher_mib": teacher / len(steps[-1]) / 2**20,
                 "trainer_pos_s": positions / len(times) / step_s, "loader_pos_s": loader_pos_s,
-                "kd_loss": data.objective.kind, "device": str(trainer.device)}
+                "kd_loss": data.objective.kind, "device": str(trainer.device),
+                "head_share": head_flop_share(trainer.engine.module.config, cfg.loader.seq_len)}
     finally:
         teardown_distributed()
 
 
-def build_inputs(root: Path, args) -> dict:
-    """Toy models, a same-tokenizer student and the three caches."""
+def head_flop_share(cfg, seq_len: int) -> float:
+    """Share of a training step's matmul FLOPs in the LM head: 2 h V over the head plus every layer's
+    projections (q, k, v, o, gated MLP) and attention (QK^T and AV over the full seq_len x seq_len
+    matrix), per token; forward and backward scale all of them alike, norms and softmax left out."""
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    layer = 2 * (h * h + 2 * h * kv + h * h + 3 * h * inter) + 4 * seq_len * h
+    head = 2 * h * cfg.vocab_size
+    return head / (head + layers * layer)
+
+
+def build_inputs(root: Path, args, kinds: set[str]) -> dict:
+    """Toy models, a same-tokenizer student and the caches of the students in `kinds` (toy and proportioned)."""
+    from xtcache.testing import toy
+    from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
+
+    inputs = {}
+    if kinds & {"cross", "same"}:
+        inputs.update(build_student_inputs(root / "toy", args, TEST_CACHE, TEST_SPEC, extras=True))
+    if kinds & {"cross-1b", "same-1b"}:  # the proportioned students, their own (4k-vocabulary) teacher
+        prop = build_student_inputs(root / "prop", args, TEST_CACHE, toy.ToySpec(**PROPORTIONED), extras=False)
+        inputs.update({f"{k}-1b": v for k, v in prop.items()})
+    return inputs
+
+
+def build_student_inputs(root: Path, args, cache_dir: Path, spec, *, extras: bool) -> dict:
+    """A toy setup's models (the cross-tokenizer student from `spec`, a same-tokenizer one built beside it), a
+    second teacher on the student's tokenizer (`extras`), and the teacher's top-k, full (and, `extras`, sampled) caches."""
     from xtcache.testing import toy
     from xtcache.testing.caches import build_hf_cache
-    from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
     from xtcache.tokenizer import load_tokenizer
 
-    setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
+    setup = toy.build_toy_setup(cache_dir, spec)
     same_student = root / "student_same_tok"
     # qwen2 like the teacher: transformers picks the tokenizer class from the model type, so a llama
     # config would load the same files as another tokenizer (another fingerprint)
-    toy.build_tiny_model("qwen2", setup.teacher_tokenizer, same_student, hidden=TEST_SPEC.student_hidden,
-                         layers=TEST_SPEC.student_layers, intermediate=TEST_SPEC.student_hidden * 3, seed=1)
+    toy.build_tiny_model("qwen2", setup.teacher_tokenizer, same_student, hidden=spec.student_hidden,
+                         layers=spec.student_layers, intermediate=spec.student_hidden * 3, seed=1)
     kw = dict(k=args.k, max_docs=args.docs)
-    second = root / "teacher_student_tok"  # a second, different teacher: the student's tokenizer
-    toy.build_tiny_model("llama", setup.student_tokenizer, second, hidden=TEST_SPEC.teacher_hidden,
-                         layers=TEST_SPEC.teacher_layers, intermediate=TEST_SPEC.teacher_hidden * 3, seed=7)
+    extra = {}
+    if extras:  # the sampled cache and a second, different teacher on the student's tokenizer
+        second = root / "teacher_student_tok"
+        toy.build_tiny_model("llama", setup.student_tokenizer, second, hidden=spec.teacher_hidden,
+                             layers=spec.teacher_layers, intermediate=spec.teacher_hidden * 3, seed=7)
+        extra = {"second": build_hf_cache(root / "second", second, setup.train_jsonl, [setup.student_tokenizer], **kw),
+                 "sampled": build_hf_cache(root / "sampled", setup.teacher_model, setup.train_jsonl, [], mode="sampled",
+                                           num_samples=args.k, **kw)}
     return {
-        "second": build_hf_cache(root / "second", second, setup.train_jsonl, [setup.student_tokenizer], **kw),
-        "cross_student": str(setup.student_model), "same_student": str(same_student),
+        **extra, "cross_student": str(setup.student_model), "same_student": str(same_student),
         "topk": build_hf_cache(root / "topk", setup.teacher_model, setup.train_jsonl, [setup.student_tokenizer], **kw),
         # full vocabulary: every teacher id stored (k = V, residual 0), as `--mode full` holds it
         "full": build_hf_cache(root / "full", setup.teacher_model, setup.train_jsonl, [setup.student_tokenizer],
                                k=len(load_tokenizer(setup.teacher_tokenizer)), max_docs=args.docs),
-        "sampled": build_hf_cache(root / "sampled", setup.teacher_model, setup.train_jsonl, [], mode="sampled",
-                                  num_samples=args.k, **kw),
     }
 
 
@@ -225,24 +268,14 @@ def main() -> None:
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return
+    wanted = args.rows.split(",") if args.rows else [f"{kind}/{loss}" for kind, loss, _, _ in ROWS]
     with tempfile.TemporaryDirectory(prefix="xtcache_bench_train_") as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
-        inputs = build_inputs(root, args)
+        inputs = build_inputs(root, args, {name.split("/")[0] for name in wanted})
         print(f"caches built in {time.perf_counter() - t0:.1f}s (k={args.k}, {args.docs} docs each)")
-        runs = [("cross", "ce", inputs["topk"], inputs["cross_student"]),
-                ("cross", "pkl", inputs["topk"], inputs["cross_student"]),
-                ("cross", "pkl full", inputs["full"], inputs["cross_student"]),
-                ("cross", "alm", inputs["topk"], inputs["cross_student"]),
-                ("same", "ce", inputs["topk"], inputs["same_student"]),
-                ("same", "kl", inputs["topk"], inputs["same_student"]),
-                ("same", "kl full", inputs["full"], inputs["same_student"]),
-                ("same", "rkl", inputs["topk"], inputs["same_student"]),
-                ("same", "jsd", inputs["topk"], inputs["same_student"]),
-                ("same", "sampled", inputs["sampled"], inputs["same_student"]),
-                ("cross", "2-teachers", [inputs["topk"], inputs["second"]], inputs["cross_student"])]
-        if args.rows:
-            runs = [r for r in runs if f"{r[0]}/{r[1]}" in args.rows.split(",")]
+        runs = [(kind, loss, [inputs[c] for c in caches] if isinstance(caches, tuple) else inputs[caches], inputs[student])
+                for kind, loss, caches, student in ROWS if f"{kind}/{loss}" in wanted]
         results = []
         for student_kind, loss, cache, student in runs:
             two = loss == "2-teachers"
@@ -288,7 +321,7 @@ def print_table(results: list[dict], args) -> None:
     print(f"\nstage 2 step cost on {device} ({'wall' if device.startswith('cuda') else 'CPU'} time, medians): seq_len {args.seq_len} x micro-batch {args.micro_batch_size}, "
           f"ZeRO-2, {'bf16' if args.bf16 else 'fp32'}, {args.steps} timed steps; ratios vs CE-only of the same student, "
           "full-vocabulary rows also vs the top-k row of the same loss")
-    head = (f"{'student/loss':<15} {'step ms':>8} {'x CE':>6} {'peak MiB':>9} {'x CE':>6} {'x top-k':>8} "
+    head = (f"{'student/loss':<18} {'head FLOP':>9} {'step ms':>8} {'x CE':>6} {'peak MiB':>9} {'x CE':>6} {'x top-k':>8} "
             f"{'teacher MiB':>12} {'trainer pos/s':>14} {'loader pos/s':>13} {'loader/trainer':>15}")
     print(head)
     print("-" * len(head))
@@ -298,11 +331,13 @@ def print_table(results: list[dict], args) -> None:
         m_ratio = r["peak_mib"] / b["peak_mib"] if b else float("nan")
         k = topk.get((r["student"], r["loss"].removesuffix(" full"))) if r["loss"].endswith(" full") else None
         k_ratio = f"{r['peak_mib'] / k['peak_mib']:.2f}" if k else ""
-        print(f"{r['student'] + '/' + r['loss']:<15} {r['step_ms']:>8.1f} {t_ratio:>6.2f} {r['peak_mib']:>9.1f} "
+        print(f"{r['student'] + '/' + r['loss']:<18} {r['head_share']:>9.0%} {r['step_ms']:>8.1f} {t_ratio:>6.2f} {r['peak_mib']:>9.1f} "
               f"{m_ratio:>6.2f} {k_ratio:>8} {r['teacher_mib']:>12.2f} {r['trainer_pos_s']:>14,.0f} "
               f"{r['loader_pos_s']:>13,.0f} {r['loader_pos_s'] / r['trainer_pos_s']:>15.1f}")
-    print("targets: KD step <= 1.3x CE, peak memory <= 1.1x CE (full vocabulary: <= 1.2x the top-k row), "
-          "loader >= 10x the trainer's consumption")
+    print("head FLOP: the LM head's share of the student's matmul FLOPs per token (about a quarter in a 1B model); "
+          "the -1b students are proportioned so (hidden 256, 4 layers, 4k vocabularies)")
+    print("targets: KD step <= 1.3x CE (-1b students: top-k KL and P-KL <= 1.1x, full-vocabulary KL <= 1.5x), "
+          "peak memory <= 1.1x CE (full vocabulary: <= 1.2x the top-k row), loader >= 10x the trainer's consumption")
     one = next((r for r in results if r["student"] == "cross" and r["loss"] == "pkl"), None)
     two = next((r for r in results if r["loss"] == "2-teachers"), None)
     if one and two:

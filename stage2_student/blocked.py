@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from stage2_student import losses, onpolicy
+from stage2_student import closed_form, losses, onpolicy
 from stage2_student.losses import ProjectionOperator
 
 
@@ -86,8 +86,7 @@ class Prepared:
         return self
 
 
-def _take(t: Tensor, sel) -> Tensor:
-    return t[sel[0]:sel[1]] if isinstance(sel, tuple) else t.index_select(0, sel)
+_take = closed_form.take_rows
 
 
 def blocked_terms(logits: Tensor, passes: list[tuple[TermSpec, Prepared]]) -> tuple[list[Tensor], Tensor]:
@@ -117,13 +116,21 @@ class _BlockedTerms(torch.autograd.Function):
         cdt = losses.compute_dtype(logits.dtype)
         outs = []
         ce_out = torch.zeros((), dtype=cdt, device=logits.device)
+        ctx.saved = []  # per pass and block: closed_form's O(rows) log-partitions (None: autograd recompute)
         for spec, prep in passes:
             kd_out = torch.zeros(prep.chunks, dtype=cdt, device=logits.device)
+            saved = []
             for blk in prep.blocks:
-                kd, ce = _block_terms(spec, logits.index_select(0, blk.logit_rows), blk, prep.teacher)
+                z = logits.index_select(0, blk.logit_rows)
+                if spec.kind in closed_form.KINDS:
+                    kd, ce, keep = closed_form.forward(spec, z, blk, prep.teacher)
+                else:
+                    (kd, ce), keep = _block_terms(spec, z, blk, prep.teacher), None
+                saved.append(keep)
                 kd_out.index_add_(0, blk.kd_chunk, kd)
                 ce_out += ce
             outs.append(kd_out)
+            ctx.saved.append(saved)
         ctx.save_for_backward(logits)
         ctx.passes = passes
         return (*outs, ce_out)
@@ -133,8 +140,14 @@ class _BlockedTerms(torch.autograd.Function):
         (logits,) = ctx.saved_tensors
         grad_ce = grads[-1]
         grad = torch.zeros_like(logits)
-        for (spec, prep), grad_kd in zip(ctx.passes, grads[:-1]):
-            for blk in prep.blocks:
+        for (spec, prep), grad_kd, saved in zip(ctx.passes, grads[:-1], ctx.saved):
+            for blk, keep in zip(prep.blocks, saved):
+                if keep is not None:
+                    z = logits.index_select(0, blk.logit_rows)
+                    gz = closed_form.gradient(spec, z, blk, prep.teacher, keep, grad_kd[blk.kd_chunk], grad_ce)
+                    grad.index_add_(0, blk.logit_rows, gz.to(grad.dtype))
+                    del z, gz
+                    continue
                 with torch.enable_grad():
                     z = logits.index_select(0, blk.logit_rows).detach().requires_grad_(True)
                     kd, ce = _block_terms(spec, z, blk, prep.teacher)

@@ -326,7 +326,8 @@ class Objective:
         if prep.agree is None:
             return zero, zero
         first, top = prep.agree["first_pos"], prep.agree["teacher_top"]
-        arg = torch.cat([flat[first[s:s + self.row_chunk]].argmax(dim=-1)
+        # index_select + max(dim).indices: a third of the time of fancy indexing + argmax on CPU (same first-max ties)
+        arg = torch.cat([flat.index_select(0, first[s:s + self.row_chunk]).max(dim=-1).indices
                          for s in range(0, first.shape[0], self.row_chunk)])  # [C]
         if self.projection is not None:
             arg = self.projection.student_top[arg]

@@ -1,0 +1,148 @@
+"""CE and forward KL (top-k, full, sampled) of one block with their gradient in closed form.
+
+`stage2_student.blocked` calls these for blocks whose pass is CE only (`--loss ce`) or forward KL
+(`kl`, `sampled`); the other losses recompute their block under autograd. Forward keeps three
+log-partitions per row (O(rows)); backward writes the block's gradient in one exp pass over the
+vocabulary plus O(k) fixes at the stored ids, instead of re-running the block's graph (about ten
+passes over [rows, V]). The values are the same formulas as `losses` (docs/losses.md):
+
+    KL_row = T^2 [ sum_{i in S} p_i (log p_i - log q_i) + p_r (log p_r - log q_r) ]
+    q = softmax(z / T), log q_r = logsumexp_{j not in S}(z_j / T) - lse   (exact at any outside mass)
+    CE_row = logsumexp(z) - z_label
+
+and, with P = sum_i p_i + p_r (1 up to rounding), the gradient of a * KL_row + c * CE_row is
+
+    j not in S: T a exp(u_j - lse_out) (P q_r - p_r) + c softmax(z)_j      (u = z / T)
+    j in S:     T a (P q_j - sum_{i: id_i = j} p_i) + c softmax(z)_j
+    label y:    - c
+
+`exp(u_j - lse_out)` is at most 1 outside S, so no term overflows however small q_r is; the
+stored ids' entries are overwritten afterwards (there that factor may be inf). tests/test_losses.py
+checks both against the autograd path of the same losses, values and gradients.
+
+    kd, ce, saved = forward(spec, z_rows, blk, teacher)          # in _BlockedTerms.forward
+    g = gradient(spec, z_rows, blk, teacher, saved, grad_kd_rows, grad_ce)   # [b, V], in backward
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from stage2_student import losses
+
+KINDS = (None, "kl", "sampled")  # the passes computed here; the others go through autograd
+
+
+def take_rows(t: Tensor, sel) -> Tensor:
+    """The rows `sel` of `t`: a (start, end) slice (a view) or an index tensor."""
+    return t[sel[0]:sel[1]] if isinstance(sel, tuple) else t.index_select(0, sel)
+
+
+def support_targets(ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """(column of each stored slot [m, k], row has a stored id [m]): a padding slot points at its row's first
+    stored id (written twice with the same value), or at column 0 in a row with none (written with the value
+    already there), so that the [m, V] buffers need no extra column (a strided view is 2-3x slower to fill)."""
+    has = valid.any(dim=1)  # [m]
+    first = ids.gather(1, valid.to(torch.uint8).argmax(dim=1, keepdim=True)).clamp(min=0)  # [m, 1]
+    return torch.where(valid, ids, first), has
+
+
+def _stored(blk, teacher: dict, cdt) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The block's teacher rows at T = 1: (ids [m, k], log p [m, k] (-inf: padding), residual [m], valid [m, k])."""
+    ids = take_rows(teacher["teacher_ids"], blk.teacher_rows)  # [m, k]
+    lp, cnt, res = (teacher.get(key) for key in ("teacher_logprobs", "teacher_counts", "teacher_residual"))
+    log_p1, resid = losses.teacher_logprobs(ids, None if lp is None else take_rows(lp, blk.teacher_rows),
+                                            None if cnt is None else take_rows(cnt, blk.teacher_rows),
+                                            None if res is None else take_rows(res, blk.teacher_rows), cdt)
+    return ids, log_p1, resid, torch.isfinite(log_p1)
+
+
+def _tempered(spec, log_p1: Tensor, resid: Tensor, valid: Tensor, vocab: int, lse_out: Tensor) -> tuple[Tensor, Tensor]:
+    """(log p [m, k], p_rest [m]) at the pass's temperature, the rest dropped where the student has none."""
+    log_p, p_rest = losses.temper_teacher(log_p1, resid, spec.temperature, tail=spec.tail, vocab_size=vocab,
+                                          valid=valid)
+    return losses.drop_unreachable_rest(log_p, p_rest, torch.isneginf(lse_out))
+
+
+def forward(spec, z_rows: Tensor, blk, teacher: dict) -> tuple[Tensor, Tensor, tuple]:
+    """(KD of each KD row [m], CE sum, what `gradient` needs: O(rows)) of one block."""
+    cdt = losses.compute_dtype(z_rows.dtype)
+    z = z_rows.to(cdt)  # [b, V]
+    t, m, vocab = spec.temperature, blk.num_kd_rows, z.shape[1]
+    has_ce = blk.ce_rows.shape[0] > 0
+    if spec.kind is None or m == 0:
+        lse1 = torch.logsumexp(z, dim=-1) if has_ce else None  # [b]
+        return z.new_zeros(blk.kd_chunk.shape[0]), _ce(z, lse1, blk), (None, None, lse1)
+    u = z[:m] if t == 1.0 else z[:m] / t  # [m, V]
+    ids, log_p1, resid, valid = _stored(blk, teacher, cdt)
+    target, has = support_targets(ids, valid)
+    masked = u.clone()  # [m, V] the support at -inf
+    masked.scatter_(1, target, torch.where(has[:, None], -math.inf, masked.gather(1, target)))
+    lse_out = torch.logsumexp(masked, dim=-1)  # [m] -inf: nothing outside the support
+    del masked
+    lse = torch.logsumexp(u, dim=-1)  # [m]
+    lse1 = None  # CE's log-partition: of the untempered rows; at T = 1 the KD rows' lse
+    if has_ce:
+        lse1 = torch.cat([lse, torch.logsumexp(z[m:], dim=-1)]) if t == 1.0 else torch.logsumexp(z, dim=-1)
+    log_p, p_rest = _tempered(spec, log_p1, resid, valid, vocab, lse_out)
+    log_q = (u.gather(1, target) - lse[:, None]).masked_fill(~valid, -math.inf)  # [m, k]
+    log_p_all = torch.cat([log_p, losses.safe_log(p_rest)[:, None]], dim=-1)  # [m, k+1]
+    log_q_all = torch.cat([log_q, (lse_out - lse)[:, None]], dim=-1)
+    kd = losses.divergence("kl", log_p_all, log_q_all)  # [m]
+    return (kd if t == 1.0 else kd * t**2), _ce(z, lse1, blk), (lse, lse_out, lse1)
+
+
+def _ce(z: Tensor, lse1: Tensor | None, blk) -> Tensor:
+    if lse1 is None:
+        return torch.zeros((), dtype=z.dtype, device=z.device)
+    return -(z[blk.ce_rows, blk.ce_labels] - lse1[blk.ce_rows]).sum()
+
+
+def gradient(spec, z_rows: Tensor, blk, teacher: dict, saved: tuple, grad_kd_rows: Tensor | None,
+             grad_ce: Tensor) -> Tensor:
+    """d(sum_rows grad_kd_rows * KD_row + grad_ce * CE) / d z_rows, [b, V] in the compute dtype."""
+    cdt = losses.compute_dtype(z_rows.dtype)
+    z = z_rows.to(cdt)  # [b, V]
+    lse, lse_out, lse1 = saved
+    t, b, vocab = spec.temperature, z.shape[0], z.shape[1]
+    m = 0 if lse is None else blk.num_kd_rows
+    c = torch.zeros(b, dtype=cdt, device=z.device)  # CE weight of each row
+    if lse1 is not None:
+        c = c.index_fill(0, blk.ce_rows, 1.0) * grad_ce.to(cdt)
+    g = torch.empty((b, vocab), dtype=cdt, device=z.device)
+    if m:
+        u = z[:m] if t == 1.0 else z[:m] / t  # [m, V]
+        ids, log_p1, resid, valid = _stored(blk, teacher, cdt)
+        log_p, p_rest = _tempered(spec, log_p1, resid, valid, vocab, lse_out)
+        p = log_p.exp()  # [m, k] (0 at padding)
+        zero = torch.zeros((), dtype=cdt, device=z.device)
+        p, p_rest = torch.where(p > 0, p, zero), torch.where(p_rest > 0, p_rest, zero)  # NaN of an empty row: 0, as in the KL
+        big_p = p.sum(dim=-1) + p_rest  # [m]
+        a = grad_kd_rows.to(cdt) * t  # [m]
+        q_r = torch.exp(lse_out - lse)  # [m]
+        outside = a * (big_p * q_r - p_rest)  # [m]
+        if t == 1.0:  # c softmax(z)_j = c q_r exp(u_j - lse_out): one exp pass for both terms
+            torch.sub(u, lse_out[:, None], out=g[:m]).exp_().mul_((outside + c[:m] * q_r)[:, None])
+        else:
+            torch.sub(u, lse_out[:, None], out=g[:m]).exp_().mul_(outside[:, None])
+            if lse1 is not None:
+                g[:m] += torch.exp(z[:m] - lse1[:m, None]) * c[:m, None]
+        target, has = support_targets(ids, valid)
+        at_ids = a[:, None] * big_p[:, None] * torch.exp(u.gather(1, target) - lse[:, None])  # [m, k]
+        if lse1 is not None:
+            at_ids = at_ids + c[:m, None] * torch.exp(z[:m].gather(1, target) - lse1[:m, None])
+        at_ids = torch.where(has[:, None], at_ids, g[:m].gather(1, target))
+        g[:m].scatter_(1, target, at_ids)  # the support's entries (a repeated id gets the same value twice)
+        g[:m].scatter_add_(1, target, -a[:, None] * p)
+    if b > m:  # rows with CE only
+        rest = g[m:]
+        if lse1 is None:
+            rest.zero_()
+        else:
+            torch.sub(z[m:], lse1[m:, None], out=rest).exp_().mul_(c[m:, None])
+    if lse1 is not None:
+        g.index_put_((blk.ce_rows, blk.ce_labels), -c[blk.ce_rows], accumulate=True)
+    return g
