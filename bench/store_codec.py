@@ -11,8 +11,13 @@ bytes/position (ids, values, total with residual + realized log-prob), mean KL(o
 decoded), encode/decode positions/s on one core, and the ratio against raw fp32 values + int32 ids.
 The process pins itself to one CPU core; speeds are the best of 5 runs (the machine may be shared).
 
+Codec v2 (format version 3): the candidates for each piece of a position at k=64
+(`bench/store_codec_candidates.py`), then the whole store written and read through `CacheWriter` and
+`CacheReader` with today's codecs (format version 2) and with v2 (version 3) side by side, in the same run.
+
 `--write-docs` also writes README.md's `store-codec` block (the default codecs' row per k) and
-`checked-reads` block (the checked-read table), stamped with the command (xtcache.docblock).
+`checked-reads` block (the checked-read table), and docs/store.md's `store-codec-v2` block (the
+candidates and the whole store, v1 against v2), stamped with the command (xtcache.docblock).
 """
 
 from __future__ import annotations
@@ -30,13 +35,16 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.store_codec_candidates import candidate_rows, candidate_table  # noqa: E402
 from xtcache import codecs  # noqa: E402
 from xtcache.store.arrays import default_compression  # noqa: E402
 from xtcache.testing import toy  # noqa: E402
 
 CACHE = REPO / ".xtcache_bench_cache"
-DOC_BLOCKS = {"store-codec": "README.md", "checked-reads": "README.md"}  # --write-docs: block -> file
-DEFAULT_VARIANT = "q8 shuf3"  # the store's codecs: 8-bit log-probs, byte-shuffled ids, zstd 3
+DOC_BLOCKS = {"store-codec": "README.md", "checked-reads": "README.md",
+              "store-codec-v2": "docs/store.md"}  # --write-docs: block -> file
+DEFAULT_VARIANT = "sqrt127 shuf3"  # the store's codecs (v2): sqrt(p) in 127 levels, byte-shuffled ids, zstd 3
+VERSIONS = {2: "v1 (format 2)", 3: "v2 (format 3)"}  # store format version -> codec name in the tables
 TARGET_VOCAB = 80_000
 CHUNK_BYTES = 1 << 20
 log = logging.getLogger("bench.store_codec")
@@ -274,7 +282,7 @@ def _best_rate(fn, positions: int, repeat: int = 5) -> float:
     return positions / best
 
 
-def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 256) -> dict:
+def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 256, format_version: int = 3) -> dict:
     """Write through CacheWriter (default codecs) and read back, checked and unchecked side by side.
 
     Sizes come from one part of the distinct held-out documents; speeds from a part of
@@ -290,12 +298,13 @@ def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 
     from xtcache.commands_store import store_summary
     from xtcache.store import CacheReader, CacheWriter
 
-    manifest = Manifest(cache_key="bench", mode="topk", k=k, teacher_vocab_size=vocab)
+    manifest = Manifest(cache_key="bench", mode="topk", k=k, teacher_vocab_size=vocab, format_version=format_version)
     with tempfile.TemporaryDirectory() as tmp:
         with CacheWriter(f"{tmp}/sizes", manifest) as w:
             w.write_part(0, _records(docs, k))
         summary = store_summary(f"{tmp}/sizes")
         sid = summary["shards"][0].shard_id
+        kl = _stored_kl(CacheReader(f"{tmp}/sizes").read_shard(sid), docs, k)
         bytes_unchecked = _without_crc32c(f"{tmp}/sizes", f"{tmp}/sizes-unchecked", sid)
         records = _records((docs * (1 + docs_per_part // len(docs)))[:docs_per_part], k)
         t0 = time.perf_counter()
@@ -312,7 +321,7 @@ def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 
             "read_shard verify": _best_rate(lambda: reader.read_shard(meta.shard_id, verify=True), n),
         }
     P = summary["positions"]
-    return {"part_positions": n, "write": n / write_s, "reads": reads,
+    return {"part_positions": n, "write": n / write_s, "reads": reads, "kl": kl,
             "bytes": {name: b / P for name, b in summary["bytes_by_array"].items()},
             "total": summary["total_array_bytes"] / P, "total_unchecked": bytes_unchecked / P}
 
@@ -354,6 +363,7 @@ def main() -> None:
     variants = [
         ("q8 zstd3", q8, zstd3, zstd3),
         ("q8 shuf3", q8, byte3, zstd3),
+        ("sqrt127 shuf3", codecs.SqrtProbs(127), byte3, zstd3),
         ("q8 shuf7", q8, codecs.Compression(7, "byte"), codecs.Compression(7, "none")),
         ("q8 bitshuf5", q8, codecs.Compression(5, "bit"), codecs.Compression(5, "bit")),
         ("q8 zstd9", q8, codecs.Compression(9, "none"), codecs.Compression(9, "none")),
@@ -388,40 +398,74 @@ def main() -> None:
     print("vs raw: k x (4 B int32 id + 4 B fp32 log-prob) + 8 B fp32 residual and realized log-prob "
           "(520 B at k=64) over total; side B: residual + realized log-prob")
     print()
+    candidates = candidate_table(candidate_rows(docs, ids, lp, realized, 64), 64)
+    print("codec v2 candidates (each piece of a position encoded one way; same distributions, one core):")
+    print("\n".join(candidates))
+    print()
     rows = store_rows(docs, ks, vocab)
     if args.write_docs:
         from xtcache.docblock import write_block
 
         write_block(REPO / "README.md", "store-codec", "\n".join([teacher_line, "", *codec_table(default_rows)]))
         write_block(REPO / "README.md", "checked-reads", "\n".join(checked_reads_table(rows)))
+        write_block(REPO / "docs/store.md", "store-codec-v2", "\n".join(
+            [teacher_line, "", *candidates, "", *whole_store_table(rows)]))
 
 
 def store_rows(docs: list[dict], ks, vocab: int) -> list[tuple[int, dict]]:
     """The whole store per k (default codecs): sizes, write rate, and the checked reads, printed; the rows."""
-    print("whole store (default codecs; sizes from the held-out part, speeds on a part of 256 documents; one core):")
+    print("whole store (sizes from the held-out part, speeds on a part of 256 documents; one core):")
     rows = []
     for k in ks:
-        r = store_round_trip(docs, k, vocab)
-        parts = ", ".join(f"{n} {b:.1f}" for n, b in sorted(r["bytes"].items(), key=lambda kv: -kv[1]))
-        print(f"  k={k:<3} {r['total']:6.1f} B/position ({parts})")
-        print(f"        part of {r['part_positions']:,} positions: write {r['write']:,.0f} pos/s")
-        rows.append((k, r))
+        for version, name in VERSIONS.items():
+            r = store_round_trip(docs, k, vocab, format_version=version)
+            parts = ", ".join(f"{n} {b:.1f}" for n, b in sorted(r["bytes"].items(), key=lambda kv: -kv[1]))
+            print(f"  k={k:<3} {name}: {r['total']:6.1f} B/position ({parts})")
+            print(f"        part of {r['part_positions']:,} positions: write {r['write']:,.0f} pos/s, read_shard "
+                  f"{r['reads']['read_shard']:,.0f} pos/s")
+            r["codec"] = name
+            rows.append((k, r))
     print()
     print("checked reads (same part, same run; read+decode positions/s, one core):")
     names = list(rows[0][1]["reads"])
-    hdr = f"{'k':>4} {'B/pos no crc':>12} {'B/pos crc32c':>12} " + " ".join(f"{n:>18}" for n in names) + \
+    hdr = f"{'k':>4} {'':<2} {'B/pos no crc':>12} {'B/pos crc32c':>12} " + " ".join(f"{n:>18}" for n in names) + \
         f" {'read_shard / zarr no crc':>25}"
     print(hdr)
     print("-" * len(hdr))
     for k, r in rows:
         reads = r["reads"]
-        print(f"{k:>4} {r['total_unchecked']:>12.2f} {r['total']:>12.2f} " + " ".join(f"{reads[n]:>18,.0f}" for n in names)
+        print(f"{k:>4} {r['codec'][:2]} {r['total_unchecked']:>12.2f} {r['total']:>12.2f} " + " ".join(f"{reads[n]:>18,.0f}" for n in names)
               + f" {reads['read_shard'] / reads['zarr, no crc32c']:>25.2f}")
     print("zarr, no crc32c: a plain Zarr read of the part as written before checked reads (no check at all); "
           "zarr + crc32c: the same with the crc32c codec; read_shard: what train-student reads (crc32c, "
           "missing objects, index, offsets, id range); read_shard verify: what `xtcache verify` reads (+ sha256, "
           "content hashes)")
     return rows
+
+
+def _stored_kl(shard, docs: list[dict], k: int) -> float:
+    """Mean KL(original top-k + rest || stored top-k + stored residual) over the predicted positions."""
+    from bench.store_codec_candidates import kl_top_rest
+
+    ids = np.concatenate([d["topk_ids"][:, :k] for d in docs])
+    lp = np.concatenate([d["topk_logprobs"][:, :k] for d in docs])
+    has = shard.has_pred
+    lp_sorted = np.take_along_axis(lp, np.argsort(ids, axis=1, kind="stable"), 1)
+    return kl_top_rest(lp_sorted[has], shard.topk_logprobs[has], shard.residual[has])
+
+
+def whole_store_table(rows) -> list[str]:
+    """docs/store.md's whole-store table: v1 and v2 per k, sizes by array, stored KL error, checked reads."""
+    lines = ["| k | codec | B/position | values | ids | residual + realized | offsets, text, teacher ids | mean KL error "
+             "(nats) | read_shard pos/s (1 core) | read_shard verify pos/s |", "| --- " * 10 + "|"]
+    for k, r in rows:
+        b = r["bytes"]
+        side = b.get("residual", 0) + b.get("realized_logprob", 0)
+        rest = r["total"] - b["topk_logprobs"] - b["topk_ids"] - side
+        lines.append(f"| {k} | {r['codec']} | {r['total']:.1f} | {b['topk_logprobs']:.1f} | {b['topk_ids']:.1f} | "
+                     f"{side:.1f} | {rest:.1f} | {r['kl']:.2e} | {r['reads']['read_shard']:,.0f} | "
+                     f"{r['reads']['read_shard verify']:,.0f} |")
+    return lines
 
 
 def codec_table(rows) -> list[str]:
@@ -436,11 +480,11 @@ def codec_table(rows) -> list[str]:
 
 def checked_reads_table(rows) -> list[str]:
     """README's checked-reads table: read + decode positions/s of one part, four ways, per k."""
-    lines = ["| k | B/pos without crc32c | B/pos with crc32c | Zarr, no checks | Zarr + crc32c | read_shard (trainer) "
-             "| read_shard verify | trainer read / unchecked |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| k | codec | B/pos without crc32c | B/pos with crc32c | Zarr, no checks | Zarr + crc32c | read_shard (trainer) "
+             "| read_shard verify | trainer read / unchecked |", "| --- " * 9 + "|"]
     for k, r in rows:
         reads = r["reads"]
-        lines.append(f"| {k} | {r['total_unchecked']:.2f} | {r['total']:.2f} | " + " | ".join(
+        lines.append(f"| {k} | {r['codec']} | {r['total_unchecked']:.2f} | {r['total']:.2f} | " + " | ".join(
             f"{reads[n]:,.0f}" for n in ("zarr, no crc32c", "zarr + crc32c", "read_shard", "read_shard verify"))
             + f" | {reads['read_shard'] / reads['zarr, no crc32c']:.2f}x |")
     return lines

@@ -31,7 +31,7 @@ class ArrayDef:
     dtypes: tuple[str, ...]  # stored numpy dtype names a reader accepts
     shape: tuple[str, ...]  # symbolic dimensions over D, P, k, B, S, C (or a number)
     modes: tuple[str, ...] = ("topk", "full", "sampled")  # modes whose parts hold it
-    transform: str | None = None  # 'ids' or 'logprobs': an xtcache transform, configured in the manifest
+    transform: str | None = None  # 'ids', 'logprobs' or 'offsets' (version 3): a transform named in the manifest
     shuffle: bool = False  # default compression: byte shuffle + zstd (blosc) instead of plain zstd
     conversation: bool = False  # held by the parts of conversation stores only
     optional: bool = False  # a part may hold it or not (its index says); readers accept both
@@ -54,7 +54,7 @@ TEACHER_ARRAYS: tuple[ArrayDef, ...] = (
     ArrayDef("doc_text_offsets", ("int64",), ("D+1",)),
     ArrayDef("doc_text", ("uint8",), ("B",)),
     ArrayDef("teacher_ids", ("int32",), ("P",), shuffle=True),
-    ArrayDef("char_offsets", ("int32",), ("P", "2")),
+    ArrayDef("char_offsets", ("int32",), ("P", "2"), transform="offsets"),
     ArrayDef("has_pred", ("bool",), ("P",)),
     ArrayDef("topk_ids", ("uint16", "uint32"), ("P", "k"), transform="ids", shuffle=True),
     ArrayDef("topk_logprobs", ("uint8", "uint16", "float16", "float32"), ("P", "k"), modes=("topk", "full"),

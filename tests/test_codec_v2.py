@@ -47,6 +47,15 @@ def test_sqrt_probs_error_bound_against_fp64(P, k, levels, seed):
     assert codecs.codec_from_config(cfg) == codec
 
 
+@pytest.mark.parametrize("shape", [(0, 4), (3, 5), (40, 64)])
+def test_sqrt_probs_pair_decode_equals_the_one_entry_table(shape):
+    """The two-codes-at-a-time decode (even sizes) and the plain table (odd sizes) give the same values."""
+    codec = codecs.SqrtProbs(101)
+    codes = np.random.default_rng(1).integers(0, 256, shape).astype(np.uint8)
+    np.testing.assert_array_equal(codec.decode(codes), codec.table()[codes])
+    np.testing.assert_array_equal(codec.decode(codes[:, ::2]), codec.table()[codes[:, ::2]])
+
+
 def test_sqrt_probs_nan_and_infinities_and_bad_levels():
     codec = codecs.SqrtProbs(127)
     codes = codec.encode(np.array([np.nan, -np.inf, np.inf, 0.0, -200.0]))
@@ -72,12 +81,33 @@ def test_sqrt_probs_mean_kl_is_the_stated_one(levels):
     assert 0.75 * stated <= kl <= 1.25 * stated
 
 
+@SETTINGS
+@given(st.lists(st.integers(0, 12), max_size=6), st.integers(0, 2**32 - 1))
+def test_delta_char_offsets_round_trip(lengths, seed):
+    """Offsets restart at each document (empty documents included); the decode is exact."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for n in lengths:
+        gaps, sizes = rng.integers(0, 3, n), rng.integers(0, 6, n)
+        ends = np.cumsum(gaps + sizes)
+        docs.append(np.stack([ends - sizes, ends], 1).reshape(n, 2))
+    offsets = np.concatenate(docs).astype(np.int32) if docs else np.zeros((0, 2), np.int32)
+    pos = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    codec = codecs.DeltaCharOffsets()
+    stored = codec.encode(offsets, pos)
+    assert stored.dtype == np.int32 and (stored >= 0).all()
+    np.testing.assert_array_equal(codec.decode(stored, pos), offsets)
+    assert codecs.codec_from_config(codec.to_config()) == codec
+
+
 def test_default_codecs_follow_the_format_version():
     assert FORMAT_VERSION == 3
     v3 = codecs.default_codecs("topk", 80_000)
     assert v3["topk_logprobs"] == codecs.SqrtProbs(127).to_config()
     assert codecs.default_codecs("topk", 80_000, 2)["topk_logprobs"]["name"] == codecs.QUANT_NAME
     assert "topk_logprobs" not in codecs.default_codecs("sampled", 80_000)
+    assert v3["char_offsets"]["name"] == codecs.OFFSETS_NAME
+    assert "char_offsets" not in codecs.default_codecs("topk", 80_000, 2)
     assert (codecs.side_dtype(3), codecs.side_dtype(2)) == ("float16", "float32")
 
 
@@ -111,8 +141,10 @@ def test_a_version_3_store_round_trips_within_the_stated_errors(tmp_path):
     meta = r.shards[0]
     assert meta.arrays["topk_logprobs"].transform.name == codecs.SQRT_NAME
     assert meta.arrays["residual"].dtype == "float16" and meta.arrays["realized_logprob"].dtype == "float16"
+    assert meta.arrays["char_offsets"].transform.name == codecs.OFFSETS_NAME
     got = r.read_shard(meta.shard_id, verify=True)
     hp = doc.has_pred
+    np.testing.assert_array_equal(got.char_offsets, doc.char_offsets)
     order = np.argsort(doc.topk_ids, axis=1, kind="stable")
     np.testing.assert_array_equal(got.topk_ids[hp], np.take_along_axis(doc.topk_ids, order, 1)[hp])
     want = np.exp(0.5 * np.take_along_axis(doc.topk_logprobs, order, 1)[hp].astype(np.float64))
@@ -125,7 +157,7 @@ def test_a_version_3_store_round_trips_within_the_stated_errors(tmp_path):
     assert verify_store(url) == []
 
 
-@pytest.mark.parametrize("array", ["topk_logprobs", "residual", "realized_logprob"])
+@pytest.mark.parametrize("array", ["topk_logprobs", "residual", "realized_logprob", "char_offsets"])
 def test_verify_names_a_damaged_codec_v2_array(tmp_path, array):
     from xtcache.commands_store import verify_store
 

@@ -25,7 +25,12 @@ from stage1_teacher.dump import Summary, run_teacher_dump
 from xtcache.errors import CaptureError, ConfigError, StoreError
 
 REPO = Path(__file__).resolve().parents[1]
-QUANT_TOL = 24.0 / 255 / 2 + 1e-4  # half a step of the default 8-bit log-prob codec
+QUANT_TOL = 0.5 / 127 + 1e-4  # in sqrt(p): half a step of the default sqrt-prob codec (format 3)
+
+
+def assert_stored_close(stored, want):
+    """Stored log-probs within QUANT_TOL of `want` in sqrt(p), the metric the sqrt-prob codec bounds."""
+    np.testing.assert_allclose(np.exp(stored / 2.0), np.exp(np.asarray(want, np.float64) / 2.0), atol=QUANT_TOL)
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +92,12 @@ def test_topk_cross_and_same_tokenizer_match_transformers(teacher, corpus, toy_s
             lp = hf_logprobs(teacher, d.teacher_ids)  # independent reference, whole document
             assert not d.has_pred[0] and d.has_pred[1:].all()
             ref = lp[:-1]  # rows predicting tokens 1..T-1
-            np.testing.assert_allclose(d.realized_logprob[1:], ref[np.arange(len(ref)), d.teacher_ids[1:]], atol=1e-4)
+            np.testing.assert_allclose(d.realized_logprob[1:], ref[np.arange(len(ref)), d.teacher_ids[1:]], rtol=2**-11, atol=1e-4)
             got = np.take_along_axis(ref, d.topk_ids[1:].astype(np.int64), 1)
-            np.testing.assert_allclose(d.topk_logprobs[1:], got, atol=QUANT_TOL)
+            assert_stored_close(d.topk_logprobs[1:], got)
             kth = -np.sort(-ref[:, :V], 1)[:, 15]
             assert (got >= kth[:, None] - 1e-4).all()  # stored ids are the top-16 of the real vocab
-            np.testing.assert_allclose(d.residual[1:], 1 - np.exp(got).sum(1), atol=1e-4)
+            np.testing.assert_allclose(d.residual[1:], 1 - np.exp(got).sum(1), rtol=2**-11, atol=1e-4)
     for fp, g in groups.items():
         a = r.read_alignment(fp, r.shards[0].shard_id)
         if g.identity:
@@ -120,7 +125,7 @@ def test_full_mode_windows_store_each_row_once(teacher, corpus, toy_setup, tmp_p
     assert d.has_pred[1:].all()  # overlap gives every later window's rows left context
     # rows inside the first window equal the whole-document forward (causal attention)
     lp = hf_logprobs(teacher, d.teacher_ids[:160])
-    np.testing.assert_allclose(d.topk_logprobs[1:160], lp[:-1, :V], atol=QUANT_TOL)
+    assert_stored_close(d.topk_logprobs[1:160], lp[:-1, :V])
     # residual = mass of the padded lm_head columns (tiny, but the model's own)
     np.testing.assert_allclose(d.residual[1:160], np.exp(lp[:-1, V:]).sum(1), atol=1e-5)
 
@@ -346,9 +351,8 @@ def test_teacher_with_bos_gets_a_bos_in_front_of_every_window(corpus, toy_setup,
     lp = hf_logprobs(str(teacher), np.concatenate(([bos], d.teacher_ids[w.ctx_start:w.end])))[:-1]
     rows = np.arange(w.store_start, w.end)
     ref = lp[1 + rows - w.ctx_start - 1]  # window row j (after BOS) is predicted by logits row j - 1
-    np.testing.assert_allclose(d.realized_logprob[rows], ref[np.arange(len(rows)), d.teacher_ids[rows]], atol=1e-4)
-    np.testing.assert_allclose(d.topk_logprobs[rows], np.take_along_axis(ref, d.topk_ids[rows].astype(np.int64), 1),
-                               atol=QUANT_TOL)
+    np.testing.assert_allclose(d.realized_logprob[rows], ref[np.arange(len(rows)), d.teacher_ids[rows]], rtol=2**-11, atol=1e-4)
+    assert_stored_close(d.topk_logprobs[rows], np.take_along_axis(ref, d.topk_ids[rows].astype(np.int64), 1))
 
 
 def test_two_jobs_fill_disjoint_shards_concurrently(teacher, corpus, toy_setup, tmp_path):

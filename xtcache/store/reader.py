@@ -280,6 +280,9 @@ class CacheReader:
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= V):
             raise CorruptionError(f"{where}: array 'topk_ids' decodes to ids outside the teacher vocabulary [0, {V}): "
                                   "the array or manifest.json is damaged")
+        char_offsets = raw["char_offsets"]
+        if meta.arrays["char_offsets"].transform is not None:
+            char_offsets = codecs.codec_from_config(meta.arrays["char_offsets"].transform).decode(char_offsets, pos)
         logprobs = None
         if "topk_logprobs" in raw:
             logprobs = codecs.codec_from_config(meta.arrays["topk_logprobs"].transform).decode(raw["topk_logprobs"])
@@ -309,7 +312,7 @@ class CacheReader:
                                           "content hash")
         return ShardData(
             shard_id=sid, docs=list(meta.docs), texts=texts, doc_pos_offsets=pos, teacher_ids=raw["teacher_ids"],
-            char_offsets=raw["char_offsets"], has_pred=raw["has_pred"], topk_ids=ids, topk_logprobs=logprobs,
+            char_offsets=char_offsets, has_pred=raw["has_pred"], topk_ids=ids, topk_logprobs=logprobs,
             topk_counts=raw.get("topk_counts"), residual=raw["residual"].astype(np.float32, copy=False),
             realized_logprob=raw["realized_logprob"].astype(np.float32, copy=False),
             conversations=conversations)

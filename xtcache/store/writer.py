@@ -193,7 +193,7 @@ class CacheWriter:
     # -- internals
 
     def _compression(self, array: str) -> codecs.Compression:
-        return self.compression.get(array) or default_compression(array)
+        return self.compression.get(array) or default_compression(array, self.manifest.format_version)
 
     def _remove_part(self, sid: str, own_groups: set[str]) -> None:
         """Remove what a part left behind before it is (re)written. Another group's alignment part of
@@ -244,7 +244,7 @@ class CacheWriter:
             "doc_text_offsets": (_offsets([len(t) for t in texts]), None),
             "doc_text": (np.frombuffer(b"".join(texts), dtype=np.uint8), None),
             "teacher_ids": (_concat([d.teacher_ids for d in docs], np.int32), None),
-            "char_offsets": (_concat([d.char_offsets for d in docs], np.int32, (2,)), None),
+            "char_offsets": self._char_offsets(docs),
             "has_pred": (has_pred, None),
             "topk_ids": (deltas, self.ids_codec.to_config()),
             "residual": (_concat([d.residual for d in docs], codecs.side_dtype(m.format_version)), None),
@@ -265,6 +265,15 @@ class CacheWriter:
             out["doc_conversation_offsets"] = (_offsets([len(c) for c in convs]), None)
             out["doc_conversation"] = (np.frombuffer(b"".join(convs), dtype=np.uint8), None)
         return {a.name: out[a.name] for a in teacher_arrays(m.mode, m.conversation)}  # the contract's order
+
+    def _char_offsets(self, docs: list[DocRecord]) -> tuple[np.ndarray, dict | None]:
+        """The part's char_offsets, delta coded when the manifest names a transform for them (version 3)."""
+        values = _concat([d.char_offsets for d in docs], np.int32, (2,))
+        cfg = self.manifest.codecs.get("char_offsets")
+        if cfg is None:
+            return values, None
+        codec = codecs.codec_from_config(cfg)
+        return codec.encode(values, _offsets([len(d.teacher_ids) for d in docs])), codec.to_config()
 
     def _write_align_part(self, fp: str, sid: str, records: list[AlignmentRecord], teacher_lengths: list[int]):
         for i, (r, t_len) in enumerate(zip(records, teacher_lengths)):
