@@ -14,6 +14,7 @@ point and started again with `--resume` keeps its committed parts and generates 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -147,20 +148,18 @@ def run_generate(cfg: GenerateConfig) -> GenerateSummary:
     try:
         plan = obtain_plan(corpus, corpus.text_field, num_jobs=o.num_shards, job=w, out=o.out,
                            storage_options=cfg.data_options, store_options=o.storage_options)
-        for part, docs in prompt_parts(iter_corpus(corpus, plan=plan, job=w), o.prompts_per_part):
-            summary.prompts += len(docs)
-            if part in committed:
-                summary.parts_kept += 1
-                summary.rows += committed[part]["rows"]
-                continue
-            sampler = sampler or _sampler(cfg, tokenizer)
-            rows = _generate_part(sampler, tokenizer, docs, cfg, policy, summary)
-            claim.check("committing a part")
-            sha = write_part(loc, part_name(w, part), rows)
-            committed[part] = {"part": part, "name": part_name(w, part), "rows": len(rows), "prompts": len(docs),
-                               "sha256": sha}
-            loc.write_json_atomic(index_name(w), {"writer": w, "parts": [committed[p] for p in sorted(committed)]})
-            summary.parts_written += 1
+        todo = _parts_to_generate(iter_corpus(corpus, plan=plan, job=w), committed, tokenizer, cfg, summary)
+        first = next(todo, None)
+        if first is not None:
+            sampler = _sampler(cfg, tokenizer)
+            for part, prompts, completions in sampler.stream(itertools.chain([first], todo), cfg.sampling):
+                rows = _rows(prompts, completions, tokenizer, sampler.stop, policy, summary)
+                claim.check("committing a part")
+                sha = write_part(loc, part_name(w, part), rows)
+                committed[part] = {"part": part, "name": part_name(w, part), "rows": len(rows),
+                                   "prompts": len(prompts), "sha256": sha}
+                loc.write_json_atomic(index_name(w), {"writer": w, "parts": [committed[p] for p in sorted(committed)]})
+                summary.parts_written += 1
         if summary.prompts == 0 and o.num_shards == 1:
             raise ConfigError(f"--data {', '.join(corpus.urls)}: no prompts")
         summary.reproducible = sampler is None or sampler.reproducible
@@ -174,12 +173,24 @@ def run_generate(cfg: GenerateConfig) -> GenerateSummary:
     return summary
 
 
-def _generate_part(sampler, tokenizer, docs, cfg: GenerateConfig, policy: dict, summary: GenerateSummary) -> list[dict]:
-    prompts = [prompt_of(d, tokenizer) for d in docs]
+def _parts_to_generate(items, committed: dict, tokenizer, cfg: GenerateConfig, summary: GenerateSummary):
+    """(part, prompts) of the job's parts not committed yet, read lazily from the job's stream; the
+    committed ones are counted in `summary` and skipped."""
+    for part, docs in prompt_parts(items, cfg.output.prompts_per_part):
+        summary.prompts += len(docs)
+        if part in committed:
+            summary.parts_kept += 1
+            summary.rows += committed[part]["rows"]
+            continue
+        yield part, [prompt_of(d, tokenizer) for d in docs]
+
+
+def _rows(prompts, completions, tokenizer, stop: set[int], policy: dict, summary: GenerateSummary) -> list[dict]:
+    """The rollout rows of one part: each prompt's completions, in sample order."""
     rows = []
-    for prompt, completions in zip(prompts, sampler.sample(prompts, cfg.sampling)):
-        for i, c in enumerate(completions):
-            rows.append(rollout_row(prompt, i, c, completion_text(tokenizer, c, sampler.stop), policy["policy"],
+    for prompt, samples in zip(prompts, completions, strict=True):
+        for i, c in enumerate(samples):
+            rows.append(rollout_row(prompt, i, c, completion_text(tokenizer, c, stop), policy["policy"],
                                     policy["chat"]))
             summary.generated_tokens += len(c.ids)
             summary.stopped += c.stop_reason == "stop"

@@ -19,7 +19,9 @@ reason.
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections import deque
 
 from stage1_teacher.rollouts import Completion, Prompt, sample_seed
 
@@ -76,6 +78,11 @@ class HfSampler:
 
     def sample(self, prompts: list[Prompt], sampling) -> list[list[Completion]]:
         return [self._one(p, sampling) for p in prompts]
+
+    def stream(self, parts, sampling):
+        """(part, prompts, completions) of each (part, prompts) of `parts`, one part after the other."""
+        for part, prompts in parts:
+            yield part, prompts, self.sample(prompts, sampling)
 
     def _one(self, prompt: Prompt, s) -> list[Completion]:
         import torch
@@ -134,7 +141,8 @@ class VllmSampler:
             self.llm = LLM(**kw, logprobs_mode="processed_logprobs")
         self.stop = stop_ids(tokenizer, self.llm.llm_engine.model_config.hf_config.eos_token_id)
 
-    def _requests(self, prompts: list[Prompt], s):
+    def requests(self, prompts: list[Prompt], s):
+        """The token-id prompts and their `SamplingParams` that `sample` sends to `LLM.generate`."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -152,11 +160,52 @@ class VllmSampler:
         return reqs, params
 
     def sample(self, prompts: list[Prompt], sampling) -> list[list[Completion]]:
-        reqs, params = self._requests(prompts, sampling)
-        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        reqs, params = self.requests(prompts, sampling)
+        return self._grouped(self.llm.generate(reqs, params, use_tqdm=False), sampling)
+
+    def stream(self, parts, sampling, ahead: int = 1):
+        """(part, prompts, completions) of each (part, prompts) of `parts`, in order. The requests of
+        the next `ahead` parts wait in the engine's queue while a part finishes and while the caller
+        writes it, so the engine does not run dry at a part's end (the engine core runs in its own
+        process: it keeps generating while this process writes). One `LLM.generate` per part would
+        leave the engine with a shrinking batch at each part's end and idle during each write."""
+        engine = self.llm.llm_engine
+        queued: deque = deque()  # (part, prompts, request ids), oldest first
+        finished: dict[str, object] = {}  # request id -> its final RequestOutput
+        parts = iter(parts)
+
+        def submit() -> None:
+            for part, prompts in itertools.islice(parts, 1):
+                queued.append((part, prompts, self._enqueue(*self.requests(prompts, sampling))))
+
+        for _ in range(1 + ahead):
+            submit()
+        while queued:
+            part, prompts, ids = queued[0]
+            while any(i not in finished for i in ids):
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM finished without the outputs of part {part}")
+                finished.update((o.request_id, o) for o in engine.step() if o.finished)
+            queued.popleft()
+            yield part, prompts, self._grouped([finished.pop(i) for i in ids], sampling)
+            submit()  # after the caller committed the part: a bad row further on costs no finished part
+
+    def _enqueue(self, reqs, params) -> list[str]:
+        """Queue the requests without running the engine; their ids as the RequestOutputs carry them.
+        `LLM` numbers its requests from its `request_counter` (what `LLM.generate` sorts its
+        outputs by); a vLLM that numbers them otherwise is refused here, not mismatched later."""
+        first = self.llm.request_counter.counter
+        self.llm.enqueue(reqs, params, use_tqdm=False)
+        if self.llm.request_counter.counter != first + len(reqs):
+            raise RuntimeError("this vLLM does not number LLM.enqueue's requests from LLM.request_counter; "
+                               "generate --engine vllm needs vllm 0.32's LLM")
+        return [str(first + i) for i in range(len(reqs))]
+
+    def _grouped(self, outs, sampling) -> list[list[Completion]]:
+        """The completions of each prompt, from the RequestOutputs of `requests` (in their order)."""
         flat = [self._completion(o) for out in outs for o in out.outputs]
         n = sampling.samples_per_prompt
-        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return [flat[i * n:(i + 1) * n] for i in range(len(flat) // n)]
 
     @staticmethod
     def _completion(o) -> Completion:

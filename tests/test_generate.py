@@ -217,17 +217,75 @@ def test_bad_prompts_are_refused_in_one_line(chat, tmp_path, rows, message):
     assert last.startswith("error: --data ") and "bad.jsonl" in last and message in last, last
 
 
+class _FakeEngine:
+    """Stands in for `vllm.LLM` in VllmSampler.stream: requests queue up in `enqueue`; each `step`
+    finishes the two newest unfinished requests (so requests finish out of submission order) and
+    records how many parts were queued when the caller last received a part."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.request_counter = SimpleNamespace(counter=0)
+        self.unfinished: list[tuple[str, list[int], int]] = []  # (request id, prompt ids, n)
+        self.enqueued_prompts: list[int] = []  # first prompt id of each enqueue call
+        self.llm_engine = self
+
+    def enqueue(self, reqs, params, use_tqdm=False):
+        self.enqueued_prompts.append(reqs[0]["prompt_token_ids"][0])
+        for r, p in zip(reqs, params):
+            self.unfinished.append((str(self.request_counter.counter), r["prompt_token_ids"], p.n))
+            self.request_counter.counter += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.unfinished)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        done, self.unfinished = self.unfinished[-2:], self.unfinished[:-2]
+        return [SimpleNamespace(request_id=rid, finished=True, outputs=[
+            SimpleNamespace(token_ids=[ids[0], s], logprobs=[{ids[0]: SimpleNamespace(logprob=-1.0)},
+                                                             {s: SimpleNamespace(logprob=-2.0)}], finish_reason="stop")
+            for s in range(n)]) for rid, ids, n in reversed(done)]
+
+
+def test_vllm_stream_keeps_the_next_part_queued_and_yields_parts_in_order():
+    """The engine is handed the next part before the current one is returned (it never runs dry at a
+    part's end or while the part is written), and each part's completions are its own prompts', in
+    order, however the engine orders the finished requests."""
+    from stage1_teacher.generate_config import SamplingConfig
+    from stage1_teacher.rollouts import Prompt
+    from stage1_teacher.samplers import VllmSampler
+
+    sampler = VllmSampler.__new__(VllmSampler)
+    sampler.llm, sampler.reproducible = _FakeEngine(), False
+    parts = [(k, [Prompt(f"d{10 * k + i}", "", [10 * k + i, 7]) for i in range(3)]) for k in range(4)]
+    sampling = SamplingConfig(samples_per_prompt=2, max_new_tokens=2)
+    got = []
+    for part, prompts, completions in sampler.stream(iter(parts), sampling):
+        queued_parts = len(sampler.llm.enqueued_prompts)
+        assert queued_parts == min(part + 2, len(parts)), (part, queued_parts)  # this part and the next one
+        got.append(part)
+        for prompt, samples in zip(prompts, completions, strict=True):
+            assert [c.ids for c in samples] == [[prompt.token_ids[0], 0], [prompt.token_ids[0], 1]]
+            assert all(c.logprobs == [-1.0, -2.0] and c.stop_reason == "stop" for c in samples)
+    assert got == [0, 1, 2, 3] and sampler.llm.enqueued_prompts == [0, 10, 20, 30]
+
+
 @pytest.mark.slow
 def test_vllm_generate_on_cpu_structure(chat, tmp_path):
     setup, conv, _ = chat
     proc = subprocess.run(
         [sys.executable, "-m", "xtcache.cli", "generate", "--student", str(setup.student_model), "--data", str(conv),
          "--out", str(tmp_path / "r"), "--engine", "vllm", "--samples-per-prompt", "2", "--max-new-tokens", MAX_NEW,
-         "--dtype", "float32"], cwd=REPO, capture_output=True, text=True, timeout=600)
+         "--dtype", "float32", "--prompts-per-part", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(_parts(tmp_path / "r")) == [f"w00000-p{p:05d}.jsonl" for p in range(3)]
     rows = _rows(tmp_path / "r")
+    prompts = [json.loads(line) for line in conv.read_text().splitlines()]
     assert len(rows) == 12
-    for row in rows:
+    for i, row in enumerate(rows):  # three parts streamed through one engine: each row under its own prompt
+        assert row["messages"][:-1] == prompts[i // 2]["messages"] and row["sample"] == i % 2
         assert row["stop_reason"] in ("stop", "length") and row["messages"][-1]["role"] == "assistant"
         assert 0 < len(row["sampled_ids"]) == len(row["sampled_logprobs"]) <= int(MAX_NEW)
         assert all(lp <= 0 for lp in row["sampled_logprobs"])
