@@ -2,6 +2,7 @@
 
     python bench/quality.py                          # the full table (README), about 15 min on 2 CPU cores
     python bench/quality.py --quick                  # a smoke run: few documents and steps, one seed
+    python bench/quality.py --section on-policy      # only the on-policy rows (bench/quality_onpolicy.py), ~15 min
     python bench/quality.py --teacher T --student S --student-same-tok S2 --train-data a.jsonl \
         --heldout-data b.jsonl --train-docs 20000 --steps 2000 --seq-len 1024   # the same table on real models
 
@@ -71,7 +72,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-DOC_BLOCKS = {"quality-table": "README.md"}  # --write-docs: block -> file
+DOC_BLOCKS = {"quality-table": "README.md", "quality-on-policy": "docs/on-policy.md"}  # --write-docs: block -> file
 
 log = logging.getLogger("bench.quality")
 
@@ -680,7 +681,12 @@ def main(argv=None) -> None:
     p.add_argument("--heldout-data", help="with --teacher: held-out documents (.jsonl, field text)")
     p.add_argument("--write-docs", action="store_true",
                    help="also write quality.md into README.md's quality-table block (xtcache.docblock)")
+    p.add_argument("--section", choices=("table", "on-policy"), default="table",
+                   help="table: the full table (README); on-policy: on-policy rounds against off-policy KD "
+                        "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block)")
     args = p.parse_args(argv)
+    if args.section == "on-policy":
+        return on_policy_section(args)
     if args.teacher and not all([args.student, args.student_same_tok, args.train_data, args.heldout_data]):
         p.error("--teacher needs --student, --student-same-tok, --train-data and --heldout-data")
     if args.write_docs and (args.quick or args.teacher):
@@ -688,7 +694,7 @@ def main(argv=None) -> None:
     if args.write_docs:
         from xtcache.docblock import require_blocks
 
-        require_blocks(REPO, DOC_BLOCKS)
+        require_blocks(REPO, {"quality-table": DOC_BLOCKS["quality-table"]})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for name in ("stage1_teacher", "stage2_student", "xtcache", "DeepSpeed", "deepspeed", "torch", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -706,6 +712,33 @@ def main(argv=None) -> None:
         from xtcache.docblock import write_block
 
         write_block(REPO / "README.md", "quality-table", md)
+
+
+def on_policy_section(args) -> None:
+    """`--section on-policy`: bench/quality_onpolicy.py's rows, its table printed and written (quality-on-policy.md)."""
+    from bench.quality_onpolicy import OnPolicySettings, run_on_policy
+    from bench.quality_onpolicy import markdown as on_policy_markdown
+
+    if args.write_docs:
+        from xtcache.docblock import require_blocks
+
+        require_blocks(REPO, {"quality-on-policy": DOC_BLOCKS["quality-on-policy"]})
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("stage1_teacher", "stage2_student", "xtcache", "DeepSpeed", "deepspeed", "torch", "transformers"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    s = OnPolicySettings(seeds=1, steps_per_round=6, prompts=8, num_train=80, teacher_steps=40) if args.quick \
+        else OnPolicySettings()
+    report = run_on_policy(Path(args.workdir) / "on-policy", s)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality-on-policy.json").write_text(json.dumps(report, indent=2, default=str))
+    md = on_policy_markdown(report)
+    (out / "quality-on-policy.md").write_text(md)
+    print(md)
+    if args.write_docs and not args.quick:
+        from xtcache.docblock import write_block
+
+        write_block(REPO / DOC_BLOCKS["quality-on-policy"], "quality-on-policy", md)
 
 
 if __name__ == "__main__":

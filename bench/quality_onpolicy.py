@@ -1,0 +1,246 @@
+"""The on-policy section of the quality bench (issue 26 item 5): on-policy rounds against off-policy KD.
+
+    python bench/quality.py --section on-policy [--write-docs]     # about 15 min on 2 idle CPU cores
+
+The cross-tokenizer chat setup of tests/test_rounds.py (`xtcache.testing.chat.build_chat_setup`: a
+ChatML-style Qwen2 teacher pre-trained on conversations, a fresh Llama-3-style student with its own
+tokenizer), each stage an `xtcache` subprocess as a user runs it, every student trained on the last
+assistant turn (`--train-on last-assistant`) for the same number of steps with the same flags:
+
+| row | what the student trains on |
+| --- | --- |
+| CE only | the last assistant turns of the first C training conversations (`--loss ce`) |
+| off-policy KD | the same turns, the teacher's top-k cache of them (`--loss auto`: P-KL, + 0.1 CE) |
+| on-policy, auto | `xtcache rounds`, 2 rounds: its own answers to P prompts cut from the training conversations, scored by the teacher (`--loss auto`: P-KL on its own tokens, no CE) |
+| on-policy, rkl-pg | the same rounds with `--loss rkl-pg --is-cap 0` (the per-chunk reverse-KL policy gradient) |
+
+C = P x samples x rounds, so the off-policy rows read as many assistant turns as the on-policy rows
+generate; the teacher-scored tokens of both (the trained positions) are reported. Measures: the
+held-out KL (train-student's `--eval-cache`: chunk-level P-KL against a full-vocabulary store of
+held-out conversations, on their last assistant turns) and `xtcache policy-eval` (the live teacher's
+reverse KL per token and its NLL per token on the student's own samples for held-out prompts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("bench.quality.on-policy")
+ROUNDS = 2
+
+
+@dataclass(frozen=True)
+class OnPolicySettings:
+    prompts: int = 32  # training prompts, sampled in every round
+    samples_per_prompt: int = 2
+    max_new_tokens: int = 48
+    steps_per_round: int = 15
+    seq_len: int = 256
+    micro_batch_size: int = 4
+    lr: float = 3e-3
+    top_k: int = 16
+    eval_prompts: int = 12
+    eval_samples: int = 2
+    seeds: int = 3
+    num_train: int = 240
+    num_heldout: int = 24
+    teacher_steps: int = 150
+
+
+def _xtcache(*args: str, log_file: Path) -> None:
+    cmd = [sys.executable, "-m", "xtcache.cli", *args]
+    log.info("$ xtcache %s", " ".join(args[:1]))
+    with open(log_file, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise SystemExit(f"xtcache {args[0]} failed (exit {proc.returncode}): see {log_file}")
+
+
+def _prompts(conversations: Path, out: Path, rows: range) -> Path:
+    """Conversations `rows` of a chat JSONL, each cut after its last user message."""
+    lines = conversations.read_text(encoding="utf-8").splitlines()
+    keep = []
+    for i in rows:
+        row = json.loads(lines[i])
+        last_user = max(j for j, m in enumerate(row["messages"]) if m["role"] == "user")
+        keep.append({**row, "messages": row["messages"][:last_user + 1]})
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep), encoding="utf-8")
+    return out
+
+
+def _trained_positions(store: Path) -> int:
+    """The store's student tokens with the last-assistant role bit (what --train-on last-assistant trains),
+    summed over the parts of every alignment group (one group here: the student's)."""
+    from xtcache.store import CacheReader
+
+    reader = CacheReader(str(store))
+    return sum(int((part.conversation or {}).get("role_last_assistant", 0))
+               for fp in reader.alignment_groups() for part in reader.alignment_parts(fp).values())
+
+
+def _common(s: OnPolicySettings, seed: int) -> list[str]:
+    return ["--seq-len", str(s.seq_len), "--micro-batch-size", str(s.micro_batch_size), "--lr", str(s.lr),
+            "--warmup-steps", "5", "--min-lr-ratio", "1", "--zero-stage", "0", "--seed", str(seed),
+            "--eval-every", "1000"]  # a constant rate after warmup: one schedule for a run and for rounds
+
+
+def prepare(work: Path, s: OnPolicySettings, log_file: Path) -> dict:
+    """The chat setup, the prompts, the training and held-out caches and the projection (seed-independent)."""
+    from xtcache.testing import toy
+    from xtcache.testing.chat import build_chat_setup, write_chat_jsonl
+    from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
+
+    base = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)  # its tokenizers only (the tests' toy setup, built once)
+    setup = build_chat_setup(base, work / "chat", num_train=s.num_train, num_heldout=s.num_heldout,
+                             teacher_steps=s.teacher_steps, teacher_hidden=64)
+    n_off = s.prompts * s.samples_per_prompt * ROUNDS  # as many assistant turns as the rounds generate
+    off_rows = [json.loads(x) for x in setup.train_jsonl.read_text().splitlines()[s.prompts:s.prompts + n_off]]
+    off_data = write_chat_jsonl(work / "off-policy.jsonl", off_rows)
+    p = {"setup": setup, "train_prompts": _prompts(setup.train_jsonl, work / "prompts-train.jsonl", range(s.prompts)),
+         "eval_prompts": _prompts(setup.heldout_jsonl, work / "prompts-heldout.jsonl", range(s.eval_prompts)),
+         "off_cache": work / "cache-off", "eval_cache": work / "cache-heldout", "projection": work / "projection.npz"}
+    for data, out, mode in ((off_data, p["off_cache"], ["--mode", "topk", "--top-k", str(s.top_k)]),
+                            (setup.heldout_jsonl, p["eval_cache"], ["--mode", "full"])):
+        if not (out / "manifest.json").exists():
+            _xtcache("teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
+                     str(setup.student_tokenizer), "--data", str(data), "--out", str(out), *mode, "--max-seq-len",
+                     "512", "--engine", "hf", "--dtype", "float32", log_file=log_file)
+    if not p["projection"].exists():
+        _xtcache("projection", "build", "--student-tokenizer", str(setup.student_tokenizer), "--teacher-tokenizer",
+                 str(setup.teacher_tokenizer), "--out", str(p["projection"]), log_file=log_file)
+    p["off_positions"] = _trained_positions(p["off_cache"])
+    p["off_turns"] = n_off
+    return p
+
+
+def _train(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: list[str], log_file: Path) -> dict:
+    if out.exists():
+        shutil.rmtree(out)
+    setup = p["setup"]
+    _xtcache("train-student", "--cache", str(p["off_cache"]), "--eval-cache", str(p["eval_cache"]), "--student",
+             str(setup.student_model), "--out", str(out), "--projection", str(p["projection"]), "--max-steps",
+             str(ROUNDS * s.steps_per_round), "--train-on", "last-assistant", *_common(s, seed), *loss,
+             log_file=log_file)
+    summary = json.loads((out / "summary.json").read_text())
+    return {"hf": out / "hf", "heldout_kl": summary.get("final_eval_kl"), "teacher_positions": p["off_positions"],
+            "steps": ROUNDS * s.steps_per_round}
+
+
+def _rounds(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: str, extra: list[str], log_file: Path) -> dict:
+    if out.exists():
+        shutil.rmtree(out)
+    setup = p["setup"]
+    _xtcache("rounds", "--student", str(setup.student_model), "--teacher", str(setup.teacher_model), "--prompts",
+             str(p["train_prompts"]), "--rounds", str(ROUNDS), "--workdir", str(out), "--engine", "hf",
+             "--samples-per-prompt", str(s.samples_per_prompt), "--max-new-tokens", str(s.max_new_tokens),
+             "--seed", str(seed), "--steps-per-round", str(s.steps_per_round), "--loss", loss, "--train-on",
+             "last-assistant", "--projection", str(p["projection"]), "--eval-cache", str(p["eval_cache"]), "--",
+             *_without_seed(_common(s, seed)),
+             "--kd-weight", "1.0", "--ce-weight", "0.0", *extra, log_file=log_file)
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    positions = sum(_trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
+    return {"hf": Path(metrics[-1]["hf_dir"]), "heldout_kl": metrics[-1].get("final_eval_kl"),
+            "teacher_positions": positions, "generated_tokens": sum(m["generated_tokens"] for m in metrics),
+            "steps": metrics[-1]["step"]}
+
+
+def _without_seed(flags: list[str]) -> list[str]:
+    """train-student flags without --seed (rounds passes its own --seed to train-student)."""
+    i = flags.index("--seed")
+    return flags[:i] + flags[i + 2:]
+
+
+ROWS = [  # name, kind, loss flags
+    ("CE only", "train", ["--loss", "ce", "--ce-weight", "1.0"]),
+    ("off-policy KD (P-KL + 0.1 CE)", "train", ["--loss", "auto", "--kd-weight", "1.0", "--ce-weight", "0.1"]),
+    ("on-policy, 2 rounds, auto (P-KL)", "rounds", ("auto", [])),
+    ("on-policy, 2 rounds, rkl-pg", "rounds", ("rkl-pg", ["--is-cap", "0"])),
+]
+
+
+def run_on_policy(work: Path, s: OnPolicySettings) -> dict:
+    """Every row on every seed; returns the report (rows with per-seed values)."""
+    from stage1_teacher.policy_eval import policy_eval
+
+    t0 = time.perf_counter()
+    work.mkdir(parents=True, exist_ok=True)
+    log_file = work / "on-policy.log"
+    log_file.write_text("")
+    p = prepare(work, s, log_file)
+    rows = {name: [] for name, _, _ in ROWS}
+    for seed in range(s.seeds):
+        for i, (name, kind, flags) in enumerate(ROWS):
+            out = work / "runs" / f"row{i}-seed{seed}"
+            log.info("seed %d: %s", seed, name)
+            r = _train(p, out, s, seed, flags, log_file) if kind == "train" else \
+                _rounds(p, out, s, seed, flags[0], flags[1], log_file)
+            report, _ = policy_eval(str(r["hf"]), str(p["setup"].teacher_model), str(p["eval_prompts"]),
+                                    samples_per_prompt=s.eval_samples, max_new_tokens=s.max_new_tokens, seed=0)
+            rows[name].append({**{k: v for k, v in r.items() if k != "hf"}, "seed": seed,
+                               **{k: report[k] for k in ("reverse_kl_per_token", "reverse_kl_per_token_se",
+                                                         "teacher_nll_per_token", "teacher_nll_per_byte",
+                                                         "stopped_fraction", "mean_student_tokens", "unscored")}})
+    return {"settings": s.__dict__, "rows": rows, "off_turns": p["off_turns"], "wall_s": time.perf_counter() - t0}
+
+
+def _mean_sd(xs: list) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    return f"{statistics.fmean(xs):.3f} +- {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
+def _spread_notes(rows: dict) -> list[str]:
+    """For each measure: which row pairs differ by more than the sum of their standard deviations."""
+    notes = []
+    names = list(rows)
+    for key, label in (("heldout_kl", "held-out KL"), ("reverse_kl_per_token", "reverse KL/token"),
+                       ("teacher_nll_per_token", "teacher NLL/token")):
+        stats = {}
+        for n in names:
+            xs = [r[key] for r in rows[n] if r.get(key) is not None]
+            if len(xs) > 1:
+                stats[n] = (statistics.fmean(xs), statistics.stdev(xs))
+        within = [f"{a} vs {b}" for i, a in enumerate(names) for b in names[i + 1:]
+                  if a in stats and b in stats and abs(stats[a][0] - stats[b][0]) <= stats[a][1] + stats[b][1]]
+        notes.append(f"- {label}: within the spread (|mean difference| <= sd + sd): "
+                     + ("; ".join(within) if within else "none"))
+    return notes
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"Cross-tokenizer chat setup (ChatML-style Qwen2 teacher, hidden 64, {s['teacher_steps']} pre-training "
+             f"steps on {s['num_train']} conversations; fresh Llama-3-style student, hidden 64, own tokenizer). Every "
+             f"row: {ROUNDS * s['steps_per_round']} student steps, micro-batch {s['micro_batch_size']}, seq-len "
+             f"{s['seq_len']}, lr {s['lr']}, `--train-on last-assistant`; {s['seeds']} seeds (mean +- sd). "
+             f"On-policy: {ROUNDS} rounds of {s['prompts']} prompts x {s['samples_per_prompt']} samples of up to "
+             f"{s['max_new_tokens']} tokens (`xtcache rounds --engine hf`); off-policy: the last assistant turns of "
+             f"{report['off_turns']} other training conversations (top-{s['top_k']} cache).", "",
+             "| row | teacher-scored tokens (trained) | steps | held-out KL | reverse KL/token | teacher NLL/token | "
+             "stopped |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, runs in report["rows"].items():
+        pos = _mean_sd([r["teacher_positions"] for r in runs]).replace(".000", "")
+        lines.append(f"| {name} | {pos} | {runs[0]['steps']} | {_mean_sd([r['heldout_kl'] for r in runs])} | "
+                     f"{_mean_sd([r['reverse_kl_per_token'] for r in runs])} | "
+                     f"{_mean_sd([r['teacher_nll_per_token'] for r in runs])} | "
+                     f"{_mean_sd([r['stopped_fraction'] for r in runs])} |")
+    lines += ["", "Held-out KL: chunk-level P-KL to the teacher's full distribution on the last assistant turns of "
+              f"{s['num_heldout']} held-out conversations (train-student's `--eval-cache`). Reverse KL/token and "
+              f"teacher NLL/token: `xtcache policy-eval` on {s['eval_prompts']} held-out prompts x {s['eval_samples']} "
+              "samples (seed 0), per student token (an upper bound across tokenizers: docs above). Teacher-scored "
+              "tokens: student tokens of the trained turns in the caches the row trained on (on-policy: both rounds). "
+              "`rkl-pg` runs with `--is-cap 0` (no ratio): the turns whose sampled ids do not spell their text carry "
+              "no sampling log-prob, and a capped ratio refuses a micro-batch that trains on them.", "",
+              *_spread_notes(report["rows"]), "", f"Wall time {report['wall_s'] / 60:.1f} min."]
+    return "\n".join(lines)
