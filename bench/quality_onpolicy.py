@@ -1,6 +1,6 @@
 """The on-policy section of the quality bench (issue 26 item 5): on-policy rounds against off-policy KD.
 
-    python bench/quality.py --section on-policy [--write-docs]     # about 15 min on 2 idle CPU cores
+    python bench/quality.py --section on-policy     # about 15 min on 2 idle CPU cores (bench/quality.py writes the docs block)
 
 The cross-tokenizer chat setup of tests/test_rounds.py (`xtcache.testing.chat.build_chat_setup`: a
 ChatML-style Qwen2 teacher pre-trained on conversations, a fresh Llama-3-style student with its own
