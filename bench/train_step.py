@@ -10,7 +10,7 @@ per process) and prints one table:
 
 - step ms: median time of `Trainer.train_step` over the timed steps (batches prefetched, so the
   loader is not in it): wall time on GPU, the process's CPU time on one thread on CPU (robust to
-  other jobs on a shared machine); ratio to the CE-only step of the same student (target <= 1.3x);
+  other jobs on a shared machine); ratio to the CE-only step of the same student (target <= 1.3x; proportioned students: see below);
 - peak MiB: on GPU `torch.cuda.max_memory_allocated`; on CPU, 16 B/parameter (fp32 weights,
   gradients, AdamW m and v) plus the peak of tensor bytes allocated during one step and still
   live, counted by a torch dispatch mode (CPU has no allocator statistics; the prefetched batch
@@ -29,8 +29,16 @@ and its loader (two caches read in lockstep) with the trainer.
 
     python bench/train_step.py --rows cross/ce,cross/pkl,cross/2-teachers   # only these rows
 
-`--write-docs` also writes the printed table into README.md: the `train-step` block (all rows) or,
-with `--rows cross/ce,cross/pkl,cross/2-teachers`, the `train-step-two-teachers` block.
+The rows `cross-1b/...` and `same-1b/...` train proportioned students (hidden 256, 4 layers, 4k
+vocabularies, their own toy teacher), whose LM head takes about the share of a step's FLOPs that it
+takes in a 1B model (the `head FLOP` column); their targets: top-k KL and P-KL within 1.1x CE,
+full-vocabulary KL within 1.5x.
+
+    python bench/train_step.py --rows 'cross-1b/ce,cross-1b/pkl,same-1b/ce,same-1b/kl,same-1b/kl full'
+
+`--write-docs` also writes the printed table: README.md's `train-step` block (all rows) or, with
+`--rows cross/ce,cross/pkl,cross/2-teachers`, its `train-step-two-teachers` block; with the
+proportioned rows above, docs/losses.md's `train-step-proportioned` block.
 """
 
 from __future__ import annotations
@@ -52,8 +60,10 @@ sys.path.insert(0, str(REPO))
 from xtcache.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
 
 # --write-docs: block -> file; the default rows write train-step, TWO_TEACHER_ROWS write train-step-two-teachers
-DOC_BLOCKS = {"train-step": "README.md", "train-step-two-teachers": "README.md"}
+DOC_BLOCKS = {"train-step": "README.md", "train-step-two-teachers": "README.md",
+              "train-step-proportioned": "docs/losses.md"}
 TWO_TEACHER_ROWS = "cross/ce,cross/pkl,cross/2-teachers"
+PROPORTIONED_ROWS = "cross-1b/ce,cross-1b/pkl,same-1b/ce,same-1b/kl,same-1b/kl full"
 # The proportioned students (rows cross-1b/..., same-1b/...): hidden 256, 4 layers, 4k vocabularies, so that the LM
 # head takes about the share of a step's FLOPs it takes in a 1B model (Llama-3.2-1B: 2048 x 128k of about 1.2G
 # matmul parameters per token, 22%); the table prints the share of each student (`head_flop_share`)
@@ -260,7 +270,8 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--write-docs", action="store_true",
                     help="also write the table into README.md (train-step, or train-step-two-teachers with "
-                         f"--rows {TWO_TEACHER_ROWS})")
+                         f"--rows {TWO_TEACHER_ROWS}) or docs/losses.md (train-step-proportioned with "
+                         f"--rows '{PROPORTIONED_ROWS}')")
     args = ap.parse_args()
     block = doc_block(args)
     if block:
@@ -299,7 +310,7 @@ def main() -> None:
     if block:
         if len(results) != len(runs):
             raise SystemExit(f"--write-docs: {len(runs) - len(results)} rows FAILED above; README.md not written")
-        write_block(REPO / "README.md", block, "```text\n" + printed.text().strip("\n") + "\n```")
+        write_block(REPO / DOC_BLOCKS[block], block, "```text\n" + printed.text().strip("\n") + "\n```")
 
 
 def doc_block(args) -> str | None:
@@ -310,8 +321,11 @@ def doc_block(args) -> str | None:
         return "train-step"
     if args.rows == TWO_TEACHER_ROWS:
         return "train-step-two-teachers"
-    raise SystemExit(f"train_step.py --write-docs with --rows {args.rows}: README.md has blocks for all rows (no --rows) and "
-                        f"for --rows {TWO_TEACHER_ROWS} only; drop --write-docs or use one of those")
+    if args.rows == PROPORTIONED_ROWS:
+        return "train-step-proportioned"
+    raise SystemExit(f"train_step.py --write-docs with --rows {args.rows}: the docs have blocks for all rows (no --rows), "
+                     f"for --rows {TWO_TEACHER_ROWS} and for --rows '{PROPORTIONED_ROWS}' only; drop --write-docs or "
+                     "use one of those")
 
 
 def print_table(results: list[dict], args) -> None:

@@ -45,8 +45,8 @@ def support_targets(ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     """(column of each stored slot [m, k], row has a stored id [m]): a padding slot points at its row's first
     stored id (written twice with the same value), or at column 0 in a row with none (written with the value
     already there), so that the [m, V] buffers need no extra column (a strided view is 2-3x slower to fill)."""
-    has = valid.any(dim=1)  # [m]
-    first = ids.gather(1, valid.to(torch.uint8).argmax(dim=1, keepdim=True)).clamp(min=0)  # [m, 1]
+    has, first = valid.max(dim=1)  # [m] any stored id, the first one's slot (0 if none)
+    first = ids.gather(1, first[:, None]).clamp(min=0)  # [m, 1]
     return torch.where(valid, ids, first), has
 
 
@@ -57,7 +57,7 @@ def _stored(blk, teacher: dict, cdt) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     log_p1, resid = losses.teacher_logprobs(ids, None if lp is None else take_rows(lp, blk.teacher_rows),
                                             None if cnt is None else take_rows(cnt, blk.teacher_rows),
                                             None if res is None else take_rows(res, blk.teacher_rows), cdt)
-    return ids, log_p1, resid, torch.isfinite(log_p1)
+    return ids, log_p1, resid, log_p1.abs() < math.inf  # isfinite in two passes instead of four
 
 
 def _tempered(spec, log_p1: Tensor, resid: Tensor, valid: Tensor, vocab: int, lse_out: Tensor) -> tuple[Tensor, Tensor]:
@@ -79,19 +79,25 @@ def forward(spec, z_rows: Tensor, blk, teacher: dict) -> tuple[Tensor, Tensor, t
     u = z[:m] if t == 1.0 else z[:m] / t  # [m, V]
     ids, log_p1, resid, valid = _stored(blk, teacher, cdt)
     target, has = support_targets(ids, valid)
-    masked = u.clone()  # [m, V] the support at -inf
-    masked.scatter_(1, target, torch.where(has[:, None], -math.inf, masked.gather(1, target)))
-    lse_out = torch.logsumexp(masked, dim=-1)  # [m] -inf: nothing outside the support
+    # the support set 1e4 below the row's minimum, where exp underflows to exactly 0 as -inf would; a row
+    # whose every id is stored then stays finite (exp of inf / NaN takes a 17x slower path on CPU)
+    u_min = u.amin(dim=-1)  # [m]
+    masked = u.clone()  # [m, V]
+    masked.scatter_(1, target, torch.where(has, u_min - 1e4, u[:, 0])[:, None].expand_as(target))
+    lse_out = torch.logsumexp(masked, dim=-1)  # [m]
     del masked
+    lse_out = torch.where(lse_out < u_min, -math.inf, lse_out)  # -inf: nothing outside the support
     lse = torch.logsumexp(u, dim=-1)  # [m]
     lse1 = None  # CE's log-partition: of the untempered rows; at T = 1 the KD rows' lse
     if has_ce:
         lse1 = torch.cat([lse, torch.logsumexp(z[m:], dim=-1)]) if t == 1.0 else torch.logsumexp(z, dim=-1)
     log_p, p_rest = _tempered(spec, log_p1, resid, valid, vocab, lse_out)
-    log_q = (u.gather(1, target) - lse[:, None]).masked_fill(~valid, -math.inf)  # [m, k]
-    log_p_all = torch.cat([log_p, losses.safe_log(p_rest)[:, None]], dim=-1)  # [m, k+1]
-    log_q_all = torch.cat([log_q, (lse_out - lse)[:, None]], dim=-1)
-    kd = losses.divergence("kl", log_p_all, log_q_all)  # [m]
+    p = log_p.exp()  # [m, k]
+    zero = torch.zeros((), dtype=cdt, device=z.device)
+    # sum_i p_i (log p_i - log q_i), log q_i = u_i - lse, 0 where p_i = 0 (padding: no NaN); then the rest bucket
+    terms = (log_p - u.gather(1, target)).add_(lse[:, None]).mul_(p)  # [m, k]
+    kd = torch.where(p > 0, terms, zero).sum(dim=-1)
+    kd = kd + losses.divergence("kl", losses.safe_log(p_rest)[:, None], (lse_out - lse)[:, None])  # [m]
     return (kd if t == 1.0 else kd * t**2), _ce(z, lse1, blk), (lse, lse_out, lse1)
 
 
@@ -124,17 +130,23 @@ def gradient(spec, z_rows: Tensor, blk, teacher: dict, saved: tuple, grad_kd_row
         a = grad_kd_rows.to(cdt) * t  # [m]
         q_r = torch.exp(lse_out - lse)  # [m]
         outside = a * (big_p * q_r - p_rest)  # [m]
+        # a row with nothing outside its support is overwritten below: its pass runs on finite values (lse)
+        ref = torch.where(torch.isneginf(lse_out), lse, lse_out)[:, None]
         if t == 1.0:  # c softmax(z)_j = c q_r exp(u_j - lse_out): one exp pass for both terms
-            torch.sub(u, lse_out[:, None], out=g[:m]).exp_().mul_((outside + c[:m] * q_r)[:, None])
+            torch.sub(u, ref, out=g[:m]).exp_().mul_((outside + c[:m] * q_r)[:, None])
         else:
-            torch.sub(u, lse_out[:, None], out=g[:m]).exp_().mul_(outside[:, None])
+            torch.sub(u, ref, out=g[:m]).exp_().mul_(outside[:, None])
             if lse1 is not None:
                 g[:m] += torch.exp(z[:m] - lse1[:m, None]) * c[:m, None]
         target, has = support_targets(ids, valid)
-        at_ids = a[:, None] * big_p[:, None] * torch.exp(u.gather(1, target) - lse[:, None])  # [m, k]
-        if lse1 is not None:
-            at_ids = at_ids + c[:m, None] * torch.exp(z[:m].gather(1, target) - lse1[:m, None])
-        at_ids = torch.where(has[:, None], at_ids, g[:m].gather(1, target))
+        u_at = u.gather(1, target)  # [m, k]
+        if t == 1.0:  # softmax(z) = q: one gather
+            at_ids = torch.exp(u_at - lse[:, None]).mul_((a * big_p + c[:m])[:, None])
+        else:
+            at_ids = torch.exp(u_at - lse[:, None]).mul_((a * big_p)[:, None])
+            if lse1 is not None:
+                at_ids += c[:m, None] * torch.exp(z[:m].gather(1, target) - lse1[:m, None])
+        at_ids = torch.where(has[:, None], at_ids, g[:m, :1])  # a row with no stored id keeps column 0
         g[:m].scatter_(1, target, at_ids)  # the support's entries (a repeated id gets the same value twice)
         g[:m].scatter_add_(1, target, -a[:, None] * p)
     if b > m:  # rows with CE only

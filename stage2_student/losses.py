@@ -87,7 +87,7 @@ def temper_teacher(logprobs: Tensor, residual: Tensor, temperature: float = 1.0,
     residual is <= 0 (full-vocab caches). fp32 (fp64 for fp64 inputs).
     """
     cdt = compute_dtype(logprobs.dtype)
-    lp = logprobs.to(cdt) / temperature  # [R, k]
+    lp = logprobs.to(cdt) if temperature == 1.0 else logprobs.to(cdt) / temperature  # [R, k]
     if valid is not None:
         lp = lp.masked_fill(~valid, -math.inf)
     r = residual.to(cdt)
@@ -103,7 +103,7 @@ def temper_teacher(logprobs: Tensor, residual: Tensor, temperature: float = 1.0,
     else:
         raise ValueError(f"teacher tail model {tail!r}: use 'ghost' or 'uniform'")
     rest = torch.where(has_rest, rest, torch.full_like(rest, -math.inf))  # [R]
-    lse = torch.logsumexp(torch.cat([lp, rest[:, None]], dim=-1), dim=-1)  # [R]
+    lse = torch.logaddexp(torch.logsumexp(lp, dim=-1), rest)  # [R] over support and rest, no [R, k+1] copy
     return lp - lse[:, None], torch.exp(rest - lse)
 
 
