@@ -10,7 +10,7 @@ else
 VLLM_EXTRA := cpu
 endif
 
-.PHONY: setup demo lint test test-fast bench gpu-check clean
+.PHONY: setup demo demo-on-policy lint test test-fast bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ setup: $(VENV)/.installed
 
 demo: setup
 	$(VENV)/bin/xtcache demo
+
+# Two on-policy rounds (`xtcache rounds`) beside off-policy KD, on conversations (xtcache/demo_onpolicy.py).
+demo-on-policy: setup
+	$(VENV)/bin/xtcache demo --on-policy
 
 # The layers (import-linter contracts in pyproject.toml) and the lint rules, before any test runs.
 lint: setup

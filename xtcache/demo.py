@@ -45,58 +45,20 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import typer
+
+from xtcache.demo_console import StageFailed, StageRunner
+from xtcache.demo_setup import SIZES, DemoSetup, DemoSize, build_setup
+from xtcache.demo_setup import _toy_spec as _toy_spec  # read here by bench/quality.py
 
 log = logging.getLogger(__name__)
 DOC_BLOCKS = {"demo-output": "README.md", "demo-inspect": "README.md"}  # --write-docs: block -> file
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-@dataclass(frozen=True)
-class DemoSize:
-    """Sizes of one demo run: the toy artifacts plus the student runs."""
-
-    num_docs: int
-    teacher_hidden: int
-    teacher_steps: int
-    student_steps: int
-    seq_len: int
-    micro_batch_size: int
-    lr: float
-    top_k: int
-    eval_every: int
-
-
-SIZES = {
-    "default": DemoSize(num_docs=700, teacher_hidden=128, teacher_steps=400, student_steps=150, seq_len=256,
-                        micro_batch_size=8, lr=3e-3, top_k=32, eval_every=25),
-    "small": DemoSize(num_docs=260, teacher_hidden=64, teacher_steps=150, student_steps=40, seq_len=128,
-                      micro_batch_size=8, lr=3e-3, top_k=16, eval_every=20),
-}
-
-
-def _toy_spec(size: DemoSize):
-    from xtcache.testing import toy
-
-    return toy.ToySpec(num_docs=size.num_docs, doc_chars=1500, teacher_vocab=2048, student_vocab=1536,
-                       teacher_hidden=size.teacher_hidden, teacher_layers=2, student_hidden=64, student_layers=2,
-                       teacher_steps=size.teacher_steps, teacher_seq_len=128, heldout_fraction=0.1)
-
-
-def _xtcache(*args: str) -> None:
-    """Run one `xtcache` command as a subprocess, streaming its output; raise on failure."""
-    cmd = [sys.executable, "-m", "xtcache.cli", *args]
-    log.info("$ xtcache %s", " ".join(args))
-    env = {"VLLM_LOGGING_LEVEL": "WARNING", **os.environ, "PYTHONUNBUFFERED": "1"}  # keep the demo readable
-    rc = subprocess.run(cmd, env=env).returncode
-    if rc != 0:
-        raise SystemExit(f"demo step failed (exit {rc}): xtcache {' '.join(args)}")
-
-
-def _dump(setup, data: list[Path], out: Path, capture: list[str], engine: str) -> dict:
+def _dump(run: StageRunner, setup, data: list[Path], out: Path, capture: list[str], engine: str) -> dict:
     """teacher-dump with `engine` into `out` (reused when complete for the same key); returns its summary."""
     from xtcache.errors import StoreError
     from xtcache.store import CacheReader
@@ -106,8 +68,8 @@ def _dump(setup, data: list[Path], out: Path, capture: list[str], engine: str) -
             str(setup.student_tokenizer), *[a for f in data for a in ("--data", str(f))], "--out", str(out), *capture,
             "--max-seq-len", "512", "--engine", engine, "--dtype", "float32"]
     try:
-        _xtcache(*args)
-    except SystemExit as failed:
+        run.xtcache(*args)
+    except StageFailed as failed:
         try:  # a store of an older demo version under the same path: replace it, loudly
             CacheReader(str(out))
         except StoreError:
@@ -115,7 +77,7 @@ def _dump(setup, data: list[Path], out: Path, capture: list[str], engine: str) -
         log.warning("replacing %s, which was written for other settings", out)
         shutil.rmtree(out)
         reused_before = False
-        _xtcache(*args)
+        run.xtcache(*args)
     reader = CacheReader(str(out))
     summaries = [s.model_dump() if hasattr(s, "model_dump") else dict(s) for s in reader.writer_summaries().values()]
     summary = dict(summaries[0].get("summary", summaries[0])) if summaries else {}
@@ -137,17 +99,17 @@ def _is_complete(url: Path) -> bool:
         return False
 
 
-def _train(setup, cache: Path, eval_cache: Path, projection: Path, out: Path, size: DemoSize, *, kd: bool,
-           extra: tuple[str, ...] = ()) -> dict:
+def _train(run: StageRunner, setup, cache: Path, eval_cache: Path, projection: Path, out: Path, size: DemoSize, *,
+           kd: bool, extra: tuple[str, ...] = (), steps: int | None = None) -> dict:
     if out.exists():
         shutil.rmtree(out)
     args = ["train-student", "--cache", str(cache), "--eval-cache", str(eval_cache), "--student",
             str(setup.student_model), "--out", str(out), "--projection", str(projection),
             "--seq-len", str(size.seq_len), "--micro-batch-size", str(size.micro_batch_size),
-            "--max-steps", str(size.student_steps), "--lr", str(size.lr), "--warmup-steps", "10",
+            "--max-steps", str(steps or size.student_steps), "--lr", str(size.lr), "--warmup-steps", "10",
             "--eval-every", str(size.eval_every), "--zero-stage", "2", "--seed", "0", *extra]
     args += ["--loss", "pkl", "--kd-weight", "1.0", "--ce-weight", "0.1"] if kd else ["--loss", "ce", "--ce-weight", "1.0"]
-    _xtcache(*args)
+    run.xtcache(*args)
     return json.loads((out / "summary.json").read_text())
 
 
@@ -180,57 +142,67 @@ def _plot(runs: dict[str, Path], png: Path) -> None:
     plt.close(fig)
 
 
-def run_demo(workdir: Path, size_name: str, *, chat: bool = False, engine: str = "vllm") -> dict:
-    """Run the demo (on conversations with `chat`, capturing the teacher with `engine`); returns the
-    numbers of its table (the tests read them)."""
-    from xtcache.testing import toy
-
-    size = SIZES[size_name]
-    workdir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    spec = _toy_spec(size)
-    fresh = not (workdir / "artifacts" / f"toy-{spec.key()}" / "DONE").exists()
-    log.info("step 1/5: corpus, tokenizers, teacher pre-training (%s)", "building" if fresh else "cached")
-    setup = toy.build_toy_setup(workdir / "artifacts", spec, train_teacher=not chat)
-    extra: tuple[str, ...] = ()
-    if chat:
-        from xtcache.testing.chat import build_chat_setup
-
-        log.info("step 1/5 (chat): chat templates on both tokenizers, teacher pre-trained on rendered conversations")
-        setup = build_chat_setup(setup, workdir / "artifacts" / f"chat-{spec.key()}", num_train=size.num_docs,
-                                 num_heldout=max(20, size.num_docs // 8), teacher_steps=size.teacher_steps,
-                                 teacher_hidden=size.teacher_hidden)
-        spec_key = f"chat-{spec.key()}"
-        workdir = workdir / "chat"
-        extra = ("--train-on", "assistant")
-    else:
-        spec_key = f"toy-{spec.key()}"
-    t_setup = time.perf_counter() - t0
-
+def dump_caches(run: StageRunner, ds: DemoSetup, size: DemoSize, engine: str) -> tuple[dict, dict]:
+    """Step 2: the top-k cache of the training documents and the full-vocabulary cache of the held-out
+    ones (found by their keys and reused); returns both dumps' summaries (with their paths, "path")."""
     engine_name = "vLLM" if engine == "vllm" else "transformers"
     log.info("step 2/5: teacher-dump with %s: top-%d of the training documents, every id of the held-out ones",
              engine_name, size.top_k)
-    cache = workdir / "caches" / f"{spec_key}-k{size.top_k}"
-    dump = _dump(setup, [setup.train_jsonl], cache, ["--mode", "topk", "--top-k", str(size.top_k)], engine)
-    eval_cache = workdir / "caches" / f"{spec_key}-heldout-full"
+    cache = ds.workdir / "caches" / f"{ds.spec_key}-k{size.top_k}"
+    dump = _dump(run, ds.setup, [ds.setup.train_jsonl], cache, ["--mode", "topk", "--top-k", str(size.top_k)], engine)
+    eval_cache = ds.workdir / "caches" / f"{ds.spec_key}-heldout-full"
     # one teacher, one first-batch check: the held-out dump trusts the training cache's (absent when
     # an --engine hf run of this work directory wrote that cache)
     checked = engine == "vllm" and any((cache / "capture_checks").glob("*.json"))
     trust = ["--trust-check-from", str(cache)] if checked else []
-    eval_dump = _dump(setup, [setup.heldout_jsonl], eval_cache, ["--mode", "full", *trust], engine)
+    eval_dump = _dump(run, ds.setup, [ds.setup.heldout_jsonl], eval_cache, ["--mode", "full", *trust], engine)
+    return {**dump, "path": cache}, {**eval_dump, "path": eval_cache}
 
+
+def build_projection(run: StageRunner, ds: DemoSetup) -> Path:
+    """Step 3: the student -> teacher vocabulary map."""
     log.info("step 3/5: projection build")
-    projection = workdir / f"projection-{spec_key}.safetensors"
-    _xtcache("projection", "build", "--student-tokenizer", str(setup.student_tokenizer), "--teacher-tokenizer",
-             str(setup.teacher_tokenizer), "--out", str(projection))
+    projection = ds.workdir / f"projection-{ds.spec_key}.safetensors"
+    run.xtcache("projection", "build", "--student-tokenizer", str(ds.setup.student_tokenizer), "--teacher-tokenizer",
+                str(ds.setup.teacher_tokenizer), "--out", str(projection))
+    return projection
+
+
+def engine_log(workdir: Path, mode: str) -> Path:
+    """Where a demo run's engine output goes: WORKDIR/demo[-MODE].log, rewritten on every run."""
+    return workdir / (f"demo-{mode}.log" if mode else "demo.log")
+
+
+def run_demo(workdir: Path, size_name: str, *, chat: bool = False, engine: str = "vllm") -> dict:
+    """Run the demo (on conversations with `chat`, capturing the teacher with `engine`); returns the
+    numbers of its table (the tests read them)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = StageRunner(engine_log(workdir, "chat" if chat else ""))
+    try:
+        result = _run_demo(run, workdir, size_name, chat=chat, engine=engine)
+    finally:
+        run.close()
+    return result
+
+
+def _run_demo(run: StageRunner, workdir: Path, size_name: str, *, chat: bool, engine: str) -> dict:
+    t0 = time.perf_counter()
+    size = SIZES[size_name]
+    ds = build_setup(run, workdir, size_name, chat=chat)
+    t_setup = time.perf_counter() - t0
+    dump, eval_dump = dump_caches(run, ds, size, engine)
+    projection = build_projection(run, ds)
 
     log.info("step 4/5: train-student, distilled from the cache and CE-only, %d steps each", size.student_steps)
-    runs = {"distilled (P-KL + CE)": workdir / "runs" / "distilled", "baseline (CE only)": workdir / "runs" / "baseline"}
-    kd = _train(setup, cache, eval_cache, projection, runs["distilled (P-KL + CE)"], size, kd=True, extra=extra)
-    ce = _train(setup, cache, eval_cache, projection, runs["baseline (CE only)"], size, kd=False, extra=extra)
+    runs = {"distilled (P-KL + CE)": ds.workdir / "runs" / "distilled",
+            "baseline (CE only)": ds.workdir / "runs" / "baseline"}
+    kd = _train(run, ds.setup, dump["path"], eval_dump["path"], projection, runs["distilled (P-KL + CE)"], size,
+                kd=True, extra=ds.train_on)
+    ce = _train(run, ds.setup, dump["path"], eval_dump["path"], projection, runs["baseline (CE only)"], size,
+                kd=False, extra=ds.train_on)
 
     log.info("step 5/5: report")
-    png = workdir / "demo_curves.png"
+    png = ds.workdir / "demo_curves.png"
     _plot(runs, png)
     result = {
         "teacher_reused": dump["reused"],
@@ -245,10 +217,11 @@ def run_demo(workdir: Path, size_name: str, *, chat: bool = False, engine: str =
         "wall_s": time.perf_counter() - t0,
         "setup_s": t_setup,
         "chat": chat,
-        "engine": engine_name,
-        "cache": str(cache),
+        "engine": "vLLM" if engine == "vllm" else "transformers",
+        "cache": str(dump["path"]),
+        "engine_log": str(run.log_path),
     }
-    (workdir / "demo_result.json").write_text(json.dumps(result, indent=2, default=str))
+    (ds.workdir / "demo_result.json").write_text(json.dumps(result, indent=2, default=str))
     _print_table(result)
     return result
 
@@ -326,15 +299,25 @@ def demo(
                                             "without a working vLLM; the tests' plain-text demo)."),
     write_docs: bool = typer.Option(False, "--write-docs", help="Also write README.md's demo-output and demo-inspect "
                                                                "blocks (default size, plain text, vLLM only)."),
+    on_policy: bool = typer.Option(False, "--on-policy", help="Two on-policy rounds (`xtcache rounds`) beside "
+                                   "off-policy KD on conversations; held-out KL and `xtcache policy-eval`'s "
+                                   "reverse KL and teacher NLL on the students' own samples."),
 ) -> None:
-    """Run the whole pipeline on local data: teacher-dump, projection, distilled vs CE-only student."""
+    """Run the whole pipeline on local data: teacher-dump, projection, distilled vs CE-only student.
+
+    Engine output (vLLM, DeepSpeed) goes to WORKDIR/demo[-chat|-on-policy].log, named at the start and end."""
     if size not in SIZES:
         raise typer.BadParameter(f"--size {size}: use one of {', '.join(SIZES)}")
     if engine not in ("vllm", "hf"):
         raise typer.BadParameter(f"--engine {engine}: use vllm or hf")
-    if write_docs and (size != "default" or chat or engine != "vllm"):
+    if write_docs and (size != "default" or chat or on_policy or engine != "vllm"):
         raise typer.BadParameter("--write-docs: README.md shows the default plain-text demo on vLLM; drop --size, "
-                                 "--chat and --engine")
+                                 "--chat, --on-policy and --engine")
+    if on_policy:  # on conversations: --chat is implied
+        from xtcache.demo_onpolicy import run_on_policy_demo
+
+        run_on_policy_demo(Path(workdir), size, engine=engine)
+        return
     if write_docs:
         from xtcache.docblock import require_blocks
 
