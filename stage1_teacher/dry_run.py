@@ -33,7 +33,7 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
             for r in pd.alignments.values():
                 student_tokens += len(r.student_ids)
                 chunks += len(r.alignment.student_end)
-    codec = default_codecs(cfg.capture.mode, plan.vocab_size)
+    codec = default_codecs(cfg.capture.mode, plan.vocab_size, k=plan.k)
     id_bytes = np.dtype(codec["topk_ids"]["configuration"].get("dtype", "uint32")).itemsize
     lp_bytes = 0
     if "topk_logprobs" in codec:

@@ -106,6 +106,8 @@ def test_default_codecs_follow_the_format_version():
     assert v3["topk_logprobs"] == codecs.SqrtProbs(127).to_config()
     assert codecs.default_codecs("topk", 80_000, 2)["topk_logprobs"]["name"] == codecs.QUANT_NAME
     assert "topk_logprobs" not in codecs.default_codecs("sampled", 80_000)
+    assert codecs.default_codecs("topk", 80_000, k=256)["topk_logprobs"] == codecs.SqrtProbs(255).to_config()
+    assert codecs.default_codecs("full", 300, k=300)["topk_logprobs"]["name"] == codecs.QUANT_NAME
     assert v3["char_offsets"]["name"] == codecs.OFFSETS_NAME
     assert "char_offsets" not in codecs.default_codecs("topk", 80_000, 2)
     assert (codecs.side_dtype(3), codecs.side_dtype(2)) == ("float16", "float32")

@@ -284,13 +284,22 @@ def codec_from_config(cfg: dict[str, Any] | Any):
     raise StoreError(f"unknown codec {name!r}: this store was written by a newer xtcache; upgrade xtcache")
 
 
-def default_codecs(mode: str, vocab_size: int, format_version: int = FORMAT_VERSION) -> dict[str, dict[str, Any]]:
-    """The transforms a store of `format_version` uses unless the manifest names others: log-probs as
-    sqrt(p) in 127 levels from version 3 (bench/store_codec.py), 8-bit log-probs before."""
+def default_codecs(mode: str, vocab_size: int, format_version: int = FORMAT_VERSION,
+                   k: int = 64) -> dict[str, dict[str, Any]]:
+    """The transforms a store of `format_version` uses unless the manifest names others.
+
+    Top-k log-probs from version 3: sqrt(p) in 127 levels up to k=64 and 255 above, so that the mean
+    KL error, k / (6 levels^2), stays under 1e-3 nats (6.6e-4 at k=64 and at k=256; bench/store_codec.py).
+    Full mode and stores before version 3 keep 8-bit log-probs: code 0 of the sqrt code decodes to a
+    probability of 1 / (16 levels^2), which over a whole vocabulary of near-zero entries would add
+    mass (0.12 over 32k ids at 127 levels), while -24 adds 3.8e-11 per id.
+    """
     ids = SortedDeltaIds(dtype="uint16" if vocab_size <= 65536 else "uint32")
     out = {"topk_ids": ids.to_config()}
     if mode != "sampled":
-        values = SqrtProbs(127) if format_version >= 3 else QuantizedLogProbs(bits=8, min_logprob=-24.0)
+        values = QuantizedLogProbs(bits=8, min_logprob=-24.0)
+        if format_version >= 3 and mode == "topk":
+            values = SqrtProbs(127 if k <= 64 else 255)
         out["topk_logprobs"] = values.to_config()
     if format_version >= 3:
         out["char_offsets"] = DeltaCharOffsets().to_config()

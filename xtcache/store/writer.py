@@ -84,7 +84,7 @@ class CacheWriter:
                                      f"version {FORMAT_VERSION} (and adds alignment groups to version 1 stores)")
         if not manifest.codecs:
             manifest.codecs = {k: CodecConfig(**v) for k, v in codecs.default_codecs(
-                manifest.mode, manifest.teacher_vocab_size, manifest.format_version).items()}
+                manifest.mode, manifest.teacher_vocab_size, manifest.format_version, manifest.k).items()}
         if manifest.mode != "sampled" and "topk_logprobs" not in manifest.codecs:
             raise XtcacheError(f"mode {manifest.mode!r} needs a 'topk_logprobs' codec in the manifest")
         if not manifest.created:
