@@ -165,6 +165,7 @@ class Preparer:
         """Render each conversation in every model's template, tokenize, align (xtcache.chat)."""
         import json
 
+        from stage1_teacher.splice import splice_batch
         from xtcache.align import identity_alignment
         from xtcache.chat import ConversationError, render, renderings
         from xtcache.store import AlignmentRecord
@@ -195,6 +196,7 @@ class Preparer:
         t_rend = t_all.take(kept)
         at = {todo[k]: j for j, k in enumerate(kept)}  # row -> its entry of t_rend
         aligns: dict[int, dict] = {i: {} for i in at}
+        spliced: dict[str, set[int]] = {}  # student fingerprint -> rows whose sampled ids were spliced in
         for s in self.students:
             if s.identity:  # same tokenizer and template: 1:1 chunks, roles from the teacher's rendering
                 live = [i for i in at if result[i] is None]
@@ -210,12 +212,13 @@ class Preparer:
             t_live = t_rend.take([at[i] for i in live])
             s_live = renderings(s.tokenizer, [s_text[i] for i in live], [convs[i] for i in live], markers=s.markers,
                                 side="student tokenizer", texts_of=t_live)
+            s_live, spliced[s.fingerprint] = splice_batch(s_live, live, docs, convs, s)  # sampled ids, where they spell
             for i, r, ca in zip(live, s_live, self._align_convs(live, convs, docs, s_live, t_live, s.name)):
                 if ca is not None:
                     aligns[i][s.fingerprint] = AlignmentRecord(student_ids=r.ids.astype(np.int32),
                                                                alignment=ca.alignment, student_role=ca.student_role,
                                                                stats=ca.stats)
-        self._attach_sampled(docs, aligns)
+        self._attach_sampled(docs, aligns, spliced)
         out: list[PreparedDoc | Skipped] = []
         t_views = list(t_rend)
         for i, d in enumerate(docs):
@@ -231,18 +234,17 @@ class Preparer:
                                       conversation=d.text))
         return out
 
-    def _attach_sampled(self, docs: list[Document], aligns: dict[int, dict]) -> None:
+    def _attach_sampled(self, docs: list[Document], aligns: dict[int, dict], spliced: dict[str, set[int]]) -> None:
         """Rollout rows: the sampled turn's ids checked and log-probs stored in the sampling student's group
         (`stage1_teacher.sampled`); a row sampled by none of the --student-tokenizer's is counted and logged."""
         from stage1_teacher.sampled import attach_sampled
 
-        toks = {s.fingerprint: s.tokenizer for s in self.students}
         for i, by_fp in aligns.items():
             sampled = docs[i].sampled
             if sampled is None:
                 continue
             if sampled.chat in by_fp:
-                by_fp[sampled.chat] = attach_sampled(by_fp[sampled.chat], sampled, toks[sampled.chat])
+                by_fp[sampled.chat] = attach_sampled(by_fp[sampled.chat], sampled, i in spliced.get(sampled.chat, ()))
             elif sampled.chat not in {s.fingerprint for s in self.students}:
                 if not self.unmatched_rollouts:
                     log.warning("row %d of %s is a rollout of a student (chat fingerprint %s..) that is none of the "

@@ -44,9 +44,9 @@ def _write_rows(parts: Path, rows: dict[tuple[str, int], dict]) -> None:
         (parts / name).write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
-def _dump(setup, parts: Path, out: Path) -> Path:
-    _cli("teacher-dump", "--teacher", setup.teacher_model, "--student-tokenizer", setup.student_model, "--data",
-         f"{parts}/*.jsonl", "--out", out, "--engine", "hf")
+def _dump(setup, parts: Path, out: Path, student=None) -> Path:
+    _cli("teacher-dump", "--teacher", setup.teacher_model, "--student-tokenizer", student or setup.student_model,
+         "--data", f"{parts}/*.jsonl", "--out", out, "--engine", "hf")
     return out
 
 
@@ -134,37 +134,50 @@ def test_stored_sampling_log_probs_are_the_rollouts_on_the_generated_turn_nan_el
             assert turn[-1] + 1 < len(ids)  # the template wrote its end-of-turn after the cut: not sampled
     assert _cli("verify", store).returncode == 0
     out = _cli("inspect", store).stdout
-    assert "sampled turns 8" in out and "not the sampled ids 0" in out
+    assert "sampled turns 8" in out and "not the re-tokenized ids 0" in out
 
 
-def test_generated_turns_not_spelled_by_their_ids_are_counted_and_get_no_log_probs(rollouts):
+def _split_ids(tok, text: str, stop: list[int]) -> list[int]:
+    """Another tokenization of `text` than the tokenizer's: cut inside it, each half tokenized alone."""
+    canonical = tok(text, add_special_tokens=False)["input_ids"]
+    ids = next(ids for k in range(1, len(text)) if (ids := tok(text[:k], add_special_tokens=False)["input_ids"]
+               + tok(text[k:], add_special_tokens=False)["input_ids"]) != canonical)
+    assert tok.decode(ids) == text
+    return ids + stop
+
+
+def test_generated_turns_are_spliced_exactly_when_their_ids_spell_the_rendered_turn(rollouts):
     """The toy student's own rollouts: a turn gets its log-probs exactly when its sampled ids (the stop
-    token aside) decode to the turn's text and are that text's tokenization (computed here, apart)."""
+    token aside) decode to the turn's text as the template writes it (the Llama-3 template trims
+    whitespace; byte tokens that are no UTF-8 decode to U+FFFD) and it stopped on the template's
+    end-of-turn or by length; computed here from decoded text, apart from the splice's bytes."""
     from xtcache.tokenizer import load_tokenizer
 
     setup, parts, store, _, _ = rollouts
     tok = load_tokenizer(setup.student_model)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
     rows = _rows(parts)
     _, _, totals, docs = _group(store, setup)
-    spelled = {}
+    spelled, retokenized = {}, {}
     for key, row in rows.items():
-        body = row["sampled_ids"][:-1] if row["stop_reason"] == "stop" else row["sampled_ids"]
-        text = row["messages"][-1]["content"]
-        spelled[key] = tok.decode(body) == text and tok(text, add_special_tokens=False)["input_ids"] == body
+        ids, text = row["sampled_ids"], row["messages"][-1]["content"]
+        stopped = bool(ids) and ids[-1] in tok.all_special_ids
+        body = ids[:-1] if stopped else ids
+        spelled[key] = (tok.decode(body) == text == text.strip() != "" and "\ufffd" not in text
+                        and (not stopped or ids[-1] == eot))
+        retokenized[key] = tok(text.strip(), add_special_tokens=False)["input_ids"] + [eot] * stopped == ids
     assert totals["sampled_turns"] == len(rows) == 8
-    assert totals["sampled_mismatch"] == sum(not ok for ok in spelled.values())
-    same = 0
-    for key, ok in spelled.items():
-        body = rows[key]["sampled_ids"][:-1] if rows[key]["stop_reason"] == "stop" else rows[key]["sampled_ids"]
-        text = tok.decode(body)
-        same += not ok and "\ufffd" not in text and text == rows[key]["messages"][-1]["content"].strip()
-    assert totals["sampled_same_text"] == same
-    for key, ok in spelled.items():
-        lp = docs[key][2]
-        assert int(np.isfinite(lp).sum()) == (len(rows[key]["sampled_ids"]) if ok else 0)
+    assert totals["sampled_mismatch"] == sum(not ok for ok in retokenized.values())
+    assert totals["sampled_same_text"] == sum(spelled[k] and not retokenized[k] for k in rows)
+    for key in rows:
+        ids, lp = docs[key][0], docs[key][2]
+        assert int(np.isfinite(lp).sum()) == (len(rows[key]["sampled_ids"]) if spelled[key] else 0)
+        if spelled[key]:
+            assert ids[np.isfinite(lp)].tolist() == rows[key]["sampled_ids"]
 
 
-def test_tampered_sampled_ids_are_counted_and_get_no_log_probs(rollouts, tmp_path):
+def test_sampled_ids_that_spell_the_turn_are_spliced_others_counted(rollouts, tmp_path):
+    from xtcache.commands_store import store_summary
     from xtcache.tokenizer import load_tokenizer
 
     setup, _, _, parts, _ = rollouts
@@ -173,26 +186,26 @@ def test_tampered_sampled_ids_are_counted_and_get_no_log_probs(rollouts, tmp_pat
     key = sorted(rows)[1]
     first = rows[key]["sampled_ids"][0]
     rows[key] = {**rows[key], "sampled_ids": [first - 1 if first > 0 else 1, *rows[key]["sampled_ids"][1:]]}
-    other = sorted(rows)[3]  # the same text in other tokens: split inside a word, each half tokenized alone
-    text = rows[other]["messages"][-1]["content"]
+    other = sorted(rows)[3]  # the same text in other tokens
     stop = rows[other]["sampled_ids"][-1:] * (rows[other]["stop_reason"] == "stop")
-    ids = next(ids for k in range(1, len(text)) if (ids := tok(text[:k], add_special_tokens=False)["input_ids"]
-               + tok(text[k:], add_special_tokens=False)["input_ids"] + stop) != rows[other]["sampled_ids"])
-    assert tok.decode(ids, skip_special_tokens=True) == text
+    ids = _split_ids(tok, rows[other]["messages"][-1]["content"], stop)
     rows[other] = {**rows[other], "sampled_ids": ids, "sampled_logprobs": [-0.5] * len(ids)}
     _write_rows(tmp_path / "parts", rows)
     store = _dump(setup, tmp_path / "parts", tmp_path / "cache")
-    _, _, totals, docs = _group(store, setup)
+    r, fp, totals, docs = _group(store, setup)
     assert totals["sampled_turns"] == 8 and totals["sampled_mismatch"] == 2 and totals["sampled_same_text"] == 1
-    assert np.all(np.isnan(docs[key][2])) and np.all(np.isnan(docs[other][2]))
-    assert sum(int(np.isfinite(lp).sum()) > 0 for _, _, lp in docs.values()) == 6
-    assert "not the sampled ids 2 (no sampling log-probs there; of them spelling the same text 1)" in _cli(
-        "inspect", store).stdout
+    assert np.all(np.isnan(docs[key][2]))  # not spelled: the re-tokenized ids, no log-probs
+    stored, _, lp = docs[other]
+    assert stored[np.isfinite(lp)].tolist() == ids and np.all(lp[np.isfinite(lp)] == -0.5)
+    assert sum(int(np.isfinite(lp).sum()) > 0 for _, _, lp in docs.values()) == 7
+    assert store_summary(str(store))["conversation"][fp]["misaligned_chars"] == 0
+    assert ("not the re-tokenized ids 2 (spliced, trained on the sampled ids: 1; not spelling the turn's text, "
+            "no sampling log-probs: 1)") in _cli("inspect", store).stdout
 
 
-def _train(setup, store: Path, out: Path, *extra, check=True) -> subprocess.CompletedProcess:
+def _train(setup, store: Path, out: Path, *extra, check=True, student=None) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "stage2_student", "--out", str(out), "--cache", str(store),
-                           "--student", str(setup.student_model), "--seq-len", SEQ, "--micro-batch-size", "2",
+                           "--student", str(student or setup.student_model), "--seq-len", SEQ, "--micro-batch-size", "2",
                            "--max-steps", "2", "--loss", "rkl-pg", "--train-on", "last-assistant", "--zero-stage", "0",
                            "--seed", "3", *extra], cwd=REPO, capture_output=True, text=True, timeout=600)
     if check:
@@ -218,6 +231,74 @@ def test_rkl_pg_trains_with_the_ratio_on_and_a_store_without_the_array_still_tra
     refused = _train(setup, bare, tmp_path / "bare-run", check=False)
     assert refused.returncode != 0 and "--is-cap 0" in refused.stdout + refused.stderr
     _train(setup, bare, tmp_path / "bare-run0", "--is-cap", "0")
+
+
+def test_non_canonical_sampled_ids_are_stored_aligned_and_trained_with_the_ratio(rollouts, tmp_path):
+    """Every turn sampled as another tokenization of its text (a word in two tokens): the stored student
+    ids are the sampled ids, with their log-probs on every one of them, the trained positions are
+    exactly those tokens, the alignment is exact, and --loss rkl-pg --is-cap 2 trains on it."""
+    from xtcache.chat import trained_roles
+    from xtcache.commands_store import store_summary
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, _, _, parts, _ = rollouts
+    tok = load_tokenizer(setup.student_model)
+    rows = {}
+    for key, row in _rows(parts).items():
+        ids = _split_ids(tok, row["messages"][-1]["content"], row["sampled_ids"][-1:] * (row["stop_reason"] == "stop"))
+        rows[key] = {**row, "sampled_ids": ids, "sampled_logprobs": [-0.25] * len(ids)}
+    _write_rows(tmp_path / "parts", rows)
+    store = _dump(setup, tmp_path / "parts", tmp_path / "cache")
+    _, fp, totals, docs = _group(store, setup)
+    assert totals["sampled_turns"] == totals["sampled_mismatch"] == totals["sampled_same_text"] == 8
+    for key, row in rows.items():
+        ids, roles, lp = docs[key]
+        sampled = np.flatnonzero(np.isfinite(lp))
+        assert ids[sampled].tolist() == row["sampled_ids"] and np.all(np.diff(sampled) == 1)
+        assert np.array_equal(np.flatnonzero(trained_roles(roles, "last-assistant")), sampled)
+    assert store_summary(str(store))["conversation"][fp]["misaligned_chars"] == 0
+    assert _cli("verify", store).returncode == 0
+    _train(setup, store, tmp_path / "run", "--is-cap", "2")
+    train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) and r["chunks"] > 0 for r in train)
+
+
+def test_a_same_tokenizer_rollout_cache_stores_and_trains_with_the_ratio(rollouts, tmp_path):
+    """Rollouts of a student with the teacher's tokenizer and template (the teacher model trains as that
+    student): its alignment group is the identity, holds the sampled log-probs on the sampled tokens, and
+    train-student --loss rkl-pg --is-cap 2 reads them (not the teacher arrays' tokens without them)."""
+    from xtcache.chat import chat_fingerprint, trained_roles
+    from xtcache.store import CacheReader
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, _, _, parts, _ = rollouts
+    tok = load_tokenizer(str(setup.teacher_model))
+    fp, im_end = chat_fingerprint(tok), tok.convert_tokens_to_ids("<|im_end|>")
+    rows = {}
+    for key, row in _rows(parts).items():
+        ids = tok(row["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+        ids += [im_end] * (row["stop_reason"] == "stop")
+        rows[key] = {**row, "chat_fingerprint": fp, "sampled_ids": ids, "sampled_logprobs": [-0.25] * len(ids)}
+    _write_rows(tmp_path / "parts", rows)
+    store = _dump(setup, tmp_path / "parts", tmp_path / "cache", student=setup.teacher_model)
+    reader = CacheReader(str(store))
+    assert reader.alignment_groups()[fp].identity
+    seen = 0
+    for shard in reader.shards:
+        al = reader.read_alignment(fp, shard.shard_id, verify=True)
+        for d in range(len(al.doc_student_offsets) - 1):
+            a, b = int(al.doc_student_offsets[d]), int(al.doc_student_offsets[d + 1])
+            lp = al.sampled_logprobs[a:b]
+            sampled = np.flatnonzero(np.isfinite(lp))
+            assert np.array_equal(np.flatnonzero(trained_roles(al.student_role[a:b], "last-assistant")), sampled)
+            assert al.student_ids[a:b][sampled].tolist() in [r["sampled_ids"] for r in rows.values()]
+            seen += 1
+    assert seen == len(rows) == 8
+    _train(setup, store, tmp_path / "run", "--is-cap", "2", student=setup.teacher_model)
+    train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)
 
 
 def test_a_sampling_log_prob_that_is_no_log_prob_is_damage():
@@ -248,3 +329,12 @@ def test_the_batch_lays_sampling_log_probs_out_like_labels():
     np.testing.assert_array_equal(batch["sampled_logprobs"][0], [np.nan, -1, -2, -3, *[np.nan] * 4])
     plain = build_micro_batch([[(replace(src, sampled_logprobs=None), 0, 0, n, 0)]], seq_len=8, pad_id=0)
     assert "sampled_logprobs" not in plain  # a store without the array: no key (--is-cap 0 only)
+
+
+def test_offsets_of_sampled_ids_come_from_their_bytes():
+    """A character split over byte tokens is covered by each of them, as a tokenizer's own offsets do."""
+    from stage1_teacher.splice import byte_offsets
+
+    text = "a\u00e9\u6771b"  # 1, 2 and 3 UTF-8 bytes, then 1
+    got = byte_offsets(text, np.array([1, 1, 1, 2, 1, 1]))  # "a", e-acute in 1 + 1 bytes, the CJK in 2 + 1, "b"
+    assert got.tolist() == [[0, 1], [1, 2], [1, 2], [2, 3], [2, 3], [3, 4]]

@@ -200,9 +200,10 @@ def inspect(
                               "unaligned spans / chars", "misaligned chars")))
         for fp, c in s["conversation"].items():
             if "sampled_turns" in c:  # rollouts (stage1_teacher.sampled)
-                print(f"rollouts in {fp[:16]}: sampled turns {c['sampled_turns']:,}, whose stored ids are not the "
-                      f"sampled ids {c['sampled_mismatch']:,} (no sampling log-probs there; of them spelling the "
-                      f"same text {c.get('sampled_same_text', 0):,})")
+                spliced = c.get("sampled_same_text", 0)
+                print(f"rollouts in {fp[:16]}: sampled turns {c['sampled_turns']:,}, whose sampled ids are not the "
+                      f"re-tokenized ids {c['sampled_mismatch']:,} (spliced, trained on the sampled ids: {spliced:,}; "
+                      f"not spelling the turn's text, no sampling log-probs: {c['sampled_mismatch'] - spliced:,})")
         if seq_len is not None:
             _print_windows(store, parse_storage_options(storage_options), s["conversation"], seq_len)
 
