@@ -64,7 +64,7 @@ def build_setup(run, workdir: Path, size_name: str, *, chat: bool) -> DemoSetup:
     """Step 1: corpus, tokenizers and teacher (chat templates and a conversational teacher with `chat`),
     built once under WORKDIR/artifacts (in a child run by `run`, a StageRunner) and reused."""
     spec = _toy_spec(SIZES[size_name])
-    fresh = not (workdir / "artifacts" / f"toy-{spec.key()}" / "DONE").exists()
+    fresh = not (workdir / "artifacts" / f"{'chat' if chat else 'toy'}-{spec.key()}" / "DONE").exists()
     log.info("step 1/5: corpus, tokenizers, teacher pre-training (%s)", "building" if fresh else "cached")
     cmd = [sys.executable, "-m", "xtcache.demo_setup", "--workdir", str(workdir), "--size", size_name]
     run.run([*cmd, *(["--chat"] if chat else [])], "demo setup: " + " ".join(cmd[2:]))
@@ -81,14 +81,11 @@ def _setup(workdir: Path, size: DemoSize, *, chat: bool) -> DemoSetup:
         return DemoSetup(setup=setup, spec_key=f"toy-{spec.key()}", workdir=workdir, train_on=())
     from xtcache.testing.chat import build_chat_setup
 
-    log.info("chat templates on both tokenizers, teacher pre-trained on rendered conversations")
     setup = build_chat_setup(setup, workdir / "artifacts" / f"chat-{spec.key()}", num_train=size.num_docs,
                              num_heldout=max(20, size.num_docs // 8), teacher_steps=size.teacher_steps,
                              teacher_hidden=size.teacher_hidden)
     return DemoSetup(setup=setup, spec_key=f"chat-{spec.key()}", workdir=workdir / "chat",
                      train_on=("--train-on", "assistant"))
-
-
 
 
 def main() -> None:
@@ -99,6 +96,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")  # xtcache.cli's format: the demo shows these lines
+    if args.chat:
+        log.info("chat templates on both tokenizers, teacher pre-trained on rendered conversations")
     _setup(Path(args.workdir), SIZES[args.size], chat=args.chat)
 
 
