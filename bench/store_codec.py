@@ -267,10 +267,12 @@ def _zarr_decode(url: str, meta) -> None:
     import zarr
 
     group = zarr.open_group(url, mode="r", path=f"shards/{meta.shard_id}")
+    pos = group["doc_pos_offsets"][...]
     for name, spec in meta.arrays.items():
         values = group[name][...]
         if spec.transform is not None:
-            codecs.codec_from_config(spec.transform).decode(values)
+            codec = codecs.codec_from_config(spec.transform)
+            codec.decode(values, pos) if name == "char_offsets" else codec.decode(values)
 
 
 def _best_rate(fn, positions: int, repeat: int = 5) -> float:

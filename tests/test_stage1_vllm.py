@@ -109,7 +109,10 @@ def test_vllm_store_verifies_and_matches_transformers(stores, mode, teacher):
             assert np.exp(np.take_along_axis(ref, ids, 1))[live].mean() > 20.0 / V
         else:
             got = np.take_along_axis(ref, ids, 1)
-            assert_stored_close(d.topk_logprobs[rows], got)
+            if mode == "full":  # full mode keeps 8-bit log-probs: half a step, plus kernel differences
+                np.testing.assert_allclose(d.topk_logprobs[rows], got, atol=24.0 / 255 / 2 + 1e-3)
+            else:
+                assert_stored_close(d.topk_logprobs[rows], got)
             if mode == "topk":
                 kth = -np.sort(-ref[:, :V], 1)[:, 7]
                 assert (got >= kth[:, None] - 1e-3).all()
