@@ -6,11 +6,11 @@ alternating (plain, xtcache, plain, ...) after one warm-up call, so that the loa
 machine falls on both rows alike; the table gives medians, the line below it every run's ratio,
 and "vs plain vLLM" is the median of those ratios. "plain vLLM" is `LLM.generate` of all the
 token-id prompts at once with the same `SamplingParams` that xtcache sends (checked: n,
-temperature, top-p, max tokens, `logprobs=0`, the sampled token's log-prob, `detokenize=False`),
-writing nothing. "xtcache generate" is the whole
-command's generation loop (`run_generate`): reading the prompts, rendering them in the student's
-chat template, sampling part after part (`--prompts-per-part`, the command's default unless
-given), decoding each completion's text, writing the parts and the index. The engine's start and
+temperature, top-p, max tokens, `logprobs=0`: the sampled token's log-prob, in flat lists,
+`detokenize=False`), writing nothing. "xtcache generate" is the whole command's generation loop
+(`run_generate`): reading the prompts, rendering them in the student's chat template, sampling
+part after part (`--prompts-per-part`, the command's default unless given), decoding each
+completion's text, writing the parts and the index. The engine's start and
 stop are fixed costs of a command, measured once and printed apart, not in the rates (vLLM's CPU
 build takes 5 s to stop: its worker process does not exit on its own and is killed at the end of
 vLLM's grace period). Generated tokens per second; the ratio is xtcache / plain.
@@ -58,7 +58,7 @@ def plain_params(args):
     from vllm import SamplingParams
 
     return SamplingParams(n=args.samples, temperature=1.0, top_p=1.0, max_tokens=args.max_new_tokens, logprobs=0,
-                          detokenize=False)
+                          flat_logprobs=True, detokenize=False)
 
 
 def plain_generate(llm, reqs, params) -> dict:

@@ -8,8 +8,10 @@ reason.
 * `HfSampler`: a KV-cached decoding loop over the model's forward; each (prompt, sample) draws from
   its own `torch.Generator` seeded by `rollouts.sample_seed(--seed, prompt id, sample)`, so the same
   checkpoint and seed give the same rollouts, whatever the sharding or a resume.
-* `VllmSampler`: `LLM.generate` on token-id prompts with `logprobs=0` (the sampled token's log-prob)
-  and `logprobs_mode="processed_logprobs"` (after temperature and top-p). On CUDA each sample is one
+* `VllmSampler`: token-id prompts with `logprobs=0` (the sampled token's log-prob, in vLLM's flat
+  lists), `detokenize=False` (the text is decoded once per completion) and
+  `logprobs_mode="processed_logprobs"` (after temperature and top-p); `stream` keeps the next part's
+  requests queued in the engine while a part finishes and is written. On CUDA each sample is one
   request with its own seed `sample_seed(...)`; on the CPU build a per-request seed kills the engine
   ("CPU Generator does not use offset"), so there only the engine seed is set and two runs differ:
   that is logged, and the manifest records `reproducible: false`.
@@ -146,8 +148,9 @@ class VllmSampler:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        # the sampled token's log-prob in flat lists (no dict per position), no text: `completion_text` decodes once
         common = dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens, logprobs=0,
-                      detokenize=False)
+                      flat_logprobs=True, detokenize=False)
         reqs, params = [], []
         for p in prompts:
             if self.reproducible:
@@ -182,10 +185,14 @@ class VllmSampler:
             submit()
         while queued:
             part, prompts, ids = queued[0]
-            while any(i not in finished for i in ids):
+            missing = sum(i not in finished for i in ids)
+            while missing:
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"vLLM finished without the outputs of part {part}")
-                finished.update((o.request_id, o) for o in engine.step() if o.finished)
+                done = [o for o in engine.step() if o.finished]  # FINAL_ONLY: most steps return none
+                if done:
+                    finished.update((o.request_id, o) for o in done)
+                    missing = sum(i not in finished for i in ids)
             queued.popleft()
             yield part, prompts, self._grouped([finished.pop(i) for i in ids], sampling)
             submit()  # after the caller committed the part: a bad row further on costs no finished part
@@ -209,8 +216,14 @@ class VllmSampler:
 
     @staticmethod
     def _completion(o) -> Completion:
+        from vllm.logprobs import FlatLogprobs
+
         ids = [int(t) for t in o.token_ids]
-        lps = [float(step[t].logprob) for t, step in zip(ids, o.logprobs or [])]
+        got = o.logprobs if o.logprobs is not None else []
+        if isinstance(got, FlatLogprobs) and got.token_ids == ids and len(got.logprobs) == len(ids):
+            lps = [float(x) for x in got.logprobs]  # logprobs=0: one entry per position, the sampled token's
+        else:
+            lps = [float(step[t].logprob) for t, step in zip(ids, got)]
         if len(lps) != len(ids):
             raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} sampled tokens")
         return Completion(ids, lps, "stop" if o.finish_reason == "stop" else "length")
