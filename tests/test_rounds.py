@@ -1,9 +1,12 @@
 """`xtcache rounds`: two on-policy rounds end to end, cross-tokenizer and conversational (the Llama-3-style
 student generates in its template, the ChatML teacher scores in its own), with --engine hf for
 generate and teacher-dump (seeded: reproducible), and a driver killed with SIGKILL that resumes to the
-same final weights, bit for bit.
+same final weights, bit for bit; and the same two rounds with --engine vllm for both generate and
+teacher-dump (CPU vLLM does not sample reproducibly, so that run is checked for alignment and trained
+positions only).
 
-Cost (2 cores): one uninterrupted run (module fixture) and one run killed once in each stage.
+Cost (2 cores): one uninterrupted run (module fixture), one run killed once in each stage, and one
+vLLM run of 1 prompt x 2 samples and 1 step a round (four engine starts).
 """
 
 from __future__ import annotations
@@ -39,16 +42,16 @@ def chat(toy_setup, tmp_path_factory):
     return setup, root / "prompts.jsonl"
 
 
-def _cmd(setup, prompts, workdir) -> list[str]:
+def _cmd(setup, prompts, workdir, *, engine: str = "hf", steps: int = STEPS, micro_batch: int = 2) -> list[str]:
     return [sys.executable, "-m", "xtcache.cli", "rounds", "--student", str(setup.student_model), "--teacher",
             str(setup.teacher_model), "--prompts", str(prompts), "--rounds", "2", "--workdir", str(workdir),
-            "--engine", "hf", "--samples-per-prompt", "2", "--max-new-tokens", "8", "--steps-per-round", str(STEPS),
-            "--", "--seq-len", "64", "--micro-batch-size", "2", "--zero-stage", "0", "--save-every", "1",
+            "--engine", engine, "--samples-per-prompt", "2", "--max-new-tokens", "8", "--steps-per-round", str(steps),
+            "--", "--seq-len", "64", "--micro-batch-size", str(micro_batch), "--zero-stage", "0", "--save-every", "1",
             "--lr", "1e-3"]
 
 
-def _run(cmd) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+def _run(cmd, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -84,14 +87,38 @@ def test_two_rounds_chain_policies_checkpoints_and_print_their_commands(full_run
     assert [r["step"] for r in train1 if r["kind"] == "train"] == [STEPS + 1, 2 * STEPS]  # continued, not restarted
 
 
+@pytest.fixture(scope="module")
+def vllm_run(chat, tmp_path_factory):
+    """Two rounds with vLLM generating and scoring (issue 26's test): 1 prompt x 2 samples, 1 step a round."""
+    setup, prompts = chat
+    root = tmp_path_factory.mktemp("vllm")
+    one = root / "prompt.jsonl"
+    one.write_text(prompts.read_text().splitlines(keepends=True)[0])
+    workdir = root / "w"
+    proc = _run(_cmd(setup, one, workdir, engine="vllm", steps=1, micro_batch=1), timeout=1800)  # a hang guard
+    return workdir, proc.stdout + proc.stderr
+
+
 def test_each_round_cache_is_aligned_and_trains_exactly_the_generated_turn(full_run, chat):
+    _assert_rounds_aligned(full_run[0], chat[0], rollouts=6)
+
+
+def test_vllm_rounds_are_aligned_and_train_exactly_the_generated_turn(vllm_run, chat):
+    workdir, _ = vllm_run
+    commands = (workdir / "commands.sh").read_text().splitlines()
+    assert sum("--engine vllm" in c for c in commands) == 4  # generate and teacher-dump, both rounds
+    assert f"--trust-check-from {workdir}/round-000/cache" in commands[4]  # round 1 trusts round 0's check
+    _assert_rounds_aligned(workdir, chat[0], rollouts=2)
+
+
+def _assert_rounds_aligned(workdir: Path, setup, *, rollouts: int) -> None:
+    """Each round's cache: inspect reports 0 misaligned characters, and the trained positions of every
+    conversation are one run, exactly its generated turn (its end-of-turn token trained or not)."""
     from xtcache.chat import chat_fingerprint, trained_roles
     from xtcache.commands_store import store_summary
     from xtcache.store import CacheReader
     from xtcache.tokenizer import load_tokenizer
 
-    workdir, _ = full_run
-    setup, _ = chat
     tok = load_tokenizer(str(setup.student_model))
     fp = chat_fingerprint(tok)
     for r in (0, 1):
@@ -117,7 +144,7 @@ def test_each_round_cache_is_aligned_and_trains_exactly_the_generated_turn(full_
                 assert tok.decode(ids[first:end]).removesuffix("<|eot_id|>") == conv["messages"][-1]["content"].strip()
                 assert tok.decode(ids[first:]).removesuffix("<|eot_id|>") == conv["messages"][-1]["content"].strip()
                 seen += 1
-        assert seen == 6
+        assert seen == rollouts
 
 
 def _kill_when(cmd, workdir: Path, marker: str) -> None:

@@ -7,7 +7,8 @@ Round r (r = 0, 1, ...) runs three `xtcache` commands as subprocesses, under W/r
 
 1. `generate --student S_r --out rollouts`: S_0 is --student, S_r is round r-1's export (train/hf);
 2. `teacher-dump --data 'rollouts/parts/*.jsonl' --out cache`: the teacher scores the rollouts in
-   its own template, aligned to the student's tokenizer;
+   its own template, aligned to the student's tokenizer (with vLLM, round r > 0 trusts round 0's
+   first-batch check of the same teacher: `--trust-check-from`, one engine start less);
 3. `train-student --cache cache --out train --max-steps (r+1) x --steps-per-round`, from round
    r-1's last checkpoint (`--init-from`: weights, optimizer, LR schedule and step; the new cache's
    data from its start), which exports train/hf.
@@ -98,8 +99,11 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
                 str(cfg.samples_per_prompt), "--max-new-tokens", str(cfg.max_new_tokens), "--temperature",
                 str(cfg.temperature), "--seed", str(cfg.seed + r)]
     if stage == "teacher-dump":
-        return ["teacher-dump", "--teacher", cfg.teacher, "--student-tokenizer", cfg.student, "--data",
+        args = ["teacher-dump", "--teacher", cfg.teacher, "--student-tokenizer", cfg.student, "--data",
                 str(d / "rollouts" / "parts" / "*.jsonl"), "--out", str(d / "cache"), "--engine", cfg.engine]
+        if cfg.engine == "vllm" and r > 0:  # the same teacher every round: round 0's first-batch check holds
+            args += ["--trust-check-from", str(round_dir(cfg, 0) / "cache")]
+        return args
     args = ["train-student", "--cache", str(d / "cache"), "--student", cfg.student, "--out", str(d / "train"),
             "--max-steps", str((r + 1) * cfg.steps_per_round), "--loss", cfg.loss, "--train-on", cfg.train_on,
             "--seed", str(cfg.seed)]
