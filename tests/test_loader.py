@@ -102,7 +102,8 @@ def _write_store(path, toy_setup, teacher_tok, student_tok, *, mode="topk", n_do
     rng = np.random.default_rng(0)
     fp = tokenizer_fingerprint(student_tok)
     group = AlignGroupMeta(fingerprint=fp, tokenizer_name="toy-student", vocab_size=len(student_tok))
-    manifest = Manifest(cache_key=f"loader-{mode}", mode=mode, k=K, teacher_vocab_size=2048,
+    # format version 2: float32 realized log-probs, which identify rows here (version 3 stores them as float16)
+    manifest = Manifest(cache_key=f"loader-{mode}", mode=mode, k=K, teacher_vocab_size=2048, format_version=2,
                         num_samples=12 if mode == "sampled" else None, alignment_groups=[group],
                         fingerprints={"teacher_tokenizer": tokenizer_fingerprint(teacher_tok)})
     texts = _texts(toy_setup, n_docs)
