@@ -65,8 +65,8 @@ DOC_BLOCKS = {"train-step": "README.md", "train-step-two-teachers": "README.md",
 TWO_TEACHER_ROWS = "cross/ce,cross/pkl,cross/2-teachers"
 PROPORTIONED_ROWS = "cross-1b/ce,cross-1b/pkl,same-1b/ce,same-1b/kl,same-1b/kl full"
 # The proportioned students (rows cross-1b/..., same-1b/...): hidden 256, 4 layers, 4k vocabularies, so that the LM
-# head takes about the share of a step's FLOPs it takes in a 1B model (Llama-3.2-1B: 2048 x 128k of about 1.2G
-# matmul parameters per token, 22%); the table prints the share of each student (`head_flop_share`)
+# head takes about the share of a step's FLOPs it takes in a 1B model (Llama-3.2-1B: 2048 x 128k = 263M of 1.24G
+# matmul parameters per token, 21%); the table prints the share of each student (`head_flop_share`: 22%)
 # (student, loss, cache(s), student model) of every row, in table order
 ROWS = [("cross", "ce", "topk", "cross_student"), ("cross", "pkl", "topk", "cross_student"),
         ("cross", "pkl full", "full", "cross_student"), ("cross", "alm", "topk", "cross_student"),
