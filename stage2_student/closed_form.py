@@ -17,8 +17,9 @@ and, with P = sum_i p_i + p_r (1 up to rounding), the gradient of a * KL_row + c
     label y:    - c
 
 `exp(u_j - lse_out)` is at most 1 outside S, so no term overflows however small q_r is; the
-stored ids' entries are overwritten afterwards (there that factor may be inf). tests/test_losses.py
-checks both against the autograd path of the same losses, values and gradients.
+stored ids' entries are overwritten afterwards (there that factor may be inf). tests/test_closed_form.py
+checks values and gradients against the same losses under autograd (`blocked._block_terms`),
+tests/test_losses.py against dense fp64 references.
 
     kd, ce, saved = forward(spec, z_rows, blk, teacher)          # in _BlockedTerms.forward
     g = gradient(spec, z_rows, blk, teacher, saved, grad_kd_rows, grad_ce)   # [b, V], in backward
