@@ -684,6 +684,8 @@ def main(argv=None) -> None:
     p.add_argument("--section", choices=("table", "on-policy"), default="table",
                    help="table: the full table (README); on-policy: on-policy rounds against off-policy KD "
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block)")
+    p.add_argument("--from-report", help="with --section on-policy: render the table of this quality-on-policy.json "
+                                         "(an earlier run's) instead of running")
     args = p.parse_args(argv)
     if args.section == "on-policy":
         return on_policy_section(args)
@@ -728,10 +730,13 @@ def on_policy_section(args) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     s = OnPolicySettings(seeds=1, steps_per_round=6, prompts=8, num_train=80, teacher_steps=40) if args.quick \
         else OnPolicySettings()
-    report = run_on_policy(Path(args.workdir) / "on-policy", s)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quality-on-policy.json").write_text(json.dumps(report, indent=2, default=str))
+    if args.from_report:  # the table of an earlier run, rendered again (its figures unchanged)
+        report = {**json.loads(Path(args.from_report).read_text()), "rendered_from": args.from_report}
+    else:
+        report = run_on_policy(Path(args.workdir) / "on-policy", s)
+        (out / "quality-on-policy.json").write_text(json.dumps(report, indent=2, default=str))
     md = on_policy_markdown(report)
     (out / "quality-on-policy.md").write_text(md)
     print(md)

@@ -193,11 +193,11 @@ def run_on_policy(work: Path, s: OnPolicySettings) -> dict:
     return {"settings": s.__dict__, "rows": rows, "off_turns": p["off_turns"], "wall_s": time.perf_counter() - t0}
 
 
-def _mean_sd(xs: list) -> str:
+def _mean_sd(xs: list, fmt: str = ".3f") -> str:
     xs = [x for x in xs if x is not None]
     if not xs:
         return "-"
-    return f"{statistics.fmean(xs):.3f} +- {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+    return f"{statistics.fmean(xs):{fmt}} +- {statistics.stdev(xs):{fmt}}" if len(xs) > 1 else f"{xs[0]:{fmt}}"
 
 
 def _spread_notes(rows: dict) -> list[str]:
@@ -205,7 +205,7 @@ def _spread_notes(rows: dict) -> list[str]:
     notes = []
     names = list(rows)
     for key, label in (("heldout_kl", "held-out KL"), ("reverse_kl_per_token", "reverse KL/token"),
-                       ("teacher_nll_per_token", "teacher NLL/token")):
+                       ("teacher_nll_per_token", "teacher NLL/token"), ("teacher_nll_per_byte", "teacher NLL/byte")):
         stats = {}
         for n in names:
             xs = [r[key] for r in rows[n] if r.get(key) is not None]
@@ -228,19 +228,24 @@ def markdown(report: dict) -> str:
              f"{s['max_new_tokens']} tokens (`xtcache rounds --engine hf`); off-policy: the last assistant turns of "
              f"{report['off_turns']} other training conversations (top-{s['top_k']} cache).", "",
              "| row | teacher-scored tokens (trained) | steps | held-out KL | reverse KL/token | teacher NLL/token | "
-             "stopped |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "teacher NLL/byte | sample length (tokens) | stopped |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, runs in report["rows"].items():
-        pos = _mean_sd([r["teacher_positions"] for r in runs]).replace(".000", "")
-        lines.append(f"| {name} | {pos} | {runs[0]['steps']} | {_mean_sd([r['heldout_kl'] for r in runs])} | "
-                     f"{_mean_sd([r['reverse_kl_per_token'] for r in runs])} | "
-                     f"{_mean_sd([r['teacher_nll_per_token'] for r in runs])} | "
-                     f"{_mean_sd([r['stopped_fraction'] for r in runs])} |")
+        cells = [_mean_sd([r["teacher_positions"] for r in runs], ".0f"), str(runs[0]["steps"]),
+                 *[_mean_sd([r[k] for r in runs]) for k in ("heldout_kl", "reverse_kl_per_token",
+                                                            "teacher_nll_per_token", "teacher_nll_per_byte")],
+                 _mean_sd([r["mean_student_tokens"] for r in runs], ".1f"),
+                 _mean_sd([r["stopped_fraction"] for r in runs], ".2f")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Held-out KL: chunk-level P-KL to the teacher's full distribution on the last assistant turns of "
               f"{s['num_heldout']} held-out conversations (train-student's `--eval-cache`). Reverse KL/token and "
               f"teacher NLL/token: `xtcache policy-eval` on {s['eval_prompts']} held-out prompts x {s['eval_samples']} "
-              "samples (seed 0), per student token (an upper bound across tokenizers: docs above). Teacher-scored "
+              "samples (seed 0), per student token and per byte of the samples' text (an upper bound across tokenizers: "
+              "docs above); sample length: mean student tokens per sample, stopped: the fraction that ended with the "
+              "end-of-turn token. Teacher-scored "
               "tokens: student tokens of the trained turns in the caches the row trained on (on-policy: both rounds). "
               "`rkl-pg` runs with `--is-cap 0` (no ratio): the turns whose sampled ids do not spell their text carry "
               "no sampling log-prob, and a capped ratio refuses a micro-batch that trains on them.", "",
-              *_spread_notes(report["rows"]), "", f"Wall time {report['wall_s'] / 60:.1f} min."]
+              *_spread_notes(report["rows"]), "", f"Wall time {report['wall_s'] / 60:.1f} min"
+              + (f" (the run that wrote {report['rendered_from']}; this table is rendered from it)."
+                 if report.get("rendered_from") else ".")]
     return "\n".join(lines)
