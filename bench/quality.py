@@ -2,7 +2,7 @@
 
     python bench/quality.py                          # the full table (README), about 15 min on 2 CPU cores
     python bench/quality.py --quick                  # a smoke run: few documents and steps, one seed
-    python bench/quality.py --section on-policy      # only the on-policy rows (bench/quality_onpolicy.py), ~15 min
+    python bench/quality.py --section on-policy      # only the on-policy rows (bench/quality_onpolicy.py), ~28 min
     python bench/quality.py --teacher T --student S --student-same-tok S2 --train-data a.jsonl \
         --heldout-data b.jsonl --train-docs 20000 --steps 2000 --seq-len 1024   # the same table on real models
 
@@ -686,6 +686,9 @@ def main(argv=None) -> None:
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block)")
     p.add_argument("--from-report", help="with --section on-policy: render the table of this quality-on-policy.json "
                                          "(an earlier run's) instead of running")
+    p.add_argument("--add-rows", action="store_true",
+                   help="with --section on-policy --from-report R: run only the rows R lacks (its settings, seeds "
+                        "and setup) and write R's rows with them to --out's quality-on-policy.json")
     args = p.parse_args(argv)
     if args.section == "on-policy":
         return on_policy_section(args)
@@ -732,7 +735,14 @@ def on_policy_section(args) -> None:
         else OnPolicySettings()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.from_report:  # the table of an earlier run, rendered again (its figures unchanged)
+    if args.add_rows and not args.from_report:
+        raise SystemExit("--add-rows: give --from-report (the report whose rows are reused)")
+    if args.add_rows:  # the rows the earlier report lacks, run on its settings; its own rows reused as they are
+        base = json.loads(Path(args.from_report).read_text())
+        report = run_on_policy(Path(args.workdir) / "on-policy", OnPolicySettings(**base["settings"]), base=base,
+                               save=out / "quality-on-policy.json")
+        (out / "quality-on-policy.json").write_text(json.dumps(report, indent=2, default=str))
+    elif args.from_report:  # the table of an earlier run, rendered again (its figures unchanged)
         report = {**json.loads(Path(args.from_report).read_text()), "rendered_from": args.from_report}
     else:
         report = run_on_policy(Path(args.workdir) / "on-policy", s)

@@ -1,6 +1,6 @@
 """The on-policy section of the quality bench (issue 26 item 5): on-policy rounds against off-policy KD.
 
-    python bench/quality.py --section on-policy     # about 15 min on 2 idle CPU cores (bench/quality.py writes the docs block)
+    python bench/quality.py --section on-policy     # about 28 min on 2 idle CPU cores (bench/quality.py writes the docs block)
 
 The cross-tokenizer chat setup of tests/test_rounds.py (`xtcache.testing.chat.build_chat_setup`: a
 ChatML-style Qwen2 teacher pre-trained on conversations, a fresh Llama-3-style student with its own
@@ -13,7 +13,9 @@ assistant turn (`--train-on last-assistant`) for the same number of steps with t
 | off-policy KD | the same turns, the teacher's top-k cache of them (`--loss auto`: P-KL, + 0.1 CE) |
 | on-policy, auto | `xtcache rounds`, 2 rounds: its own answers to P prompts cut from the training conversations, scored by the teacher (`--loss auto`: P-KL on its own tokens, no CE) |
 | on-policy, rkl-pg | the same rounds with `--loss rkl-pg --is-cap 0` (the per-chunk reverse-KL policy gradient) |
+| off-policy KD then on-policy | off-policy KD on half the turns (C/2, 16 steps: one pass), then `xtcache rounds --student` its export: 2 rounds of 7 steps on P/2 prompts (auto; rkl-pg; auto with `--corpus-cache` the KD half, `--rollout-fraction 0.5`) |
 
+The off-policy-then-on-policy rows are added to an earlier report by `--add-rows` (bench/quality.py).
 C = P x samples x rounds, so the off-policy rows read as many assistant turns as the on-policy rows
 generate; the teacher-scored tokens of both (the trained positions) are reported. Measures: the
 held-out KL (train-student's `--eval-cache`: chunk-level P-KL against a full-vocabulary store of
@@ -106,10 +108,14 @@ def prepare(work: Path, s: OnPolicySettings, log_file: Path) -> dict:
     n_off = s.prompts * s.samples_per_prompt * ROUNDS  # as many assistant turns as the rounds generate
     off_rows = [json.loads(x) for x in setup.train_jsonl.read_text().splitlines()[s.prompts:s.prompts + n_off]]
     off_data = write_chat_jsonl(work / "off-policy.jsonl", off_rows)
+    half_data = write_chat_jsonl(work / "off-policy-half.jsonl", off_rows[:n_off // 2])
     p = {"setup": setup, "train_prompts": _prompts(setup.train_jsonl, work / "prompts-train.jsonl", range(s.prompts)),
          "eval_prompts": _prompts(setup.heldout_jsonl, work / "prompts-heldout.jsonl", range(s.eval_prompts)),
-         "off_cache": work / "cache-off", "eval_cache": work / "cache-heldout", "projection": work / "projection.npz"}
-    for data, out, mode in ((off_data, p["off_cache"], ["--mode", "topk", "--top-k", str(s.top_k)]),
+         "half_prompts": _prompts(setup.train_jsonl, work / "prompts-train-half.jsonl", range(s.prompts // 2)),
+         "off_cache": work / "cache-off", "half_cache": work / "cache-off-half", "eval_cache": work / "cache-heldout",
+         "projection": work / "projection.npz"}
+    topk = ["--mode", "topk", "--top-k", str(s.top_k)]
+    for data, out, mode in ((off_data, p["off_cache"], topk), (half_data, p["half_cache"], topk),
                             (setup.heldout_jsonl, p["eval_cache"], ["--mode", "full"])):
         if not (out / "manifest.json").exists():
             _xtcache("teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
@@ -119,31 +125,37 @@ def prepare(work: Path, s: OnPolicySettings, log_file: Path) -> dict:
         _xtcache("projection", "build", "--student-tokenizer", str(setup.student_tokenizer), "--teacher-tokenizer",
                  str(setup.teacher_tokenizer), "--out", str(p["projection"]), log_file=log_file)
     p["off_positions"] = _trained_positions(p["off_cache"])
+    p["half_positions"] = _trained_positions(p["half_cache"])
     p["off_turns"] = n_off
     return p
 
 
-def _train(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: list[str], log_file: Path) -> dict:
+def _train(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: list[str], log_file: Path, *,
+           half: bool = False) -> dict:
+    """train-student on the off-policy cache (30 steps), or with `half` on its first half (kd_half_steps)."""
     if out.exists():
         shutil.rmtree(out)
     setup = p["setup"]
-    _xtcache("train-student", "--cache", str(p["off_cache"]), "--eval-cache", str(p["eval_cache"]), "--student",
+    cache, steps = (p["half_cache"], kd_half_steps(s)) if half else (p["off_cache"], ROUNDS * s.steps_per_round)
+    _xtcache("train-student", "--cache", str(cache), "--eval-cache", str(p["eval_cache"]), "--student",
              str(setup.student_model), "--out", str(out), "--projection", str(p["projection"]), "--max-steps",
-             str(ROUNDS * s.steps_per_round), "--train-on", "last-assistant", *_common(s, seed), *loss,
-             log_file=log_file)
+             str(steps), "--train-on", "last-assistant", *_common(s, seed), *loss, log_file=log_file)
     summary = json.loads((out / "summary.json").read_text())
-    return {"hf": out / "hf", "heldout_kl": summary.get("final_eval_kl"), "teacher_positions": p["off_positions"],
-            "steps": ROUNDS * s.steps_per_round}
+    return {"hf": out / "hf", "heldout_kl": summary.get("final_eval_kl"),
+            "teacher_positions": p["half_positions" if half else "off_positions"], "steps": steps}
 
 
-def _rounds(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: str, extra: list[str], log_file: Path) -> dict:
+def _rounds(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: str, extra: list[str], log_file: Path, *,
+            student: Path | None = None, prompts: Path | None = None, steps_per_round: int | None = None) -> dict:
+    """`xtcache rounds` from the fresh student on the P training prompts, or from `student` on `prompts`."""
     if out.exists():
         shutil.rmtree(out)
     setup = p["setup"]
-    _xtcache("rounds", "--student", str(setup.student_model), "--teacher", str(setup.teacher_model), "--prompts",
-             str(p["train_prompts"]), "--rounds", str(ROUNDS), "--workdir", str(out), "--engine", "hf",
-             "--samples-per-prompt", str(s.samples_per_prompt), "--max-new-tokens", str(s.max_new_tokens),
-             "--seed", str(seed), "--steps-per-round", str(s.steps_per_round), "--loss", loss, "--train-on",
+    _xtcache("rounds", "--student", str(student or setup.student_model), "--teacher", str(setup.teacher_model),
+             "--prompts", str(prompts or p["train_prompts"]), "--rounds", str(ROUNDS), "--workdir", str(out),
+             "--engine", "hf", "--samples-per-prompt", str(s.samples_per_prompt), "--max-new-tokens",
+             str(s.max_new_tokens), "--seed", str(seed), "--steps-per-round", str(steps_per_round or s.steps_per_round),
+             "--loss", loss, "--train-on",
              "last-assistant", "--projection", str(p["projection"]), "--eval-cache", str(p["eval_cache"]), "--",
              *_without_seed(_common(s, seed)),
              "--kd-weight", "1.0", "--ce-weight", "0.0", *extra, log_file=log_file)
@@ -160,37 +172,85 @@ def _without_seed(flags: list[str]) -> list[str]:
     return flags[:i] + flags[i + 2:]
 
 
+def _kd_then_rounds(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: str, extra: list[str],
+                    log_file: Path) -> dict:
+    """Off-policy KD on the half cache (kd_half_steps), then ROUNDS rounds of round_steps from its export on the
+    first P/2 prompts: C/2 teacher turns + P/2 x samples x rounds rollouts, 30 steps in all."""
+    kd = _train(p, out / "kd", s, seed, ROWS[1][2], log_file, half=True)
+    extra = [p["half_cache"] if x == HALF_CACHE else x for x in extra]
+    r = _rounds(p, out / "rounds", s, seed, loss, [str(x) for x in extra], log_file, student=kd["hf"],
+                prompts=p["half_prompts"], steps_per_round=round_steps(s))
+    return {**r, "teacher_positions": kd["teacher_positions"] + r["teacher_positions"],
+            "rollout_positions": r["teacher_positions"], "steps": kd["steps"] + r["steps"], "kd_heldout_kl": kd["heldout_kl"]}
+
+
+HALF_CACHE = "<half cache>"  # placeholder in a row's flags for the off-policy half's cache (prepare builds it)
+
+
+def round_steps(s: OnPolicySettings) -> int:
+    """Steps per round of the on-policy half: 7 of the default 15, so that 2 x 7 rounds follow 16 KD steps."""
+    return s.steps_per_round // 2
+
+
+def kd_half_steps(s: OnPolicySettings) -> int:
+    """The off-policy half's steps: the other rows' total less the rounds' (16 by default: one pass over C/2 turns)."""
+    return ROUNDS * (s.steps_per_round - round_steps(s))
+
 ROWS = [  # name, kind, loss flags
     ("CE only", "train", ["--loss", "ce", "--ce-weight", "1.0"]),
     ("off-policy KD (P-KL + 0.1 CE)", "train", ["--loss", "auto", "--kd-weight", "1.0", "--ce-weight", "0.1"]),
     ("on-policy, 2 rounds, auto (P-KL)", "rounds", ("auto", [])),
     ("on-policy, 2 rounds, rkl-pg", "rounds", ("rkl-pg", ["--is-cap", "0"])),
+    ("off-policy KD (16 steps) then on-policy, 2 rounds, auto", "kd-then-rounds", ("auto", [])),
+    ("off-policy KD (16 steps) then on-policy, 2 rounds, rkl-pg", "kd-then-rounds", ("rkl-pg", ["--is-cap", "0"])),
+    ("off-policy KD (16 steps) then on-policy, 2 rounds, auto + corpus 0.5", "kd-then-rounds",
+     ("auto", ["--corpus-cache", HALF_CACHE, "--rollout-fraction", "0.5"])),
 ]
 
 
-def run_on_policy(work: Path, s: OnPolicySettings) -> dict:
-    """Every row on every seed; returns the report (rows with per-seed values)."""
-    from stage1_teacher.policy_eval import policy_eval
-
+def run_on_policy(work: Path, s: OnPolicySettings, *, base: dict | None = None, save: Path | None = None) -> dict:
+    """Every row on every seed, or with `base` (an earlier report) only the rows it lacks, row by row; returns the
+    report (rows with per-seed values), written to `save` after every run (a stopped run keeps what it measured)."""
     t0 = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     log_file = work / "on-policy.log"
     log_file.write_text("")
     p = prepare(work, s, log_file)
-    rows = {name: [] for name, _, _ in ROWS}
-    for seed in range(s.seeds):
-        for i, (name, kind, flags) in enumerate(ROWS):
-            out = work / "runs" / f"row{i}-seed{seed}"
+    report = {"settings": s.__dict__, "rows": dict((base or {}).get("rows", {})), "off_turns": p["off_turns"],
+              "wall_s": (base or {}).get("wall_s", 0.0)}
+    if base:
+        report["reused"] = list(base["rows"])
+    for i, (name, kind, flags) in enumerate(ROWS):
+        if name in report["rows"]:
+            continue
+        report["rows"][name] = []
+        for seed in range(s.seeds):
             log.info("seed %d: %s", seed, name)
-            r = _train(p, out, s, seed, flags, log_file) if kind == "train" else \
-                _rounds(p, out, s, seed, flags[0], flags[1], log_file)
-            report, _ = policy_eval(str(r["hf"]), str(p["setup"].teacher_model), str(p["eval_prompts"]),
-                                    samples_per_prompt=s.eval_samples, max_new_tokens=s.max_new_tokens, seed=0)
-            rows[name].append({**{k: v for k, v in r.items() if k != "hf"}, "seed": seed,
-                               **{k: report[k] for k in ("reverse_kl_per_token", "reverse_kl_per_token_se",
-                                                         "teacher_nll_per_token", "teacher_nll_per_byte",
-                                                         "stopped_fraction", "mean_student_tokens", "unscored")}})
-    return {"settings": s.__dict__, "rows": rows, "off_turns": p["off_turns"], "wall_s": time.perf_counter() - t0}
+            r = _run_row(p, work / "runs" / f"row{i}-seed{seed}", s, seed, kind, flags, log_file)
+            report["rows"][name].append({**r, "seed": seed})
+            report["added_wall_s"] = time.perf_counter() - t0
+            if save:
+                save.write_text(json.dumps(report, indent=2, default=str))
+    if not base:
+        report["wall_s"] = time.perf_counter() - t0
+    return report
+
+
+def _run_row(p: dict, out: Path, s: OnPolicySettings, seed: int, kind: str, flags, log_file: Path) -> dict:
+    """One row on one seed: its training, then policy-eval of the student it ends with."""
+    from stage1_teacher.policy_eval import policy_eval
+
+    if kind == "train":
+        r = _train(p, out, s, seed, flags, log_file)
+    elif kind == "rounds":
+        r = _rounds(p, out, s, seed, flags[0], flags[1], log_file)
+    else:
+        r = _kd_then_rounds(p, out, s, seed, flags[0], flags[1], log_file)
+    report, _ = policy_eval(str(r["hf"]), str(p["setup"].teacher_model), str(p["eval_prompts"]),
+                            samples_per_prompt=s.eval_samples, max_new_tokens=s.max_new_tokens, seed=0)
+    return {**{k: v for k, v in r.items() if k != "hf"},
+            **{k: report[k] for k in ("reverse_kl_per_token", "reverse_kl_per_token_se", "teacher_nll_per_token",
+                                      "teacher_nll_per_byte", "stopped_fraction", "mean_student_tokens", "unscored")}}
 
 
 def _mean_sd(xs: list, fmt: str = ".3f") -> str:
@@ -245,7 +305,32 @@ def markdown(report: dict) -> str:
               "tokens: student tokens of the trained turns in the caches the row trained on (on-policy: both rounds). "
               "`rkl-pg` runs with `--is-cap 0` (no ratio): the turns whose sampled ids do not spell their text carry "
               "no sampling log-prob, and a capped ratio refuses a micro-batch that trains on them.", "",
-              *_spread_notes(report["rows"]), "", f"Wall time {report['wall_s'] / 60:.1f} min"
-              + (f" (the run that wrote {report['rendered_from']}; this table is rendered from it)."
-                 if report.get("rendered_from") else ".")]
+              *_kd_then_note(report), *_spread_notes(report["rows"]), "", _wall_time(report)]
     return "\n".join(lines)
+
+
+def _kd_then_note(report: dict) -> list[str]:
+    """The off-policy-then-on-policy rows' split of steps and teacher-scored tokens (when the report has them)."""
+    runs = [r for rs in report["rows"].values() for r in rs if "rollout_positions" in r]
+    if not runs:
+        return []
+    s = report["settings"]
+    o = OnPolicySettings(**s)
+    return [f"Off-policy KD then on-policy: `--loss auto` (P-KL + 0.1 CE) for {kd_half_steps(o)} steps on the last "
+            f"assistant turns of the first {report['off_turns'] // 2} of the off-policy conversations (top-{s['top_k']} "
+            f"cache, {runs[0]['teacher_positions'] - runs[0]['rollout_positions']} trained tokens, one pass), then "
+            f"`xtcache rounds --student` its export: {ROUNDS} rounds of {round_steps(o)} steps on {s['prompts'] // 2} "
+            f"prompts x {s['samples_per_prompt']} samples (a fresh optimizer and warmup): as many teacher turns plus "
+            "rollouts as the off-policy row's turns. Their teacher-scored column is the KD half's tokens plus both "
+            "rounds' rollout tokens. The corpus row mixes the KD half's cache into the rounds' training at "
+            "`--rollout-fraction 0.5` (no new teacher-scored tokens). Held-out KL after the KD half alone: "
+            f"{_mean_sd([r['kd_heldout_kl'] for r in runs])}.", ""]
+
+
+def _wall_time(report: dict) -> str:
+    if report.get("reused"):
+        return (f"Wall time {report['wall_s'] / 60:.1f} min for the rows {', '.join(report['reused'])} (an earlier "
+                f"run, reused as they are); {report['added_wall_s'] / 60:.1f} min for the rows added by `--add-rows`.")
+    return f"Wall time {report['wall_s'] / 60:.1f} min" + (
+        f" (the run that wrote {report['rendered_from']}; this table is rendered from it)."
+        if report.get("rendered_from") else ".")
