@@ -49,6 +49,7 @@ def test_the_tree_keeps_every_contract(tree_copy):
     ("xtcache/align.py", "import stage1_teacher.corpus", "the xtcache core imports no stage"),
     ("schemas/models.py", "import xtcache.errors", "schemas (the store contract) imports no other"),
     ("stage1_teacher/dump.py", "from xtcache.testing import toy", "the product never imports the test scaffolding"),
+    ("xtcache/docblock.py", "from xtcache.testing import toy", "the product never imports the test scaffolding"),
     ("stage1_teacher/shard_plan.py", "import pyarrow.parquet", "the corpus is read behind its owner"),
 ])
 def test_a_back_arrow_breaks_a_contract(tree_copy, tmp_path, module, back_arrow, contract):
