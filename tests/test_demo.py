@@ -41,8 +41,9 @@ def test_small_demo_distilled_student_beats_ce_baseline():
     assert kd["steps"] == ce["steps"] > 0
     assert kd["first_eval"]["kl"] == pytest.approx(ce["first_eval"]["kl"])
     # distillation from the cache pulls the student towards the teacher's full distribution, beyond CE
-    # alone (at this size by little: 2.34 vs 2.35, from 3.42)
-    assert kd["final_eval_kl"] < ce["final_eval_kl"]
+    # alone: at 80 steps by 0.073, 0.051 and 0.079 nats with seeds 0, 1, 2 (the demo runs seed 0; one run's
+    # KL moves by 0.02-0.05 between seeds), so a KD term that does not teach does not reach this margin
+    assert kd["final_eval_kl"] < ce["final_eval_kl"] - 0.025
     assert kd["final_eval_kl"] < 0.75 * kd["first_eval"]["kl"]
     assert os.path.getsize(result["png"]) > 10_000
     assert "distilled student is ahead on held-out KL" in proc.stdout

@@ -37,8 +37,11 @@ class DemoSize:
 SIZES = {
     "default": DemoSize(num_docs=700, teacher_hidden=128, teacher_steps=400, student_steps=150, seq_len=256,
                         micro_batch_size=8, lr=3e-3, top_k=32, eval_every=25),
-    "small": DemoSize(num_docs=260, teacher_hidden=64, teacher_steps=150, student_steps=40, seq_len=128,
-                      micro_batch_size=8, lr=3e-3, top_k=16, eval_every=20),
+    # small (the suite's): 80 steps, where distillation's lead over CE-only on held-out KL (0.073, 0.051, 0.079
+    # nats with seeds 0, 1, 2, paired) is well above the spread between seeds (tests/test_demo.py); at 40 steps
+    # it was 0.013-0.046
+    "small": DemoSize(num_docs=260, teacher_hidden=64, teacher_steps=150, student_steps=80, seq_len=128,
+                      micro_batch_size=8, lr=3e-3, top_k=16, eval_every=40),
 }
 
 
