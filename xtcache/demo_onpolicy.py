@@ -7,13 +7,15 @@ The chat demo's teacher and student (cross-tokenizer: a ChatML-style Qwen2 teach
 student; `xtcache demo --chat`), then, each stage an `xtcache` subprocess:
 1. the chat demo's caches: top-k of the training conversations, every teacher id of the held-out ones
    (the held-out reference), and the projection;
-2. off-policy KD: `train-student` on the training conversations' cache for 2 x S steps, exporting
-   the student at step S too;
-3. on-policy: `xtcache rounds` with 2 rounds of S steps: the student answers prompts cut from the
-   same training conversations (after their last user message), the teacher scores its answers,
-   the student trains on them (KD only: no CE on its own samples), and the next round samples
-   from the trained student;
-4. `xtcache policy-eval` of every student (before training, off-policy at S and 2S steps, after
+2. off-policy KD: `train-student` on the training conversations' cache for T steps (the size's
+   student steps), exporting the student at step S too (S = T - 2 R, `split_steps`);
+3. on-policy from that step-S student, as on-policy distillation is run after SFT or KD (a fresh
+   student's own samples are noise to the teacher: docs/on-policy.md, the quality rows): `xtcache
+   rounds` with 2 rounds of R steps: the student answers prompts cut from the same training
+   conversations (after their last user message), the teacher scores its answers, the student trains
+   on them with the off-policy run's objective (P-KL + 0.1 CE), and the next round samples from the
+   trained student; so the last round ends at step T, like the off-policy run;
+4. `xtcache policy-eval` of every student (before training, off-policy at S and T steps, after
    each round) on held-out prompts: the live teacher's reverse KL per token and its NLL per token,
    on the student's own samples.
 
@@ -79,17 +81,18 @@ def _student_flags(size: DemoSize) -> list[str]:
             "--warmup-steps", "10", "--eval-every", str(size.eval_every), "--zero-stage", "2"]
 
 
-def run_rounds(run: StageRunner, setup, prompts: Path, workdir: Path, projection: Path, eval_cache: Path,
-               size: DemoSize, ps: OnPolicySize, steps: int, engine: str) -> list[dict]:
-    """`xtcache rounds` (a fresh work directory every demo run); returns its per-round metrics."""
+def run_rounds(run: StageRunner, setup, start: Path, prompts: Path, workdir: Path, projection: Path,
+               eval_cache: Path, size: DemoSize, ps: OnPolicySize, steps: int, engine: str) -> list[dict]:
+    """`xtcache rounds` from the student `start` (a fresh work directory every demo run); returns its
+    per-round metrics."""
     if workdir.exists():
         shutil.rmtree(workdir)
-    run.xtcache("rounds", "--student", str(setup.student_model), "--teacher", str(setup.teacher_model),
+    run.xtcache("rounds", "--student", str(start), "--teacher", str(setup.teacher_model),
                 "--prompts", str(prompts), "--rounds", str(ROUNDS), "--workdir", str(workdir), "--engine", engine,
                 "--samples-per-prompt", str(ps.samples_per_prompt), "--max-new-tokens", str(ps.max_new_tokens),
                 "--steps-per-round", str(steps), "--loss", "pkl", "--train-on", TRAIN_ON[1], "--projection",
                 str(projection), "--eval-cache", str(eval_cache), "--",
-                *_student_flags(size), "--kd-weight", "1.0", "--ce-weight", "0.0")
+                *_student_flags(size), "--kd-weight", "1.0", "--ce-weight", "0.1")
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
@@ -99,6 +102,18 @@ def policy_eval(run: StageRunner, student: Path, teacher: Path, prompts: Path, p
                 "--samples-per-prompt", str(ps.eval_samples_per_prompt), "--max-new-tokens", str(ps.max_new_tokens),
                 "--seed", "0", "--out", str(out))
     return json.loads(out.read_text())
+
+
+def split_steps(size: DemoSize) -> tuple[int, int]:
+    """(steps per round R, off-policy steps S before the rounds), S + ROUNDS R = the size's student steps:
+    the largest R up to a quarter of them whose S is an evaluation step of the off-policy run (so its
+    step-S row has a held-out KL), else a quarter."""
+    total = size.student_steps
+    for r in range(max(1, total // (2 * ROUNDS)), 0, -1):
+        if (total - ROUNDS * r) % size.eval_every == 0:
+            return r, total - ROUNDS * r
+    r = max(1, total // (2 * ROUNDS))
+    return r, total - ROUNDS * r
 
 
 def eval_kl_at(run_dir: Path, step: int) -> float | None:
@@ -122,26 +137,28 @@ def _run(run: StageRunner, workdir: Path, size_name: str, engine: str) -> dict:
     size, ps = SIZES[size_name], ON_POLICY_SIZES[size_name]
     ds = build_setup(run, workdir, size_name, chat=True)
     setup, out = ds.setup, workdir / "on-policy"
-    steps = max(1, size.student_steps // ROUNDS)
+    steps, kd_steps = split_steps(size)
     dump, eval_dump = dump_caches(run, ds, size, engine)
     projection = build_projection(run, ds)
     train_prompts = write_prompts(setup.train_jsonl, out / "prompts-train.jsonl", ps.prompts)
     eval_prompts = write_prompts(setup.heldout_jsonl, out / "prompts-heldout.jsonl", ps.eval_prompts)
 
-    log.info("step 4/5: off-policy KD on the training conversations' cache, %d steps; on-policy, %d rounds of %d "
-             "steps", ROUNDS * steps, ROUNDS, steps)
+    total = kd_steps + ROUNDS * steps
+    log.info("step 4/5: off-policy KD on the training conversations' cache, %d steps; from its step %d, on-policy, "
+             "%d rounds of %d steps", total, kd_steps, ROUNDS, steps)
     off_dir = out / "off-policy"
     off = _train(run, setup, dump["path"], eval_dump["path"], projection, off_dir, size, kd=True,
-                 extra=(*TRAIN_ON, "--export-every", str(steps)), steps=ROUNDS * steps)
+                 extra=(*TRAIN_ON, "--export-every", str(kd_steps)), steps=total)
     rounds_dir = out / "rounds"
-    rounds = run_rounds(run, setup, train_prompts, rounds_dir, projection, eval_dump["path"], size, ps, steps, engine)
+    rounds = run_rounds(run, setup, off_dir / f"hf-step{kd_steps}", train_prompts, rounds_dir, projection,
+                        eval_dump["path"], size, ps, steps, engine)
 
     log.info("step 5/5: policy-eval of every student on %d held-out prompts", ps.eval_prompts)
     students = [("initial student", 0, Path(setup.student_model), off.get("initial_eval_kl")),
-                *[(f"off-policy KD, step {s}", s, off_dir / f"hf-step{s}", eval_kl_at(off_dir, s))
-                  for s in range(steps, ROUNDS * steps, steps)],
-                (f"off-policy KD, step {ROUNDS * steps}", ROUNDS * steps, off_dir / "hf", off.get("final_eval_kl")),
-                *[(f"on-policy round {m['round'] + 1}", m["step"], Path(m["hf_dir"]), m.get("final_eval_kl"))
+                (f"off-policy KD, step {kd_steps}", kd_steps, off_dir / f"hf-step{kd_steps}",
+                 eval_kl_at(off_dir, kd_steps)),
+                (f"off-policy KD, step {total}", total, off_dir / "hf", off.get("final_eval_kl")),
+                *[(f"on-policy round {m['round'] + 1}", kd_steps + m["step"], Path(m["hf_dir"]), m.get("final_eval_kl"))
                   for m in rounds]]
     rows = []
     for i, (name, step, student, kl) in enumerate(students):
@@ -151,7 +168,7 @@ def _run(run: StageRunner, workdir: Path, size_name: str, engine: str) -> dict:
                      "reverse_kl_per_token": report.get("reverse_kl_per_token"),
                      "teacher_nll_per_token": report.get("teacher_nll_per_token"), "report": str(report_path)})
     result = {"rows": rows, "engine": "vLLM" if engine == "vllm" else "transformers", "rounds": rounds,
-              "steps_per_round": steps, "prompts": ps.prompts, "samples_per_prompt": ps.samples_per_prompt,
+              "steps_per_round": steps, "kd_steps": kd_steps, "prompts": ps.prompts, "samples_per_prompt": ps.samples_per_prompt,
               "eval_prompts": ps.eval_prompts, "eval_samples_per_prompt": ps.eval_samples_per_prompt,
               "max_new_tokens": ps.max_new_tokens, "eval_cache_docs": eval_dump.get("documents"),
               "commands": str(rounds_dir / "commands.sh"), "metrics": str(rounds_dir / "metrics.jsonl"),
@@ -169,7 +186,8 @@ def on_policy_table(r: dict) -> str:
         "KD, conversations, cross-tokenizer",
         f"  engine                  {r['engine']} (generate and teacher-dump)",
         f"  on-policy rounds        {r['prompts']} training prompts x {r['samples_per_prompt']} samples of up to "
-        f"{r['max_new_tokens']} tokens, {r['steps_per_round']} steps each",
+        f"{r['max_new_tokens']} tokens, {r['steps_per_round']} steps each, from off-policy KD's step "
+        f"{r.get('kd_steps', '-')}",
         "",
         f"  {'student':<26}{'steps':>6}{'held-out KL*':>14}{'reverse KL/token**':>20}{'teacher NLL/token**':>21}",
     ]
@@ -182,7 +200,8 @@ def on_policy_table(r: dict) -> str:
         f"{_fmt(r['eval_cache_docs'], 'd')}",
         "    held-out conversations (the demo's measure); off-policy KD: P-KL + 0.1 CE on the training "
         "conversations'",
-        "    cache; on-policy: P-KL only, on the student's own answers to prompts cut from the same conversations",
+        "    cache; on-policy: the same objective on the student's own answers to prompts cut from the same",
+        f"    conversations, from the off-policy student of step {r.get('kd_steps', '-')}",
         "  ** xtcache policy-eval: the live teacher on the student's own samples for "
         f"{r['eval_prompts']} held-out prompts x {r['eval_samples_per_prompt']}",
         "     samples: mean log p_student(y) - log p_teacher(y) and mean -log p_teacher(y), per generated token",
