@@ -92,8 +92,8 @@ def _trained_positions(store: Path) -> int:
 
 def _common(s: OnPolicySettings, seed: int) -> list[str]:
     return ["--seq-len", str(s.seq_len), "--micro-batch-size", str(s.micro_batch_size), "--lr", str(s.lr),
-            "--warmup-steps", "5", "--min-lr-ratio", "1", "--zero-stage", "0", "--seed", str(seed),
-            "--eval-every", "1000"]  # a constant rate after warmup: one schedule for a run and for rounds
+            "--warmup-steps", str(min(5, round_steps(s))), "--min-lr-ratio", "1", "--zero-stage", "0", "--seed", str(seed),
+            "--eval-every", "1000"]  # a constant rate after warmup (5 steps; fewer in --quick's 3-step rounds)
 
 
 def prepare(work: Path, s: OnPolicySettings, log_file: Path) -> dict:
@@ -201,9 +201,9 @@ ROWS = [  # name, kind, loss flags
     ("off-policy KD (P-KL + 0.1 CE)", "train", ["--loss", "auto", "--kd-weight", "1.0", "--ce-weight", "0.1"]),
     ("on-policy, 2 rounds, auto (P-KL)", "rounds", ("auto", [])),
     ("on-policy, 2 rounds, rkl-pg", "rounds", ("rkl-pg", ["--is-cap", "0"])),
-    ("off-policy KD (16 steps) then on-policy, 2 rounds, auto", "kd-then-rounds", ("auto", [])),
-    ("off-policy KD (16 steps) then on-policy, 2 rounds, rkl-pg", "kd-then-rounds", ("rkl-pg", ["--is-cap", "0"])),
-    ("off-policy KD (16 steps) then on-policy, 2 rounds, auto + corpus 0.5", "kd-then-rounds",
+    ("off-policy KD then on-policy, 2 rounds, auto", "kd-then-rounds", ("auto", [])),
+    ("off-policy KD then on-policy, 2 rounds, rkl-pg", "kd-then-rounds", ("rkl-pg", ["--is-cap", "0"])),
+    ("off-policy KD then on-policy, 2 rounds, auto + corpus 0.5", "kd-then-rounds",
      ("auto", ["--corpus-cache", HALF_CACHE, "--rollout-fraction", "0.5"])),
 ]
 
