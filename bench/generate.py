@@ -23,7 +23,6 @@ vLLM's grace period). Generated tokens per second; the ratio is xtcache / plain.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -38,14 +37,9 @@ DOC_BLOCKS = {"generate": "docs/on-policy.md"}  # --write-docs: block -> file
 
 def prompt_file(setup, n: int, out: Path) -> Path:
     """`n` conversation prompts (the chat corpus cut after its last user message)."""
-    from xtcache.testing.chat import chat_corpus
+    from xtcache.testing.chat import chat_corpus, write_prompts
 
-    rows = []
-    for row in chat_corpus(n, seed=7, max_turns=2):
-        last_user = max(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
-        rows.append({**row, "messages": row["messages"][:last_user + 1]})
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
+    return write_prompts(chat_corpus(n, seed=7, max_turns=2), out)
 
 
 def sampling_values(args) -> dict:

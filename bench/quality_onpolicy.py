@@ -70,14 +70,9 @@ def _xtcache(*args: str, log_file: Path) -> None:
 
 def _prompts(conversations: Path, out: Path, rows: range) -> Path:
     """Conversations `rows` of a chat JSONL, each cut after its last user message."""
-    lines = conversations.read_text(encoding="utf-8").splitlines()
-    keep = []
-    for i in rows:
-        row = json.loads(lines[i])
-        last_user = max(j for j, m in enumerate(row["messages"]) if m["role"] == "user")
-        keep.append({**row, "messages": row["messages"][:last_user + 1]})
-    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep), encoding="utf-8")
-    return out
+    from xtcache.testing.chat import write_prompts
+
+    return write_prompts(conversations, out, rows)
 
 
 def _trained_positions(store: Path) -> int:

@@ -23,16 +23,12 @@ MAX_NEW = "12"
 @pytest.fixture(scope="module")
 def chat(toy_setup, tmp_path_factory):
     """(chat setup, conversation prompts .jsonl, text prompts .jsonl); held-out prompts in heldout.jsonl."""
-    from xtcache.testing.chat import build_chat_setup
+    from xtcache.testing.chat import build_chat_setup, write_prompts
 
     root = tmp_path_factory.mktemp("gen")
     setup = build_chat_setup(toy_setup, root / "chat", num_train=6, num_heldout=3, teacher_steps=0)
     for src, name in ((setup.train_jsonl, "prompts.jsonl"), (setup.heldout_jsonl, "heldout.jsonl")):
-        prompts = []
-        for row in map(json.loads, src.read_text().splitlines()):
-            last_user = max(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
-            prompts.append({**row, "messages": row["messages"][:last_user + 1]})
-        (root / name).write_text("".join(json.dumps(p) + "\n" for p in prompts))
+        write_prompts(src, root / name)
     conv = root / "prompts.jsonl"
     text = root / "prefixes.jsonl"
     text.write_text("".join(json.dumps({"text": f"The cache stores {w} and"}) + "\n" for w in ("ids", "log-probs", "x")))

@@ -30,15 +30,11 @@ SAMPLES, NEW_TOKENS = 3, 20
 @pytest.fixture(scope="module")
 def chat(toy_setup, tmp_path_factory):
     """(chat setup, prompts .jsonl): held-out conversations cut after their last user message."""
-    from xtcache.testing.chat import build_chat_setup
+    from xtcache.testing.chat import build_chat_setup, write_prompts
 
     root = tmp_path_factory.mktemp("policy_eval")
     setup = build_chat_setup(toy_setup, root / "chat", num_train=40, num_heldout=6, teacher_steps=60)
-    prompts = []
-    for row in map(json.loads, setup.heldout_jsonl.read_text().splitlines()):
-        last_user = max(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
-        prompts.append({**row, "messages": row["messages"][:last_user + 1]})
-    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    write_prompts(setup.heldout_jsonl, root / "prompts.jsonl")
     return setup, root / "prompts.jsonl", root
 
 

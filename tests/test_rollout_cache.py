@@ -63,16 +63,12 @@ def rollouts(toy_setup, tmp_path_factory):
     generated rows with a text whose ids (the student's tokenization, end-of-turn appended when it
     stopped) spell it, as generate writes them for a turn that round-trips.
     """
-    from xtcache.testing.chat import build_chat_setup
+    from xtcache.testing.chat import build_chat_setup, write_prompts
     from xtcache.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("rollcache")
     setup = build_chat_setup(toy_setup, root / "chat", num_train=4, num_heldout=2, teacher_steps=0)
-    prompts = []
-    for row in map(json.loads, setup.train_jsonl.read_text().splitlines()):
-        last_user = max(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
-        prompts.append({**row, "messages": row["messages"][:last_user + 1]})
-    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    write_prompts(setup.train_jsonl, root / "prompts.jsonl")
     _cli("generate", "--student", setup.student_model, "--data", root / "prompts.jsonl", "--out", root / "r",
          "--engine", "hf", "--samples-per-prompt", "2", "--max-new-tokens", "12", "--seed", "1")
     tok = load_tokenizer(setup.student_model)

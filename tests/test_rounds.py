@@ -30,16 +30,11 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def chat(toy_setup, tmp_path_factory):
     """(chat setup, prompts .jsonl): conversations cut after their last user message."""
-    from xtcache.testing.chat import build_chat_setup
+    from xtcache.testing.chat import build_chat_setup, write_prompts
 
     root = tmp_path_factory.mktemp("rounds")
     setup = build_chat_setup(toy_setup, root / "chat", num_train=6, num_heldout=3, teacher_steps=0)
-    prompts = []
-    for row in map(json.loads, setup.train_jsonl.read_text().splitlines()[:3]):
-        last_user = max(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
-        prompts.append({**row, "messages": row["messages"][:last_user + 1]})
-    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    return setup, root / "prompts.jsonl"
+    return setup, write_prompts(setup.train_jsonl, root / "prompts.jsonl", range(3))
 
 
 def _cmd(setup, prompts, workdir, *, engine: str = "hf", steps: int = STEPS, micro_batch: int = 2) -> list[str]:

@@ -65,14 +65,10 @@ ON_POLICY_SIZES = {
 
 def write_prompts(conversations: Path, out: Path, limit: int) -> Path:
     """The first `limit` conversations of a chat JSONL, each cut after its last user message."""
-    rows = []
-    for line in conversations.read_text(encoding="utf-8").splitlines()[:limit]:
-        row = json.loads(line)
-        last_user = max(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
-        rows.append({**row, "messages": row["messages"][:last_user + 1]})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return out
+    from xtcache.testing.chat import write_prompts as cut
+
+    n = len(conversations.read_text(encoding="utf-8").splitlines())
+    return cut(conversations, out, range(min(limit, n)))
 
 
 def _student_flags(size: DemoSize) -> list[str]:
