@@ -259,7 +259,9 @@ def test_chat_corpus_through_dump_and_align_has_no_misaligned_characters(chat_ru
 
     assert "empty conversation: 1" in chat_run["dump"]
     r = CacheReader(str(chat_run["store"]))
-    assert r.manifest.conversation and r.manifest.format_version == 2 and r.is_complete()
+    from xtcache.store import FORMAT_VERSION
+
+    assert r.manifest.conversation and r.manifest.format_version == FORMAT_VERSION and r.is_complete()
     summary = store_summary(str(chat_run["store"]))
     third = chat_fingerprint(load_tokenizer(str(chat_run["third_tok"])))
     assert set(summary["conversation"]) == {chat_fingerprint(load_tokenizer(str(chat_run["student_tok"]))), third}

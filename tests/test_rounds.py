@@ -6,7 +6,9 @@ teacher-dump (CPU vLLM does not sample reproducibly, so that run is checked for 
 positions only).
 
 Cost (2 cores): one uninterrupted run (module fixture), one run killed once in each stage, and one
-vLLM run of 1 prompt x 2 samples and 1 step a round (four engine starts).
+vLLM run of 1 prompt x 2 samples and 1 step a round (four engine starts: teacher-dump with
+`--no-fast-path`, the teacher's own prompt log-probs, needs no first-batch check engine; the fast path
+and its check are tests/test_stage1_vllm.py's).
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ def chat(toy_setup, tmp_path_factory):
     return setup, write_prompts(setup.train_jsonl, root / "prompts.jsonl", range(3))
 
 
-def _cmd(setup, prompts, workdir, *, engine: str = "hf", steps: int = STEPS, micro_batch: int = 2) -> list[str]:
+def _cmd(setup, prompts, workdir, *, engine: str = "hf", steps: int = STEPS, micro_batch: int = 2,
+         dump_args: str = "") -> list[str]:
     return [sys.executable, "-m", "xtcache.cli", "rounds", "--student", str(setup.student_model), "--teacher",
             str(setup.teacher_model), "--prompts", str(prompts), "--rounds", "2", "--workdir", str(workdir),
-            "--engine", engine, "--samples-per-prompt", "2", "--max-new-tokens", "8", "--steps-per-round", str(steps),
+            "--engine", engine, *(["--dump-args", dump_args] if dump_args else []), "--samples-per-prompt", "2", "--max-new-tokens", "8", "--steps-per-round", str(steps),
             "--", "--seq-len", "64", "--micro-batch-size", str(micro_batch), "--zero-stage", "0", "--save-every", "1",
             "--lr", "1e-3"]
 
@@ -90,7 +93,8 @@ def vllm_run(chat, tmp_path_factory):
     one = root / "prompt.jsonl"
     one.write_text(prompts.read_text().splitlines(keepends=True)[0])
     workdir = root / "w"
-    proc = _run(_cmd(setup, one, workdir, engine="vllm", steps=1, micro_batch=1), timeout=1800)  # a hang guard
+    proc = _run(_cmd(setup, one, workdir, engine="vllm", steps=1, micro_batch=1, dump_args="--no-fast-path"),
+                timeout=1800)  # a hang guard
     return workdir, proc.stdout + proc.stderr
 
 
@@ -102,7 +106,7 @@ def test_vllm_rounds_are_aligned_and_train_exactly_the_generated_turn(vllm_run, 
     workdir, _ = vllm_run
     commands = (workdir / "commands.sh").read_text().splitlines()
     assert sum("--engine vllm" in c for c in commands) == 4  # generate and teacher-dump, both rounds
-    assert f"--trust-check-from {workdir}/round-000/cache" in commands[4]  # round 1 trusts round 0's check
+    assert all(c.endswith("--no-fast-path") for c in commands if " teacher-dump " in c)
     _assert_rounds_aligned(workdir, chat[0], rollouts=2)
 
 
@@ -177,6 +181,19 @@ def _cfg(tmp_path, **kw):
 
     return RoundsConfig(**{"student": "S", "teacher": "T", "prompts": ["p.jsonl"], "rounds": 2,
                            "workdir": str(tmp_path / "w"), "engine": "hf", **kw})
+
+
+def test_teacher_dump_flags_of_every_round_and_the_check_trusted_after_round_0(tmp_path):
+    from xtcache.rounds import stage_command
+
+    cfg = _cfg(tmp_path, engine="vllm", dump_args=["--top-k", "32"])
+    first, later = stage_command(cfg, 0, "teacher-dump"), stage_command(cfg, 1, "teacher-dump")
+    assert first[-2:] == later[-2:] == ["--top-k", "32"] and "--trust-check-from" not in first
+    assert later[later.index("--trust-check-from") + 1] == str(tmp_path / "w" / "round-000" / "cache")
+    no_check = stage_command(_cfg(tmp_path, engine="vllm", dump_args=["--no-fast-path"]), 1, "teacher-dump")
+    assert "--trust-check-from" not in no_check  # no fast path: no first-batch check to trust
+    with pytest.raises(ValueError, match="--out set by xtcache rounds"):
+        _cfg(tmp_path, dump_args=["--out", "elsewhere"])
 
 
 def test_a_workdir_refuses_other_settings_changed_outputs_and_owned_flags(full_run, chat, tmp_path):

@@ -67,6 +67,7 @@ class RoundsConfig:
     projection: str | None = None
     eval_cache: str | None = None
     train_args: list[str] = field(default_factory=list)
+    dump_args: list[str] = field(default_factory=list)  # extra teacher-dump flags of every round
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -83,6 +84,11 @@ class RoundsConfig:
         if clash:
             raise ValueError(f"extra train-student flags {', '.join(clash)}: set by xtcache rounds itself; use its "
                              "own options (--loss, --train-on, --projection, --eval-cache, --steps-per-round)")
+        owned = {"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume"}
+        clash = sorted({a.split("=")[0] for a in self.dump_args} & owned)
+        if clash:
+            raise ValueError(f"--dump-args {' '.join(self.dump_args)!r}: {', '.join(clash)} set by xtcache rounds "
+                             "itself (--teacher, --student, the round's rollouts and cache, --engine)")
 
 
 def round_dir(cfg: RoundsConfig, r: int) -> Path:
@@ -101,9 +107,11 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
     if stage == "teacher-dump":
         args = ["teacher-dump", "--teacher", cfg.teacher, "--student-tokenizer", cfg.student, "--data",
                 str(d / "rollouts" / "parts" / "*.jsonl"), "--out", str(d / "cache"), "--engine", cfg.engine]
-        if cfg.engine == "vllm" and r > 0:  # the same teacher every round: round 0's first-batch check holds
+        own = {a.split("=")[0] for a in cfg.dump_args}
+        if cfg.engine == "vllm" and r > 0 and not own & {"--no-fast-path", "--trust-check-from"}:
+            # the same teacher every round: round 0's first-batch check holds
             args += ["--trust-check-from", str(round_dir(cfg, 0) / "cache")]
-        return args
+        return [*args, *cfg.dump_args]
     args = ["train-student", "--cache", str(d / "cache"), "--student", cfg.student, "--out", str(d / "train"),
             "--max-steps", str((r + 1) * cfg.steps_per_round), "--loss", cfg.loss, "--train-on", cfg.train_on,
             "--seed", str(cfg.seed)]
@@ -261,6 +269,7 @@ def check_settings(cfg: RoundsConfig) -> None:
     mine = {k: v for k, v in asdict(cfg).items() if k != "rounds"}
     if path.exists():
         was = {k: v for k, v in json.loads(path.read_text()).items() if k != "rounds"}
+        was.setdefault("dump_args", [])  # work directories of the version before --dump-args
         diff = sorted(k for k in set(was) | set(mine) if was.get(k) != mine.get(k))
         if diff:
             raise ConfigError(f"--workdir {cfg.workdir} was run with other settings ({', '.join(diff)}); "
@@ -299,11 +308,13 @@ def rounds(
     seed: int = typer.Option(0, help="train-student --seed; round r generates with --seed SEED + r."),
     steps_per_round: int = typer.Option(100, help="Optimizer steps per round (round r trains to (r+1) x this)."),
     loss: str = typer.Option("auto", help="train-student --loss; default auto: forward KL / P-KL on the stored "
-                             "support (rkl-pg needs --is-cap 0 today, docs/on-policy.md)."),
+                             "support; rkl-pg: the reverse-KL signal (docs/on-policy.md)."),
     train_on: str = typer.Option("last-assistant", help="train-student --train-on: the generated turn."),
     projection: str | None = typer.Option(None, help="train-student --projection (cross-tokenizer)."),
     eval_cache: str | None = typer.Option(None, help="train-student --eval-cache: a held-out store, for the "
                                           "table's final eval KL."),
+    dump_args: str = typer.Option("", help="Extra teacher-dump flags of every round, one shell-quoted string "
+                                  "(e.g. '--top-k 32 --dtype bfloat16 --mode sampled')."),
 ) -> None:
     """On-policy distillation in rounds: generate -> teacher-dump -> train-student, resumable.
 
@@ -313,7 +324,8 @@ def rounds(
                            workdir=workdir, engine=engine, samples_per_prompt=samples_per_prompt,
                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                            steps_per_round=steps_per_round, loss=loss, train_on=train_on, projection=projection,
-                           eval_cache=eval_cache, train_args=list(ctx.args))
+                           eval_cache=eval_cache, train_args=list(ctx.args),
+                           dump_args=shlex.split(dump_args))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     metrics = run_rounds(cfg)
