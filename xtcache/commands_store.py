@@ -200,12 +200,17 @@ def inspect(
                               "unaligned spans / chars", "misaligned chars")))
         for fp, c in s["conversation"].items():
             if "sampled_turns" in c:  # rollouts (stage1_teacher.sampled)
-                spliced = c.get("sampled_same_text", 0)
-                print(f"rollouts in {fp[:16]}: sampled turns {c['sampled_turns']:,}, whose sampled ids are not the "
-                      f"re-tokenized ids {c['sampled_mismatch']:,} (spliced, trained on the sampled ids: {spliced:,}; "
-                      f"not spelling the turn's text, no sampling log-probs: {c['sampled_mismatch'] - spliced:,})")
+                print(_rollout_line(fp, c))
         if seq_len is not None:
             _print_windows(store, parse_storage_options(storage_options), s["conversation"], seq_len)
+
+
+def _rollout_line(fp: str, c: dict) -> str:
+    """`inspect`'s line on a rollout cache's sampled turns in alignment group `fp` (its conversation stats)."""
+    spliced = c.get("sampled_same_text", 0)
+    return (f"rollouts in {fp[:16]}: sampled turns {c['sampled_turns']:,}, whose sampled ids are not the "
+            f"re-tokenized ids {c['sampled_mismatch']:,} (spliced, trained on the sampled ids: {spliced:,}; "
+            f"not spelling the turn's text, no sampling log-probs: {c['sampled_mismatch'] - spliced:,})")
 
 
 # ----------------------------------------------------------------------------------------- verify
