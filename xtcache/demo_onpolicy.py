@@ -67,8 +67,8 @@ def write_prompts(conversations: Path, out: Path, limit: int) -> Path:
     """The first `limit` conversations of a chat JSONL, each cut after its last user message."""
     from xtcache.testing.chat import write_prompts as cut
 
-    n = len(conversations.read_text(encoding="utf-8").splitlines())
-    return cut(conversations, out, range(min(limit, n)))
+    rows = [json.loads(line) for line in conversations.read_text(encoding="utf-8").splitlines()[:limit]]
+    return cut(rows, out)
 
 
 def _student_flags(size: DemoSize) -> list[str]:
