@@ -30,7 +30,7 @@ class ArrayDef:
     name: str
     dtypes: tuple[str, ...]  # stored numpy dtype names a reader accepts
     shape: tuple[str, ...]  # symbolic dimensions over D, P, k, B, S, C (or a number)
-    modes: tuple[str, ...] = ("topk", "full", "sampled")  # modes whose parts hold it
+    modes: tuple[str, ...] = ("topk", "full", "sampled", "headtail")  # modes whose parts hold it
     transform: str | None = None  # 'ids', 'logprobs' or 'offsets' (version 3): a transform named in the manifest
     shuffle: bool = False  # default compression: byte shuffle + zstd (blosc) instead of plain zstd
     conversation: bool = False  # held by the parts of conversation stores only
@@ -57,9 +57,10 @@ TEACHER_ARRAYS: tuple[ArrayDef, ...] = (
     ArrayDef("char_offsets", ("int32",), ("P", "2"), transform="offsets"),
     ArrayDef("has_pred", ("bool",), ("P",)),
     ArrayDef("topk_ids", ("uint16", "uint32"), ("P", "k"), transform="ids", shuffle=True),
-    ArrayDef("topk_logprobs", ("uint8", "uint16", "float16", "float32"), ("P", "k"), modes=("topk", "full"),
+    ArrayDef("topk_logprobs", ("uint8", "uint16", "float16", "float32"), ("P", "k"),
+             modes=("topk", "full", "headtail"),
              transform="logprobs"),
-    ArrayDef("topk_counts", ("uint16",), ("P", "k"), modes=("sampled",)),
+    ArrayDef("topk_counts", ("uint16",), ("P", "k"), modes=("sampled", "headtail")),
     ArrayDef("residual", ("float32", "float16"), ("P",), shuffle=True),
     ArrayDef("realized_logprob", ("float32", "float16"), ("P",), shuffle=True),
     ArrayDef("doc_conversation_offsets", ("int64",), ("D+1",), conversation=True),

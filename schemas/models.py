@@ -24,18 +24,21 @@ READ_VERSIONS = (1, 2, 3)
 plain-text store of version 2's layout (and keeps version 1 when an alignment group is added);
 3 added the sqrt-prob value code and float16 residual / realized log-prob (codec v2)."""
 
-Mode = Literal["topk", "full", "sampled"]
+Mode = Literal["topk", "full", "sampled", "headtail"]
 
 
 def support_width(mode: str, top_k: int, num_samples: int, vocab_size: int) -> int:
     """The store's `k` (entries per teacher position) for a capture: `--top-k` in topk mode, the
-    vocabulary V in full mode, min(`--num-samples`, V) in sampled mode.
+    vocabulary V in full mode, min(`--num-samples`, V) in sampled mode, and in headtail mode the
+    head plus room for every distinct tail draw: `--top-k` + min(`--num-samples`, V - `--top-k`).
 
     The one place that checks "k at most the vocabulary": ValueError naming --top-k otherwise.
     """
-    if mode == "topk" and top_k > vocab_size:
+    if mode in ("topk", "headtail") and top_k > vocab_size:
         raise ValueError(f"--top-k {top_k} is larger than the teacher vocabulary ({vocab_size}); "
                          "use --mode full to store every id")
+    if mode == "headtail":
+        return top_k + min(num_samples, vocab_size - top_k)
     return {"topk": top_k, "full": vocab_size, "sampled": min(num_samples, vocab_size)}[mode]
 
 
@@ -134,11 +137,15 @@ class Manifest(_Model):
 
     format_version: int = FORMAT_VERSION
     cache_key: str = Field(description="cache_key() of teacher, tokenizer, corpus and capture settings.")
-    mode: Mode = Field(description="'topk', 'full' (k = teacher vocab) or 'sampled' (ids + counts).")
+    mode: Mode = Field(description="'topk', 'full' (k = teacher vocab), 'sampled' (ids + counts) or 'headtail' "
+                                   "(exact top-k head + counts of draws from the tail).")
     k: int = Field(ge=1, description="Entries per teacher position: --top-k in topk mode, V in full mode, "
-                                     "min(--num-samples, V) in sampled mode (support_width).")
+                                     "min(--num-samples, V) in sampled mode, --top-k + min(--num-samples, "
+                                     "V - --top-k) in headtail mode (support_width).")
     teacher_vocab_size: int = Field(ge=1, description="Teacher vocabulary size V; every stored id is in [0, V).")
-    num_samples: int | None = Field(default=None, description="Draws per position in sampled mode.")
+    num_samples: int | None = Field(default=None, description="Draws per position in sampled and headtail modes.")
+    top_k: int | None = Field(default=None, ge=1, description="Head entries per position in headtail mode "
+                                                              "(exact log-probs); None in the other modes.")
     num_writers: int = Field(default=1, ge=1, description="Writers that fill the store (shards w00000..).")
     teacher_name: str = Field(default="", description="Teacher model name or path.")
     fingerprints: dict[str, str] = Field(
@@ -159,6 +166,13 @@ class Manifest(_Model):
 
     @model_validator(mode="after")
     def _k_is_a_support_width(self) -> "Manifest":
+        if self.mode == "headtail":
+            if self.top_k is None or self.num_samples is None:
+                raise ValueError("mode headtail: the manifest needs top_k and num_samples")
+            if support_width("headtail", self.top_k, self.num_samples, self.teacher_vocab_size) != self.k:
+                raise ValueError(f"mode headtail: k={self.k} is not top_k {self.top_k} + min(num_samples "
+                                 f"{self.num_samples}, V - top_k) for the teacher vocabulary {self.teacher_vocab_size}")
+            return self
         if support_width(self.mode, self.k, self.k, self.teacher_vocab_size) != self.k:
             raise ValueError(f"mode {self.mode}: k={self.k} does not fit the teacher vocabulary "
                              f"{self.teacher_vocab_size} (full mode stores every id: k = V; otherwise k <= V)")

@@ -194,7 +194,8 @@ def device_budget(shape: TeacherShape, run: Run, total: int, in_use: int = 0) ->
     if run.fast_path:
         head_b = run.head_bytes()
         rows = block_rows(V)
-        temporaries = 5 if run.mode == "sampled" else 3  # real, exp(real - m) and its argument; sampled: multinomial's 3
+        # real, exp(real - m) and its argument; sampled: multinomial's 3; headtail: also the tail and its histogram
+        temporaries = {"sampled": 5, "headtail": 8}.get(run.mode, 3)
         blocks = temporaries * rows * V * 4 + rows * H * head_b
         if run.reference_check:  # capture.head_rows_logprobs: logits + one logsumexp temporary per block
             blocks = max(blocks, 2 * rows * V * 4 + rows * H * head_b)

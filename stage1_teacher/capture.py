@@ -45,10 +45,11 @@ class Capture:
     engine: object
     kind: str  # "hidden", "logits" or "logprobs"
     mode: str
-    k: int  # stored width (top-k, V or num_samples)
+    k: int  # stored width (top-k, V, num_samples, or top-k + min(num_samples, V - top-k) in headtail mode)
     vocab_size: int  # len(teacher tokenizer)
     num_samples: int
     seed: int
+    top_k: int = 0  # headtail mode: the exact head's width (--top-k)
     head: TeacherHead | None = None
     path: str = ""
     notes: list[str] = field(default_factory=list)
@@ -64,7 +65,7 @@ class Capture:
         next_ids = window_tokens[rows]
 
         def generator(device):
-            if self.mode != "sampled":
+            if self.mode not in ("sampled", "headtail"):
                 return None
             return torch.Generator(device=device).manual_seed(sample_seed(self.seed, doc_hash, window))
 
@@ -72,7 +73,7 @@ class Capture:
             sel = torch.as_tensor(rows - 1, device=raw.device)
             head = self.head if self.kind == "hidden" else None
             device = head.weight.device if head is not None else raw.device
-            return distill_targets(raw[sel], next_ids, mode=self.mode, k=self.k, vocab_size=self.vocab_size,
+            return distill_targets(raw[sel], next_ids, mode=self.mode, k=self.head_k, vocab_size=self.vocab_size,
                                    num_samples=self.num_samples, generator=generator(device), head=head)
         return logprobs_to_targets(raw, rows - 1, self, generator("cpu"))
 
@@ -80,12 +81,12 @@ class Capture:
         """`targets` for many (raw, rows, window_tokens, doc_hash, window) at once.
 
         Top-k and full modes concatenate the rows of all windows into one block (one matmul, one
-        top-k): per-call overhead dominates for short windows. Sampled mode keeps one call per window
-        because each window has its own seeded stream.
+        top-k): per-call overhead dominates for short windows. Sampled and headtail modes keep one call
+        per window because each window has its own seeded stream.
         """
         import torch
 
-        if self.mode == "sampled" or self.kind == "logprobs" or len(items) < 2:
+        if self.mode in ("sampled", "headtail") or self.kind == "logprobs" or len(items) < 2:
             return [self.targets(*it) for it in items]
         blocks, nexts = [], []
         for raw, rows, tokens, _, _ in items:
@@ -100,6 +101,11 @@ class Capture:
                                residual=t.residual[a:a + n], realized=t.realized[a:a + n]))
             a += n
         return out
+
+    @property
+    def head_k(self) -> int:
+        """The `k` distill_targets takes: the head's width in headtail mode, else the stored width."""
+        return self.top_k if self.mode == "headtail" else self.k
 
     def close(self) -> None:
         if self.owned and self.engine is not None:
@@ -128,7 +134,7 @@ def logprobs_to_targets(raw, sel: np.ndarray, cap: Capture, gen) -> Targets:
     width = int(ids.max()) + 1 if ids.size else V
     dense = np.full((len(sel), max(width, V)), -np.inf, dtype=np.float32)
     np.put_along_axis(dense, ids, lp, 1)
-    out = distill_targets(torch.from_numpy(dense), np.zeros(len(sel), dtype=np.int64), mode=cap.mode, k=cap.k,
+    out = distill_targets(torch.from_numpy(dense), np.zeros(len(sel), dtype=np.int64), mode=cap.mode, k=cap.head_k,
                           vocab_size=V, num_samples=cap.num_samples, generator=gen)
     out.realized = realized.astype(np.float32)
     return out
@@ -285,7 +291,7 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
     c = cfg.capture
     t0 = time.perf_counter()
     common = dict(mode=c.mode, k=k, vocab_size=vocab_size, num_samples=c.num_samples, seed=c.seed,
-                  owned=engines is None)
+                  top_k=c.top_k if c.mode == "headtail" else 0, owned=engines is None)
 
     def make(key, factory):
         return engines.get(key, factory) if engines is not None else factory()

@@ -17,7 +17,7 @@ from typing import Any
 
 from xtcache.cliconfig import from_flat
 
-MODES = ("topk", "full", "sampled")
+MODES = ("topk", "full", "sampled", "headtail")
 ENGINES = ("vllm", "hf")
 
 
@@ -64,13 +64,13 @@ class TeacherConfig:
 @dataclass(kw_only=True)
 class CaptureConfig:
     mode: str = "topk"
-    """What to store per position: 'topk', 'full' (every id) or 'sampled' (N draws at T=1: ids + counts)."""
+    """What to store per position: 'topk', 'full' (every id), 'sampled' (N draws at T=1: ids + counts) or 'headtail' (the exact top-k + N draws from the rest of the distribution, with its mass)."""
     top_k: int = 64
-    """Ids kept per position in topk mode."""
+    """Ids kept per position in topk mode; the exact head's ids in headtail mode."""
     num_samples: int = 64
-    """Draws per position in sampled mode."""
+    """Draws per position in sampled mode; draws from the tail (outside the head) in headtail mode."""
     seed: int = 0
-    """Seed of the sampled mode's draws (per document and window, independent of batching)."""
+    """Seed of the sampled and headtail modes' draws (per document and window, independent of batching)."""
     max_seq_len: int = 2048
     """Teacher window in tokens; longer documents are cut into windows at chunk boundaries."""
     window_overlap: int = 0
@@ -200,9 +200,9 @@ def settings_for_fingerprint(cfg: TeacherDumpConfig, *, window_len: int, boundar
     messages field, the teacher's chat template fingerprint and its end-of-turn candidate ids."""
     c = cfg.capture
     return {
-        "mode": c.mode, "top_k": c.top_k if c.mode == "topk" else None,
-        "num_samples": c.num_samples if c.mode == "sampled" else None,
-        "seed": c.seed if c.mode == "sampled" else None,
+        "mode": c.mode, "top_k": c.top_k if c.mode in ("topk", "headtail") else None,
+        "num_samples": c.num_samples if c.mode in ("sampled", "headtail") else None,
+        "seed": c.seed if c.mode in ("sampled", "headtail") else None,
         "max_seq_len": window_len, "window_overlap": c.window_overlap, "dtype": cfg.teacher.dtype,
         "docs_per_part": cfg.store.docs_per_part, "num_shards": cfg.store.num_shards,
         **({"shard_plan": shard_plan} if cfg.store.num_shards > 1 else {}),

@@ -40,6 +40,8 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
         lp_bytes = np.dtype(codec_from_config(codec["topk_logprobs"]).dtype).itemsize
     if cfg.capture.mode == "sampled":
         lp_bytes = 2  # uint16 counts
+    elif cfg.capture.mode == "headtail":
+        lp_bytes += 2  # log-probs and uint16 counts
     per_position = plan.k * (id_bytes + lp_bytes) + 4 + 8 + 1 + 2 * np.dtype(side_dtype()).itemsize
     raw = positions * per_position + student_tokens * 4 + chunks * 9
     return {"documents": docs, "positions": positions, "windows": windows, "skipped": skipped,

@@ -133,7 +133,8 @@ def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
     groups = [AlignGroupMeta(fingerprint=s.fingerprint, tokenizer_name=s.name, vocab_size=len(s.tokenizer),
                              identity=s.identity) for s in plan.students]
     return Manifest(cache_key=plan.cache_key, mode=cfg.capture.mode, k=plan.k, teacher_vocab_size=plan.vocab_size,
-                    num_samples=cfg.capture.num_samples if cfg.capture.mode == "sampled" else None,
+                    num_samples=cfg.capture.num_samples if cfg.capture.mode in ("sampled", "headtail") else None,
+                    top_k=cfg.capture.top_k if cfg.capture.mode == "headtail" else None,
                     num_writers=cfg.store.num_shards, teacher_name=cfg.teacher.teacher,
                     fingerprints=plan.fingerprints, settings=plan.settings, alignment_groups=groups,
                     xtcache_version=getattr(xtcache, "__version__", ""),

@@ -10,6 +10,9 @@ arrays a `DocRecord` holds, vectorized in torch on the teacher's device, in row 
   full     log-probs of every tokenizer id (k = V), residual = mass outside the tokenizer
   sampled  N draws at T=1 from the distribution restricted to the tokenizer's ids: unique ids
            sorted by count (descending), uint16 counts, 0 = padding; residual as in full mode
+  headtail the top-k head as in topk mode (counts 0), then N draws from the tokenizer's ids outside
+           the head (the renormalised tail; log-prob -inf): unique ids by count (descending), counts,
+           padding id 0 count 0; residual = R, the tail mass the draws stand for (no draws where R = 0)
 
 Every mode also returns the log-prob of the realized next token. Log-probs are log-softmax over
 all the model's logit columns. Checkpoints often pad the lm_head beyond the tokenizer (Qwen3:
@@ -187,7 +190,7 @@ def _split_logits(rows, head: "TeacherHead | None", V: int):
 
 def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_samples: int = 0,
                     generator=None, head: TeacherHead | None = None, rows_per_block: int | None = None) -> Targets:
-    """Exact top-k / full / sampled targets for next tokens `targets` [n].
+    """Exact top-k / full / sampled / headtail targets for next tokens `targets` [n].
 
     `rows`: logits [n, V_model], or final hidden states [n, H] when the teacher's `head` is given
     (logits are then made block by block and never held for all rows). `vocab_size` is
@@ -202,13 +205,14 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
     v_model = head.model_vocab if head is not None else int(rows.shape[1])
     V = min(vocab_size, v_model)
     rows_per_block = rows_per_block or block_rows(v_model)
+    head_k = k  # topk and headtail: the exact head's width
     try:
         k = support_width(mode, k, num_samples, V)
     except ValueError as e:
         raise CaptureError(str(e)) from None
     ids = np.zeros((n, k), dtype=np.int32)
     logprobs = np.zeros((n, k), dtype=np.float32) if mode != "sampled" else None
-    counts = np.zeros((n, k), dtype=np.uint16) if mode == "sampled" else None
+    counts = np.zeros((n, k), dtype=np.uint16) if mode in ("sampled", "headtail") else None
     residual = np.zeros(n, dtype=np.float32)
     realized = np.zeros(n, dtype=np.float32)
     targets = np.asarray(targets, dtype=np.int64)
@@ -218,8 +222,8 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
     for a in range(0, n, rows_per_block):
         b = min(n, a + rows_per_block)
         real, pad = _split_logits(rows[a:b], head, V)  # [r, V], [r, V_model - V]
-        if mode == "topk":
-            val, idx = torch.topk(real, k, dim=-1, sorted=True)  # [r, k]; val[:, 0] is the row max
+        if mode in ("topk", "headtail"):
+            val, idx = torch.topk(real, head_k, dim=-1, sorted=True)  # [r, K]; val[:, 0] is the row max
             m = val[:, :1]
         else:
             m = real.amax(-1, keepdim=True)
@@ -231,6 +235,10 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
             total = total + torch.exp(pad - m).sum(-1, keepdim=True)
         lse = m + torch.log(total)  # [r, 1]
         realized[a:b] = (real.gather(1, targets[a:b, None]) - lse)[:, 0].cpu().numpy()
+        if mode == "headtail":
+            residual[a:b] = _head_tail(e, total, val - lse, idx, num_samples, generator,
+                                       ids[a:b], logprobs[a:b], counts[a:b])
+            continue
         if mode == "topk":
             lp = val - lse
             ids[a:b] = idx.to(torch.int32).cpu().numpy()
@@ -251,6 +259,36 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
                 counts[a:b, :cnt.shape[1]] = cnt.to(torch.int32).cpu().numpy().astype(np.uint16)
         residual[a:b] = torch.clamp(1.0 - mass, min=0.0).float().cpu().numpy()
     return Targets(ids=ids, logprobs=logprobs, counts=counts, residual=residual, realized=realized)
+
+
+def _head_tail(e, total, head_lp, head_idx, num_samples: int, generator, ids: np.ndarray, logprobs: np.ndarray,
+               counts: np.ndarray) -> np.ndarray:
+    """One block of headtail targets: fills ids, logprobs, counts [r, k] in place; returns R [r] (float32).
+
+    e = exp(real - m) [r, V] over the tokenizer's ids, total [r, 1] its normaliser (padded columns
+    included); head_lp, head_idx [r, K] the exact head. The tail is e with the head's columns zeroed;
+    R = sum(tail) / total. Rows with R = 0 get no draws: multinomial sees them as rows of ones and
+    their counts are zeroed, so no all-zero row reaches it and no row count is read back.
+    """
+    import torch
+
+    K = head_idx.shape[1]
+    ids[:, :K] = head_idx.to(torch.int32).cpu().numpy()
+    logprobs[:, :K] = head_lp.cpu().numpy()
+    logprobs[:, K:] = -np.inf
+    tail = e.scatter(1, head_idx, 0.0)  # [r, V]
+    tail_sum = tail.sum(-1)  # [r]
+    has = tail_sum > 0
+    width = ids.shape[1] - K  # min(N, V - K)
+    if width:
+        draws = torch.multinomial(torch.where(has[:, None], tail, 1.0), num_samples, replacement=True,
+                                  generator=generator)  # [r, N]
+        hist = torch.zeros_like(tail, dtype=torch.int32).scatter_add_(
+            1, draws, torch.ones_like(draws, dtype=torch.int32)) * has[:, None]  # [r, V]
+        cnt, idx = _ties_by_id(*torch.topk(hist, width, dim=-1, sorted=True))  # by count desc, then id
+        ids[:, K:] = torch.where(cnt > 0, idx, 0).to(torch.int32).cpu().numpy()
+        counts[:, K:] = cnt.to(torch.int32).cpu().numpy().astype(np.uint16)
+    return (tail_sum.double() / total[:, 0].double()).float().cpu().numpy()
 
 
 def _ties_by_id(cnt, idx):

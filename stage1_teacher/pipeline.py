@@ -45,7 +45,7 @@ class _PartState:
             self.arrays.append({
                 "has_pred": np.zeros(T, dtype=bool), "ids": np.zeros((T, k), dtype=np.int32),
                 "logprobs": None if mode == "sampled" else np.zeros((T, k), dtype=np.float32),
-                "counts": np.zeros((T, k), dtype=np.uint16) if mode == "sampled" else None,
+                "counts": np.zeros((T, k), dtype=np.uint16) if mode in ("sampled", "headtail") else None,
                 "residual": np.zeros(T, dtype=np.float32), "realized": np.full(T, np.nan, dtype=np.float32)})
 
     def records(self):

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from xtcache.headtail import slot_masks
+
 IGNORE = -100
 
 
@@ -183,7 +185,11 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
     if first_src is not None and first_src.topk_counts is not None:
         counts = gather("topk_counts", np.float32, (k,))
         out["teacher_counts"] = counts
-        out["teacher_ids"] = np.where(counts > 0, out["teacher_ids"], -1)
+        keep = counts > 0
+        if first_src.topk_logprobs is not None:  # headtail: the head's slots too (xtcache.headtail)
+            keep = np.logical_or(*slot_masks(out["teacher_ids"], counts))
+            out["teacher_logprobs"] = gather("topk_logprobs", np.float32, (k,))
+        out["teacher_ids"] = np.where(keep, out["teacher_ids"], -1)
     else:
         out["teacher_logprobs"] = gather("topk_logprobs", np.float32, (k,))
     out["teacher_residual"] = gather("residual", np.float32)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from xtcache.cliconfig import flatten, from_flat
 
 LOSSES = ("auto", "pkl", "kl", "rkl", "jsd", "sampled", "alm", "rkl-pg", "ce")
-"""`--loss` choices. auto: pkl for cross-tokenizer caches (sampled ones too), sampled for same-tokenizer sampled caches, kl otherwise;
+"""`--loss` choices. auto: pkl for cross-tokenizer caches (sampled ones too), sampled for same-tokenizer sampled and headtail caches, kl otherwise;
 rkl-pg: the reverse-KL policy gradient on rollouts (docs/on-policy.md); ce: next-token cross entropy only (no teacher term)."""
 
 
@@ -56,7 +56,7 @@ class LossConfig:
     """The training objective: w_kd * KD + w_ce * CE."""
 
     loss: str = "auto"
-    """KD loss: auto|pkl|kl|rkl|jsd|sampled|alm|rkl-pg|ce (rkl-pg: reverse-KL policy gradient on the student's own rollouts, docs/on-policy.md; ce: cross entropy only)."""
+    """KD loss: auto|pkl|kl|rkl|jsd|sampled|alm|rkl-pg|ce (sampled: forward KL to the teacher estimated from a sampled or headtail cache; rkl-pg: reverse-KL policy gradient on the student's own rollouts, docs/on-policy.md; ce: cross entropy only)."""
     kd_weight: float = 1.0
     """Weight of the KD term."""
     ce_weight: float = 0.1

@@ -57,15 +57,25 @@ def teacher_logprobs(ids: Tensor, logprobs: Tensor | None, counts: Tensor | None
 
     top-k / full caches: the stored log-probs and residual. Sampled caches: the empirical
     distribution counts / N with residual 0 (E[counts / N] = p: an unbiased estimate of the
-    teacher, as in RS-KD). Padding (id < 0, or count 0) gets log p = -inf.
+    teacher, as in RS-KD). Headtail caches (log-probs and counts both given): the head exact,
+    each tail id R c_j / n (R = the stored tail mass, n = the row's tail draws), residual 0:
+    E[R c_j / n] = R p_j / R = p_j, so this estimate is unbiased too (docs/losses.md states its
+    variance). Padding (id < 0, or count 0 outside a headtail head) gets log p = -inf.
     """
-    if logprobs is not None:
+    if counts is None:
         lp = logprobs.to(dtype).masked_fill(ids < 0, -math.inf)
         return lp, residual.to(dtype)
     c = counts.to(dtype).masked_fill(ids < 0, 0.0)  # [R, k]
     n = c.sum(dim=-1, keepdim=True).clamp(min=1.0)
-    lp = torch.where(c > 0, torch.log(c.clamp(min=1.0) / n), torch.full_like(c, -math.inf))
-    return lp, torch.zeros(c.shape[0], dtype=dtype, device=c.device)
+    zero = torch.zeros(c.shape[0], dtype=dtype, device=c.device)
+    if logprobs is None:  # sampled
+        lp = torch.where(c > 0, torch.log(c.clamp(min=1.0) / n), torch.full_like(c, -math.inf))
+        return lp, zero
+    # headtail: log(R c / n) on tail slots (-inf where R = 0), the stored log-prob on head slots
+    log_r = torch.log(residual.to(dtype).clamp(min=0.0))[:, None]  # [R, 1]
+    tail = log_r + torch.log(c.clamp(min=1.0) / n)  # [R, k]
+    head = logprobs.to(dtype).masked_fill(ids < 0, -math.inf)
+    return torch.where(c > 0, tail, head), zero
 
 
 def temper_teacher(logprobs: Tensor, residual: Tensor, temperature: float = 1.0, *,

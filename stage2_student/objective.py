@@ -49,26 +49,28 @@ class Capabilities:
     """What the cache offers the objective: same tokenizer as the teacher, and its mode."""
 
     same_tokenizer: bool
-    mode: str  # topk | full | sampled
+    mode: str  # topk | full | sampled | headtail
 
 
 def resolve_kind(requested: str, caps: Capabilities) -> str:
     """The KD kind a run trains with (for --loss ce: the one its evaluation would use).
 
-    auto: kl for same-tokenizer caches (sampled for sampled ones), pkl for cross-tokenizer caches
-    (sampled ones included: P-KL then uses the teacher's empirical distribution counts / N).
+    auto: kl for same-tokenizer caches (sampled for sampled and headtail ones: the forward KL to the
+    teacher estimated from draws, at T = 1), pkl for cross-tokenizer caches (sampled and headtail
+    ones included: P-KL then uses the estimate of `losses.teacher_logprobs`).
     rkl-pg (rollouts, docs/on-policy.md) reads only the realized log-probs: any cache, never auto.
     """
     same, mode = caps.same_tokenizer, caps.mode
+    drawn = mode in ("sampled", "headtail")  # the teacher is an unbiased estimate from draws
     if requested in ("auto", "ce"):
-        return ("sampled" if mode == "sampled" else "kl") if same else "pkl"
-    if requested in ("kl", "rkl", "jsd") and (not same or mode == "sampled"):
+        return ("sampled" if drawn else "kl") if same else "pkl"
+    if requested in ("kl", "rkl", "jsd") and (not same or drawn):
         why = "the cache is cross-tokenizer: use --loss pkl or alm" if not same else \
-            "the cache holds sampled targets: use --loss sampled"
+            f"the cache holds {mode} targets: use --loss sampled"
         raise ConfigError(f"--loss {requested}: {why}")
-    if requested == "sampled" and (mode != "sampled" or not same):
-        raise ConfigError(f"--loss sampled needs a same-tokenizer cache of sampled targets (this one: mode {mode!r}, "
-                          f"{'same' if same else 'cross'}-tokenizer)")
+    if requested == "sampled" and (not drawn or not same):
+        raise ConfigError(f"--loss sampled needs a same-tokenizer cache of sampled or headtail targets (this one: "
+                          f"mode {mode!r}, {'same' if same else 'cross'}-tokenizer)")
     if requested == "pkl" and same:
         raise ConfigError("--loss pkl: the student shares the teacher's tokenizer: use --loss kl")
     return requested
@@ -80,7 +82,9 @@ def measure_definition(caps: Capabilities) -> str:
                     "the full {1}vocabulary",
             "full": "the full {1}vocabulary (full cache: exact)",
             "sampled": "each {0}'s sampled teacher ids plus one rest bucket, the teacher taken as its empirical "
-                       "sample distribution counts / N (an estimate from samples, not a bound)"}[caps.mode]
+                       "sample distribution counts / N (an estimate from samples, not a bound)",
+            "headtail": "each {0}'s exact top-k teacher ids and sampled tail ids plus one rest bucket, a tail id "
+                        "taken as R c / n (an unbiased estimate from samples, not a bound)"}[caps.mode]
     if caps.same_tokenizer:
         return "forward KL(teacher || student) at T=1 per position over " + what.format("position", "")
     return ("projected forward KL (P-KL) at T=1 per chunk, teacher chunk distribution vs the student's mapped "
@@ -127,6 +131,9 @@ class Objective:
         """The objective of a `LossConfig` on a cache with `caps` (--loss ce: CE only, no KD)."""
         if kind is None and loss_cfg.loss != "ce":
             kind = resolve_kind(loss_cfg.loss, caps)
+        if caps.mode == "headtail" and kind not in (None, "rkl-pg") and loss_cfg.temperature != 1.0:
+            raise ConfigError(f"--temperature {loss_cfg.temperature:g} on a headtail cache: its tail holds draws of the "
+                              "T=1 teacher, which cannot be re-tempered; use --temperature 1 (docs/losses.md)")
         kw = dict(kd_weight=loss_cfg.kd_weight, ce_weight=loss_cfg.ce_weight,
                   dynamic_scaling=loss_cfg.dynamic_scaling, temperature=loss_cfg.temperature,
                   jsd_beta=loss_cfg.jsd_beta, alm_tau=loss_cfg.alm_tau, projection=projection,

@@ -288,7 +288,7 @@ def default_codecs(mode: str, vocab_size: int, format_version: int = FORMAT_VERS
                    k: int = 64) -> dict[str, dict[str, Any]]:
     """The transforms a store of `format_version` uses unless the manifest names others.
 
-    Top-k log-probs from version 3: sqrt(p) in 127 levels up to k=64 and 255 above, so that the mean
+    Top-k (and headtail heads') log-probs from version 3: sqrt(p) in 127 levels up to k=64 and 255 above, so that the mean
     KL error, k / (6 levels^2), stays under 1e-3 nats (6.6e-4 at k=64 and at k=256; bench/store_codec.py).
     Full mode and stores before version 3 keep 8-bit log-probs: code 0 of the sqrt code decodes to a
     probability of 1 / (16 levels^2), which over a whole vocabulary of near-zero entries would add
@@ -298,7 +298,7 @@ def default_codecs(mode: str, vocab_size: int, format_version: int = FORMAT_VERS
     out = {"topk_ids": ids.to_config()}
     if mode != "sampled":
         values = QuantizedLogProbs(bits=8, min_logprob=-24.0)
-        if format_version >= 3 and mode == "topk":
+        if format_version >= 3 and mode in ("topk", "headtail"):  # headtail: the head's values (tail slots: code 0)
             values = SqrtProbs(127 if k <= 64 else 255)
         out["topk_logprobs"] = values.to_config()
     if format_version >= 3:

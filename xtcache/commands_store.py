@@ -140,7 +140,7 @@ def inspect(
     P = max(1, s["positions"])
     print(f"store           {store}")
     print(f"format version  {m.format_version}    mode {m.mode}    k {m.k}    teacher vocab {m.teacher_vocab_size}"
-          + (f"    samples {m.num_samples}" if m.num_samples else ""))
+          + (f"    head {m.top_k}" if m.top_k else "") + (f"    samples {m.num_samples}" if m.num_samples else ""))
     print(f"teacher         {m.teacher_name or '-'}")
     print(f"created         {m.created}    complete: {'yes' if s['complete'] else 'no'} "
           f"({s['writers_done']}/{m.num_writers} writers done)    shards {len(s['shards'])}")
@@ -236,7 +236,8 @@ def verify_store(url: str, storage_options: dict | None = None, *, stop_first: b
 
     def read_part(meta):
         data = reader.read_shard(meta.shard_id, verify=True)
-        return [] if owned is None else outside_plan(data, owned, meta.writer_index, url)
+        found = [] if owned is None else outside_plan(data, owned, meta.writer_index, url)
+        return found + headtail_problems(data, reader.manifest, url)
 
     def reads():
         """Each read of the store, one at a time, so that `stop_first` stops after the first problem."""
@@ -261,6 +262,17 @@ def verify_store(url: str, storage_options: dict | None = None, *, stop_first: b
         if isinstance(found, list):
             problems.extend(found)
     return problems[:1] if stop_first else problems
+
+
+def headtail_problems(data, manifest, url: str) -> list[str]:
+    """A headtail part's slots and masses against its manifest (`xtcache.headtail.check_rows`); [] in other modes."""
+    if manifest.mode != "headtail":
+        return []
+    from xtcache.headtail import check_rows
+
+    problem = check_rows(data.topk_ids, data.topk_counts, data.topk_logprobs, data.residual, data.has_pred,
+                         top_k=manifest.top_k, num_samples=manifest.num_samples)
+    return [] if problem is None else [f"store {url}, teacher part {data.shard_id}: {problem}"]
 
 
 def rows_owned_by_writer(plan: dict | None, url: str) -> dict[int, dict[str, tuple[int, int | None]]] | None:

@@ -26,7 +26,7 @@ class DocRecord:
     has_pred: np.ndarray  # bool [T]
     topk_ids: np.ndarray  # int32 [T, k]
     topk_logprobs: np.ndarray | None  # float32 [T, k]; None in sampled mode
-    topk_counts: np.ndarray | None  # uint16 [T, k]; sampled mode only, 0 = padding
+    topk_counts: np.ndarray | None  # uint16 [T, k]; sampled and headtail modes, 0 = padding (headtail: or head)
     residual: np.ndarray  # float32 [T]
     realized_logprob: np.ndarray  # float32 [T]; NaN where not has_pred
     content_hash: str = ""

@@ -224,16 +224,24 @@ class CacheWriter:
         has_pred = _concat([d.has_pred for d in docs], np.bool_)
         ids = _concat([d.topk_ids for d in docs], np.int64, (k,))
         ids[~has_pred] = 0
-        counts = None
-        if m.mode == "sampled":
+        counts, lp = None, None
+        if m.mode != "sampled":
+            lp = _concat([d.topk_logprobs for d in docs], np.float32, (k,))
+            lp[~has_pred] = 0.0
+        if m.mode in ("sampled", "headtail"):
             counts = _concat([d.topk_counts for d in docs], np.uint16, (k,))
             counts[~has_pred] = 0
-            codecs.check_ids(ids[counts > 0], V)
-            # padding (count 0) sorts after the real ids and repeats the last real id (delta 0)
-            order = np.argsort(np.where(counts > 0, ids, V), axis=1, kind="stable")
-            ids = np.take_along_axis(np.where(counts > 0, ids, 0), order, axis=1)
+            real = counts > 0
+            if m.mode == "headtail":  # the head: the first top_k slots of every predicted row
+                real[:, :m.top_k] |= has_pred[:, None]
+            codecs.check_ids(ids[real], V)
+            # padding (count 0, not head) sorts after the real ids and repeats the last real id (delta 0)
+            pre = np.argsort(np.where(real, ids, V), axis=1, kind="stable")
+            ids = np.take_along_axis(np.where(real, ids, 0), pre, axis=1)
             np.maximum.accumulate(ids, axis=1, out=ids)
-            counts = np.take_along_axis(counts, order, axis=1)
+            counts = np.take_along_axis(counts, pre, axis=1)
+            if lp is not None:
+                lp = np.take_along_axis(lp, pre, axis=1)
         else:
             codecs.check_ids(ids[has_pred], V)
         deltas, order = self.ids_codec.encode(ids)
@@ -253,9 +261,7 @@ class CacheWriter:
         }
         if counts is not None:
             out["topk_counts"] = (counts, None)
-        else:
-            lp = _concat([d.topk_logprobs for d in docs], np.float32, (k,))
-            lp[~has_pred] = 0.0
+        if lp is not None:
             lp = np.take_along_axis(lp, order, axis=1)
             out["topk_logprobs"] = (self.lp_codec.encode(lp), self.lp_codec.to_config())
         if m.conversation:
@@ -365,11 +371,11 @@ def _check_doc(d: DocRecord, k: int, mode: str) -> None:
     T = len(d.teacher_ids)
     want = {"char_offsets": (T, 2), "has_pred": (T,), "topk_ids": (T, k), "residual": (T,),
             "realized_logprob": (T,)}
-    if mode == "sampled":
+    if mode in ("sampled", "headtail"):
         want["topk_counts"] = (T, k)
         if d.topk_counts is None:
-            raise XtcacheError(f"document {d.doc_id}: sampled mode needs topk_counts")
-    else:
+            raise XtcacheError(f"document {d.doc_id}: {mode} mode needs topk_counts")
+    if mode != "sampled":
         want["topk_logprobs"] = (T, k)
         if d.topk_logprobs is None:
             raise XtcacheError(f"document {d.doc_id}: mode {mode!r} needs topk_logprobs")

@@ -1,6 +1,6 @@
 """A teacher cache written straight through `xtcache.store.CacheWriter`, without stage 1.
 
-`build_hf_cache` runs the teacher's HF forward itself and writes top-k (or sampled) targets and
+`build_hf_cache` runs the teacher's HF forward itself and writes top-k (sampled, or head + tail) targets and
 any alignment groups: a real store for benchmarks that must not depend on stage 1's engines
 (bench/train_step.py).
 """
@@ -19,11 +19,13 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
     """A real teacher cache: HF forward of the teacher, top-k (or sampled) log-probs, alignments.
 
     `students` are tokenizer directories; each gets an alignment group (identity for the teacher's own).
+    mode "headtail": the top-`k` head exactly plus `num_samples` draws from the rest (stored width
+    `support_width`).
     """
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from schemas.models import AlignGroupMeta, Manifest
+    from schemas.models import AlignGroupMeta, Manifest, support_width
     from xtcache.align import align_text, encode_with_offsets, identity_alignment
     from xtcache.fingerprint import cache_key, model_fingerprint, settings_fingerprint, tokenizer_fingerprint
     from xtcache.store import AlignmentRecord, CacheWriter, DocRecord
@@ -35,12 +37,15 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
     student_toks = [PreTrainedTokenizerFast.from_pretrained(str(s)) for s in students]
     s_fps = [tokenizer_fingerprint(t) for t in student_toks]
     texts = [json.loads(line)["text"] for line in Path(jsonl).read_text().splitlines()][:max_docs]
-    settings = {"mode": mode, "k": k, "num_samples": num_samples if mode == "sampled" else None, "engine": "test-hf"}
+    drawn = mode in ("sampled", "headtail")
+    settings = {"mode": mode, "k": k, "num_samples": num_samples if drawn else None, "engine": "test-hf"}
+    head_k, k = k, support_width(mode, k, num_samples, vocab)
     fps = {"teacher_model": model_fingerprint(teacher_dir), "teacher_tokenizer": t_fp,
            "corpus": settings_fingerprint({"file": str(jsonl), "n": len(texts)}),
            "settings": settings_fingerprint(settings)}
     manifest = Manifest(cache_key=cache_key(**fps), mode=mode, k=k, teacher_vocab_size=vocab,
-                        num_samples=num_samples if mode == "sampled" else None, teacher_name=str(teacher_dir),
+                        num_samples=num_samples if drawn else None, top_k=head_k if mode == "headtail" else None,
+                        teacher_name=str(teacher_dir),
                         fingerprints=fps, settings=settings,
                         alignment_groups=[AlignGroupMeta(fingerprint=fp, tokenizer_name=str(s), vocab_size=len(t),
                                                          identity=fp == t_fp)
@@ -62,7 +67,10 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
             top_lp = np.zeros((n, k), dtype=np.float32)
             counts = None
             residual = np.zeros(n, dtype=np.float32)
-            if mode == "sampled":
+            if mode == "headtail":
+                counts = np.zeros((n, k), dtype=np.uint16)
+                residual[1:] = _head_tail(prev, head_k, num_samples, gen, top_ids[1:], top_lp[1:], counts[1:])
+            elif mode == "sampled":
                 counts = np.zeros((n, k), dtype=np.uint16)
                 draws = torch.multinomial(prev.exp(), num_samples, replacement=True, generator=gen)
                 for t in range(1, n):
@@ -86,3 +94,19 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
         writer.write_part(part, docs, aligns)
     writer.finish()
     return str(url)
+
+
+def _head_tail(logp, head_k: int, num_samples: int, gen, ids: np.ndarray, lp: np.ndarray, counts: np.ndarray):
+    """Head + tail targets of rows `logp` [n, V] into ids, lp, counts [n, k]; returns the tail mass R [n]."""
+    import torch
+
+    head_lp, head_ids = logp.topk(head_k, dim=-1)
+    ids[:, :head_k], lp[:, :head_k], lp[:, head_k:] = head_ids.numpy(), head_lp.numpy(), -np.inf
+    tail = logp.exp().scatter(1, head_ids, 0.0)  # [n, V]
+    mass = tail.double().sum(-1)
+    has = mass > 0
+    draws = torch.multinomial(torch.where(has[:, None], tail, 1.0), num_samples, replacement=True, generator=gen)
+    for t in np.flatnonzero(has.numpy()):
+        u, c = np.unique(draws[t].numpy(), return_counts=True)
+        ids[t, head_k:head_k + len(u)], counts[t, head_k:head_k + len(u)] = u, c
+    return mass.float().numpy()
