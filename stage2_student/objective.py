@@ -131,7 +131,7 @@ class Objective:
         """The objective of a `LossConfig` on a cache with `caps` (--loss ce: CE only, no KD)."""
         if kind is None and loss_cfg.loss != "ce":
             kind = resolve_kind(loss_cfg.loss, caps)
-        if caps.mode == "headtail" and kind not in (None, "rkl-pg") and loss_cfg.temperature != 1.0:
+        if caps.mode == "headtail" and kind in ("sampled", "pkl") and loss_cfg.temperature != 1.0:
             raise ConfigError(f"--temperature {loss_cfg.temperature:g} on a headtail cache: its tail holds draws of the "
                               "T=1 teacher, which cannot be re-tempered; use --temperature 1 (docs/losses.md)")
         kw = dict(kd_weight=loss_cfg.kd_weight, ce_weight=loss_cfg.ce_weight,
