@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from stage2_student import closed_form, losses, onpolicy
+from stage2_student import closed_form, losses, onpolicy, projected
 from stage2_student.losses import ProjectionOperator
 
 
@@ -116,14 +116,16 @@ class _BlockedTerms(torch.autograd.Function):
         cdt = losses.compute_dtype(logits.dtype)
         outs = []
         ce_out = torch.zeros((), dtype=cdt, device=logits.device)
-        ctx.saved = []  # per pass and block: closed_form's O(rows) log-partitions (None: autograd recompute)
+        ctx.saved = []  # per pass and block: (closed-form module, its O(rows) log-partitions), None: autograd recompute
         for spec, prep in passes:
             kd_out = torch.zeros(prep.chunks, dtype=cdt, device=logits.device)
             saved = []
             for blk in prep.blocks:
                 z = logits.index_select(0, blk.logit_rows)
-                if spec.kind in closed_form.KINDS:
-                    kd, ce, keep = closed_form.forward(spec, z, blk, prep.teacher)
+                form = _closed_form(spec, blk)
+                if form is not None:
+                    kd, ce, keep = form.forward(spec, z, blk, prep.teacher)
+                    keep = (form, keep)
                 else:
                     (kd, ce), keep = _block_terms(spec, z, blk, prep.teacher), None
                 saved.append(keep)
@@ -144,7 +146,8 @@ class _BlockedTerms(torch.autograd.Function):
             for blk, keep in zip(prep.blocks, saved):
                 if keep is not None:
                     z = logits.index_select(0, blk.logit_rows)
-                    gz = closed_form.gradient(spec, z, blk, prep.teacher, keep, grad_kd[blk.kd_chunk], grad_ce)
+                    form, keep = keep
+                    gz = form.gradient(spec, z, blk, prep.teacher, keep, grad_kd[blk.kd_chunk], grad_ce)
                     grad.index_add_(0, blk.logit_rows, gz.to(grad.dtype))
                     del z, gz
                     continue
@@ -155,6 +158,13 @@ class _BlockedTerms(torch.autograd.Function):
                 grad.index_add_(0, blk.logit_rows, gz)
                 del z, gz, kd, ce  # the block's graph goes now, not when the next block replaces it
         return grad, None
+
+
+def _closed_form(spec: TermSpec, blk: Block):
+    """The module that computes this block's terms and gradient in closed form (None: autograd recompute)."""
+    if spec.kind in closed_form.KINDS or blk.num_kd_rows == 0:
+        return closed_form  # CE-only blocks of any pass included
+    return projected if spec.kind == "pkl" else None
 
 
 def _block_terms(spec: TermSpec, z_rows: Tensor, blk: Block, teacher: dict) -> tuple[Tensor, Tensor]:

@@ -51,7 +51,7 @@ def support_targets(ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(valid, ids, first), has
 
 
-def _stored(blk, teacher: dict, cdt) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def stored(blk, teacher: dict, cdt) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The block's teacher rows at T = 1: (ids [m, k], log p [m, k] (-inf: padding), residual [m], valid [m, k])."""
     ids = take_rows(teacher["teacher_ids"], blk.teacher_rows)  # [m, k]
     lp, cnt, res = (teacher.get(key) for key in ("teacher_logprobs", "teacher_counts", "teacher_residual"))
@@ -76,9 +76,9 @@ def forward(spec, z_rows: Tensor, blk, teacher: dict) -> tuple[Tensor, Tensor, t
     has_ce = blk.ce_rows.shape[0] > 0
     if spec.kind is None or m == 0:
         lse1 = torch.logsumexp(z, dim=-1) if has_ce else None  # [b]
-        return z.new_zeros(blk.kd_chunk.shape[0]), _ce(z, lse1, blk), (None, None, lse1)
+        return z.new_zeros(blk.kd_chunk.shape[0]), ce_sum(z, lse1, blk), (None, None, lse1)
     u = z[:m] if t == 1.0 else z[:m] / t  # [m, V]
-    ids, log_p1, resid, valid = _stored(blk, teacher, cdt)
+    ids, log_p1, resid, valid = stored(blk, teacher, cdt)
     target, has = support_targets(ids, valid)
     # the support set 1e4 below the row's minimum, where exp underflows to exactly 0 as -inf would; a row
     # whose every id is stored then stays finite (exp of inf / NaN takes a 17x slower path on CPU)
@@ -99,10 +99,11 @@ def forward(spec, z_rows: Tensor, blk, teacher: dict) -> tuple[Tensor, Tensor, t
     terms = (log_p - u.gather(1, target)).add_(lse[:, None]).mul_(p)  # [m, k]
     kd = torch.where(p > 0, terms, zero).sum(dim=-1)
     kd = kd + losses.divergence("kl", losses.safe_log(p_rest)[:, None], (lse_out - lse)[:, None])  # [m]
-    return (kd if t == 1.0 else kd * t**2), _ce(z, lse1, blk), (lse, lse_out, lse1)
+    return (kd if t == 1.0 else kd * t**2), ce_sum(z, lse1, blk), (lse, lse_out, lse1)
 
 
-def _ce(z: Tensor, lse1: Tensor | None, blk) -> Tensor:
+def ce_sum(z: Tensor, lse1: Tensor | None, blk) -> Tensor:
+    """CE summed over the block's labelled rows, from their log-partitions `lse1` [b] (None: no CE rows)."""
     if lse1 is None:
         return torch.zeros((), dtype=z.dtype, device=z.device)
     return -(z[blk.ce_rows, blk.ce_labels] - lse1[blk.ce_rows]).sum()
@@ -122,7 +123,7 @@ def gradient(spec, z_rows: Tensor, blk, teacher: dict, saved: tuple, grad_kd_row
     g = torch.empty((b, vocab), dtype=cdt, device=z.device)
     if m:
         u = z[:m] if t == 1.0 else z[:m] / t  # [m, V]
-        ids, log_p1, resid, valid = _stored(blk, teacher, cdt)
+        ids, log_p1, resid, valid = stored(blk, teacher, cdt)
         log_p, p_rest = _tempered(spec, log_p1, resid, valid, vocab, lse_out)
         p = log_p.exp()  # [m, k] (0 at padding)
         zero = torch.zeros((), dtype=cdt, device=z.device)

@@ -72,3 +72,96 @@ def test_closed_form_equals_the_autograd_recompute(case, monkeypatch):
     torch.testing.assert_close(ce, want_ce, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g, g_want, rtol=1e-9, atol=1e-12)
     assert torch.isfinite(g).all() and g.abs().sum() > 0
+
+
+# --------------------------------------------------------------------------------------------
+# projected KL (stage2_student/projected.py)
+
+
+def _pkl_case(case: str, gen):
+    """(objective, batch, logits) of a cross-tokenizer micro-batch: chunks of 1, 2 and 3 student rows and of
+    1 and 2 teacher rows over two sequences, CE-only and unlabelled positions, stored-id padding, a teacher row
+    with no stored id, a stored id no student token maps to, an unmapped student token; "no rest": W maps every
+    student token into 4 teacher ids that some chunks store all of (their rest is dropped); "full": every id.
+    Otherwise a stored id's q is below the floor (`losses.PROB_FLOOR`) without being 0."""
+    from stage2_student import losses
+    from stage2_student.objective import Objective
+
+    v_s, v_t = 20, 24
+    w = torch.zeros(v_s, v_t, dtype=torch.float64)
+    cols = 4 if case == "no rest" else v_t - 1  # the last teacher id: no W entry
+    for s in range(0 if case == "no rest" else 1, v_s):  # student 0: unmapped
+        w[s, torch.randperm(cols, generator=gen)[:1 + s % 3]] = torch.rand(1 + s % 3, generator=gen,
+                                                                            dtype=torch.float64) + 0.1
+    w = w / w.sum(-1, keepdim=True).clamp(min=1e-300)
+    # positions -> chunk (-1: no chunk); chunk sizes 1, 2, 3 student rows
+    sc = torch.tensor([[0, 1, 1, -1, 2, 3, 3, 3, 4, -1, 5, 6], [7, 8, 8, 9, -1, 10, 11, 11, 12, 13, -1, -1]])
+    tch = torch.tensor([0, 1, 2, 2, 3, 4, 5, 6, 6, 7, 8, 9, 10, 10, 11, 12, 13])  # chunks 2, 6, 10: two rows
+    n, k = tch.shape[0], {"full": v_t, "no rest": 5}.get(case, 6)
+    ids = torch.stack([torch.randperm(v_t, generator=gen)[:k] for _ in range(n)])
+    if case == "no rest":
+        ids[[0, 4, 9], :4] = torch.arange(4)  # chunks 0, 3, 8 store every column W maps onto
+    logp = torch.log_softmax(torch.randn(n, k, generator=gen, dtype=torch.float64) * 2, -1)
+    residual = torch.zeros(n, dtype=torch.float64) if case == "full" else torch.rand(n, generator=gen,
+                                                                                    dtype=torch.float64) * 0.3
+    logp = logp + torch.log1p(-residual)[:, None]
+    if case != "full":
+        ids[1, 3:], logp[1, 3:] = -1, 0.0  # padded slots
+        if case != "sampled":  # (a sampled row holds its draws)
+            ids[7, :] = -1  # a teacher row with no stored id: all rest
+        if case != "no rest":
+            ids[5, 0] = v_t - 1  # a stored id no student token maps to: q = 0, floored
+    labels = torch.randint(0, v_s, sc.shape, generator=gen)
+    labels[0, 4], labels[1, 11] = -100, -100
+    batch = {"student_chunk": sc, "labels": labels, "num_chunks": 14, "teacher_chunk": tch, "teacher_ids": ids,
+             "teacher_residual": residual}
+    if case == "sampled":
+        counts = torch.randint(0, 4, (n, k), generator=gen).double()
+        counts[:, 0] += 1
+        batch.update(teacher_ids=torch.where(counts > 0, ids, -1), teacher_counts=counts,
+                     teacher_residual=torch.zeros(n, dtype=torch.float64))
+    else:
+        batch["teacher_logprobs"] = logp
+    temperature = 2.0 if "T=2" in case else 1.0
+    obj = Objective("pkl", projection=losses.ProjectionOperator(w.to_sparse()), temperature=temperature,
+                    teacher_tail="uniform" if "uniform" in case else "ghost", row_chunk=5)
+    logits = torch.randn(2, 12, v_s, generator=gen, dtype=torch.float64) * 3
+    if case != "no rest":  # teacher id 5, stored by row 2: every student token onto it at e^-30, q below the floor
+        batch["teacher_ids"][2, 0] = 5
+        logits[..., w[:, 5] > 0] = -30.0 * temperature
+    return obj, batch, logits
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["entries saved", "entries recomputed"])
+@pytest.mark.parametrize("case", ["topk", "topk T=2", "topk T=2 uniform", "sampled", "no rest", "full"])
+def test_projected_kl_closed_form_equals_the_autograd_recompute(case, saved, monkeypatch):
+    """The P-KL closed form (values and gradient, with CE) equals `losses.projected_kl` under autograd
+    (`blocked._block_terms`) over several blocks, whether backward reuses the stored entries' dKL/dq from
+    forward or recomputes them; and it is the path taken."""
+    from stage2_student import blocked, projected
+
+    gen = torch.Generator().manual_seed(43)
+    obj, batch, logits = _pkl_case(case, gen)
+    monkeypatch.setattr(projected, "SAVE_ENTRIES_BELOW", 1e9 if saved else 0.0)
+    prep = obj.prepare(batch, vocab=logits.shape[-1])
+    assert len(prep.blocks) > 2
+    weights = torch.rand(prep.chunks, generator=gen, dtype=torch.float64)
+    z = logits.clone().requires_grad_(True)
+    calls = []
+    real = projected.gradient
+    monkeypatch.setattr(projected, "gradient", lambda *a: calls.append(a[4][1] is not None) or real(*a))
+    kd, ce = obj.terms(z, prep)
+    (g,) = torch.autograd.grad((kd * weights).sum() + 0.7 * ce, z)
+    assert calls == [saved] * sum(b.num_kd_rows > 0 for b in prep.blocks)
+    zr = logits.clone().requires_grad_(True)
+    flat = zr.reshape(-1, zr.shape[-1])
+    want_kd, want_ce = torch.zeros(prep.chunks, dtype=torch.float64), 0.0
+    for blk in prep.blocks:
+        k_b, c_b = blocked._block_terms(obj.spec, flat.index_select(0, blk.logit_rows), blk, prep.teacher)
+        want_kd = want_kd.index_add(0, blk.kd_chunk, k_b)
+        want_ce = want_ce + c_b
+    (g_want,) = torch.autograd.grad((want_kd * weights).sum() + 0.7 * want_ce, zr)
+    torch.testing.assert_close(kd, want_kd, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ce, want_ce, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g, g_want, rtol=1e-9, atol=1e-12)
+    assert torch.isfinite(g).all() and g.abs().sum() > 0 and (kd > 0).all()
