@@ -1,6 +1,6 @@
 """Bytes per position, fidelity and speed of the teacher-cache codecs on a real (tiny) teacher.
 
-    .venv/bin/python bench/store_codec.py [--minutes 4] [--positions 20000]
+    .venv/bin/python bench/store_codec.py [--minutes 4] [--positions 20000] [--reads]
 
 Builds once (cached in .xtcache_bench_cache/): a byte-level BPE tokenizer with a vocabulary above
 65,536 (ids need 17 bits, as for Qwen3 or Llama-3) trained on the standard library's source plus
@@ -334,7 +334,11 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=20_000, help="held-out teacher positions to encode")
     ap.add_argument("--write-docs", action="store_true",
                     help="also write README.md's store-codec and checked-reads blocks")
+    ap.add_argument("--reads", action="store_true",
+                    help="quick: only the whole store at k=64 (v1 and v2) and its checked reads; writes no docs")
     args = ap.parse_args()
+    if args.reads and args.write_docs:
+        raise SystemExit("--reads measures part of the tables: run without it to --write-docs")
     if args.write_docs:
         from xtcache.docblock import require_blocks
 
@@ -350,6 +354,9 @@ def main() -> None:
 
     numcodecs.blosc.set_nthreads(1)
     numcodecs.blosc.use_threads = False
+    if args.reads:
+        store_rows(docs, (64,), vocab)
+        return
     ids = np.concatenate([d["topk_ids"][1:] for d in docs])
     lp = np.concatenate([d["topk_logprobs"][1:] for d in docs])
     realized = np.concatenate([d["realized"][1:] for d in docs])

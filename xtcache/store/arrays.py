@@ -13,9 +13,14 @@ connection, throttling, a 5xx) is tried again with backoff (`xtcache.store_io.re
 once the attempts are spent, raised as a `StoreError` saying the store did not answer; any other
 I/O error (a refused permission) is raised as what it is, never as "damaged".
 
-Stores written before the crc32c codec (same format version, no `crc32c` in an array's chain) are
-read with every array compared against the sha256 in its part index instead (slower; logged once
-per store). `schemas/STORE_FORMAT.md` section 4.2 and 9 state the same rules for other readers.
+An array laid out as `write_array` writes it (`ShardLayout`: one shard object, inner chunks along
+the first axis, `bytes` + zstd or blosc + `crc32c`, the index at the end) is fetched whole in one
+request and decoded here, checking the crc32c of the index and of every inner chunk as zarr does,
+without zarr's per-array and per-chunk machinery (what a read of a part mostly cost); any other
+layout is read by zarr. Stores written before the crc32c codec (same format version, no `crc32c`
+in an array's chain) are read with every array compared against the sha256 in its part index
+instead (slower; logged once per store). `schemas/STORE_FORMAT.md` section 4.2 and 9 state the
+same rules for other readers.
 
     python -c "from xtcache.store.arrays import array_sha256; import numpy as np; print(array_sha256(np.arange(3)))"
 """
@@ -23,7 +28,9 @@ per store). `schemas/STORE_FORMAT.md` section 4.2 and 9 state the same rules for
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -125,10 +132,10 @@ def read_arrays(loc: Location, group: str, specs: list[ArraySpec], *, where: str
                 sha256: bool = False) -> dict[str, np.ndarray]:
     """Read arrays of one Zarr group concurrently, each checked; CorruptionError names `where` and the array.
 
-    Checked always: crc32c of every inner chunk and of the shard index (by zarr), presence of every
-    chunk object, shape and dtype against the index. `sha256` also compares each array's sha256
-    (always done for arrays written without crc32c). Transient errors are retried; a store that
-    stops answering raises StoreError, never CorruptionError.
+    Checked always: crc32c of every inner chunk and of the shard index, presence of every chunk
+    object and of every inner chunk, shape and dtype against the index. `sha256` also compares each
+    array's sha256 (always done for arrays written without crc32c). Transient errors are retried; a
+    store that stops answering raises StoreError, never CorruptionError.
     """
     import asyncio
 
@@ -137,10 +144,12 @@ def read_arrays(loc: Location, group: str, specs: list[ArraySpec], *, where: str
     checked = _checked_store(loc.zarr_store)
 
     async def gather():
-        return await asyncio.gather(*(_read_one(loc, checked, f"{group}/{spec.name}", where) for spec in specs))
+        return await asyncio.gather(*(_fetch(loc, checked, f"{group}/{spec.name}", where) for spec in specs))
 
     out = {}
     for spec, (values, has_crc) in zip(specs, sync(gather())):
+        if isinstance(values, _Fetched):
+            values = values.decode()
         if isinstance(values, Exception):
             raise _read_error(where, spec.name, values) from values
         if list(values.shape) != spec.shape or values.dtype.name != spec.dtype:
@@ -157,8 +166,137 @@ def read_arrays(loc: Location, group: str, specs: list[ArraySpec], *, where: str
     return out
 
 
+_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
+                     "float32", "float64"})
+_INDEX_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+_ABSENT = (1 << 64) - 1  # the shard index entry of an inner chunk that was never written
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """An array exactly as `write_array` lays it out (STORE_FORMAT.md 4.2), read from its `zarr.json`:
+    one shard object `key` of `chunks` inner chunks of `rows` rows along the first axis, each
+    `bytes` (little-endian), then zstd or blosc, then crc32c; the shard index (offset, nbytes as
+    little-endian uint64 per inner chunk, then its crc32c) at the end of the object."""
+
+    key: str  # the shard object under the array: "c/0" (1-d), "c/0/0" (2-d)
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    rows: int
+    chunks: int
+    compressor: str  # "zstd" | "blosc"
+
+    @classmethod
+    def parse(cls, raw: bytes) -> ShardLayout | None:
+        """The layout `zarr.json` describes, or None when it describes anything else (zarr reads those,
+        and raises its own errors on a damaged one)."""
+        try:
+            m = json.loads(raw)
+            (shard,) = m["codecs"]
+            conf = shard["configuration"]
+            plain, comp, crc = conf["codecs"]
+            shape, inner = tuple(m["shape"]), tuple(conf["chunk_shape"])
+            grid = tuple(m["chunk_grid"]["configuration"]["chunk_shape"])
+            ok = (m["zarr_format"] == 3 and m["node_type"] == "array" and not m.get("storage_transformers")
+                  and m["data_type"] in _DTYPES and m["chunk_grid"]["name"] == "regular"
+                  and m["chunk_key_encoding"] == {"name": "default", "configuration": {"separator": "/"}}
+                  and shard["name"] == "sharding_indexed" and conf.get("index_location", "end") == "end"
+                  and conf["index_codecs"] == _INDEX_CODECS and crc == {"name": "crc32c"}
+                  and plain["name"] == "bytes" and plain.get("configuration", {}).get("endian", "little") == "little"
+                  and comp["name"] in ("zstd", "blosc") and 1 <= len(shape) == len(grid) == len(inner)
+                  and shape[1:] == grid[1:] == inner[1:] and 0 < inner[0] and shape[0] <= grid[0]
+                  and grid[0] % inner[0] == 0 and all(isinstance(n, int) and n >= 0 for n in shape + grid))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if not ok:
+            return None
+        return cls(key="c/" + "/".join("0" * len(shape)), shape=shape, dtype=np.dtype(m["data_type"]).newbyteorder("<"),
+                   rows=inner[0], chunks=grid[0] // inner[0], compressor=comp["name"])
+
+    def decode(self, data: np.ndarray) -> np.ndarray:
+        """The array from the bytes of its shard object (uint8), every crc32c checked: ValueError names
+        what is damaged (a checksum, an index that does not fit the object, an inner chunk absent)."""
+        out = np.empty(self.shape, self.dtype)
+        start = data.size - (16 * self.chunks + 4)
+        if start < 0:
+            raise ValueError(f"the shard object ({data.size} bytes) is shorter than its index")
+        _check_crc32c(data[start:], "shard index")
+        index = data[start:-4].view("<u8").reshape(self.chunks, 2)
+        flat = out.reshape(-1).view(np.uint8)
+        chunk_bytes = self.rows * (out.itemsize * int(np.prod(self.shape[1:], dtype=np.int64)))
+        for i in range(-(-self.shape[0] // self.rows)):
+            offset, nbytes = int(index[i, 0]), int(index[i, 1])
+            if offset == _ABSENT or nbytes < 4 or offset + nbytes > start:
+                raise ValueError(f"inner chunk {i} is {'absent from' if offset == _ABSENT else 'outside'} the shard")
+            _check_crc32c(data[offset:offset + nbytes], f"inner chunk {i}")
+            lo = i * chunk_bytes
+            whole = lo + chunk_bytes <= flat.size  # the last inner chunk may reach past the array: padding
+            target = flat[lo:lo + chunk_bytes] if whole else np.empty(chunk_bytes, np.uint8)
+            _decompress(self.compressor, data[offset:offset + nbytes - 4], target)
+            if not whole:
+                flat[lo:] = target[:flat.size - lo]
+        return out
+
+
+def _check_crc32c(chunk: np.ndarray, what: str) -> None:
+    """`chunk` is payload + its crc32c (4 bytes, little-endian), as zarr's crc32c codec writes it."""
+    import google_crc32c
+
+    if google_crc32c.value(chunk[:-4]) != int.from_bytes(chunk[-4:].tobytes(), "little"):
+        raise ValueError(f"{what}: stored and computed crc32c checksum differ")
+
+
+def _decompress(name: str, src: np.ndarray, target: np.ndarray) -> None:
+    """Decompress one inner chunk into `target` (uint8), which it must fill exactly."""
+    import numcodecs
+
+    if name == "blosc":  # the header's byte count (bytes 4-8) sizes the output: checked before decoding into it
+        if src.size < 16 or int.from_bytes(src[4:8].tobytes(), "little") != target.size:
+            raise ValueError(f"a blosc chunk that does not decompress to {target.size} bytes")
+        numcodecs.Blosc().decode(src, out=target)
+        return
+    raw = numcodecs.Zstd().decode(src)
+    if len(raw) != target.size:
+        raise ValueError(f"a zstd chunk of {len(raw)} bytes, not {target.size}")
+    target[:] = np.frombuffer(raw, np.uint8)
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    """A shard object fetched whole, decoded (and checked) by `read_arrays` outside the event loop."""
+
+    layout: ShardLayout
+    data: np.ndarray  # uint8: the shard object's bytes
+
+    def decode(self) -> np.ndarray | Exception:
+        try:
+            return self.layout.decode(self.data)
+        except Exception as e:  # noqa: BLE001  (numcodecs raises many kinds on damaged bytes; classified later)
+            return e
+
+
+async def _fetch(loc: Location, checked, path: str, where: str):
+    """(values, exception or _Fetched; has_crc) of one array: a `ShardLayout` array as its zarr.json and
+    its shard object, two requests; any other array read by zarr (`_read_one`)."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    what = f"{where}: array {path.rsplit('/', 1)[-1]!r} ({loc.url}/{path})"
+    proto = default_buffer_prototype()
+    try:
+        meta = await retry_async(what, lambda: checked.get(f"{path}/zarr.json", proto))
+        layout = ShardLayout.parse(meta.to_bytes()) if meta is not None else None
+        if layout is None:
+            return await _read_one(loc, checked, path, where)
+        if 0 in layout.shape:  # no shard object (4.2)
+            return np.zeros(layout.shape, layout.dtype), True
+        data = await retry_async(what, lambda: checked.get(f"{path}/{layout.key}", proto))
+        return _Fetched(layout, data.as_numpy_array().view(np.uint8)), True
+    except Exception as e:  # noqa: BLE001  (classified by the caller)
+        return e, True
+
+
 async def _read_one(loc: Location, checked, path: str, where: str):
-    """(values, has_crc) of one array, or (the exception, has_crc): errors are classified by the caller."""
+    """(values, has_crc) of one array read by zarr, or (the exception, has_crc): errors are classified by the caller."""
     from zarr.api import asynchronous as zarr_async
 
     what = f"{where}: array {path.rsplit('/', 1)[-1]!r} ({loc.url}/{path})"

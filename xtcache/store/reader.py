@@ -275,7 +275,11 @@ class CacheReader:
         pos, text_offs = raw["doc_pos_offsets"], raw["doc_text_offsets"]
         _check_offsets(pos, meta.num_positions, where, "doc_pos_offsets")
         _check_offsets(text_offs, raw["doc_text"].shape[0], where, "doc_text_offsets")
-        ids = codecs.codec_from_config(meta.arrays["topk_ids"].transform).decode(raw["topk_ids"])
+        ids_codec = codecs.codec_from_config(meta.arrays["topk_ids"].transform)
+        if not isinstance(ids_codec, codecs.SortedDeltaIds):
+            raise CorruptionError(f"{where}: array 'topk_ids' has transform {ids_codec.to_config()['name']}, which "
+                                  "codes no ids: its index or manifest.json is damaged")
+        ids = ids_codec.decode(raw["topk_ids"], overwrite=True)  # the deltas' memory: read_shard keeps only ids
         V = self.manifest.teacher_vocab_size
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= V):
             raise CorruptionError(f"{where}: array 'topk_ids' decodes to ids outside the teacher vocabulary [0, {V}): "
