@@ -17,7 +17,8 @@ what fills the teacher side of each batch:
 | --- | --- |
 | CE only | nothing (`--loss ce`) |
 | online full KD | a live transformers forward of the teacher on the batch's windows, full vocabulary (the reference) |
-| cached full / top-k + rest / sampled | the store written by stage 1 (`run_teacher_dump`, engine hf) with that `--mode` |
+| cached full / top-k + rest / sampled / head + tail | the store written by stage 1 (`run_teacher_dump`, engine hf) with that `--mode` (head K + tail N: `--mode headtail --top-k K --num-samples N`, trained with `--loss auto`, i.e. `sampled`) |
+| cached top-64 + rest, format 2 (codec v1) | the top-64 store written as format version 2 (8-bit log-probs, float32 residual): codec v1 beside v2 in one run |
 | cached top-k renormalised | the top-64 store, teacher and student both renormalised over the k ids, no rest bucket (how axolotl and Atropos use top-k; a comparison row, not an xtcache loss) |
 | cross-tokenizer rows | a student with its own tokenizer on the top-64 store (P-KL, ALM, CE only) and on the sampled n=64 store (P-KL over the sampled targets, the `auto` loss of a sampled cross-tokenizer cache, and ALM) |
 
@@ -59,6 +60,7 @@ quality.md into README.md's `quality-table` block, stamped with the command (xtc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -98,16 +100,24 @@ ROWS = [
     Row("cached top-64 renormalised (no rest)", "top64", "renorm"),
     Row("cached sampled n=16", "sampled16", "sampled"),
     Row("cached sampled n=64", "sampled64", "sampled"),
+    Row("cached head 2 + tail 24", "ht2x24", "sampled"),
+    Row("cached head 4 + tail 16", "ht4x16", "sampled"),
+    Row("cached head 8 + tail 16", "ht8x16", "sampled"),
+    Row("cached head 8 + tail 32", "ht8x32", "sampled"),
+    Row("cached top-64 + rest, format 2 (codec v1)", "top64v1", "kl"),
     Row("cross-tok: P-KL top-64", "top64", "pkl", cross=True),
     Row("cross-tok: ALM (top-64 store)", "top64", "alm", cross=True),
     Row("cross-tok: P-KL sampled n=64", "sampled64", "pkl", cross=True),
     Row("cross-tok: ALM (sampled n=64 store)", "sampled64", "alm", cross=True),
+    Row("cross-tok: P-KL head 8 + tail 16", "ht8x16", "pkl", cross=True),
     Row("cross-tok: CE only", "top64", "ce", cross=True),
 ]
 
 STORES = {"full": dict(mode="full"), "top8": dict(mode="topk", top_k=8), "top64": dict(mode="topk", top_k=64),
           "top256": dict(mode="topk", top_k=256), "sampled16": dict(mode="sampled", num_samples=16),
-          "sampled64": dict(mode="sampled", num_samples=64)}
+          "sampled64": dict(mode="sampled", num_samples=64),
+          **{f"ht{h}x{n}": dict(mode="headtail", top_k=h, num_samples=n) for h, n in ((2, 24), (4, 16), (8, 16), (8, 32))},
+          "top64v1": dict(mode="topk", top_k=64, format_version=2)}  # format_version: a bench-only knob (dump)
 
 
 @dataclass(frozen=True)
@@ -276,15 +286,35 @@ def dump(teacher: Path, students: list[Path], data: Path, out: Path, spec: dict)
         complete = False
     if not complete:
         shutil.rmtree(out, ignore_errors=True)
+        spec = dict(spec)
+        version = spec.pop("format_version", None)
         cfg = TeacherDumpConfig(
             student_tokenizer=[str(s) for s in students], input=InputConfig(data=[str(data)]),
             teacher=TeacherConfig(teacher=str(teacher), engine="hf", dtype="float32"),
             capture=CaptureConfig(max_seq_len=512, **spec), store=StoreConfig(out=str(out), docs_per_part=64))
-        run_teacher_dump(cfg, progress=False)
+        with _format_version(version):
+            run_teacher_dump(cfg, progress=False)
     reader = CacheReader(str(out))
     positions = sum(int(n) for s in reader.shards for n in [reader.doc_pos_offsets(s.shard_id)[-1]])
     return {"path": str(out), "bytes": reader.total_bytes(), "positions": positions,
             "bytes_per_position": reader.total_bytes() / positions}
+
+
+@contextlib.contextmanager
+def _format_version(version: int | None):
+    """Stage 1 writes an older store format version (codec v1) while this is open: the bench's own knob,
+    no user flag (the writer still reads and writes every version in READ_VERSIONS)."""
+    if version is None:
+        yield
+        return
+    from stage1_teacher import dump as dump_module
+
+    made = dump_module.manifest_for
+    dump_module.manifest_for = lambda cfg, plan: made(cfg, plan).model_copy(update={"format_version": version})
+    try:
+        yield
+    finally:
+        dump_module.manifest_for = made
 
 
 def make_student(tokenizer: Path, out: Path, seed: int, like: Path) -> Path:
