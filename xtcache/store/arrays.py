@@ -205,7 +205,7 @@ class ShardLayout:
                   and plain["name"] == "bytes" and plain.get("configuration", {}).get("endian", "little") == "little"
                   and comp["name"] in ("zstd", "blosc") and 1 <= len(shape) == len(grid) == len(inner)
                   and shape[1:] == grid[1:] == inner[1:] and 0 < inner[0] and shape[0] <= grid[0]
-                  and grid[0] % inner[0] == 0 and all(isinstance(n, int) and n >= 0 for n in shape + grid))
+                  and grid[0] % inner[0] == 0 and all(isinstance(n, int) and n >= 0 for n in shape + grid + inner))
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
         if not ok:
@@ -276,8 +276,9 @@ class _Fetched:
 
 
 async def _fetch(loc: Location, checked, path: str, where: str):
-    """(values, exception or _Fetched; has_crc) of one array: a `ShardLayout` array as its zarr.json and
-    its shard object, two requests; any other array read by zarr (`_read_one`)."""
+    """(what was read, has_crc) of one array: for a `ShardLayout` array its shard object fetched whole
+    (`_Fetched`, two requests with its zarr.json), decoded by the caller; any other array read by zarr
+    (`_read_one`); or the exception, classified by the caller."""
     from zarr.core.buffer import default_buffer_prototype
 
     what = f"{where}: array {path.rsplit('/', 1)[-1]!r} ({loc.url}/{path})"
