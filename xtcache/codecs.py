@@ -247,12 +247,16 @@ class DeltaCharOffsets:
 
     def decode(self, stored: np.ndarray, doc_pos_offsets: np.ndarray) -> np.ndarray:
         """int32 [P, 2] -> int32 [P, 2] (start, end): a cumulative sum restarted at each document."""
-        steps = stored.astype(np.int64).sum(1)  # [P] end_t - end_{t-1}
-        ends = np.cumsum(steps)
+        ends = stored[:, 0].astype(np.int64)  # [P] end_t - end_{t-1}: the gap before the token plus its length
+        ends += stored[:, 1]
+        np.cumsum(ends, out=ends)
         starts_at = doc_pos_offsets[:-1]
         before = np.where(starts_at > 0, ends[np.maximum(starts_at - 1, 0)] if len(ends) else 0, 0)
         ends -= np.repeat(before, np.diff(doc_pos_offsets))
-        return np.stack([ends - stored[:, 1], ends], 1).astype(np.int32)
+        out = np.empty(stored.shape, np.int32)  # filled column by column (a [P, 2] reduction or stack is slow)
+        out[:, 1] = ends
+        np.subtract(ends, stored[:, 1], out=out[:, 0], casting="unsafe")
+        return out
 
 
 @dataclass(frozen=True)
