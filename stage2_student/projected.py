@@ -72,12 +72,10 @@ def _softmax(spec, z: Tensor, m: int) -> Tensor:
 
 
 def _ce_partition(spec, z: Tensor, m: int, soft: Tensor) -> Tensor:
-    """CE's log-partition of every row [b]. At T = 1 the KD rows' from their softmax: z_j - log softmax_j at
-    the row's largest logit, where the softmax is at least 1 / V (its log keeps its digits)."""
+    """CE's log-partition of every row [b]; at T = 1 the KD rows' from their softmax (`closed_form.log_partition`)."""
     if spec.temperature != 1.0:
         return torch.logsumexp(z, dim=-1)
-    top = z[:m].argmax(dim=-1, keepdim=True)  # [m, 1]
-    return torch.cat([(z[:m].gather(1, top) - soft.gather(1, top).log())[:, 0], torch.logsumexp(z[m:], dim=-1)])
+    return torch.cat([closed_form.log_partition(z[:m], soft), torch.logsumexp(z[m:], dim=-1)])
 
 
 def _chunk_means(soft: Tensor, blk) -> Tensor:
@@ -94,9 +92,9 @@ def _kl_parts(spec, p_bar: Tensor, blk, teacher: dict, mats) -> tuple[Tensor, tu
     cdt, n_c = p_bar.dtype, blk.num_chunks
     w_t, _, has, n_cols = mats
     v_t = w_t.shape[0] - 2
-    ids, log_p1, resid, valid = closed_form.stored(blk, teacher, cdt)
+    ids, log_p1, resid, _ = closed_form.stored(blk, teacher, cdt)
     log_p, p_rest = losses.temper_teacher(log_p1, resid, spec.temperature, tail=spec.tail, vocab_size=v_t,
-                                          valid=valid)  # [M, k], [M]
+                                          valid=None)  # [M, k], [M] (`stored` masked the padding)
     t_w = blk.teacher_row_weight.to(cdt)  # [M] 1 / teacher rows of the row's chunk
     at = (torch.where(ids >= 0, ids, v_t + 1), blk.teacher_chunk[:, None].expand_as(ids))  # buffer cells [M, k]
     w_e = log_p.exp().mul_(t_w[:, None])  # [M, k] p_e / rows of its chunk (0: padding)
