@@ -286,10 +286,17 @@ class Objective:
         tch = batch["teacher_chunk"].numpy()
         first_row = np.full(n_chunks, tch.size, dtype=np.int64)
         np.minimum.at(first_row, tch, np.arange(tch.size))
-        ids = batch["teacher_ids"].numpy()[first_row]
+        ids = batch["teacher_ids"].numpy()
         score = (batch["teacher_logprobs"] if "teacher_logprobs" in batch else batch["teacher_counts"]).numpy()
-        score = np.where(ids >= 0, score[first_row].astype(np.float64), -np.inf)
+        if first_row.size != tch.size or (first_row != np.arange(tch.size)).any():  # else every row is a first
+            ids, score = ids[first_row], score[first_row]
+        # the largest stored score of each row, read in place (a full cache's rows are V wide); rows whose
+        # largest score sits in a padding slot are redone with the padding masked
         top = ids[np.arange(n_chunks), score.argmax(axis=1)].astype(np.int64)
+        bad = np.nonzero(top < 0)[0]
+        if bad.size:
+            masked = np.where(ids[bad] >= 0, score[bad].astype(np.float64), -np.inf)
+            top[bad] = ids[bad, masked.argmax(axis=1)]
         return {"first_pos": torch.from_numpy(first_pos), "teacher_top": torch.from_numpy(top)}
 
     # ----------------------------------------------------------------- device side

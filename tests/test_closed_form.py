@@ -165,3 +165,17 @@ def test_projected_kl_closed_form_equals_the_autograd_recompute(case, saved, mon
     torch.testing.assert_close(ce, want_ce, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g, g_want, rtol=1e-9, atol=1e-12)
     assert torch.isfinite(g).all() and g.abs().sum() > 0 and (kd > 0).all()
+
+
+@pytest.mark.parametrize("kind", ["kl", "pkl"])
+def test_agreement_plan_takes_the_largest_stored_score_never_a_padding_slot(kind):
+    """The teacher's top-1 of each chunk (the first row's largest stored log-prob or count) is read in place;
+    padding slots, even with a larger stored value than every real one, and all-padding rows are handled as
+    the masked float64 argmax over the chunk's first row."""
+    gen = torch.Generator().manual_seed(44)
+    obj, batch, logits = (_pkl_case if kind == "pkl" else _closed_form_case)("topk", gen)
+    batch["teacher_logprobs"][1, 3:] = 5.0  # padding slots above every stored value
+    ids, score, tch = batch["teacher_ids"], batch["teacher_logprobs"], batch["teacher_chunk"]
+    first = torch.stack([torch.nonzero(tch == c)[0, 0] for c in range(batch["num_chunks"])])
+    want = ids[first].gather(1, torch.where(ids[first] >= 0, score[first], -torch.inf).argmax(1, keepdim=True))[:, 0]
+    assert torch.equal(obj.prepare(batch, vocab=logits.shape[-1]).agree["teacher_top"], want)
