@@ -6,7 +6,8 @@ Everything that writes, reads or checks arrays goes through this table: the writ
 4.1 and 5 are compared with it by tests/test_store_format.py.
 
 Shapes are written with the counts of a part: `D` documents, `P` teacher positions, `k` entries
-per position (the manifest's `k`), `B` text bytes, `M` conversation bytes, `S` student tokens, `C` chunks.
+per position (the manifest's `k`), `k_head` of them with a log-prob and `k_tail` with a draw count
+(`entry_widths`), `B` text bytes, `M` conversation bytes, `S` student tokens, `C` chunks.
 Arrays marked `conversation` are held by the parts of conversation stores only (manifest field
 `conversation`, format version 2). Arrays marked `optional` may be absent from a part that could
 hold them: `sampled_logprobs`, written for the alignment group of the student that sampled a
@@ -29,7 +30,7 @@ class ArrayDef:
 
     name: str
     dtypes: tuple[str, ...]  # stored numpy dtype names a reader accepts
-    shape: tuple[str, ...]  # symbolic dimensions over D, P, k, B, S, C (or a number)
+    shape: tuple[str, ...]  # symbolic dimensions over D, P, k, k_head, k_tail, B, S, C (or a number)
     modes: tuple[str, ...] = ("topk", "full", "sampled", "headtail")  # modes whose parts hold it
     transform: str | None = None  # 'ids', 'logprobs' or 'offsets' (version 3): a transform named in the manifest
     shuffle: bool = False  # default compression: byte shuffle + zstd (blosc) instead of plain zstd
@@ -57,10 +58,9 @@ TEACHER_ARRAYS: tuple[ArrayDef, ...] = (
     ArrayDef("char_offsets", ("int32",), ("P", "2"), transform="offsets"),
     ArrayDef("has_pred", ("bool",), ("P",)),
     ArrayDef("topk_ids", ("uint16", "uint32"), ("P", "k"), transform="ids", shuffle=True),
-    ArrayDef("topk_logprobs", ("uint8", "uint16", "float16", "float32"), ("P", "k"),
-             modes=("topk", "full", "headtail"),
-             transform="logprobs"),
-    ArrayDef("topk_counts", ("uint16",), ("P", "k"), modes=("sampled", "headtail")),
+    ArrayDef("topk_logprobs", ("uint8", "uint16", "float16", "float32"), ("P", "k_head"),
+             modes=("topk", "full", "headtail"), transform="logprobs"),
+    ArrayDef("topk_counts", ("uint16",), ("P", "k_tail"), modes=("sampled", "headtail")),
     ArrayDef("residual", ("float32", "float16"), ("P",), shuffle=True),
     ArrayDef("realized_logprob", ("float32", "float16"), ("P",), shuffle=True),
     ArrayDef("doc_conversation_offsets", ("int64",), ("D+1",), conversation=True),
@@ -79,6 +79,20 @@ ALIGN_ARRAYS: tuple[ArrayDef, ...] = (
     ArrayDef("sampled_logprobs", ("float32",), ("S",), conversation=True, optional=True),
 )
 """Arrays of `align/{F}/shards/{S}/`, in the order an alignment part is written."""
+
+
+def entry_widths(mode: str, k: int, top_k: int | None = None) -> dict[str, int]:
+    """The widths of a part's entry arrays: `k` ids per position (`topk_ids`), the first `k_head` of
+    them with a log-prob (`topk_logprobs`) and the other `k_tail` with a draw count (`topk_counts`).
+
+    topk and full modes: every entry has a log-prob (k_head = k); sampled mode: every entry is a draw
+    (k_tail = k); headtail mode: the manifest's `top_k` head entries, then k - top_k tail entries.
+    """
+    if mode == "headtail":
+        if top_k is None or not 0 < top_k <= k:
+            raise ValueError(f"mode headtail: top_k {top_k} must be in [1, k={k}]")
+        return {"k": k, "k_head": top_k, "k_tail": k - top_k}
+    return {"k": k, "k_head": 0 if mode == "sampled" else k, "k_tail": k if mode == "sampled" else 0}
 
 
 def teacher_arrays(mode: str, conversation: bool = False) -> tuple[ArrayDef, ...]:

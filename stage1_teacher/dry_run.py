@@ -16,6 +16,7 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
     """Documents, positions and an estimated store size, without the teacher."""
     import numpy as np
 
+    from schemas.arrays import entry_widths
     from xtcache.codecs import codec_from_config, default_codecs, side_dtype
 
     prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap,
@@ -33,16 +34,16 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
             for r in pd.alignments.values():
                 student_tokens += len(r.student_ids)
                 chunks += len(r.alignment.student_end)
-    codec = default_codecs(cfg.capture.mode, plan.vocab_size, k=plan.k)
+    mode, top_k = cfg.capture.mode, cfg.capture.top_k
+    codec = default_codecs(mode, plan.vocab_size, k=plan.k, top_k=top_k)
+    widths = entry_widths(mode, plan.k, top_k)
     id_bytes = np.dtype(codec["topk_ids"]["configuration"].get("dtype", "uint32")).itemsize
     lp_bytes = 0
     if "topk_logprobs" in codec:
         lp_bytes = np.dtype(codec_from_config(codec["topk_logprobs"]).dtype).itemsize
-    if cfg.capture.mode == "sampled":
-        lp_bytes = 2  # uint16 counts
-    elif cfg.capture.mode == "headtail":
-        lp_bytes += 2  # log-probs and uint16 counts
-    per_position = plan.k * (id_bytes + lp_bytes) + 4 + 8 + 1 + 2 * np.dtype(side_dtype()).itemsize
+    # ids, log-probs of the head, uint16 counts of the tail (schemas.arrays.entry_widths)
+    per_position = (plan.k * id_bytes + widths["k_head"] * lp_bytes + widths["k_tail"] * 2
+                    + 4 + 8 + 1 + 2 * np.dtype(side_dtype()).itemsize)
     raw = positions * per_position + student_tokens * 4 + chunks * 9
     return {"documents": docs, "positions": positions, "windows": windows, "skipped": skipped,
             "student_tokens": student_tokens, "chunks": chunks, "estimated_bytes_before_compression": raw,

@@ -10,9 +10,10 @@ arrays a `DocRecord` holds, vectorized in torch on the teacher's device, in row 
   full     log-probs of every tokenizer id (k = V), residual = mass outside the tokenizer
   sampled  N draws at T=1 from the distribution restricted to the tokenizer's ids: unique ids
            sorted by count (descending), uint16 counts, 0 = padding; residual as in full mode
-  headtail the top-k head as in topk mode (counts 0), then N draws from the tokenizer's ids outside
-           the head (the renormalised tail; log-prob -inf): unique ids by count (descending), counts,
-           padding id 0 count 0; residual = R, the tail mass the draws stand for (no draws where R = 0)
+  headtail the top-k head as in topk mode (ids [:, :k], log-probs [n, k]), then N draws from the
+           tokenizer's ids outside the head (the renormalised tail): unique ids by count (descending)
+           in ids [:, k:], counts [n, width - k], padding id 0 count 0; residual = R, the tail mass
+           the draws stand for (no draws where R = 0). The widths are `schemas.arrays.entry_widths`
 
 Every mode also returns the log-prob of the realized next token. Log-probs are log-softmax over
 all the model's logit columns. Checkpoints often pad the lm_head beyond the tokenizer (Qwen3:
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schemas.arrays import entry_widths
 from schemas.models import support_width
 from xtcache.errors import CaptureError
 
@@ -210,9 +212,10 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
         k = support_width(mode, k, num_samples, V)
     except ValueError as e:
         raise CaptureError(str(e)) from None
+    widths = entry_widths(mode, k, head_k)
     ids = np.zeros((n, k), dtype=np.int32)
-    logprobs = np.zeros((n, k), dtype=np.float32) if mode != "sampled" else None
-    counts = np.zeros((n, k), dtype=np.uint16) if mode in ("sampled", "headtail") else None
+    logprobs = np.zeros((n, widths["k_head"]), dtype=np.float32) if mode != "sampled" else None
+    counts = np.zeros((n, widths["k_tail"]), dtype=np.uint16) if mode in ("sampled", "headtail") else None
     residual = np.zeros(n, dtype=np.float32)
     realized = np.zeros(n, dtype=np.float32)
     targets = np.asarray(targets, dtype=np.int64)
@@ -263,7 +266,8 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
 
 def _head_tail(e, total, head_lp, head_idx, num_samples: int, generator, ids: np.ndarray, logprobs: np.ndarray,
                counts: np.ndarray) -> np.ndarray:
-    """One block of headtail targets: fills ids, logprobs, counts [r, k] in place; returns R [r] (float32).
+    """One block of headtail targets: fills ids [r, k], logprobs [r, K], counts [r, k - K] in place;
+    returns R [r] (float32).
 
     e = exp(real - m) [r, V] over the tokenizer's ids, total [r, 1] its normaliser (padded columns
     included); head_lp, head_idx [r, K] the exact head. The tail is e with the head's columns zeroed;
@@ -274,8 +278,7 @@ def _head_tail(e, total, head_lp, head_idx, num_samples: int, generator, ids: np
 
     K = head_idx.shape[1]
     ids[:, :K] = head_idx.to(torch.int32).cpu().numpy()
-    logprobs[:, :K] = head_lp.cpu().numpy()
-    logprobs[:, K:] = -np.inf
+    logprobs[:] = head_lp.cpu().numpy()
     tail = e.scatter(1, head_idx, 0.0)  # [r, V]
     tail_sum = tail.sum(-1)  # [r]
     has = tail_sum > 0
@@ -287,7 +290,7 @@ def _head_tail(e, total, head_lp, head_idx, num_samples: int, generator, ids: np
             1, draws, torch.ones_like(draws, dtype=torch.int32)) * has[:, None]  # [r, V]
         cnt, idx = _ties_by_id(*torch.topk(hist, width, dim=-1, sorted=True))  # by count desc, then id
         ids[:, K:] = torch.where(cnt > 0, idx, 0).to(torch.int32).cpu().numpy()
-        counts[:, K:] = cnt.to(torch.int32).cpu().numpy().astype(np.uint16)
+        counts[:] = cnt.to(torch.int32).cpu().numpy().astype(np.uint16)
     return (tail_sum.double() / total[:, 0].double()).float().cpu().numpy()
 
 

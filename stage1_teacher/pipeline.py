@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from schemas.arrays import entry_widths
 from stage1_teacher.check_records import DEFERRED, CheckRecords
 from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.dump_plan import Plan
@@ -37,15 +38,16 @@ log = logging.getLogger(__name__)
 class _PartState:
     """Per-document output arrays of one part, filled batch by batch by the post thread."""
 
-    def __init__(self, part: Part, k: int, mode: str):
+    def __init__(self, part: Part, k: int, mode: str, top_k: int | None = None):
         self.part = part
         self.arrays = []
+        widths = entry_widths(mode, k, top_k)  # headtail: the head's log-probs and the tail's counts
         for pd in part.docs:
             T = pd.num_tokens
             self.arrays.append({
                 "has_pred": np.zeros(T, dtype=bool), "ids": np.zeros((T, k), dtype=np.int32),
-                "logprobs": None if mode == "sampled" else np.zeros((T, k), dtype=np.float32),
-                "counts": np.zeros((T, k), dtype=np.uint16) if mode in ("sampled", "headtail") else None,
+                "logprobs": None if mode == "sampled" else np.zeros((T, widths["k_head"]), dtype=np.float32),
+                "counts": np.zeros((T, widths["k_tail"]), dtype=np.uint16) if mode in ("sampled", "headtail") else None,
                 "residual": np.zeros(T, dtype=np.float32), "realized": np.full(T, np.nan, dtype=np.float32)})
 
     def records(self):
@@ -202,7 +204,7 @@ class _Pipeline:
                 if self.bar is not None:
                     self.bar.update(len(part.docs))
                 continue
-            state = _PartState(part, plan.k, cfg.capture.mode)
+            state = _PartState(part, plan.k, cfg.capture.mode, cfg.capture.top_k)
             batches = part_batches(part, self.prep, cfg.capture.batch_tokens)
             for i, b in enumerate(batches):
                 _put(self.q_in, (state, b, i == len(batches) - 1), self.stop)

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xtcache.headtail import slot_masks
-
 IGNORE = -100
 
 
@@ -50,8 +48,8 @@ class ShardSource:
     exact: np.ndarray  # bool [C]
     has_pred: np.ndarray  # bool [P]
     topk_ids: np.ndarray  # int32 [P, k]
-    topk_logprobs: np.ndarray | None  # float32 [P, k]
-    topk_counts: np.ndarray | None  # uint16 [P, k]
+    topk_logprobs: np.ndarray | None  # float32 [P, k_head] (schemas.arrays.entry_widths)
+    topk_counts: np.ndarray | None  # uint16 [P, k_tail]
     residual: np.ndarray  # float32 [P]
     realized_logprob: np.ndarray  # float32 [P]
     trained: np.ndarray | None = None  # bool [S] conversation caches: the student tokens --train-on trains
@@ -174,6 +172,13 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
         out["sampled_logprobs"] = sampled  # stage2_student.onpolicy.SAMPLED_KEY
     if groups:
         out["chunk_group"] = np.concatenate(groups).astype(np.int64)
+    out.update(_teacher_side(rows_by_src))
+    return out
+
+
+def _teacher_side(rows_by_src: list[tuple[ShardSource, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The teacher arrays of a micro-batch: rows `r` of each source, in order (ids -1 = padding)."""
+    out: dict[str, np.ndarray] = {}
     first_src = rows_by_src[0][0] if rows_by_src else None
     k = first_src.topk_ids.shape[1] if first_src is not None else 0
 
@@ -183,12 +188,19 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
 
     out["teacher_ids"] = gather("topk_ids", np.int64, (k,))
     if first_src is not None and first_src.topk_counts is not None:
-        counts = gather("topk_counts", np.float32, (k,))
+        # sampled: every slot a draw; headtail (xtcache.headtail): the first kh slots the exact head, then the
+        # draws. The batch holds both at width k: counts 0 on the head, log-probs -inf on the draws
+        kt = first_src.topk_counts.shape[1]
+        kh = k - kt
+        counts = np.zeros(out["teacher_ids"].shape, np.float32)  # [R, k]
+        counts[:, kh:] = gather("topk_counts", np.float32, (kt,))
         out["teacher_counts"] = counts
         keep = counts > 0
-        if first_src.topk_logprobs is not None:  # headtail: the head's slots too (xtcache.headtail)
-            keep = np.logical_or(*slot_masks(out["teacher_ids"], counts))
-            out["teacher_logprobs"] = gather("topk_logprobs", np.float32, (k,))
+        keep[:, :kh] = True
+        if first_src.topk_logprobs is not None:
+            lp = np.full(counts.shape, -np.inf, np.float32)
+            lp[:, :kh] = gather("topk_logprobs", np.float32, (kh,))
+            out["teacher_logprobs"] = lp
         out["teacher_ids"] = np.where(keep, out["teacher_ids"], -1)
     else:
         out["teacher_logprobs"] = gather("topk_logprobs", np.float32, (k,))

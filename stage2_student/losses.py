@@ -57,10 +57,11 @@ def teacher_logprobs(ids: Tensor, logprobs: Tensor | None, counts: Tensor | None
 
     top-k / full caches: the stored log-probs and residual. Sampled caches: the empirical
     distribution counts / N with residual 0 (E[counts / N] = p: an unbiased estimate of the
-    teacher, as in RS-KD). Headtail caches (log-probs and counts both given): the head exact,
-    each tail id R c_j / n (R = the stored tail mass, n = the row's tail draws), residual 0:
-    E[R c_j / n] = R p_j / R = p_j, so this estimate is unbiased too (docs/losses.md states its
-    variance). Padding (id < 0, or count 0 outside a headtail head) gets log p = -inf.
+    teacher, as in RS-KD). Headtail caches (log-probs and counts both given, laid out by
+    `batches.build_micro_batch`: the head's slots first with their log-probs and count 0, then the
+    tail's with their counts and log-prob -inf): the head exact, each tail id R c_j / n (R = the
+    stored tail mass, n = the row's tail draws), residual 0: E[R c_j / n] = R p_j / R = p_j, so this
+    estimate is unbiased too (docs/losses.md states its variance). Padding (id < 0) gets log p = -inf.
     """
     if counts is None:
         lp = logprobs.to(dtype).masked_fill(ids < 0, -math.inf)

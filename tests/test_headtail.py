@@ -43,11 +43,15 @@ def _targets(z, V, seed, **kw):
 
 
 def _teacher_tensors(t):
-    """(ids with padding -1, log-probs, counts, residual) of `distill_targets` output, as the stage-2 batch holds them."""
+    """(ids with padding -1, log-probs, counts, residual) of `distill_targets` output, as the stage-2 batch holds them
+    (`stage2_student.batches`: K + N slots, the head's first; counts 0 on the head, log-probs -inf on the tail)."""
     ids = torch.from_numpy(t.ids.astype(np.int64))
-    counts = torch.from_numpy(t.counts.astype(np.float64))
+    counts = torch.zeros(ids.shape, dtype=torch.float64)
+    counts[:, K:] = torch.from_numpy(t.counts.astype(np.float64))
+    lp = torch.full(ids.shape, -math.inf, dtype=torch.float64)
+    lp[:, :K] = torch.from_numpy(t.logprobs).double()
     pad = (torch.arange(ids.shape[1]) >= K)[None, :] & (counts == 0)
-    return ids.masked_fill(pad, -1), torch.from_numpy(t.logprobs).double(), counts, torch.from_numpy(t.residual).double()
+    return ids.masked_fill(pad, -1), lp, counts, torch.from_numpy(t.residual).double()
 
 
 def test_headtail_targets_match_a_dense_reference():
@@ -58,25 +62,24 @@ def test_headtail_targets_match_a_dense_reference():
     z[0, :K] += 200.0  # all mass in the head: no draws
     lp = _reference(z, V)
     t = _targets(z, V, seed=1, rows_per_block=7)
-    assert t.ids.shape == (n, K + N)
+    assert t.ids.shape == (n, K + N) and t.logprobs.shape == (n, K) and t.counts.shape == (n, N)
     head = np.argsort(-lp[:, :V], 1, kind="stable")[:, :K]
     assert np.array_equal(t.ids[:, :K], head)  # the exact top-K, most likely first
-    np.testing.assert_allclose(t.logprobs[:, :K], np.take_along_axis(lp, head, 1), atol=1e-5)
-    assert np.all(np.diff(t.logprobs[:, :K], axis=1) <= 0)
-    assert np.all(np.isneginf(t.logprobs[:, K:])) and not t.counts[:, :K].any()
+    np.testing.assert_allclose(t.logprobs, np.take_along_axis(lp, head, 1), atol=1e-5)
+    assert np.all(np.diff(t.logprobs, axis=1) <= 0)
     in_vocab = np.exp(lp[:, :V])
     tail_mass = in_vocab.sum(1) - np.take_along_axis(in_vocab, head, 1).sum(1)
     np.testing.assert_allclose(t.residual, tail_mass, rtol=1e-5, atol=1e-7)
     assert t.residual[0] == 0 and not t.counts[0].any() and not t.ids[0, K:].any()
     for r in range(1, n):
-        live = t.counts[r] > 0
+        live = t.counts[r] > 0  # [N]: the tail's slots, ids [K:]
         assert t.counts[r].sum() == N
-        tail_ids = t.ids[r][live]
+        tail_ids = t.ids[r, K:][live]
         assert (tail_ids < V).all() and not set(tail_ids.tolist()) & set(head[r].tolist())
         assert len(set(tail_ids.tolist())) == live.sum()
         key = list(zip(-t.counts[r][live].astype(int), tail_ids))
-        assert key == sorted(key) and np.all(live[K:][:live.sum()])  # by count desc, id asc; padding last
-        assert not t.ids[r, K:][~live[K:]].any()  # padding id 0
+        assert key == sorted(key) and np.all(live[:live.sum()])  # by count desc, id asc; padding last
+        assert not t.ids[r, K:][~live].any()  # padding id 0
     again = _targets(z, V, seed=1, rows_per_block=13)  # other blocks, same seed: the same draws
     assert np.array_equal(again.ids, t.ids) and np.array_equal(again.counts, t.counts)
     other = _targets(z, V, seed=2)
@@ -135,9 +138,8 @@ def _store(path, rows_of_docs, damage=None):
     return str(path)
 
 
-def test_a_store_reads_back_verifies_and_a_misplaced_count_fails_verify(tmp_path):
+def test_a_store_reads_back_verifies_and_a_tail_id_in_the_head_fails_verify(tmp_path):
     from xtcache.commands_store import verify_store
-    from xtcache.headtail import slot_masks
     from xtcache.store import CacheReader
 
     rng = np.random.default_rng(5)
@@ -147,23 +149,73 @@ def test_a_store_reads_back_verifies_and_a_misplaced_count_fails_verify(tmp_path
     url = _store(tmp_path / "ok", [t])
     assert verify_store(url) == []
     data = CacheReader(url).read_shard(CacheReader(url).shards[0].shard_id)
-    head, tail = slot_masks(data.topk_ids[1:], data.topk_counts[1:])
+    assert data.topk_ids.shape == (31, K + N) and data.topk_logprobs.shape == (31, K)
+    assert data.topk_counts.shape == (31, N)
     for r in range(30):
-        got_head = dict(zip(data.topk_ids[1 + r][head[r]].tolist(), data.topk_logprobs[1 + r][head[r]].tolist()))
+        head_ids, tail_ids, counts = data.topk_ids[1 + r, :K], data.topk_ids[1 + r, K:], data.topk_counts[1 + r]
+        assert np.all(np.diff(head_ids) > 0)  # the head by position, ascending by id
+        got_head = dict(zip(head_ids.tolist(), data.topk_logprobs[1 + r].tolist()))
         assert sorted(got_head) == sorted(t.ids[r, :K].tolist())
-        for j, want in zip(t.ids[r, :K], t.logprobs[r, :K]):  # sqrt-prob code: |sqrt p' - sqrt p| <= 1/254
+        for j, want in zip(t.ids[r, :K], t.logprobs[r]):  # sqrt-prob code: |sqrt p' - sqrt p| <= 1/254
             assert abs(math.exp(got_head[int(j)] / 2) - math.exp(want / 2)) <= 0.5 / 127 + 1e-6
-        got_tail = dict(zip(data.topk_ids[1 + r][tail[r]].tolist(), data.topk_counts[1 + r][tail[r]].tolist()))
-        live = t.counts[r] > 0
-        assert got_tail == dict(zip(t.ids[r][live].tolist(), t.counts[r][live].tolist()))
+        live = counts > 0
+        assert np.all(live[:live.sum()]) and np.all(np.diff(tail_ids[live]) > 0)  # drawn ids ascending, padding last
+        want = t.counts[r] > 0
+        assert dict(zip(tail_ids[live].tolist(), counts[live].tolist())) == dict(
+            zip(t.ids[r, K:][want].tolist(), t.counts[r][want].tolist()))
     np.testing.assert_allclose(data.residual[1:], t.residual, rtol=2**-10, atol=1e-7)
 
-    def count_in_head(docs):
-        docs[0].topk_counts[5, 1] = 2  # a count on a head slot (position 5)
+    def tail_id_in_head(docs):
+        docs[0].topk_ids[5, K] = docs[0].topk_ids[5, 0]  # position 5's first draw is its most likely head id
 
-    problems = verify_store(_store(tmp_path / "bad", [t], damage=count_in_head))
+    problems = verify_store(_store(tmp_path / "bad", [t], damage=tail_id_in_head))
     assert len(problems) == 1 and "\n" not in problems[0]
     assert "topk_counts" in problems[0] and "position 5" in problems[0], problems
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_the_id_transform_codes_head_and_tail_apart(dtype):
+    """Each run sorted and delta coded on its own, decoded back in place or not; one run keeps its config."""
+    from xtcache import codecs
+
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 5000, size=(40, K + N))
+    codec = codecs.SortedDeltaIds(dtype, head=K)
+    deltas, order = codec.encode(ids)
+    assert np.array_equal(np.sort(order[:, :K], 1), np.tile(np.arange(K), (40, 1)))  # values stay in their run
+    want = np.concatenate([np.sort(ids[:, :K], 1), np.sort(ids[:, K:], 1)], 1)
+    assert np.array_equal(codec.decode(deltas.copy()), want)
+    assert np.array_equal(codec.decode(deltas.copy(), overwrite=True), want)
+    assert np.array_equal(np.take_along_axis(ids, order, 1), want)
+    assert codecs.codec_from_config(codec.to_config()) == codec
+    assert "head" not in codecs.SortedDeltaIds(dtype).to_config()["configuration"]  # topk, full, sampled: as before
+    assert codecs.default_codecs("headtail", 60, k=K + N, top_k=K)["topk_ids"]["configuration"]["head"] == K
+
+
+def test_ids_split_after_another_width_are_refused(tmp_path):
+    """A writer refuses a manifest whose id transform splits elsewhere than top_k; a reader a part that does."""
+    import json
+
+    from schemas.models import CodecConfig, Manifest
+    from xtcache import codecs
+    from xtcache.errors import CorruptionError, XtcacheError
+    from xtcache.store import CacheReader, CacheWriter
+
+    bad = Manifest(cache_key="headtail-test", mode="headtail", k=K + N, top_k=K, num_samples=N, teacher_vocab_size=60,
+                   codecs={k: CodecConfig(**v) for k, v in codecs.default_codecs("headtail", 60, k=K + N, top_k=K - 1).items()})
+    with pytest.raises(XtcacheError, match="splits rows after 3 ids"):
+        CacheWriter(str(tmp_path / "bad"), bad)
+    rng = np.random.default_rng(2)
+    url = _store(tmp_path / "ok", [_targets((rng.normal(size=(8, 60)) * 3).astype(np.float32), 60, seed=0)])
+    for name in ["manifest.json", *[f"index/{p.name}" for p in (tmp_path / "ok" / "index").iterdir()]]:
+        path = tmp_path / "ok" / name
+        doc = json.loads(path.read_text())
+        ids = doc["codecs"]["topk_ids"] if name == "manifest.json" else doc["arrays"]["topk_ids"]["transform"]
+        ids["configuration"]["head"] = K + 1
+        path.write_text(json.dumps(doc))
+    r = CacheReader(url)
+    with pytest.raises(CorruptionError, match="splits rows after 5 ids, mode headtail needs 4"):
+        r.read_shard(r.shards[0].shard_id)
 
 
 def test_kinds_and_refusals():

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from schemas.arrays import entry_widths
 from schemas.models import FORMAT_VERSION
 from xtcache.errors import StoreError, XtcacheError
 
@@ -53,25 +54,43 @@ def check_ids(ids: np.ndarray, vocab_size: int, what: str = "top-k ids") -> None
 
 @dataclass(frozen=True)
 class SortedDeltaIds:
-    """Sort each row of ids ascending and store first id + successive differences."""
+    """Sort each row of ids ascending and store first id + successive differences.
+
+    `head` > 0 (headtail stores): the first `head` ids of a row and the others are two runs, each sorted
+    and delta coded on its own (the second run's first id absolute), so that a reader knows an entry
+    of the head from one of the tail by its position. `head` 0 (every other mode) leaves the config as
+    it always was.
+    """
 
     dtype: str = "uint32"
+    head: int = 0
 
     def to_config(self) -> dict[str, Any]:
-        return {"name": IDS_NAME, "configuration": asdict(self)}
+        cfg = asdict(self)
+        if not self.head:
+            del cfg["head"]
+        return {"name": IDS_NAME, "configuration": cfg}
+
+    def runs(self, k: int) -> list[slice]:
+        """The column ranges of a row of width `k` that are sorted and delta coded apart."""
+        return [slice(0, k)] if not self.head else [slice(0, self.head), slice(self.head, k)]
 
     def encode(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """ids int [P, k] -> (deltas [P, k] of self.dtype, order [P, k] row permutation applied)."""
-        order = np.argsort(ids, axis=1, kind="stable")
-        s = np.take_along_axis(ids, order, axis=1).astype(np.int64)  # [P, k] ascending
-        deltas = s.copy()
-        deltas[:, 1:] = s[:, 1:] - s[:, :-1]
+        order = np.empty(ids.shape, dtype=np.intp)
+        deltas = np.empty(ids.shape, dtype=np.int64)
+        for run in self.runs(ids.shape[1]):
+            o = np.argsort(ids[:, run], axis=1, kind="stable")
+            s = np.take_along_axis(ids[:, run], o, axis=1).astype(np.int64)  # [P, run] ascending
+            order[:, run] = o + run.start
+            deltas[:, run] = s
+            deltas[:, run][:, 1:] = s[:, 1:] - s[:, :-1]
         if deltas.size and int(deltas.max()) > np.iinfo(self.dtype).max:
             raise XtcacheError(f"id delta {int(deltas.max())} does not fit {self.dtype}; use dtype uint32")
         return deltas.astype(self.dtype), order
 
     def decode(self, deltas: np.ndarray, *, overwrite: bool = False) -> np.ndarray:
-        """deltas [P, k] -> ids int32 [P, k], each row ascending.
+        """deltas [P, k] -> ids int32 [P, k], each row (each run of a row) ascending.
 
         `overwrite`: the caller no longer needs `deltas`, so uint32 deltas are summed in their own memory
         (the same bits as int32) instead of into a new P x k array (a read of a part at k=64 spends
@@ -79,8 +98,26 @@ class SortedDeltaIds:
         """
         if overwrite and deltas.dtype == np.uint32 and deltas.flags.c_contiguous and deltas.flags.writeable:
             ids = deltas.view(np.int32)
-            return np.cumsum(ids, axis=1, out=ids)
-        return np.cumsum(deltas, axis=1, dtype=np.int32)
+            for run in self.runs(deltas.shape[1]):
+                np.cumsum(ids[:, run], axis=1, out=ids[:, run])
+            return ids
+        if not self.head:
+            return np.cumsum(deltas, axis=1, dtype=np.int32)
+        ids = np.empty(deltas.shape, dtype=np.int32)
+        for run in self.runs(deltas.shape[1]):
+            np.cumsum(deltas[:, run], axis=1, dtype=np.int32, out=ids[:, run])
+        return ids
+
+
+def id_runs_problem(codec, mode: str, top_k: int | None) -> str | None:
+    """What is wrong with a store's id transform for its mode (None: nothing): a headtail store's ids
+    are two runs split after the manifest's `top_k`; every other mode's are one run."""
+    if not isinstance(codec, SortedDeltaIds):
+        return f"the transform of 'topk_ids' is {codec.to_config()['name']}, which codes no ids"
+    want = top_k if mode == "headtail" else 0
+    if codec.head != want:
+        return f"the transform of 'topk_ids' splits rows after {codec.head} ids, mode {mode} needs {want}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -306,21 +343,24 @@ def codec_from_config(cfg: dict[str, Any] | Any):
 
 
 def default_codecs(mode: str, vocab_size: int, format_version: int = FORMAT_VERSION,
-                   k: int = 64) -> dict[str, dict[str, Any]]:
-    """The transforms a store of `format_version` uses unless the manifest names others.
+                   k: int = 64, top_k: int | None = None) -> dict[str, dict[str, Any]]:
+    """The transforms a store of `format_version` uses unless the manifest names others (headtail
+    mode: `top_k`, the head's width, which the ids' two runs and the log-probs' width are).
 
-    Top-k (and headtail heads') log-probs from version 3: sqrt(p) in 127 levels up to k=64 and 255 above, so that the mean
+    Top-k (and headtail heads') log-probs from version 3: sqrt(p) in 127 levels up to 64 entries and 255 above, so that the mean
     KL error, k / (6 levels^2), stays under 1e-3 nats (6.6e-4 at k=64 and at k=256; bench/store_codec.py).
     Full mode and stores before version 3 keep 8-bit log-probs: code 0 of the sqrt code decodes to a
     probability of 1 / (16 levels^2), which over a whole vocabulary of near-zero entries would add
     mass (0.12 over 32k ids at 127 levels), while -24 adds 3.8e-11 per id.
     """
-    ids = SortedDeltaIds(dtype="uint16" if vocab_size <= 65536 else "uint32")
+    widths = entry_widths(mode, k, top_k)
+    ids = SortedDeltaIds(dtype="uint16" if vocab_size <= 65536 else "uint32",
+                         head=widths["k_head"] if mode == "headtail" else 0)
     out = {"topk_ids": ids.to_config()}
     if mode != "sampled":
         values = QuantizedLogProbs(bits=8, min_logprob=-24.0)
-        if format_version >= 3 and mode in ("topk", "headtail"):  # headtail: the head's values (tail slots: code 0)
-            values = SqrtProbs(127 if k <= 64 else 255)
+        if format_version >= 3 and mode in ("topk", "headtail"):  # headtail: the head's values
+            values = SqrtProbs(127 if widths["k_head"] <= 64 else 255)
         out["topk_logprobs"] = values.to_config()
     if format_version >= 3:
         out["char_offsets"] = DeltaCharOffsets().to_config()

@@ -17,7 +17,7 @@ import logging
 
 import numpy as np
 
-from schemas.arrays import ArrayDef, align_arrays, teacher_arrays
+from schemas.arrays import ArrayDef, align_arrays, entry_widths, teacher_arrays
 from schemas.models import AlignGroupMeta, AlignPartMeta, ArraySpec, Manifest, ShardMeta, WriterDone
 from xtcache import codecs
 from xtcache.errors import CorruptionError, StoreError, XtcacheError
@@ -241,8 +241,8 @@ class CacheReader:
                 raise CorruptionError(f"{where}: array {name!r} was written with transform {spec.transform}, the "
                                       f"manifest says {codec}: manifest.json was edited or damaged")
         blob, conv = meta.arrays.get("doc_text"), meta.arrays.get("doc_conversation")
-        counts = {"D": meta.num_docs, "P": meta.num_positions, "k": m.k, "B": blob.shape[0] if blob else 0,
-                  "M": conv.shape[0] if conv else 0}
+        counts = {"D": meta.num_docs, "P": meta.num_positions, **entry_widths(m.mode, m.k, m.top_k),
+                  "B": blob.shape[0] if blob else 0, "M": conv.shape[0] if conv else 0}
         if len(meta.docs) != meta.num_docs:
             raise CorruptionError(f"{where}: its index lists {len(meta.docs)} document ids for {meta.num_docs} "
                                   "documents")
@@ -276,9 +276,9 @@ class CacheReader:
         _check_offsets(pos, meta.num_positions, where, "doc_pos_offsets")
         _check_offsets(text_offs, raw["doc_text"].shape[0], where, "doc_text_offsets")
         ids_codec = codecs.codec_from_config(meta.arrays["topk_ids"].transform)
-        if not isinstance(ids_codec, codecs.SortedDeltaIds):
-            raise CorruptionError(f"{where}: array 'topk_ids' has transform {ids_codec.to_config()['name']}, which "
-                                  "codes no ids: its index or manifest.json is damaged")
+        problem = codecs.id_runs_problem(ids_codec, self.manifest.mode, self.manifest.top_k)
+        if problem:
+            raise CorruptionError(f"{where}: {problem}: its index or manifest.json is damaged")
         ids = ids_codec.decode(raw["topk_ids"], overwrite=True)  # the deltas' memory: read_shard keeps only ids
         V = self.manifest.teacher_vocab_size
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= V):

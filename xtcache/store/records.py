@@ -24,9 +24,9 @@ class DocRecord:
     teacher_ids: np.ndarray  # int32 [T]
     char_offsets: np.ndarray  # int32 [T, 2]
     has_pred: np.ndarray  # bool [T]
-    topk_ids: np.ndarray  # int32 [T, k]
-    topk_logprobs: np.ndarray | None  # float32 [T, k]; None in sampled mode
-    topk_counts: np.ndarray | None  # uint16 [T, k]; sampled and headtail modes, 0 = padding (headtail: or head)
+    topk_ids: np.ndarray  # int32 [T, k]; headtail: the head's k_head ids first, then the tail's
+    topk_logprobs: np.ndarray | None  # float32 [T, k_head] (schemas.arrays.entry_widths); None in sampled mode
+    topk_counts: np.ndarray | None  # uint16 [T, k_tail]; sampled and headtail modes, 0 = padding
     residual: np.ndarray  # float32 [T]
     realized_logprob: np.ndarray  # float32 [T]; NaN where not has_pred
     content_hash: str = ""
@@ -63,9 +63,9 @@ class ShardData:
     teacher_ids: np.ndarray  # int32 [P]
     char_offsets: np.ndarray  # int32 [P, 2]
     has_pred: np.ndarray  # bool [P]
-    topk_ids: np.ndarray  # int32 [P, k], each row ascending by id
-    topk_logprobs: np.ndarray | None  # float32 [P, k]
-    topk_counts: np.ndarray | None  # uint16 [P, k]
+    topk_ids: np.ndarray  # int32 [P, k], each row ascending by id (headtail: the head's k_head, then the tail's)
+    topk_logprobs: np.ndarray | None  # float32 [P, k_head] (schemas.arrays.entry_widths)
+    topk_counts: np.ndarray | None  # uint16 [P, k_tail]
     residual: np.ndarray  # float32 [P]
     realized_logprob: np.ndarray  # float32 [P]
     conversations: list[str] | None = None  # conversation stores: per document, the messages' JSON

@@ -15,7 +15,7 @@ import logging
 
 import numpy as np
 
-from schemas.arrays import align_arrays, teacher_arrays
+from schemas.arrays import align_arrays, entry_widths, teacher_arrays
 from schemas.models import (
     FORMAT_VERSION,
     READ_VERSIONS,
@@ -63,6 +63,9 @@ class CacheWriter:
             raise StoreError(f"writer index {writer_index} is outside [0, {self.manifest.num_writers}) "
                              f"of the store at {url}")
         self.ids_codec = codecs.codec_from_config(self.manifest.codecs["topk_ids"])
+        problem = codecs.id_runs_problem(self.ids_codec, self.manifest.mode, self.manifest.top_k)
+        if problem:
+            raise XtcacheError(f"store {url}: {problem}")
         lp = self.manifest.codecs.get("topk_logprobs")
         self.lp_codec = codecs.codec_from_config(lp) if lp is not None else None
         if for_align:
@@ -84,7 +87,8 @@ class CacheWriter:
                                      f"version {FORMAT_VERSION} (and adds alignment groups to version 1 stores)")
         if not manifest.codecs:
             manifest.codecs = {k: CodecConfig(**v) for k, v in codecs.default_codecs(
-                manifest.mode, manifest.teacher_vocab_size, manifest.format_version, manifest.k).items()}
+                manifest.mode, manifest.teacher_vocab_size, manifest.format_version, manifest.k,
+                manifest.top_k).items()}
         if manifest.mode != "sampled" and "topk_logprobs" not in manifest.codecs:
             raise XtcacheError(f"mode {manifest.mode!r} needs a 'topk_logprobs' codec in the manifest")
         if not manifest.created:
@@ -218,35 +222,32 @@ class CacheWriter:
     def _encode_docs(self, docs: list[DocRecord]) -> dict[str, tuple[np.ndarray, dict | None]]:
         m = self.manifest
         k, V = m.k, m.teacher_vocab_size
+        widths = entry_widths(m.mode, k, m.top_k)
         for d in docs:
-            _check_doc(d, k, m.mode)
+            _check_doc(d, widths, m.mode)
         texts = [d.text.encode("utf-8") for d in docs]
         has_pred = _concat([d.has_pred for d in docs], np.bool_)
+        kh, kt = widths["k_head"], widths["k_tail"]
         ids = _concat([d.topk_ids for d in docs], np.int64, (k,))
         ids[~has_pred] = 0
         counts, lp = None, None
         if m.mode != "sampled":
-            lp = _concat([d.topk_logprobs for d in docs], np.float32, (k,))
+            lp = _concat([d.topk_logprobs for d in docs], np.float32, (kh,))
             lp[~has_pred] = 0.0
-        if m.mode in ("sampled", "headtail"):
-            counts = _concat([d.topk_counts for d in docs], np.uint16, (k,))
+            codecs.check_ids(ids[:, :kh][has_pred], V)
+        if m.mode in ("sampled", "headtail"):  # the drawn entries: ids [:, kh:] with their counts
+            counts = _concat([d.topk_counts for d in docs], np.uint16, (kt,))
             counts[~has_pred] = 0
-            real = counts > 0
-            if m.mode == "headtail":  # the head: the first top_k slots of every predicted row
-                real[:, :m.top_k] |= has_pred[:, None]
-            codecs.check_ids(ids[real], V)
-            # padding (count 0, not head) sorts after the real ids and repeats the last real id (delta 0)
-            pre = np.argsort(np.where(real, ids, V), axis=1, kind="stable")
-            ids = np.take_along_axis(np.where(real, ids, 0), pre, axis=1)
-            np.maximum.accumulate(ids, axis=1, out=ids)
+            drawn, real = ids[:, kh:], counts > 0
+            codecs.check_ids(drawn[real], V)
+            # padding (count 0) sorts after the real ids and repeats the last real id (delta 0)
+            pre = np.argsort(np.where(real, drawn, V), axis=1, kind="stable")
+            drawn[:] = np.take_along_axis(np.where(real, drawn, 0), pre, axis=1)
+            np.maximum.accumulate(drawn, axis=1, out=drawn)
             counts = np.take_along_axis(counts, pre, axis=1)
-            if lp is not None:
-                lp = np.take_along_axis(lp, pre, axis=1)
-        else:
-            codecs.check_ids(ids[has_pred], V)
-        deltas, order = self.ids_codec.encode(ids)
+        deltas, order = self.ids_codec.encode(ids)  # headtail: head and tail sorted apart (codec `head`)
         if counts is not None:
-            counts = np.take_along_axis(counts, order, axis=1)  # order is the identity here
+            counts = np.take_along_axis(counts, order[:, kh:] - kh, axis=1)  # the identity: sorted above
         out: dict[str, tuple[np.ndarray, dict | None]] = {
             "doc_pos_offsets": (_offsets([len(d.teacher_ids) for d in docs]), None),
             "doc_text_offsets": (_offsets([len(t) for t in texts]), None),
@@ -262,7 +263,7 @@ class CacheWriter:
         if counts is not None:
             out["topk_counts"] = (counts, None)
         if lp is not None:
-            lp = np.take_along_axis(lp, order, axis=1)
+            lp = np.take_along_axis(lp, order[:, :kh], axis=1)
             out["topk_logprobs"] = (self.lp_codec.encode(lp), self.lp_codec.to_config())
         if m.conversation:
             if any(d.conversation is None for d in docs):
@@ -367,16 +368,16 @@ def _package_version() -> str:
         return "unknown"
 
 
-def _check_doc(d: DocRecord, k: int, mode: str) -> None:
-    T = len(d.teacher_ids)
+def _check_doc(d: DocRecord, widths: dict[str, int], mode: str) -> None:
+    T, k = len(d.teacher_ids), widths["k"]
     want = {"char_offsets": (T, 2), "has_pred": (T,), "topk_ids": (T, k), "residual": (T,),
             "realized_logprob": (T,)}
     if mode in ("sampled", "headtail"):
-        want["topk_counts"] = (T, k)
+        want["topk_counts"] = (T, widths["k_tail"])
         if d.topk_counts is None:
             raise XtcacheError(f"document {d.doc_id}: {mode} mode needs topk_counts")
     if mode != "sampled":
-        want["topk_logprobs"] = (T, k)
+        want["topk_logprobs"] = (T, widths["k_head"])
         if d.topk_logprobs is None:
             raise XtcacheError(f"document {d.doc_id}: mode {mode!r} needs topk_logprobs")
     for name, shape in want.items():

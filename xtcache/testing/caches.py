@@ -67,8 +67,8 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
             top_lp = np.zeros((n, k), dtype=np.float32)
             counts = None
             residual = np.zeros(n, dtype=np.float32)
-            if mode == "headtail":
-                counts = np.zeros((n, k), dtype=np.uint16)
+            if mode == "headtail":  # the store's widths: log-probs of the head, counts of the tail
+                top_lp, counts = np.zeros((n, head_k), dtype=np.float32), np.zeros((n, k - head_k), dtype=np.uint16)
                 residual[1:] = _head_tail(prev, head_k, num_samples, gen, top_ids[1:], top_lp[1:], counts[1:])
             elif mode == "sampled":
                 counts = np.zeros((n, k), dtype=np.uint16)
@@ -97,16 +97,17 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
 
 
 def _head_tail(logp, head_k: int, num_samples: int, gen, ids: np.ndarray, lp: np.ndarray, counts: np.ndarray):
-    """Head + tail targets of rows `logp` [n, V] into ids, lp, counts [n, k]; returns the tail mass R [n]."""
+    """Head + tail targets of rows `logp` [n, V] into ids [n, k], lp [n, K], counts [n, k - K]; returns the
+    tail mass R [n]."""
     import torch
 
     head_lp, head_ids = logp.topk(head_k, dim=-1)
-    ids[:, :head_k], lp[:, :head_k], lp[:, head_k:] = head_ids.numpy(), head_lp.numpy(), -np.inf
+    ids[:, :head_k], lp[:] = head_ids.numpy(), head_lp.numpy()
     tail = logp.exp().scatter(1, head_ids, 0.0)  # [n, V]
     mass = tail.double().sum(-1)
     has = mass > 0
     draws = torch.multinomial(torch.where(has[:, None], tail, 1.0), num_samples, replacement=True, generator=gen)
     for t in np.flatnonzero(has.numpy()):
         u, c = np.unique(draws[t].numpy(), return_counts=True)
-        ids[t, head_k:head_k + len(u)], counts[t, head_k:head_k + len(u)] = u, c
+        ids[t, head_k:head_k + len(u)], counts[t, :len(u)] = u, c
     return mass.float().numpy()
