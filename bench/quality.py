@@ -100,10 +100,11 @@ ROWS = [
     Row("cached top-64 renormalised (no rest)", "top64", "renorm"),
     Row("cached sampled n=16", "sampled16", "sampled"),
     Row("cached sampled n=64", "sampled64", "sampled"),
+    Row("cached head 2 + tail 16", "ht2x16", "sampled"),
     Row("cached head 2 + tail 24", "ht2x24", "sampled"),
+    Row("cached head 4 + tail 12", "ht4x12", "sampled"),
     Row("cached head 4 + tail 16", "ht4x16", "sampled"),
     Row("cached head 8 + tail 16", "ht8x16", "sampled"),
-    Row("cached head 8 + tail 32", "ht8x32", "sampled"),
     Row("cached top-64 + rest, format 2 (codec v1)", "top64v1", "kl"),
     Row("cross-tok: P-KL top-64", "top64", "pkl", cross=True),
     Row("cross-tok: ALM (top-64 store)", "top64", "alm", cross=True),
@@ -116,7 +117,7 @@ ROWS = [
 STORES = {"full": dict(mode="full"), "top8": dict(mode="topk", top_k=8), "top64": dict(mode="topk", top_k=64),
           "top256": dict(mode="topk", top_k=256), "sampled16": dict(mode="sampled", num_samples=16),
           "sampled64": dict(mode="sampled", num_samples=64),
-          **{f"ht{h}x{n}": dict(mode="headtail", top_k=h, num_samples=n) for h, n in ((2, 24), (4, 16), (8, 16), (8, 32))},
+          **{f"ht{h}x{n}": dict(mode="headtail", top_k=h, num_samples=n) for h, n in ((2, 16), (2, 24), (4, 12), (4, 16), (8, 16))},
           "top64v1": dict(mode="topk", top_k=64, format_version=2)}  # format_version: a bench-only knob (dump)
 
 
