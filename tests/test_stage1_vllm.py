@@ -23,6 +23,7 @@ import pytest
 
 from stage1_teacher.config import build_config
 from stage1_teacher.dump import run_teacher_dump
+from xtcache.testing.suite import VLLM_PROCESSES
 
 pytestmark = pytest.mark.slow
 
@@ -165,7 +166,7 @@ def test_cli_killed_while_its_engine_runs_leaves_no_engine_then_resumes(teacher,
     """
     import psutil
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **VLLM_PROCESSES}  # the engine in its own processes
     out = tmp_path / "cli"
     args = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", teacher, "--student-tokenizer",
             str(toy_setup.student_tokenizer), "--data", corpus, "--out", str(out), "--mode", "topk",

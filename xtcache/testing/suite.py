@@ -12,6 +12,10 @@ from pathlib import Path
 from xtcache.testing import toy
 
 REPO = Path(__file__).resolve().parents[2]
+VLLM_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+"""Environment of a command that runs vLLM with its production process model (engine core and worker apart);
+the test suite otherwise runs the engine core in the calling process (tests/conftest.py)."""
+
 TEST_CACHE = Path(os.environ.get("XTCACHE_TEST_CACHE", REPO / ".xtcache_test_cache"))
 
 # Small enough to build in well under a minute on 2 CPU cores, trained enough that the teacher's
