@@ -58,7 +58,7 @@ def stores(teacher, corpus, toy_setup, engines, tmp_path_factory):
     """One store per mode, each with a cross-tokenizer and a same-tokenizer alignment group."""
     root = tmp_path_factory.mktemp("vstores")
     out = {}
-    for mode in ("topk", "full", "sampled"):
+    for mode in ("topk", "full", "sampled", "headtail"):
         cfg = build_config({
             "teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer), teacher],
             "data": [corpus], "out": str(root / mode), "engine": "vllm", "dtype": "float32", "mode": mode,
@@ -81,7 +81,7 @@ def _first_window_rows(d, n=256):
     return min(n, len(d.teacher_ids))
 
 
-@pytest.mark.parametrize("mode", ["topk", "full", "sampled"])
+@pytest.mark.parametrize("mode", ["topk", "full", "sampled", "headtail"])
 def test_vllm_store_verifies_and_matches_transformers(stores, mode, teacher):
     from xtcache.commands_store import verify_store
     from xtcache.store import CacheReader
@@ -102,7 +102,16 @@ def test_vllm_store_verifies_and_matches_transformers(stores, mode, teacher):
         np.testing.assert_allclose(d.realized_logprob[rows], ref[np.arange(n - 1), d.teacher_ids[1:n]], rtol=2**-11, atol=1e-3)
         assert d.has_pred[1:].all()
         ids = d.topk_ids[rows].astype(np.int64)
-        if mode == "sampled":
+        if mode == "headtail":  # the exact top-8 (in id order), then 16 draws from the rest of the distribution
+            head, tail, counts = ids[:, :8], ids[:, 8:], d.topk_counts[rows]
+            kth = -np.sort(-ref[:, :V], 1)[:, 7]
+            assert (np.take_along_axis(ref, head, 1) >= kth[:, None] - 1e-3).all()
+            assert_stored_close(d.topk_logprobs[rows], np.take_along_axis(ref, head, 1))
+            drew = d.residual[rows] > 0
+            assert drew.any() and (counts[drew].sum(1) == 16).all() and (counts[~drew] == 0).all()
+            live = counts > 0
+            assert (tail[live] < V).all() and not (tail[:, :, None] == head[:, None, :])[live].any()
+        elif mode == "sampled":
             assert (d.topk_counts[rows].sum(1) == 16).all()
             live = d.topk_counts[rows] > 0
             assert (ids[live] < V).all()
