@@ -1,6 +1,6 @@
 """Stage 1's GPU path, proven on a CPU-only machine by construction.
 
-* Device discipline: every tensor operation of the capture (top-k, full and sampled modes; the
+* Device discipline: every tensor operation of the capture (top-k, full, sampled and head + tail modes; the
   vLLM hidden-state engine's output, which vLLM hands over on the CPU, the transformers engine's
   logits, vLLM's prompt log-probs; the first-batch check) runs with the teacher's head on another
   device than the CPU under `FakeTensorMode`, which fails on any operation that mixes two devices.
@@ -73,6 +73,11 @@ def _head():
     return TeacherHead(weight=torch.randn(V_MODEL, H))
 
 
+def _width(mode: str) -> int:
+    """The stored width of a capture: 5 ids, or a head of 3 plus 8 draws (headtail)."""
+    return 3 + 8 if mode == "headtail" else 5
+
+
 def _items(raw_of, lengths=(12, 7, 20)):
     """(raw, rows, window tokens, doc hash, window) per window, as stage 1's pipeline passes them."""
     rng = np.random.default_rng(0)
@@ -83,33 +88,35 @@ def _items(raw_of, lengths=(12, 7, 20)):
     return out
 
 
-@pytest.mark.parametrize("mode", ["topk", "full", "sampled"])
+@pytest.mark.parametrize("mode", ["topk", "full", "sampled", "headtail"])
 def test_hidden_state_capture_keeps_to_the_head_device(mode, host_boundary, generators):
     """vLLM's pooling runner returns hidden states on the CPU; the head is on cuda:0."""
     items = _items(lambda n: torch.randn(n, H))  # real CPU tensors, as vLLM hands them over
     with fake_accelerator():
         head = _head()
         head = TeacherHead(weight=to_fake(head.weight, FAKE_ACCELERATOR))
-        cap = Capture(engine=None, kind="hidden", mode=mode, k=5, vocab_size=V, num_samples=8, seed=0, head=head)
+        cap = Capture(engine=None, kind="hidden", mode=mode, k=_width(mode), vocab_size=V, num_samples=8, seed=0,
+                      top_k=3, head=head)
         out = cap.targets_many(items)
         one = cap.targets(*items[0])
     assert [t.ids.shape[0] for t in out] == [n - 1 for n in (12, 7, 20)] and one.realized.shape == (11,)
-    if mode == "sampled":
+    if mode in ("sampled", "headtail"):
         assert generators and all(d == FAKE_ACCELERATOR for d in generators)
 
 
-@pytest.mark.parametrize("mode", ["topk", "full", "sampled"])
+@pytest.mark.parametrize("mode", ["topk", "full", "sampled", "headtail"])
 def test_transformers_logits_capture_keeps_to_their_device(mode, host_boundary, generators):
     with fake_accelerator():
         items = _items(lambda n: torch.empty(n, V_MODEL, device=FAKE_ACCELERATOR))
-        cap = Capture(engine=None, kind="logits", mode=mode, k=5, vocab_size=V, num_samples=8, seed=0)
+        cap = Capture(engine=None, kind="logits", mode=mode, k=_width(mode), vocab_size=V, num_samples=8, seed=0,
+                      top_k=3)
         out = cap.targets_many(items)
     assert out[2].residual.shape == (19,)
-    if mode == "sampled":
+    if mode in ("sampled", "headtail"):
         assert generators and all(d == FAKE_ACCELERATOR for d in generators)
 
 
-@pytest.mark.parametrize("mode", ["topk", "full", "sampled"])
+@pytest.mark.parametrize("mode", ["topk", "full", "sampled", "headtail"])
 def test_prompt_logprob_capture_stays_on_the_host(mode, host_boundary):
     rng = np.random.default_rng(1)
     width = 5 if mode == "topk" else V_MODEL
@@ -120,8 +127,8 @@ def test_prompt_logprob_capture_stays_on_the_host(mode, host_boundary):
                               realized=-rng.random(n - 1, dtype=np.float32))
 
     with fake_accelerator():
-        cap = Capture(engine=None, kind="logprobs", mode=mode, k=4 if mode == "topk" else 5, vocab_size=V,
-                      num_samples=8, seed=0)
+        cap = Capture(engine=None, kind="logprobs", mode=mode, k=4 if mode == "topk" else _width(mode), vocab_size=V,
+                      num_samples=8, seed=0, top_k=3)
         out = cap.targets_many(_items(raw))
     assert len(out) == 3
 
