@@ -50,7 +50,8 @@ Columns:
   at the initial student and at the row's final student. Cross-tokenizer rows: against P-KL x 1.0 +
   CE x 0.1 on the full-vocabulary held-out store.
 
-The key rows (CE only, online full KD, cached full, cached top-64) run on 3 seeds (seed s: the
+The key rows (CE only, online full KD, cached full, cached top-64 on codec v2 and v1, head 2 + tail 16,
+head 4 + tail 12, head 4 + tail 16) run on 3 seeds (seed s: the
 student initialised with seed 1 + s and data order s); the table gives mean +- standard
 deviation and says which differences are within that spread. Writes `quality.md`, `quality.json`
 and `quality.png` (held-out KL against bytes/position) under --out; `--write-docs` also writes
@@ -100,12 +101,12 @@ ROWS = [
     Row("cached top-64 renormalised (no rest)", "top64", "renorm"),
     Row("cached sampled n=16", "sampled16", "sampled"),
     Row("cached sampled n=64", "sampled64", "sampled"),
-    Row("cached head 2 + tail 16", "ht2x16", "sampled"),
+    Row("cached head 2 + tail 16", "ht2x16", "sampled", key=True),
     Row("cached head 2 + tail 24", "ht2x24", "sampled"),
-    Row("cached head 4 + tail 12", "ht4x12", "sampled"),
-    Row("cached head 4 + tail 16", "ht4x16", "sampled"),
+    Row("cached head 4 + tail 12", "ht4x12", "sampled", key=True),
+    Row("cached head 4 + tail 16", "ht4x16", "sampled", key=True),
     Row("cached head 8 + tail 16", "ht8x16", "sampled"),
-    Row("cached top-64 + rest, format 2 (codec v1)", "top64v1", "kl"),
+    Row("cached top-64 + rest, format 2 (codec v1)", "top64v1", "kl", key=True),
     Row("cross-tok: P-KL top-64", "top64", "pkl", cross=True),
     Row("cross-tok: ALM (top-64 store)", "top64", "alm", cross=True),
     Row("cross-tok: P-KL sampled n=64", "sampled64", "pkl", cross=True),
