@@ -108,7 +108,8 @@ class _BlockedTerms(torch.autograd.Function):
     recomputes block by block.
 
     Backward allocates the gradient of the logits (the only [N, V] tensor) and, per block of each
-    pass, re-runs `_block_terms` with autograd on a copy of the block's rows, adding its gradient in.
+    pass, adds in the block's gradient: written in closed form (`closed_form`: CE, KL, sampled;
+    `projected`: P-KL) or by re-running `_block_terms` with autograd on a copy of the block's rows.
     """
 
     @staticmethod

@@ -1,7 +1,8 @@
 """CE and forward KL (top-k, full, sampled) of one block with their gradient in closed form.
 
 `stage2_student.blocked` calls these for blocks whose pass is CE only (`--loss ce`) or forward KL
-(`kl`, `sampled`); the other losses recompute their block under autograd. Forward keeps three
+(`kl`, `sampled`), and for every CE-only block; P-KL has its own closed form (`stage2_student.projected`),
+the other losses recompute their block under autograd. Forward keeps three
 log-partitions per row (O(rows)); backward writes the block's gradient in one exp pass over the
 vocabulary plus O(k) fixes at the stored ids, instead of re-running the block's graph (about ten
 passes over [rows, V]). The values are the same formulas as `losses` (docs/losses.md):
