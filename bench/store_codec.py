@@ -1,11 +1,11 @@
 """Bytes per position, fidelity and speed of the teacher-cache codecs on a real (tiny) teacher.
 
-    .venv/bin/python bench/store_codec.py [--minutes 4] [--positions 20000] [--reads]
+    .venv/bin/python bench/store_codec.py [--teacher-steps 142] [--positions 20000] [--reads]
 
 Builds once (cached in .xtcache_bench_cache/): a byte-level BPE tokenizer with a vocabulary above
 65,536 (ids need 17 bits, as for Qwen3 or Llama-3) trained on the standard library's source plus
 30 MB of installed site-packages source (the stdlib alone stops near 61k BPE tokens), and a
-tiny Qwen2 teacher trained on that text for a few minutes. Then takes the teacher's real T=1
+tiny Qwen2 teacher trained on that text for a fixed number of steps (the same teacher on any machine). Then takes the teacher's real T=1
 distributions on held-out documents and, for k in {8, 64, 256}, prints for each codec variant:
 bytes/position (ids, values, total with residual + realized log-prob), mean KL(original top-k+rest ||
 decoded), encode/decode positions/s on one core, and the ratio against raw fp32 values + int32 ids.
@@ -83,16 +83,16 @@ def corpus(extra_mb: float = 30.0) -> list[str]:
     return docs + extra
 
 
-def build_teacher(minutes: float) -> tuple[Path, list[str]]:
+def build_teacher(steps: int) -> tuple[Path, list[str]]:
     """Tokenizer (vocab > 65,536) and a tiny teacher trained on it; cached between runs."""
     docs = corpus()
     held, train = docs[:200], docs[200:]  # held-out: stdlib documents never seen in training
-    root = CACHE / f"teacher-v{TARGET_VOCAB}-m{minutes:g}"
-    toy.build_once(root, lambda: _train_teacher(root, train, minutes))
+    root = CACHE / f"teacher-v{TARGET_VOCAB}-s{steps}"
+    toy.build_once(root, lambda: _train_teacher(root, train, steps))
     return root / "model", held
 
 
-def _train_teacher(root: Path, train: list[str], minutes: float) -> str:
+def _train_teacher(root: Path, train: list[str], steps: int) -> str:
     tok_dir = root / "tokenizer"
     tok = toy.train_bpe_tokenizer(train, TARGET_VOCAB, "teacher", tok_dir)
     vocab = len(tok)
@@ -103,12 +103,7 @@ def _train_teacher(root: Path, train: list[str], minutes: float) -> str:
                          "Add more text (e.g. site-packages sources) before trusting this bench.")
     toy.build_tiny_model("qwen2", tok_dir, root / "model", hidden=128, layers=2, heads=4, kv_heads=2,
                          intermediate=384, seed=0)
-    # train for about `minutes`: time a few steps first, then run the step count that fits
-    t0 = time.perf_counter()
-    toy.train_tiny_lm(root / "model", train[:400], steps=3, seq_len=128, batch_size=8, log_every=0)
-    per_step = (time.perf_counter() - t0) / 3
-    steps = max(20, int(minutes * 60 / per_step))
-    log.info("training the teacher for %d steps (%.2f s/step)", steps, per_step)
+    log.info("training the teacher for %d steps", steps)
     losses = toy.train_tiny_lm(root / "model", train, steps=steps, seq_len=128, batch_size=8, lr=3e-3)
     return json.dumps({"vocab": vocab, "steps": steps, "first_loss": losses[0],
                        "last_loss": float(np.mean(losses[-20:]))})
@@ -330,7 +325,7 @@ def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=4.0, help="teacher training time on first run")
+    ap.add_argument("--teacher-steps", type=int, default=142, help="teacher training steps (first run; cached)")
     ap.add_argument("--positions", type=int, default=20_000, help="held-out teacher positions to encode")
     ap.add_argument("--write-docs", action="store_true",
                     help="also write README.md's store-codec and checked-reads blocks")
@@ -344,7 +339,7 @@ def main() -> None:
 
         require_blocks(REPO, DOC_BLOCKS)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    model_dir, held = build_teacher(args.minutes)
+    model_dir, held = build_teacher(args.teacher_steps)
     ks = (8, 64, 256)
     docs = teacher_documents(model_dir, held, args.positions, max(ks))
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
