@@ -56,6 +56,7 @@ bench: setup
 	$(PY) bench/align.py
 	$(PY) bench/teacher_dump.py
 	$(PY) bench/train_step.py
+	$(PY) bench/estimator_variance.py
 
 # Both stages end to end on one CUDA GPU (tiny teacher and student): capture rate against vLLM
 # forward only, the bf16 first-batch check, step time and peak memory, in one table.

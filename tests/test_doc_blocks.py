@@ -92,7 +92,8 @@ def test_every_write_docs_writer_declares_its_blocks():
             assert declared_blocks(path), f"{writer_name(path)} has --write-docs but no DOC_BLOCKS"
     assert {w for _, w in writers().values()} >= {"bench/align.py", "bench/store_codec.py", "bench/teacher_dump.py",
                                                   "bench/train_step.py", "bench/shard_plan.py", "bench/quality.py",
-                                                  "bench/gpu_check.py", "xtcache demo"}
+                                                  "bench/gpu_check.py", "bench/estimator_variance.py",
+                                                  "xtcache demo"}
 
 
 def test_a_block_that_loses_its_stamp_is_reported():
