@@ -41,9 +41,9 @@ SAVE_ENTRIES_BELOW = 1 / 16  # forward keeps dKL/dq of the stored entries for ba
 _CSR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # projection -> {(dtype, device): matrices}
 
 
-def _matrices(projection, dtype, device) -> tuple[Tensor, Tensor, Tensor, int]:
+def _matrices(projection, dtype, device) -> tuple[Tensor, Tensor, Tensor, int, bool]:
     """(W^T [V_t + 2, V_s], W [V_s, V_t + 2]) as CSR in `dtype` on `device`, which columns have entries (bool
-    [V_t + 2]) and how many. Column V_t holds the unmapped student tokens (weight 1), column V_t + 1 is empty: stored-id
+    [V_t + 2]), how many, and whether a student token is unmapped. Column V_t holds the unmapped student tokens (weight 1), column V_t + 1 is empty: stored-id
     padding points there. Built once per (dtype, device) on the host from the operator's entries."""
     per = _CSR.setdefault(projection, {})
     key = (dtype, torch.device(device))
@@ -64,7 +64,7 @@ def _matrices(projection, dtype, device) -> tuple[Tensor, Tensor, Tensor, int]:
 
         has = np.concatenate([projection.t_counts > 0, [unmapped.numel() > 0, False]])  # host only: no read-back
         per[key] = (csr(t, s, (v_t + 2, v_s)), csr(s, t, (v_s, v_t + 2)), torch.from_numpy(has).to(device),
-                    int(has.sum()))
+                    int(has.sum()), bool(has[v_t]))
     return per[key]
 
 
@@ -92,7 +92,7 @@ def _kl_parts(spec, p_bar: Tensor, blk, teacher: dict, mats) -> tuple[Tensor, tu
     """(KL of each chunk [C] at the pass's temperature, unscaled by T^2; (entries, dKL/dq at the stored entries
     [M, k], dKL/dq outside K_c [C], <pbar_c, G_c> [C])): everything but the [V_t + 2, C] buffers is O(M k)."""
     cdt, n_c = p_bar.dtype, blk.num_chunks
-    w_t, _, has, n_cols = mats
+    w_t, _, has, n_cols, unmapped = mats
     v_t = w_t.shape[0] - 2
     ids, log_p1, resid, _ = closed_form.stored(blk, teacher, cdt)
     log_p, p_rest = losses.temper_teacher(log_p1, resid, spec.temperature, tail=spec.tail, vocab_size=v_t,
@@ -105,14 +105,7 @@ def _kl_parts(spec, p_bar: Tensor, blk, teacher: dict, mats) -> tuple[Tensor, tu
     q_at = q[at]  # [M, k] (padding: the empty column, 0)
     q[at] = 0.0
     q_rest = q.sum(dim=0)  # [C] the student's mass outside K_c, unmapped tokens included
-    # no rest: K_c holds every column with entries; an entry counts once per chunk (the one whose index stays)
-    slot = torch.arange(ids.numel(), dtype=torch.int32, device=ids.device).view(ids.shape)
-    owner = torch.empty(q.shape, dtype=torch.int32, device=ids.device)
-    owner[at] = slot
-    counted = (owner[at] == slot) & has[at[0]]  # [M, k]
-    del owner
-    seen = torch.zeros(n_c, dtype=torch.int64, device=ids.device).index_add_(0, blk.teacher_chunk, counted.sum(dim=-1))
-    drop = (seen == n_cols) & (p_rest_c > 0)  # as losses.drop_unreachable_rest: renormalise K_c, no rest
+    drop = _no_rest(ids, at, blk, has, n_cols, unmapped, q.shape) & (p_rest_c > 0)  # as losses.drop_unreachable_rest
     scale = torch.where(drop, 1.0 / (1.0 - p_rest_c.clamp(max=1.0 - 1e-7)), torch.ones_like(p_rest_c))  # [C]
     p_rest_c = torch.where(drop, torch.zeros_like(p_rest_c), p_rest_c)
     # the teacher's entropy on K_c: sum over distinct ids of p_c log p_c = sum_e w_e log p_c(t_e); q is 0 on K_c
@@ -129,6 +122,20 @@ def _kl_parts(spec, p_bar: Tensor, blk, teacher: dict, mats) -> tuple[Tensor, tu
     kl = kl + losses.divergence("kl", losses.safe_log(p_rest_c)[:, None], losses.safe_log(q_rest)[:, None])  # [C]
     d_rest = torch.where((p_rest_c > 0) & (q_rest > 0), -p_rest_c / q_rest, zero)  # [C]
     return kl, (at, d_e.mul_(scale[blk.teacher_chunk][:, None]), d_rest, scale * dot + d_rest * q_rest)
+
+
+def _no_rest(ids: Tensor, at: tuple, blk, has: Tensor, n_cols: int, unmapped: bool, shape) -> Tensor:
+    """Chunks whose K_c holds every column with entries [C] (never, with an unmapped student token: its column
+    is never stored); an entry counts once per chunk, the one whose index stays in a [V_t + 2, C] buffer."""
+    if unmapped:
+        return torch.zeros(blk.num_chunks, dtype=torch.bool, device=ids.device)
+    slot = torch.arange(ids.numel(), dtype=torch.int32, device=ids.device).view(ids.shape)
+    owner = torch.empty(shape, dtype=torch.int32, device=ids.device)
+    owner[at] = slot
+    counted = (owner[at] == slot) & has[at[0]]  # [M, k]
+    seen = torch.zeros(blk.num_chunks, dtype=torch.int64, device=ids.device).index_add_(0, blk.teacher_chunk,
+                                                                                          counted.sum(dim=-1))
+    return seen == n_cols
 
 
 def forward(spec, z_rows: Tensor, blk, teacher: dict) -> tuple[Tensor, Tensor, tuple]:
