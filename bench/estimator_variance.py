@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -95,20 +94,15 @@ def teacher_rows(workdir: Path, n_docs: int) -> TeacherRows:
 
 def batch_layout(t, head: int):
     """(ids, log-probs, counts, residual) of `distill_targets` output as a stage-2 micro-batch holds them
-    (`stage2_student.batches`): ids -1 on padding; headtail: the head's slots first with their log-probs
-    and count 0, then the tail's with their counts and log-prob -inf; sampled: counts only."""
+    (`stage2_student.batches.drawn_targets`), in float64."""
     import torch
 
-    ids = torch.from_numpy(t.ids.astype("int64"))  # [P, k]
-    counts = torch.zeros(ids.shape, dtype=torch.float64)
-    counts[:, head:] = torch.from_numpy(t.counts.astype("float64"))
-    lp = None
-    if head:
-        lp = torch.full(ids.shape, -math.inf, dtype=torch.float64)
-        lp[:, :head] = torch.from_numpy(t.logprobs).double()
-    keep = counts > 0
-    keep[:, :head] = True
-    return ids.masked_fill(~keep, -1), lp, counts, torch.from_numpy(t.residual).double()
+    from stage2_student.batches import drawn_targets
+
+    b = drawn_targets(t.ids.astype("int64"), t.logprobs if head else None, t.counts.astype("float32"))
+    lp = torch.from_numpy(b["teacher_logprobs"]).double() if head else None
+    return (torch.from_numpy(b["teacher_ids"]), lp, torch.from_numpy(b["teacher_counts"]).double(),
+            torch.from_numpy(t.residual).double())
 
 
 def exact(rows: TeacherRows, est: Estimator, log_q) -> dict:

@@ -176,6 +176,27 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
     return out
 
 
+def drawn_targets(ids: np.ndarray, head_logprobs: np.ndarray | None, counts: np.ndarray) -> dict[str, np.ndarray]:
+    """The batch's teacher arrays of sampled or headtail rows, at the stored width k.
+
+    ids [R, k]; counts [R, k_tail] of the last k_tail slots (the draws); head_logprobs [R, k - k_tail] of
+    the first slots (headtail's exact head, xtcache.headtail) or None (sampled). Returns `teacher_ids`
+    (-1 on padding), `teacher_counts` [R, k] (0 on the head) and, with a head, `teacher_logprobs` [R, k]
+    (-inf on the draws): the layout `stage2_student.losses.teacher_logprobs` reads.
+    """
+    kh = ids.shape[1] - counts.shape[1]
+    full = np.zeros(ids.shape, np.float32)  # [R, k]
+    full[:, kh:] = counts
+    keep = full > 0
+    keep[:, :kh] = True
+    out = {"teacher_ids": np.where(keep, ids, -1), "teacher_counts": full}
+    if head_logprobs is not None:
+        lp = np.full(ids.shape, -np.inf, np.float32)
+        lp[:, :kh] = head_logprobs
+        out["teacher_logprobs"] = lp
+    return out
+
+
 def _teacher_side(rows_by_src: list[tuple[ShardSource, np.ndarray]]) -> dict[str, np.ndarray]:
     """The teacher arrays of a micro-batch: rows `r` of each source, in order (ids -1 = padding)."""
     out: dict[str, np.ndarray] = {}
@@ -186,23 +207,13 @@ def _teacher_side(rows_by_src: list[tuple[ShardSource, np.ndarray]]) -> dict[str
         parts = [getattr(s, name)[r] for s, r in rows_by_src]
         return np.concatenate(parts).astype(dtype) if parts else np.zeros((0, *tail), dtype)
 
-    out["teacher_ids"] = gather("topk_ids", np.int64, (k,))
+    ids = gather("topk_ids", np.int64, (k,))
     if first_src is not None and first_src.topk_counts is not None:
-        # sampled: every slot a draw; headtail (xtcache.headtail): the first kh slots the exact head, then the
-        # draws. The batch holds both at width k: counts 0 on the head, log-probs -inf on the draws
         kt = first_src.topk_counts.shape[1]
-        kh = k - kt
-        counts = np.zeros(out["teacher_ids"].shape, np.float32)  # [R, k]
-        counts[:, kh:] = gather("topk_counts", np.float32, (kt,))
-        out["teacher_counts"] = counts
-        keep = counts > 0
-        keep[:, :kh] = True
-        if first_src.topk_logprobs is not None:
-            lp = np.full(counts.shape, -np.inf, np.float32)
-            lp[:, :kh] = gather("topk_logprobs", np.float32, (kh,))
-            out["teacher_logprobs"] = lp
-        out["teacher_ids"] = np.where(keep, out["teacher_ids"], -1)
+        lp = gather("topk_logprobs", np.float32, (k - kt,)) if first_src.topk_logprobs is not None else None
+        out.update(drawn_targets(ids, lp, gather("topk_counts", np.float32, (kt,))))
     else:
+        out["teacher_ids"] = ids
         out["teacher_logprobs"] = gather("topk_logprobs", np.float32, (k,))
     out["teacher_residual"] = gather("residual", np.float32)
     out["teacher_realized"] = gather("realized_logprob", np.float32)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from stage2_student import losses
+from stage2_student.batches import drawn_targets
 from stage2_student.objective import Capabilities, Objective, resolve_kind
 from xtcache.errors import ConfigError
 
@@ -44,14 +45,10 @@ def _targets(z, V, seed, **kw):
 
 def _teacher_tensors(t):
     """(ids with padding -1, log-probs, counts, residual) of `distill_targets` output, as the stage-2 batch holds them
-    (`stage2_student.batches`: K + N slots, the head's first; counts 0 on the head, log-probs -inf on the tail)."""
-    ids = torch.from_numpy(t.ids.astype(np.int64))
-    counts = torch.zeros(ids.shape, dtype=torch.float64)
-    counts[:, K:] = torch.from_numpy(t.counts.astype(np.float64))
-    lp = torch.full(ids.shape, -math.inf, dtype=torch.float64)
-    lp[:, :K] = torch.from_numpy(t.logprobs).double()
-    pad = (torch.arange(ids.shape[1]) >= K)[None, :] & (counts == 0)
-    return ids.masked_fill(pad, -1), lp, counts, torch.from_numpy(t.residual).double()
+    (`stage2_student.batches.drawn_targets`), in float64."""
+    b = drawn_targets(t.ids.astype(np.int64), t.logprobs, t.counts.astype(np.float32))
+    return (torch.from_numpy(b["teacher_ids"]), torch.from_numpy(b["teacher_logprobs"]).double(),
+            torch.from_numpy(b["teacher_counts"]).double(), torch.from_numpy(t.residual).double())
 
 
 def test_headtail_targets_match_a_dense_reference():
