@@ -12,6 +12,24 @@ from stage2_student.objective import Objective
 from tests.test_losses import _same_batch
 
 
+def _assert_equals_autograd(obj, prep, logits, weights, kd, ce, g) -> None:
+    """The objective's (KD per chunk, CE, gradient of sum(weights * KD) + 0.7 CE) equal each block's
+    terms recomputed under autograd (`blocked._block_terms`)."""
+    from stage2_student import blocked
+
+    zr = logits.clone().requires_grad_(True)
+    flat = zr.reshape(-1, zr.shape[-1])
+    want_kd, want_ce = torch.zeros(prep.chunks, dtype=torch.float64), 0.0
+    for blk in prep.blocks:
+        k_b, c_b = blocked._block_terms(obj.spec, flat.index_select(0, blk.logit_rows), blk, prep.teacher)
+        want_kd = want_kd.index_add(0, blk.kd_chunk, k_b)
+        want_ce = want_ce + c_b
+    (g_want,) = torch.autograd.grad((want_kd * weights).sum() + 0.7 * want_ce, zr)
+    torch.testing.assert_close(kd, want_kd, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ce, want_ce, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g, g_want, rtol=1e-9, atol=1e-12)
+
+
 def _closed_form_case(case: str, gen):
     """(objective, batch, logits) of one block layout: padding, a row with no stored id, a repeated position,
     CE-only rows, full support, sampled counts, temperature."""
@@ -46,7 +64,7 @@ def test_closed_form_equals_the_autograd_recompute(case, monkeypatch):
     """The closed-form path (values and the gradient it writes) equals the same losses recomputed under
     autograd (`blocked._block_terms`, the path the other losses take), on blocks with padding, rows without
     stored ids, CE-only rows, full support, counts and T = 2; and the closed form is the path taken."""
-    from stage2_student import blocked, closed_form
+    from stage2_student import closed_form
 
     gen = torch.Generator().manual_seed(41)
     obj, batch, logits = _closed_form_case(case, gen)
@@ -60,17 +78,7 @@ def test_closed_form_equals_the_autograd_recompute(case, monkeypatch):
     kd, ce = obj.terms(z, prep)
     (g,) = torch.autograd.grad((kd * weights).sum() + 0.7 * ce, z)
     assert len(calls) == len(prep.blocks)
-    zr = logits.clone().requires_grad_(True)
-    flat = zr.reshape(-1, zr.shape[-1])
-    want_kd, want_ce = torch.zeros(prep.chunks, dtype=torch.float64), 0.0
-    for blk in prep.blocks:
-        k_b, c_b = blocked._block_terms(obj.spec, flat.index_select(0, blk.logit_rows), blk, prep.teacher)
-        want_kd = want_kd.index_add(0, blk.kd_chunk, k_b)
-        want_ce = want_ce + c_b
-    (g_want,) = torch.autograd.grad((want_kd * weights).sum() + 0.7 * want_ce, zr)
-    torch.testing.assert_close(kd, want_kd, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(ce, want_ce, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(g, g_want, rtol=1e-9, atol=1e-12)
+    _assert_equals_autograd(obj, prep, logits, weights, kd, ce, g)
     assert torch.isfinite(g).all() and g.abs().sum() > 0
 
 
@@ -138,7 +146,7 @@ def test_projected_kl_closed_form_equals_the_autograd_recompute(case, saved, mon
     """The P-KL closed form (values and gradient, with CE) equals `losses.projected_kl` under autograd
     (`blocked._block_terms`) over several blocks, whether backward reuses the stored entries' dKL/dq from
     forward or recomputes them; and it is the path taken."""
-    from stage2_student import blocked, projected
+    from stage2_student import projected
 
     gen = torch.Generator().manual_seed(43)
     obj, batch, logits = _pkl_case(case, gen)
@@ -153,17 +161,7 @@ def test_projected_kl_closed_form_equals_the_autograd_recompute(case, saved, mon
     kd, ce = obj.terms(z, prep)
     (g,) = torch.autograd.grad((kd * weights).sum() + 0.7 * ce, z)
     assert calls == [saved] * sum(b.num_kd_rows > 0 for b in prep.blocks)
-    zr = logits.clone().requires_grad_(True)
-    flat = zr.reshape(-1, zr.shape[-1])
-    want_kd, want_ce = torch.zeros(prep.chunks, dtype=torch.float64), 0.0
-    for blk in prep.blocks:
-        k_b, c_b = blocked._block_terms(obj.spec, flat.index_select(0, blk.logit_rows), blk, prep.teacher)
-        want_kd = want_kd.index_add(0, blk.kd_chunk, k_b)
-        want_ce = want_ce + c_b
-    (g_want,) = torch.autograd.grad((want_kd * weights).sum() + 0.7 * want_ce, zr)
-    torch.testing.assert_close(kd, want_kd, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(ce, want_ce, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(g, g_want, rtol=1e-9, atol=1e-12)
+    _assert_equals_autograd(obj, prep, logits, weights, kd, ce, g)
     assert torch.isfinite(g).all() and g.abs().sum() > 0 and (kd > 0).all()
 
 
