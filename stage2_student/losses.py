@@ -252,6 +252,10 @@ class ProjectionOperator:
             self._by_dtype[dtype] = tuple(m.to(device=self._device, dtype=dtype) for m in self._host)
         return self._by_dtype[dtype]
 
+    def entries(self) -> tuple[Tensor, Tensor, Tensor]:
+        """W's entries on the host: (student id [n], teacher id [n], weight fp64 [n]), weights > 0."""
+        return self._indices[0], self._indices[1], self._values
+
     def dense(self) -> Tensor:
         """W as a dense fp64 [V_s, V_t] (tests and tiny vocabularies only)."""
         out = torch.zeros(self.student_vocab, self.teacher_vocab, dtype=torch.float64)

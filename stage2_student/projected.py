@@ -49,8 +49,7 @@ def _matrices(projection, dtype, device) -> tuple[Tensor, Tensor, Tensor, int, b
     key = (dtype, torch.device(device))
     if key not in per:
         v_s, v_t = projection.student_vocab, projection.teacher_vocab
-        s, t = projection._indices  # noqa: SLF001 (the operator's host entries, values > 0)
-        val = projection._values  # noqa: SLF001
+        s, t, val = projection.entries()
         unmapped = torch.ones(v_s, dtype=torch.bool).index_fill_(0, s, False).nonzero()[:, 0]
         s = torch.cat([s, unmapped])
         t = torch.cat([t, torch.full_like(unmapped, v_t)])
