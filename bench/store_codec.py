@@ -1,6 +1,6 @@
 """Bytes per position, fidelity and speed of the teacher-cache codecs on a real (tiny) teacher.
 
-    .venv/bin/python bench/store_codec.py [--teacher-steps 142] [--positions 20000] [--reads]
+    .venv/bin/python bench/store_codec.py [--teacher-steps 240] [--positions 20000] [--reads]
 
 Builds once (cached in .xtcache_bench_cache/): a byte-level BPE tokenizer with a vocabulary above
 65,536 (ids need 17 bits, as for Qwen3 or Llama-3) trained on the standard library's source plus
@@ -325,7 +325,7 @@ def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--teacher-steps", type=int, default=142, help="teacher training steps (first run; cached)")
+    ap.add_argument("--teacher-steps", type=int, default=240, help="teacher training steps (first run; cached)")
     ap.add_argument("--positions", type=int, default=20_000, help="held-out teacher positions to encode")
     ap.add_argument("--write-docs", action="store_true",
                     help="also write README.md's store-codec and checked-reads blocks")
