@@ -13,6 +13,7 @@ log-sum-exp of the logits outside the support (`rest_logprob`), exact at any out
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -236,6 +237,7 @@ class ProjectionOperator:
             torch.ones(self.student_vocab, dtype=torch.float64).index_fill_(0, s, 0.0))
         self._device = torch.device("cpu")
         self._by_dtype: dict = {}
+        self.augmented = _augmented_csr(s, t, val, self.student_vocab, self.teacher_vocab, self.t_counts)
 
     def to(self, device) -> "ProjectionOperator":
         """Move the operator to `device` (the trainer's; a no-op when it is there already)."""
@@ -261,6 +263,25 @@ class ProjectionOperator:
         out = torch.zeros(self.student_vocab, self.teacher_vocab, dtype=torch.float64)
         out[self._indices[0], self._indices[1]] = self._values
         return out
+
+
+def _augmented_csr(s: Tensor, t: Tensor, val: Tensor, v_s: int, v_t: int, t_counts: np.ndarray) -> tuple:
+    """W augmented for P-KL's closed form (`stage2_student.projected`), built once on the host: (W^T [V_t + 2,
+    V_s], W [V_s, V_t + 2]) as fp64 CSR, which columns have entries (bool numpy [V_t + 2]). Column V_t holds
+    the unmapped student tokens (weight 1), column V_t + 1 is empty: stored-id padding points there."""
+    unmapped = torch.ones(v_s, dtype=torch.bool).index_fill_(0, s, False).nonzero()[:, 0]
+    s = torch.cat([s, unmapped])
+    t = torch.cat([t, torch.full_like(unmapped, v_t)])
+    val = torch.cat([val, torch.ones(unmapped.shape[0], dtype=val.dtype)])
+
+    def csr(rows, cols, shape):
+        coo = torch.sparse_coo_tensor(torch.stack([rows, cols]), val, shape, check_invariants=True).coalesce()
+        with warnings.catch_warnings():  # "sparse CSR support is in beta"
+            warnings.simplefilter("ignore", UserWarning)
+            return coo.to_sparse_csr()
+
+    has = np.concatenate([t_counts > 0, [unmapped.numel() > 0, False]])
+    return csr(t, s, (v_t + 2, v_s)), csr(s, t, (v_s, v_t + 2)), has
 
 
 def projected_kl(zt: Tensor, lse: Tensor, ids: Tensor, log_p: Tensor, p_rest: Tensor, projection: ProjectionOperator,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import warnings
 import weakref
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -43,27 +42,17 @@ _CSR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # projection -> {
 
 def _matrices(projection, dtype, device) -> tuple[Tensor, Tensor, Tensor, int, bool]:
     """(W^T [V_t + 2, V_s], W [V_s, V_t + 2]) as CSR in `dtype` on `device`, which columns have entries (bool
-    [V_t + 2]), how many, and whether a student token is unmapped. Column V_t holds the unmapped student tokens (weight 1), column V_t + 1 is empty: stored-id
-    padding points there. Built once per (dtype, device) on the host from the operator's entries."""
+    [V_t + 2]), how many, and whether a student token is unmapped (`ProjectionOperator.augmented`: column V_t
+    holds the unmapped student tokens, column V_t + 1 is empty and takes stored-id padding). Moved once per
+    (dtype, device); nothing is computed or read back here."""
     per = _CSR.setdefault(projection, {})
     key = (dtype, torch.device(device))
     if key not in per:
-        v_s, v_t = projection.student_vocab, projection.teacher_vocab
-        s, t, val = projection.entries()
-        unmapped = torch.ones(v_s, dtype=torch.bool).index_fill_(0, s, False).nonzero()[:, 0]
-        s = torch.cat([s, unmapped])
-        t = torch.cat([t, torch.full_like(unmapped, v_t)])
-        val = torch.cat([val, torch.ones(unmapped.shape[0], dtype=val.dtype)])
-
-        def csr(rows, cols, shape):
-            coo = torch.sparse_coo_tensor(torch.stack([rows, cols]), val, shape, check_invariants=True).coalesce()
-            with warnings.catch_warnings():  # "sparse CSR support is in beta"
-                warnings.simplefilter("ignore", UserWarning)
-                return coo.to_sparse_csr().to(device=device, dtype=dtype)
-
-        has = np.concatenate([projection.t_counts > 0, [unmapped.numel() > 0, False]])  # host only: no read-back
-        per[key] = (csr(t, s, (v_t + 2, v_s)), csr(s, t, (v_s, v_t + 2)), torch.from_numpy(has).to(device),
-                    int(has.sum()), bool(has[v_t]))
+        w_t, w, has = projection.augmented
+        with warnings.catch_warnings():  # "sparse CSR support is in beta"
+            warnings.simplefilter("ignore", UserWarning)
+            per[key] = (w_t.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype),
+                        torch.from_numpy(has).to(device), int(has.sum()), bool(has[-2]))
     return per[key]
 
 

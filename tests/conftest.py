@@ -30,9 +30,11 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # vLLM's engine core runs inside the process that starts it (VLLM_ENABLE_V1_MULTIPROCESSING=0) in
 # the tests: on these 2 cores an engine start then takes about 7 s instead of 30-45 s (engine core
 # and worker processes each import vLLM and torch), and the two on-policy rounds with vLLM at every
-# stage 135 s instead of 320 s (2026-11-27, measured side by side). Production keeps vLLM's default,
-# separate engine processes; the tests that need that process model (`xtcache.testing.suite.VLLM_PROCESSES`: a killed dump's
-# engine exiting with it, the GPU check's whole default path) set it back for their commands.
+# stage 135 s instead of 320 s (2026-11-27, side by side on a machine shared with other work). Production keeps vLLM's default,
+# separate engine processes; tests/test_stage1_vllm.py runs its engines that way
+# (`xtcache.testing.suite.VLLM_PROCESSES`): a killed dump's engine processes must exit with it, and its
+# engines start inside a pytest worker, where vLLM's in-process start would scan modules that other test
+# files imported.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # Property tests draw the same examples on every run, so `make test` cannot flake; set

@@ -2,22 +2,21 @@
 
 On a GPU machine `make gpu-check` runs the same script on CUDA; here it proves that the script
 itself works end to end (vLLM forward only, teacher-dump on the fast path with its first-batch
-check, train-student with P-KL) and prints every row of its table. Its vLLM engines run in their own
-processes, as in production (the rest of the suite runs them in process: tests/conftest.py).
+check, train-student with P-KL) and prints every row of its table. Its vLLM engines run in process
+(tests/conftest.py); the production process model is tests/test_stage1_vllm.py's.
 
     .venv/bin/python -m pytest -q tests/test_gpu_check.py
 """
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 
 import pytest
 
-from xtcache.testing.suite import REPO, VLLM_PROCESSES
+from xtcache.testing.suite import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +24,7 @@ pytestmark = pytest.mark.slow
 def test_gpu_check_runs_both_stages_on_the_cpu(toy_setup, teacher, tmp_path):
     proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--docs", "4", "--steps", "2",
                            "--max-seq-len", "64", "--workdir", str(tmp_path)],
-                          cwd=REPO, env={**os.environ, **VLLM_PROCESSES}, capture_output=True, text=True,
-                          timeout=900)
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = dict(re.findall(r"^\| (.+?) +\| (.+) \|$", proc.stdout, re.M))
     assert rows["device"] == "CPU" and rows["teacher dtype"] == "float32"

@@ -44,8 +44,19 @@ def corpus(toy_setup, tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def engine_processes():
+    """Engines started in this test process run in their own processes, as in production: vLLM's
+    in-process start scans every imported module, and another test file in the same pytest worker may
+    have imported one that refuses it (the S3 tests' server framework)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in VLLM_PROCESSES.items():
+            mp.setenv(key, value)
+        yield
+
+
 @pytest.fixture(scope="module")
-def engines():
+def engines(engine_processes):
     from stage1_teacher.capture import EngineCache
 
     cache = EngineCache()
@@ -175,7 +186,7 @@ def test_cli_killed_while_its_engine_runs_leaves_no_engine_then_resumes(teacher,
     """
     import psutil
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), **VLLM_PROCESSES}  # the engine in its own processes
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # the engine in its own processes (engine_processes)
     out = tmp_path / "cli"
     args = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", teacher, "--student-tokenizer",
             str(toy_setup.student_tokenizer), "--data", corpus, "--out", str(out), "--mode", "topk",
