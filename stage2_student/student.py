@@ -20,18 +20,20 @@ def setup_distributed() -> tuple[int, int, int]:
     `deepspeed.init_distributed()` reads (it would otherwise look for MPI). The CPU shared-memory
     communication op is never built: training does not use it and it costs a JIT compile.
     """
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        with socket.socket() as sock:  # a free port for this single-process group
+        # a free port for this single-process group, taken just before the group binds it (after the
+        # seconds-long deepspeed import): another job on the machine could take it in between
+        with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
     os.environ["LOCAL_RANK"] = str(local_rank(os.environ))
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    import deepspeed
-
     deepspeed.init_distributed()
     import torch.distributed as dist
 
