@@ -16,12 +16,9 @@ import numpy as np
 def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, students: list[str | Path], *,
                    k: int = 16, max_docs: int = 40, docs_per_part: int = 16, mode: str = "topk",
                    num_samples: int = 32, seed: int = 0) -> str:
-    """A real teacher cache: HF forward of the teacher, top-k (or sampled) log-probs, alignments.
-
-    `students` are tokenizer directories; each gets an alignment group (identity for the teacher's own).
-    mode "headtail": the top-`k` head exactly plus `num_samples` draws from the rest (stored width
-    `support_width`).
-    """
+    """A real teacher cache: HF forward of the teacher, top-k (sampled, or headtail: the top-`k` head exactly
+    plus `num_samples` draws from the rest) log-probs, and an alignment group per tokenizer directory in
+    `students` (identity for the teacher's own)."""
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
