@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schemas.models import DRAWN_MODES
+
 CHECKSUM_CODEC = "crc32c"
 """The Zarr v3 bytes-to-bytes codec that ends every inner chunk's codec chain (section 4.2)."""
 
@@ -60,7 +62,7 @@ TEACHER_ARRAYS: tuple[ArrayDef, ...] = (
     ArrayDef("topk_ids", ("uint16", "uint32"), ("P", "k"), transform="ids", shuffle=True),
     ArrayDef("topk_logprobs", ("uint8", "uint16", "float16", "float32"), ("P", "k_head"),
              modes=("topk", "full", "headtail"), transform="logprobs"),
-    ArrayDef("topk_counts", ("uint16",), ("P", "k_tail"), modes=("sampled", "headtail")),
+    ArrayDef("topk_counts", ("uint16",), ("P", "k_tail"), modes=DRAWN_MODES),
     ArrayDef("residual", ("float32", "float16"), ("P",), shuffle=True),
     ArrayDef("realized_logprob", ("float32", "float16"), ("P",), shuffle=True),
     ArrayDef("doc_conversation_offsets", ("int64",), ("D+1",), conversation=True),

@@ -25,6 +25,8 @@ plain-text store of version 2's layout (and keeps version 1 when an alignment gr
 3 added the sqrt-prob value code and float16 residual / realized log-prob (codec v2)."""
 
 Mode = Literal["topk", "full", "sampled", "headtail"]
+DRAWN_MODES = ("sampled", "headtail")
+"""Modes whose parts store draws from the teacher (ids with `topk_counts`): an unbiased estimate, at T = 1."""
 
 
 def support_width(mode: str, top_k: int, num_samples: int, vocab_size: int) -> int:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from schemas.models import DRAWN_MODES
 from stage1_teacher import budget, preflight
 from stage1_teacher.head import Targets, TeacherHead, UnsupportedHead, block_rows, distill_targets, sample_seed
 from xtcache.devices import compute_device
@@ -65,7 +66,7 @@ class Capture:
         next_ids = window_tokens[rows]
 
         def generator(device):
-            if self.mode not in ("sampled", "headtail"):
+            if self.mode not in DRAWN_MODES:
                 return None
             return torch.Generator(device=device).manual_seed(sample_seed(self.seed, doc_hash, window))
 
@@ -86,7 +87,7 @@ class Capture:
         """
         import torch
 
-        if self.mode in ("sampled", "headtail") or self.kind == "logprobs" or len(items) < 2:
+        if self.mode in DRAWN_MODES or self.kind == "logprobs" or len(items) < 2:
             return [self.targets(*it) for it in items]
         blocks, nexts = [], []
         for raw, rows, tokens, _, _ in items:

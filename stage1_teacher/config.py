@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.models import DRAWN_MODES
 from xtcache.cliconfig import from_flat
 
 MODES = ("topk", "full", "sampled", "headtail")
@@ -201,8 +202,8 @@ def settings_for_fingerprint(cfg: TeacherDumpConfig, *, window_len: int, boundar
     c = cfg.capture
     return {
         "mode": c.mode, "top_k": c.top_k if c.mode in ("topk", "headtail") else None,
-        "num_samples": c.num_samples if c.mode in ("sampled", "headtail") else None,
-        "seed": c.seed if c.mode in ("sampled", "headtail") else None,
+        "num_samples": c.num_samples if c.mode in DRAWN_MODES else None,
+        "seed": c.seed if c.mode in DRAWN_MODES else None,
         "max_seq_len": window_len, "window_overlap": c.window_overlap, "dtype": cfg.teacher.dtype,
         "docs_per_part": cfg.store.docs_per_part, "num_shards": cfg.store.num_shards,
         **({"shard_plan": shard_plan} if cfg.store.num_shards > 1 else {}),

@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from schemas.models import support_width
+from schemas.models import DRAWN_MODES, support_width
 from stage1_teacher import preflight
 from stage1_teacher.cache_inputs import capture_identity, share_digests
 from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
@@ -133,7 +133,7 @@ def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
     groups = [AlignGroupMeta(fingerprint=s.fingerprint, tokenizer_name=s.name, vocab_size=len(s.tokenizer),
                              identity=s.identity) for s in plan.students]
     return Manifest(cache_key=plan.cache_key, mode=cfg.capture.mode, k=plan.k, teacher_vocab_size=plan.vocab_size,
-                    num_samples=cfg.capture.num_samples if cfg.capture.mode in ("sampled", "headtail") else None,
+                    num_samples=cfg.capture.num_samples if cfg.capture.mode in DRAWN_MODES else None,
                     top_k=cfg.capture.top_k if cfg.capture.mode == "headtail" else None,
                     num_writers=cfg.store.num_shards, teacher_name=cfg.teacher.teacher,
                     fingerprints=plan.fingerprints, settings=plan.settings, alignment_groups=groups,

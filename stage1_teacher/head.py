@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from schemas.arrays import entry_widths
-from schemas.models import support_width
+from schemas.models import DRAWN_MODES, support_width
 from xtcache.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ def distill_targets(rows, targets, *, mode: str, k: int, vocab_size: int, num_sa
     widths = entry_widths(mode, k, head_k)
     ids = np.zeros((n, k), dtype=np.int32)
     logprobs = np.zeros((n, widths["k_head"]), dtype=np.float32) if mode != "sampled" else None
-    counts = np.zeros((n, widths["k_tail"]), dtype=np.uint16) if mode in ("sampled", "headtail") else None
+    counts = np.zeros((n, widths["k_tail"]), dtype=np.uint16) if mode in DRAWN_MODES else None
     residual = np.zeros(n, dtype=np.float32)
     realized = np.zeros(n, dtype=np.float32)
     targets = np.asarray(targets, dtype=np.int64)

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from schemas.arrays import entry_widths
+from schemas.models import DRAWN_MODES
 from stage1_teacher.check_records import DEFERRED, CheckRecords
 from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.dump_plan import Plan
@@ -47,7 +48,7 @@ class _PartState:
             self.arrays.append({
                 "has_pred": np.zeros(T, dtype=bool), "ids": np.zeros((T, k), dtype=np.int32),
                 "logprobs": None if mode == "sampled" else np.zeros((T, widths["k_head"]), dtype=np.float32),
-                "counts": np.zeros((T, widths["k_tail"]), dtype=np.uint16) if mode in ("sampled", "headtail") else None,
+                "counts": np.zeros((T, widths["k_tail"]), dtype=np.uint16) if mode in DRAWN_MODES else None,
                 "residual": np.zeros(T, dtype=np.float32), "realized": np.full(T, np.nan, dtype=np.float32)})
 
     def records(self):

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from schemas.models import DRAWN_MODES
 from stage2_student.blocked import Block, Prepared, TermSpec, blocked_terms
 from stage2_student.losses import EmptyMappedSupportError, NoValidChunksError, ProjectionOperator
 from stage2_student.onpolicy import behaviour_rows
@@ -61,7 +62,7 @@ def resolve_kind(requested: str, caps: Capabilities) -> str:
     rkl-pg (rollouts, docs/on-policy.md) reads only the realized log-probs: any cache, never auto.
     """
     same, mode = caps.same_tokenizer, caps.mode
-    drawn = mode in ("sampled", "headtail")  # the teacher is an unbiased estimate from draws
+    drawn = mode in DRAWN_MODES  # the teacher is an unbiased estimate from draws
     if requested in ("auto", "ce"):
         return ("sampled" if drawn else "kl") if same else "pkl"
     if requested in ("kl", "rkl", "jsd") and (not same or drawn):

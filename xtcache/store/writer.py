@@ -17,6 +17,7 @@ import numpy as np
 
 from schemas.arrays import align_arrays, entry_widths, teacher_arrays
 from schemas.models import (
+    DRAWN_MODES,
     FORMAT_VERSION,
     READ_VERSIONS,
     AlignGroupMeta,
@@ -235,7 +236,7 @@ class CacheWriter:
             lp = _concat([d.topk_logprobs for d in docs], np.float32, (kh,))
             lp[~has_pred] = 0.0
             codecs.check_ids(ids[:, :kh][has_pred], V)
-        if m.mode in ("sampled", "headtail"):  # the drawn entries: ids [:, kh:] with their counts
+        if m.mode in DRAWN_MODES:  # the drawn entries: ids [:, kh:] with their counts
             counts = _concat([d.topk_counts for d in docs], np.uint16, (kt,))
             counts[~has_pred] = 0
             drawn, real = ids[:, kh:], counts > 0
@@ -372,7 +373,7 @@ def _check_doc(d: DocRecord, widths: dict[str, int], mode: str) -> None:
     T, k = len(d.teacher_ids), widths["k"]
     want = {"char_offsets": (T, 2), "has_pred": (T,), "topk_ids": (T, k), "residual": (T,),
             "realized_logprob": (T,)}
-    if mode in ("sampled", "headtail"):
+    if mode in DRAWN_MODES:
         want["topk_counts"] = (T, widths["k_tail"])
         if d.topk_counts is None:
             raise XtcacheError(f"document {d.doc_id}: {mode} mode needs topk_counts")

@@ -22,7 +22,7 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from schemas.models import AlignGroupMeta, Manifest, support_width
+    from schemas.models import DRAWN_MODES, AlignGroupMeta, Manifest, support_width
     from xtcache.align import align_text, encode_with_offsets, identity_alignment
     from xtcache.fingerprint import cache_key, model_fingerprint, settings_fingerprint, tokenizer_fingerprint
     from xtcache.store import AlignmentRecord, CacheWriter, DocRecord
@@ -34,7 +34,7 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
     student_toks = [PreTrainedTokenizerFast.from_pretrained(str(s)) for s in students]
     s_fps = [tokenizer_fingerprint(t) for t in student_toks]
     texts = [json.loads(line)["text"] for line in Path(jsonl).read_text().splitlines()][:max_docs]
-    drawn = mode in ("sampled", "headtail")
+    drawn = mode in DRAWN_MODES
     settings = {"mode": mode, "k": k, "num_samples": num_samples if drawn else None, "engine": "test-hf"}
     head_k, k = k, support_width(mode, k, num_samples, vocab)
     fps = {"teacher_model": model_fingerprint(teacher_dir), "teacher_tokenizer": t_fp,
