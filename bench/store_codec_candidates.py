@@ -17,12 +17,13 @@ from xtcache import codecs
 CHUNK_BYTES = 1 << 20
 
 
-def compressed_bytes(values: np.ndarray, shuffle: str = "none", level: int = 3) -> int:
-    """Bytes of `values` compressed per 1 MiB inner chunk, as the store compresses an array."""
+def compressed_bytes(values: np.ndarray, shuffle: str = "none", level: int = 3, blocksize: int = 0) -> int:
+    """Bytes of `values` compressed per 1 MiB inner chunk, as the store compresses an array (blosc
+    blocks of `blocksize` bytes, 0: blosc's choice)."""
     import numcodecs
 
     codec = (numcodecs.Zstd(level=level) if shuffle == "none" else
-             numcodecs.Blosc(cname="zstd", clevel=level,
+             numcodecs.Blosc(cname="zstd", clevel=level, blocksize=blocksize,
                              shuffle=numcodecs.Blosc.SHUFFLE if shuffle == "byte" else numcodecs.Blosc.BITSHUFFLE))
     if values.size == 0:
         return 0
@@ -72,7 +73,10 @@ def _id_rows(ids: np.ndarray, P: int) -> list[tuple[str, str, float, float]]:
     sorted_ids = np.sort(ids, axis=1)
     deltas, _ = codecs.SortedDeltaIds("uint32").encode(ids)
     rows = [("ids", "sorted, delta uint32, byte shuffle (v1)", compressed_bytes(deltas, "byte") / P, 0.0),
-            ("ids", "sorted, delta uint32, bitshuffle", compressed_bytes(deltas, "bit") / P, 0.0)]
+            ("ids", "sorted, delta uint32, bitshuffle", compressed_bytes(deltas, "bit") / P, 0.0),
+            ("ids", "sorted, delta uint32, byte shuffle, level 6", compressed_bytes(deltas, "byte", 6) / P, 0.0),
+            ("ids", "sorted, delta uint32, byte shuffle, level 6, 1 MiB blocks (v2)",
+             compressed_bytes(deltas, "byte", 6, CHUNK_BYTES) / P, 0.0)]
     small = deltas.astype(np.int64)
     rows.append(("ids", "sorted, delta uint16 + escapes >= 65535",
                  (compressed_bytes(np.minimum(small, 65535).astype(np.uint16), "byte")

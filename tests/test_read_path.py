@@ -32,9 +32,13 @@ ARRAYS = {
 }
 
 
+COMPRESSIONS = {"none": codecs.Compression(3), "byte": codecs.Compression(3, "byte"),
+                "byte-1MiB-blocks": codecs.Compression(6, "byte", CHUNK_BYTES)}  # the last: format 3's topk_ids
+
+
 def _write(root: Path, name: str, values: np.ndarray, shuffle: str) -> tuple[Location, ArraySpec]:
     loc = Location(str(root))
-    spec = write_array(loc, "g", name, values, compression=codecs.Compression(3, shuffle))
+    spec = write_array(loc, "g", name, values, compression=COMPRESSIONS[shuffle])
     return loc, spec
 
 
@@ -43,7 +47,7 @@ def _object(root: Path, name: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("shuffle", ["none", "byte"])
+@pytest.mark.parametrize("shuffle", list(COMPRESSIONS))
 @pytest.mark.parametrize("name", list(ARRAYS))
 def test_a_written_array_reads_back_as_zarr_reads_it(tmp_path, name, shuffle):
     import zarr
@@ -138,3 +142,20 @@ def test_sqrt_probs_decode_in_blocks_equals_the_table():
     codec = codecs.SqrtProbs(127)
     codes = RNG.integers(0, 256, (2 * codecs._DECODE_BLOCK // 32 + 3, 64)).astype(np.uint8)
     np.testing.assert_array_equal(codec.decode(codes), codec.table()[codes])
+
+
+def test_the_compression_record_round_trips_and_older_records_read_as_blosc_blocks():
+    from xtcache.errors import XtcacheError
+    from xtcache.store.arrays import default_compression
+
+    ids = default_compression("topk_ids")  # format 3: each inner chunk shuffled as one blosc block
+    assert ids == codecs.Compression(6, "byte", CHUNK_BYTES)
+    assert default_compression("topk_ids", 2) == codecs.Compression(3, "byte", 0)
+    assert codecs.codec_from_config(ids.to_config()) == ids
+    older = {"name": "xtcache.compression", "configuration": {"level": 6, "shuffle": "byte"}}  # before blocksize
+    assert codecs.codec_from_config(older) == codecs.Compression(6, "byte", 0)
+    (blosc,) = ids.zarr_codecs(4)
+    assert blosc.blocksize == CHUNK_BYTES and blosc.clevel == 6
+    for bad in ({"level": 3, "shuffle": "none", "blocksize": 4096}, {"level": 3, "shuffle": "byte", "blocksize": -1}):
+        with pytest.raises(XtcacheError, match="blocksize"):
+            codecs.Compression(**bad)

@@ -298,14 +298,18 @@ class DeltaCharOffsets:
 
 @dataclass(frozen=True)
 class Compression:
-    """Zarr v3 bytes-to-bytes codecs: zstd at `level`, optionally behind a blosc shuffle."""
+    """Zarr v3 bytes-to-bytes codecs: zstd at `level`, optionally behind a blosc shuffle over blocks of
+    `blocksize` bytes (0: blosc's choice, smaller than a 1 MiB inner chunk)."""
 
     level: int = 3
     shuffle: str = "none"  # "none" | "byte" | "bit"
+    blocksize: int = 0
 
     def __post_init__(self):
         if self.shuffle not in ("none", "byte", "bit"):
             raise XtcacheError(f"compression shuffle={self.shuffle!r}: use 'none', 'byte' or 'bit'")
+        if self.blocksize < 0 or (self.blocksize and self.shuffle == "none"):
+            raise XtcacheError(f"compression blocksize={self.blocksize}: a byte count >= 0, with a shuffle")
 
     def zarr_codecs(self, itemsize: int) -> list:
         import zarr.codecs as zc
@@ -313,7 +317,8 @@ class Compression:
         if self.shuffle == "none":
             return [zc.ZstdCodec(level=self.level)]
         shuffle = "shuffle" if self.shuffle == "byte" else "bitshuffle"
-        return [zc.BloscCodec(cname="zstd", clevel=self.level, shuffle=shuffle, typesize=itemsize, blocksize=0)]
+        return [zc.BloscCodec(cname="zstd", clevel=self.level, shuffle=shuffle, typesize=itemsize,
+                              blocksize=self.blocksize)]
 
     def to_config(self) -> dict[str, Any]:
         return {"name": "xtcache.compression", "configuration": asdict(self)}

@@ -53,18 +53,21 @@ def array_sha256(values: np.ndarray) -> str:
     return hashlib.sha256(arr.tobytes()).hexdigest()
 
 
-V2_LEVELS = {"topk_logprobs": 9, "topk_ids": 6}
-"""zstd levels of the top-k arrays in stores of format version 3 (codec v2), 3 elsewhere: at k=64
-(bench/store_codec.py) sqrt-prob codes shrink from 24.8 to 22.7 B/position and id deltas from 13.4
-to 10.0, encoding at about 200k and 140k positions/s on one core; decoding costs the same."""
+V2_COMPRESSION = {"topk_logprobs": codecs.Compression(9), "topk_ids": codecs.Compression(6, "byte", CHUNK_BYTES)}
+"""Compression of the top-k arrays in stores of format version 3 (codec v2); zstd 3 elsewhere. At k=64
+(bench/store_codec.py) sqrt-prob codes shrink from 24.8 to 22.7 B/position at zstd 9, and id deltas
+from 14.3 to 10.6 at blosc level 6 and to 9.6 with each inner chunk shuffled as one block (blosc's
+own blocks, smaller than a chunk, each restart zstd's window); any level and block size decodes the same."""
 
 
 def default_compression(name: str, format_version: int = FORMAT_VERSION) -> codecs.Compression:
     """Compression of one array by name (schemas/arrays.py): byte shuffle before zstd where it measured
     smaller (bench/store_codec.py: topk_ids at k=64 shrink by a third), plain zstd elsewhere; from format
-    version 3 the top-k arrays at the levels of `V2_LEVELS`."""
-    level = V2_LEVELS.get(name, 3) if format_version >= 3 else 3
-    return codecs.Compression(level=level, shuffle="byte" if array_def(name).shuffle else "none")
+    version 3 the top-k arrays as `V2_COMPRESSION` says."""
+    shuffle = "byte" if array_def(name).shuffle else "none"
+    if format_version >= 3 and name in V2_COMPRESSION:
+        return V2_COMPRESSION[name]
+    return codecs.Compression(level=3, shuffle=shuffle)
 
 
 def write_array(loc: Location, group: str, name: str, values: np.ndarray, *,
