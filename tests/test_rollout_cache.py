@@ -3,7 +3,8 @@ of the student that sampled them (`sampled_logprobs`, optional array of its alig
 `train-student --loss rkl-pg` with the importance ratio on (the default --is-cap) reading them.
 
 The chat toy setup: a Llama-3-style student (BPE) generates with --engine hf, the ChatML teacher
-scores with --engine hf, cross-tokenizer. Cost: one generate, three dumps, two short trainings.
+scores with --engine hf, cross-tokenizer. Cost: one generate, six dumps and the store commands in the test
+process (`tests.inprocess`: the same entry point, no new interpreter), five short trainings (a process each).
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.inprocess import xtcache
 from xtcache.testing.suite import REPO
 
 SEQ = "64"
 
 
 def _cli(*args, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "xtcache.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    proc = xtcache(*args)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -200,6 +201,8 @@ def test_sampled_ids_that_spell_the_turn_are_spliced_others_counted(rollouts, tm
 
 
 def _train(setup, store: Path, out: Path, *extra, check=True, student=None) -> subprocess.CompletedProcess:
+    """`python -m stage2_student ARGS` in a new process: DeepSpeed keeps its process groups for the life of a
+    process, so each training starts its own."""
     proc = subprocess.run([sys.executable, "-m", "stage2_student", "--out", str(out), "--cache", str(store),
                            "--student", str(student or setup.student_model), "--seq-len", SEQ, "--micro-batch-size", "2",
                            "--max-steps", "2", "--loss", "rkl-pg", "--train-on", "last-assistant", "--zero-stage", "0",
