@@ -1,4 +1,4 @@
-"""Stage 2 invariances on a real teacher cache, every run a subprocess (one process group each).
+"""Stage 2 invariances on a real teacher cache, every run (every rank) its own process, one process group each.
 
 - world 1 x grad-accum 2 trains the same model as world 2 x grad-accum 1 (torchrun, ZeRO-2 and
   ZeRO-3, CPU/gloo): per-step losses, token counts and the exported weights agree; under ZeRO-3
@@ -10,19 +10,22 @@
 - user errors (a student tokenizer the cache was not aligned for, a projection map of other
   tokenizers) reach the user as one clear line.
 
+The runs are forked from one process that imported DeepSpeed once (`tests.stage2_procs`), each rank
+started with the environment torchrun gives it; tests/test_s3_walkthrough.py runs stage 2 under
+torchrun itself.
+
     pytest -q tests/test_train_distributed.py
 """
 
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_train_kd import REPO, cpu_env, run_stage2
+from tests.stage2_procs import Stage2Procs
+from tests.test_train_kd import run_stage2
 
 
 def flags(toy_setup, caches, **extra) -> list[str]:
@@ -42,17 +45,48 @@ def weights(hf_dir: Path) -> dict:
     return load_file(str(hf_dir / "model.safetensors"))
 
 
+def same_flags(zero: int) -> dict:
+    """The flags the two sides of one ZeRO stage share (grad-accum aside); the whole held-out split on
+    both sides (an --eval-batches cap counts per rank)."""
+    return dict(zero_stage=zero, eval_fraction=0.15, eval_batches=0, save_every=2)
+
+
+@pytest.fixture(scope="module")
+def procs():
+    with Stage2Procs() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pairs(toy_setup, kd_caches, tmp_path_factory, procs):
+    """`pairs(zero)`: (run root, world 1 x grad-accum 2 run, world 2 x grad-accum 1 run) of ZeRO `zero`,
+    trained once for this module. --deterministic (the flag GPU resumes need) on both: on CPU every op
+    of the run must accept it, and the 1-rank run is the one the exact resume continues."""
+    done = {}
+
+    def get(zero: int):
+        if zero not in done:
+            root = tmp_path_factory.mktemp(f"zero{zero}")
+            a = procs.run(root / "w1a2", *flags(toy_setup, kd_caches, grad_accum=2, **same_flags(zero)),
+                           "--deterministic")
+            b = procs.run(root / "w2a1", *flags(toy_setup, kd_caches, grad_accum=1, **same_flags(zero)),
+                           "--deterministic", nproc=2)
+            done[zero] = root, a, b
+        return done[zero]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [2, 3])
-def test_world1_accum2_equals_world2_accum1_and_resumes_at_the_other_world_size(tmp_path, toy_setup, kd_caches, zero):
+def test_world1_accum2_equals_world2_accum1_and_resumes_at_the_other_world_size(tmp_path, toy_setup, kd_caches, pairs,
+                                                                                procs, zero):
     """World 1 x grad-accum 2 and world 2 x grad-accum 1 (the same global batch) train the same
     model; then one of them, stopped at step 2, is resumed as the other (ZeRO-2: the 2-rank run
     resumed on 1 rank, ZeRO-3: the 1-rank run on 2 ranks) through DeepSpeed's universal checkpoint
     and continues the same run. Another global batch cannot continue it: a clear refusal."""
-    # the whole held-out split on both sides (an --eval-batches cap counts per rank)
-    same = dict(zero_stage=zero, eval_fraction=0.15, eval_batches=0, save_every=2)
-    a = run_stage2(tmp_path / "w1a2", *flags(toy_setup, kd_caches, grad_accum=2, **same))
-    b = run_stage2(tmp_path / "w2a1", *flags(toy_setup, kd_caches, grad_accum=1, **same), nproc=2)
+    root, a, b = pairs(zero)
+    same = same_flags(zero)
     assert [r["step"] for r in a["train"]] == [r["step"] for r in b["train"]] == [1, 2, 3, 4]
     for key in ("tokens", "chunks"):
         assert [r[key] for r in a["train"]] == [r[key] for r in b["train"]]
@@ -66,7 +100,7 @@ def test_world1_accum2_equals_world2_accum1_and_resumes_at_the_other_world_size(
     else:
         assert b["summary"]["student_params_local_at_load"] == n
     assert a["summary"]["final_eval_kl"] == pytest.approx(b["summary"]["final_eval_kl"], rel=1e-4)
-    wa, wb = weights(tmp_path / "w1a2" / "hf"), weights(tmp_path / "w2a1" / "hf")
+    wa, wb = weights(root / "w1a2" / "hf"), weights(root / "w2a1" / "hf")
     initial = weights(Path(toy_setup.student_model))
     assert wa.keys() == wb.keys() == initial.keys()
     assert all(wa[k].shape == initial[k].shape for k in wa)  # consolidated, not ZeRO-3 partitions
@@ -76,10 +110,10 @@ def test_world1_accum2_equals_world2_accum1_and_resumes_at_the_other_world_size(
 
     # (ranks, grad-accum) saved -> resumed
     saved, resumed, full = ((2, 1), (1, 2), b) if zero == 2 else ((1, 2), (2, 1), a)
-    full_dir = tmp_path / ("w2a1" if saved[0] == 2 else "w1a2")
+    full_dir = root / ("w2a1" if saved[0] == 2 else "w1a2")
     step2 = full_dir / "checkpoints" / "step2"
     resume_flags = flags(toy_setup, kd_caches, grad_accum=resumed[1], **{**same, "save_every": 0})
-    after = run_stage2(tmp_path / "next", *resume_flags, "--resume", str(step2), nproc=resumed[0])
+    after = procs.run(tmp_path / "next", *resume_flags, "--resume", str(step2), nproc=resumed[0])
     assert (full_dir / "checkpoints" / "step2_universal").is_dir()
     assert [r["step"] for r in after["train"]] == [3, 4]
     for key in ("tokens", "chunks"):
@@ -91,51 +125,46 @@ def test_world1_accum2_equals_world2_accum1_and_resumes_at_the_other_world_size(
     for key in wf:
         assert (wf[key] - wr[key]).abs().max().item() <= 1e-4, key
     # another global batch cannot continue the same sample stream: a clear refusal
-    bad = run_cli(*flags(toy_setup, kd_caches, grad_accum=1, **{**same, "save_every": 0}), "--out",
+    bad = procs.cli("train-student", *flags(toy_setup, kd_caches, grad_accum=1, **{**same, "save_every": 0}), "--out",
                   str(tmp_path / "bad"), "--resume", str(step2))
     want = "--grad-accum 2" if saved[0] != 1 else "grad_accum 2 -> 1"  # another world size / the same one
     assert bad.returncode == 2 and want in bad.stdout + bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly_and_export_loads(tmp_path, toy_setup, kd_caches):
-    # --deterministic: the flag GPU resumes need; on CPU every op of the run must accept it
-    run = [*flags(toy_setup, kd_caches, max_steps=6, save_every=3, grad_accum=2, zero_stage=2), "--deterministic"]
-    full = run_stage2(tmp_path / "full", *run)
+def test_resume_continues_exactly_and_export_loads(tmp_path, toy_setup, kd_caches, pairs, procs):
+    """The 1-rank ZeRO-2 run of `pairs` (--deterministic), stopped after step 2 (only its step-2
+    checkpoint survives) and resumed with --resume latest in a new process: the same steps 3-4, bit for bit."""
+    root, full, _ = pairs(2)
+    run = [*flags(toy_setup, kd_caches, grad_accum=2, **same_flags(2)), "--deterministic"]
     assert full["summary"]["deterministic"] is True
-    # the same run stopped after step 3: only its step-3 checkpoint survives, then --resume latest
     part = tmp_path / "part" / "checkpoints"
     part.mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step3", part / "step3")
-    (part / "latest").write_text("step3")
-    resumed = run_stage2(tmp_path / "part", *run, "--resume", "latest")
-    assert [r["step"] for r in resumed["train"]] == [4, 5, 6]
+    shutil.copytree(root / "w1a2" / "checkpoints" / "step2", part / "step2")
+    (part / "latest").write_text("step2")
+    resumed = procs.run(tmp_path / "part", *run, "--resume", "latest")
+    assert [r["step"] for r in resumed["train"]] == [3, 4]
     for key in ("loss", "kd", "ce", "lr", "tokens", "grad_norm"):
-        assert [r[key] for r in resumed["train"]] == [r[key] for r in full["train"][3:]], key
-    wf, wr = weights(tmp_path / "full" / "hf"), weights(tmp_path / "part" / "hf")
+        assert [r[key] for r in resumed["train"]] == [r[key] for r in full["train"][2:]], key
+    wf, wr = weights(root / "w1a2" / "hf"), weights(tmp_path / "part" / "hf")
     assert all((wf[k] == wr[k]).all() for k in wf)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full" / "hf"))
-    tok = AutoTokenizer.from_pretrained(str(tmp_path / "full" / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(str(root / "w1a2" / "hf"))
+    tok = AutoTokenizer.from_pretrained(str(root / "w1a2" / "hf"))
     ids = tok("def f(x):\n    return x", return_tensors="pt")["input_ids"]
     assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size
-    for key, value in weights(tmp_path / "full" / "hf").items():
+    for key, value in wf.items():
         assert (model.state_dict()[key] == value).all(), key
     summary = full["summary"]
-    assert summary["steps"] == 6 and Path(summary["metrics"]).is_file()
+    assert summary["steps"] == 4 and Path(summary["metrics"]).is_file()
     assert summary["final_eval_kl"] is not None and summary["final_eval_ce"] is not None
     assert summary["steps_per_s"] > 0 and summary["tokens_per_s"] > 0
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "xtcache.cli", "train-student", *args], cwd=REPO, env=cpu_env(),
-                          capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.slow
-def test_wrong_student_tokenizer_is_refused_with_what_to_do(tmp_path, toy_setup, kd_caches):
+def test_wrong_student_tokenizer_is_refused_with_what_to_do(tmp_path, toy_setup, kd_caches, procs):
     from transformers import AutoTokenizer
 
     other = tmp_path / "student_with_extra_token"  # same weights, a tokenizer the cache was not aligned for
@@ -143,21 +172,21 @@ def test_wrong_student_tokenizer_is_refused_with_what_to_do(tmp_path, toy_setup,
     tok = AutoTokenizer.from_pretrained(str(other))
     tok.add_tokens(["<extra>"])
     tok.save_pretrained(str(other))
-    proc = run_cli(*flags(toy_setup, kd_caches, student=other, out=tmp_path / "o"))
+    proc = procs.cli("train-student", *flags(toy_setup, kd_caches, student=other, out=tmp_path / "o"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "xtcache align" in last
 
 
 @pytest.mark.slow
-def test_projection_of_other_tokenizers_is_refused(tmp_path, toy_setup, kd_caches):
+def test_projection_of_other_tokenizers_is_refused(tmp_path, toy_setup, kd_caches, procs):
     from transformers import AutoTokenizer
 
     from xtcache.projection import build_projection
 
     tok = AutoTokenizer.from_pretrained(str(toy_setup.teacher_tokenizer))
     build_projection(tok, tok).save(tmp_path / "w.safetensors")  # teacher -> teacher: wrong student side
-    proc = run_cli(*flags(toy_setup, kd_caches, projection=tmp_path / "w.safetensors", out=tmp_path / "o"))
+    proc = procs.cli("train-student", *flags(toy_setup, kd_caches, projection=tmp_path / "w.safetensors", out=tmp_path / "o"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "does not fit" in proc.stderr and "xtcache projection build" in proc.stderr
 
