@@ -299,10 +299,16 @@ def _assert_same_docs(a: dict, b: dict) -> None:
                 assert v == b[k][name], (k, name)
 
 
-def test_four_jobs_write_the_same_documents_as_one(teacher, toy_setup, mixed_corpus, tmp_path):
+@pytest.fixture(scope="module")
+def one_job(teacher, toy_setup, mixed_corpus, tmp_path_factory):
+    """(store, summary) of the mixed corpus written by one job: what several jobs must equal."""
+    one = tmp_path_factory.mktemp("one_job") / "one"
+    return one, _dump(teacher, mixed_corpus, one, [toy_setup.student_tokenizer])
+
+
+def test_four_jobs_write_the_same_documents_as_one(teacher, toy_setup, mixed_corpus, one_job, tmp_path):
     students = [toy_setup.student_tokenizer]
-    one = tmp_path / "one"
-    single = _dump(teacher, mixed_corpus, one, students)
+    one, single = one_job
     many = tmp_path / "many"
     summaries = [_dump(teacher, mixed_corpus, many, students, num_shards=4, shard_index=i) for i in (0, 2, 3, 1)]
     assert sum(s.documents for s in summaries) == single.documents and all(s.documents for s in summaries)
@@ -330,8 +336,9 @@ def test_four_jobs_write_the_same_documents_as_one(teacher, toy_setup, mixed_cor
     assert problems and all("outside writer" in p and "shard-plan ranges" in p for p in problems), problems
 
 
-def test_kill_and_resume_of_one_job_gives_the_same_store(teacher, toy_setup, mixed_corpus, tmp_path):
-    """SIGKILL job 1 of 2 after its first commits, resume it: the store equals one job's run."""
+def test_kill_and_resume_of_one_job_gives_the_same_store(teacher, toy_setup, mixed_corpus, one_job, tmp_path):
+    """SIGKILL job 1 of 2 (a real command-line process) after its first commits, resume it: the store
+    equals one job's run. Job 0 writes its share in this process first, with the same settings."""
     import signal
     import subprocess
     import sys
@@ -350,8 +357,7 @@ def test_kill_and_resume_of_one_job_gives_the_same_store(teacher, toy_setup, mix
         return subprocess.Popen([sys.executable, "-m", "xtcache.cli", "teacher-dump", *base, *extra], cwd=repo,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
-    p = cli("--shard-index", "0")
-    assert p.wait(timeout=600) == 0, p.stdout.read().decode()[-3000:]
+    _dump(teacher, mixed_corpus, out, [toy_setup.student_tokenizer], docs_per_part=1, num_shards=2, shard_index=0)
     p = cli("--shard-index", "1")
     deadline = time.time() + 300
     while time.time() < deadline and p.poll() is None and len(list((out / "index").glob("w00001-*.json"))) < 2:
@@ -362,9 +368,7 @@ def test_kill_and_resume_of_one_job_gives_the_same_store(teacher, toy_setup, mix
     p = cli("--shard-index", "1", "--resume")
     log = p.communicate(timeout=600)[0].decode()
     assert p.returncode == 0 and "parts kept" in log, log[-3000:]
-    one = tmp_path / "one"
-    _dump(teacher, mixed_corpus, one, [toy_setup.student_tokenizer], docs_per_part=1)
-    _assert_same_docs(_store_docs(one), _store_docs(out))
+    _assert_same_docs(_store_docs(one_job[0]), _store_docs(out))
 
 
 def test_each_job_checks_the_first_rows_of_its_own_files_only(teacher, toy_setup, tmp_path):

@@ -1,9 +1,12 @@
 """`xtcache teacher-dump` with real vLLM on the CPU: top-k, full and sampled stores, same and cross tokenizer.
 
-Engine starts cost 20-40 s each, so the in-process dumps share one pair of engines (the prompt
-log-prob reference and the hidden-state fast path) through `capture.EngineCache`; one more test
-runs the real command line in subprocesses: killed with SIGKILL while its engine runs (the engine
-processes exit with it), then resumed to a complete store (its engine shut down at the end).
+The in-process dumps (`run_teacher_dump`) run in one fresh interpreter (tests/vllm_dump_jobs.py),
+one after another, with vLLM's engine core in that process: each of the two engines (the prompt
+log-prob reference and the hidden-state fast path) starts once, in about 7 s instead of 30-45 s
+for an engine in its own processes. The tests then check the stores and what each dump reported.
+One more test runs the real command line with vLLM's production process model: killed with
+SIGKILL while its engine runs (the engine processes exit with it), then resumed to a complete
+store (its engine shut down at the end).
 
     .venv/bin/python -m pytest -q tests/test_stage1_vllm.py
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,12 +27,14 @@ import pytest
 
 from stage1_teacher.config import build_config
 from stage1_teacher.dump import run_teacher_dump
+from stage1_teacher.summary import Summary
 from xtcache.testing.suite import VLLM_PROCESSES
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 QUANT_TOL = 0.5 / 127 + 1e-3  # in sqrt(p): half a step of the default sqrt-prob codec (format 3)
+MODES = ("topk", "full", "sampled", "headtail")
 
 
 def assert_stored_close(stored, want):
@@ -44,38 +50,57 @@ def corpus(toy_setup, tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def engine_processes():
-    """Engines started in this test process run in their own processes, as in production: vLLM's
-    in-process start scans every imported module, and another test file in the same pytest worker may
-    have imported one that refuses it (the S3 tests' server framework)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in VLLM_PROCESSES.items():
-            mp.setenv(key, value)
-        yield
+def split_corpus(corpus: str, root: Path) -> list[str]:
+    """The corpus in two files (8 documents each), for two writers."""
+    lines = Path(corpus).read_text().splitlines(keepends=True)
+    data = [root / "a.jsonl", root / "b.jsonl"]
+    data[0].write_text("".join(lines[:8]))
+    data[1].write_text("".join(lines[8:]))
+    return [str(p) for p in data]
+
+
+def two_writer_config(teacher, toy_setup, data, out, i, **extra) -> dict:
+    """Writer `i` of 2 of a top-k store of `data` with the fast path (first-batch check)."""
+    return {"teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer)], "data": data,
+            "out": str(out), "engine": "vllm", "dtype": "float32", "top_k": 8, "max_seq_len": 256,
+            "docs_per_part": 4, "num_shards": 2, "shard_index": i, **extra}
 
 
 @pytest.fixture(scope="module")
-def engines(engine_processes):
-    from stage1_teacher.capture import EngineCache
-
-    cache = EngineCache()
-    yield cache
-    cache.close()
-
-
-@pytest.fixture(scope="module")
-def stores(teacher, corpus, toy_setup, engines, tmp_path_factory):
-    """One store per mode, each with a cross-tokenizer and a same-tokenizer alignment group."""
+def dumps(teacher, corpus, toy_setup, tmp_path_factory):
+    """Every in-process dump of this module, run in order by tests/vllm_dump_jobs.py: one store per
+    mode (each with a cross-tokenizer and a same-tokenizer alignment group), a store written through
+    the fallback path, and the two writers of two stores that share one first-batch check."""
     root = tmp_path_factory.mktemp("vstores")
-    out = {}
-    for mode in ("topk", "full", "sampled", "headtail"):
-        cfg = build_config({
-            "teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer), teacher],
-            "data": [corpus], "out": str(root / mode), "engine": "vllm", "dtype": "float32", "mode": mode,
-            "top_k": 8, "num_samples": 16, "max_seq_len": 256, "window_overlap": 32, "docs_per_part": 6})
-        out[mode] = (str(root / mode), run_teacher_dump(cfg, engines=engines, progress=False))
-    return out
+    jobs = [{"name": mode, "config": {
+        "teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer), teacher], "data": [corpus],
+        "out": str(root / mode), "engine": "vllm", "dtype": "float32", "mode": mode, "top_k": 8,
+        "num_samples": 16, "max_seq_len": 256, "window_overlap": 32, "docs_per_part": 6}} for mode in MODES]
+    jobs.append({"name": "fallback", "head_architectures": [], "config": {
+        "teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer)], "data": [corpus],
+        "out": str(root / "fb"), "engine": "vllm", "dtype": "float32", "top_k": 4, "max_seq_len": 256,
+        "docs_per_part": 8}})
+    data = split_corpus(corpus, root)
+    for name, store, i, extra in (("store-0", "store", 0, {}), ("store-1", "store", 1, {}),
+                                  ("other-0", "other", 0, {"trust_check_from": str(root / "store")}),
+                                  ("other-1", "other", 1, {})):
+        jobs.append({"name": name, "config": two_writer_config(teacher, toy_setup, data, root / store, i, **extra)})
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-m", "tests.vllm_dump_jobs", str(root / "jobs.json"),
+                           str(root / "results.json")], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    results = json.loads((root / "results.json").read_text())
+    for r in results.values():
+        r["summary"] = Summary(**r["summary"]) if r["summary"] else None
+    return root, data, results
+
+
+def dumped(dumps, name: str) -> Summary:
+    """The summary of one dump of `dumps`, which must have succeeded."""
+    r = dumps[2][name]
+    assert r["error"] is None, r["error"]
+    return r["summary"]
 
 
 def hf_logprobs(teacher, ids):
@@ -92,12 +117,12 @@ def _first_window_rows(d, n=256):
     return min(n, len(d.teacher_ids))
 
 
-@pytest.mark.parametrize("mode", ["topk", "full", "sampled", "headtail"])
-def test_vllm_store_verifies_and_matches_transformers(stores, mode, teacher):
+@pytest.mark.parametrize("mode", MODES)
+def test_vllm_store_verifies_and_matches_transformers(dumps, mode, teacher):
     from xtcache.commands_store import verify_store
     from xtcache.store import CacheReader
 
-    url, summary = stores[mode]
+    url, summary = str(dumps[0] / mode), dumped(dumps, mode)
     assert "hidden states" in summary.capture_path and summary.check_gap < 1e-3
     assert summary.documents == 16 and summary.windows > 16
     assert verify_store(url) == []
@@ -141,19 +166,15 @@ def test_vllm_store_verifies_and_matches_transformers(stores, mode, teacher):
                 assert (ids == np.arange(V)).all()
 
 
-def test_fallback_for_unsupported_heads_is_loud(teacher, corpus, toy_setup, engines, tmp_path, monkeypatch, caplog):
-    import stage1_teacher.head as head
+def test_fallback_for_unsupported_heads_is_loud(dumps, teacher):
+    """A teacher whose head the fast path does not support (here: none is) is captured through vLLM's
+    prompt log-probs, with a FALLBACK note in the summary and a warning in the log."""
     from xtcache.store import CacheReader
 
-    monkeypatch.setattr(head, "HEAD_ARCHITECTURES", set())
-    cfg = build_config({"teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer)],
-                        "data": [corpus], "out": str(tmp_path / "fb"), "engine": "vllm", "dtype": "float32",
-                        "top_k": 4, "max_seq_len": 256, "docs_per_part": 8})
-    with caplog.at_level("WARNING"):
-        s = run_teacher_dump(cfg, engines=engines, progress=False)
+    s = dumped(dumps, "fallback")
     assert "prompt log-probs" in s.capture_path and any("FALLBACK" in n for n in s.notes)
-    assert any("FALLBACK" in rec.message for rec in caplog.records)
-    r = CacheReader(str(tmp_path / "fb"))
+    assert any("FALLBACK" in message for message in dumps[2]["fallback"]["warnings"])
+    r = CacheReader(str(dumps[0] / "fb"))
     d = r.read_shard(r.shards[0].shard_id).doc(0)
     n = _first_window_rows(d)
     ref = hf_logprobs(teacher, d.teacher_ids[:n])[:-1]
@@ -186,7 +207,7 @@ def test_cli_killed_while_its_engine_runs_leaves_no_engine_then_resumes(teacher,
     """
     import psutil
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}  # the engine in its own processes (engine_processes)
+    env = {**os.environ, **VLLM_PROCESSES, "PYTHONPATH": str(REPO)}  # the engine in its own processes
     out = tmp_path / "cli"
     args = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", teacher, "--student-tokenizer",
             str(toy_setup.student_tokenizer), "--data", corpus, "--out", str(out), "--mode", "topk",
@@ -212,67 +233,60 @@ def test_cli_killed_while_its_engine_runs_leaves_no_engine_then_resumes(teacher,
     assert verify_store(str(out)) == []
 
 
-def test_first_batch_check_runs_once_per_store(teacher, corpus, toy_setup, engines, tmp_path):
+class NoEngines:
+    """An engine cache that records what a dump asks it for and starts nothing."""
+
+    def __init__(self):
+        self.requested: list[str] = []
+
+    def get(self, key, factory):
+        self.requested.append(key[0])
+        raise AssertionError(f"the dump asked for a {key[0]} engine")
+
+
+def test_first_batch_check_runs_once_per_store(dumps, teacher, toy_setup):
     """Writer 0 runs the fast path's first-batch check (reference engine + hidden engine) and records
     it; writer 1 starts only the hidden-state engine and trusts the record; a failed record stops
     a writer before any engine starts. Another store of the same teacher trusts that record with
     --trust-check-from; a store without one is refused before any engine starts."""
     from schemas.models import CaptureCheck
+    from xtcache.errors import CaptureError
+    from xtcache.store import CacheReader
 
-    lines = Path(corpus).read_text().splitlines(keepends=True)
-    data = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
-    data[0].write_text("".join(lines[:8]))
-    data[1].write_text("".join(lines[8:]))
-    requested = []
-    real_get = engines.get
+    root, data, results = dumps
+    s0 = dumped(dumps, "store-0")
+    assert results["store-0"]["engines"] == ["vllm-plp", "vllm-hidden"] and s0.check_source == "ran here"
+    (rec_path,) = (root / "store" / "capture_checks").glob("*.json")
+    rec = CaptureCheck.model_validate_json(rec_path.read_text())
+    assert rec.passed and rec.writer_index == 0 and rec.max_gap == s0.check_gap and rec.dtype == "float32"
+    s1 = dumped(dumps, "store-1")
+    assert results["store-1"]["engines"] == ["vllm-hidden"] and s1.check_source == "checked by writer 0"
+    assert s1.check_gap == rec.max_gap
+    assert CacheReader(str(root / "store")).is_complete()
+    # another store of the same teacher trusts this store's record: only the hidden-state engine
+    s2 = dumped(dumps, "other-0")
+    assert results["other-0"]["engines"] == ["vllm-hidden"] and s2.check_source == f"trusted from {root / 'store'}"
+    assert s2.check_gap == rec.max_gap
+    (copied,) = (root / "other" / "capture_checks").glob("*.json")  # for this store's other writers and resumes
+    got = CaptureCheck.model_validate_json(copied.read_text())
+    assert got.passed and got.max_gap == rec.max_gap and str(root / "store") in got.reference
+    s3 = dumped(dumps, "other-1")  # writer 1 of that store, without the option, trusts the copy
+    assert results["other-1"]["engines"] == ["vllm-hidden"] and s3.check_source == "checked by writer 0"
+    assert CacheReader(str(root / "other")).is_complete()
 
-    def get(key, factory):
-        requested.append(key[0])
-        return real_get(key, factory)
+    def refused(out, **extra):
+        engines = NoEngines()
+        cfg = build_config(two_writer_config(teacher, toy_setup, data, out, 0, **extra))
+        with pytest.raises(CaptureError) as e:
+            run_teacher_dump(cfg, engines=engines, progress=False)
+        assert engines.requested == []
+        return str(e.value)
 
-    engines.get = get
-    try:
-        def job(out, i, **extra):
-            cfg = build_config({"teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer)],
-                                "data": [str(p) for p in data], "out": str(out), "engine": "vllm", "dtype": "float32",
-                                "top_k": 8, "max_seq_len": 256, "docs_per_part": 4, "num_shards": 2,
-                                "shard_index": i, **extra})
-            requested.clear()
-            return run_teacher_dump(cfg, engines=engines, progress=False), list(requested)
-
-        s0, kinds0 = job(tmp_path / "store", 0)
-        assert kinds0 == ["vllm-plp", "vllm-hidden"] and s0.check_source == "ran here"
-        (rec_path,) = (tmp_path / "store" / "capture_checks").glob("*.json")
-        rec = CaptureCheck.model_validate_json(rec_path.read_text())
-        assert rec.passed and rec.writer_index == 0 and rec.max_gap == s0.check_gap and rec.dtype == "float32"
-        s1, kinds1 = job(tmp_path / "store", 1)
-        assert kinds1 == ["vllm-hidden"] and s1.check_source == "checked by writer 0" and s1.check_gap == rec.max_gap
-        from xtcache.store import CacheReader
-
-        assert CacheReader(str(tmp_path / "store")).is_complete()
-        # a failed check recorded in a store stops its writers before they start an engine
-        bad = tmp_path / "bad"
-        (bad / "capture_checks").mkdir(parents=True)
-        (bad / "capture_checks" / rec_path.name).write_text(rec.model_copy(update={"passed": False}).model_dump_json())
-        from xtcache.errors import CaptureError
-
-        with pytest.raises(CaptureError, match="check of the fast path failed"):
-            job(bad, 0)
-        assert requested == []
-        # another store of the same teacher trusts this store's record: only the hidden-state engine
-        other = tmp_path / "other"
-        s2, kinds2 = job(other, 0, trust_check_from=str(tmp_path / "store"))
-        assert kinds2 == ["vllm-hidden"] and s2.check_source == f"trusted from {tmp_path / 'store'}"
-        assert s2.check_gap == rec.max_gap
-        (copied,) = (other / "capture_checks").glob("*.json")  # for this store's other writers and resumes
-        got = CaptureCheck.model_validate_json(copied.read_text())
-        assert got.passed and got.max_gap == rec.max_gap and str(tmp_path / "store") in got.reference
-        s3, kinds3 = job(other, 1)  # writer 1 of that store, without the option, trusts the copy
-        assert kinds3 == ["vllm-hidden"] and s3.check_source == "checked by writer 0"
-        assert CacheReader(str(other)).is_complete()
-        # a store without a record for this teacher is refused before any engine starts
-        with pytest.raises(CaptureError, match="--trust-check-from .* holds no first-batch check"):
-            job(tmp_path / "third", 0, trust_check_from=str(tmp_path / "no-such-store"))
-        assert requested == []
-    finally:
-        engines.get = real_get
+    # a failed check recorded in a store stops its writers before they start an engine
+    bad = root / "bad"
+    (bad / "capture_checks").mkdir(parents=True)
+    (bad / "capture_checks" / rec_path.name).write_text(rec.model_copy(update={"passed": False}).model_dump_json())
+    assert "check of the fast path failed" in refused(bad)
+    # a store without a record for this teacher is refused before any engine starts
+    assert re.search("--trust-check-from .* holds no first-batch check",
+                     refused(root / "third", trust_check_from=str(root / "no-such-store")))
