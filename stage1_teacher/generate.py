@@ -130,11 +130,11 @@ def run_generate(cfg: GenerateConfig) -> GenerateSummary:
     from xtcache.tokenizer import load_tokenizer
 
     o, w = cfg.output, cfg.output.shard_index
-    tokenizer = load_tokenizer(cfg.student, "student")
     corpus = open_corpus(cfg)
-    for f in corpus.files:
+    for f in corpus.files:  # before the student is loaded: refused in a second
         if f.size == 0:
             raise ConfigError(f"--data {f.url}: the file is empty; give prompt files with at least one row")
+    tokenizer = load_tokenizer(cfg.student, "student")
     policy = policy_fingerprint(cfg.student, tokenizer, cfg.sampling)
     loc = Location(o.out, o.storage_options)
     open_manifest(loc, _manifest(cfg, policy, corpus))

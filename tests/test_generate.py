@@ -3,6 +3,10 @@ resumable after SIGKILL, split across jobs without overlap, keyed by the policy 
 
 The student is the chat toy setup's Llama (a Llama-3-style template), untrained: what it writes is
 noise, which is all these tests need.
+
+One `xtcache generate` process writes the reference rollouts (module fixture); the other runs call the
+same entry point in the test process (`tests.inprocess`), so a reproducibility check compares two
+interpreters. The SIGKILL test kills a real process, and an empty prompt file is refused by a real one.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.inprocess import xtcache
 from xtcache.testing.suite import REPO
 
 MAX_NEW = "12"
@@ -35,14 +40,27 @@ def chat(toy_setup, tmp_path_factory):
     return setup, conv, text
 
 
-def _generate(setup, data, out, *extra, check=True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "xtcache.cli", "generate", "--student", str(setup.student_model), "--data", str(data),
-           "--out", str(out), "--engine", "hf", "--samples-per-prompt", "2", "--max-new-tokens", MAX_NEW,
-           "--prompts-per-part", "2", *extra]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+def _generate(setup, data, out, *extra, check=True, process=False) -> subprocess.CompletedProcess:
+    """`xtcache generate` in this process, or in a new one (`process`)."""
+    args = ["generate", "--student", str(setup.student_model), "--data", str(data), "--out", str(out), "--engine", "hf",
+            "--samples-per-prompt", "2", "--max-new-tokens", MAX_NEW, "--prompts-per-part", "2", *extra]
+    if process:
+        proc = subprocess.run([sys.executable, "-m", "xtcache.cli", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+    else:
+        proc = xtcache(*args)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+@pytest.fixture(scope="module")
+def whole(chat, tmp_path_factory) -> Path:
+    """The conversation prompts' rollouts, written by one uninterrupted `xtcache generate` process (seed 0)."""
+    setup, conv, _ = chat
+    out = tmp_path_factory.mktemp("whole") / "r"
+    _generate(setup, conv, out, process=True)
+    return out
 
 
 def _rows(out: Path) -> list[dict]:
@@ -53,16 +71,15 @@ def _parts(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((out / "parts").glob("*.jsonl"))}
 
 
-def test_rollouts_are_a_conversation_corpus_for_teacher_dump(chat, tmp_path):
+def test_rollouts_are_a_conversation_corpus_for_teacher_dump(chat, whole, tmp_path):
     from xtcache.tokenizer import load_tokenizer
 
     setup, conv, _ = chat
-    _generate(setup, conv, tmp_path / "r")
-    rows = _rows(tmp_path / "r")
+    rows = _rows(whole)
     prompts = [json.loads(line) for line in conv.read_text().splitlines()]
     assert len(rows) == 2 * len(prompts)
     tok = load_tokenizer(setup.student_model)
-    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    manifest = json.loads((whole / "manifest.json").read_text())
     for i, row in enumerate(rows):
         prompt = prompts[i // 2]
         assert row["messages"][:-1] == prompt["messages"] and row["messages"][-1]["role"] == "assistant"
@@ -76,11 +93,8 @@ def test_rollouts_are_a_conversation_corpus_for_teacher_dump(chat, tmp_path):
         body = row["sampled_ids"][:-1] if row["stop_reason"] == "stop" else row["sampled_ids"]
         assert row["messages"][-1]["content"] == tok.decode(body, skip_special_tokens=True)
     assert rows[0]["prompt_id"] != rows[2]["prompt_id"] and rows[0]["prompt_id"] == rows[1]["prompt_id"]
-    dump = subprocess.run(
-        [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", str(setup.teacher_model),
-         "--student-tokenizer", str(setup.student_tokenizer), "--data", str(tmp_path / "r" / "parts" / "*.jsonl"),
-         "--out", str(tmp_path / "store"), "--engine", "hf", "--top-k", "8"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+    dump = xtcache("teacher-dump", "--teacher", setup.teacher_model, "--student-tokenizer", setup.student_tokenizer,
+                   "--data", whole / "parts" / "*.jsonl", "--out", tmp_path / "store", "--engine", "hf", "--top-k", "8")
     assert dump.returncode == 0, dump.stderr[-3000:]
     assert f"documents           {len(rows)} in" in dump.stdout and "skipped documents   none" in dump.stdout
     store = json.loads((tmp_path / "store" / "manifest.json").read_text())
@@ -98,14 +112,13 @@ def test_text_prefixes(chat, tmp_path):
         assert "messages" not in row
 
 
-def test_same_seed_same_rollouts_other_seed_other(chat, tmp_path):
+def test_same_seed_same_rollouts_other_seed_other(chat, whole, tmp_path):
     setup, conv, _ = chat
-    _generate(setup, conv, tmp_path / "a")
-    _generate(setup, conv, tmp_path / "b")
+    _generate(setup, conv, tmp_path / "b")  # in this process: another interpreter than the fixture's
     _generate(setup, conv, tmp_path / "c", "--seed", "1")
-    assert _parts(tmp_path / "a") == _parts(tmp_path / "b")
+    assert _parts(whole) == _parts(tmp_path / "b")
     ids = lambda out: [r["sampled_ids"] for r in _rows(out)]  # noqa: E731
-    assert sum(x != y for x, y in zip(ids(tmp_path / "a"), ids(tmp_path / "c"))) >= len(ids(tmp_path / "a")) // 2
+    assert sum(x != y for x, y in zip(ids(whole), ids(tmp_path / "c"))) >= len(ids(whole)) // 2
 
 
 KILLER = r"""
@@ -125,9 +138,8 @@ g.run_generate(build_generate_config(dict(student=sys.argv[1], data=[sys.argv[2]
 """
 
 
-def test_sigkill_then_resume_equals_uninterrupted(chat, tmp_path):
+def test_sigkill_then_resume_equals_uninterrupted(chat, whole, tmp_path):
     setup, conv, _ = chat
-    _generate(setup, conv, tmp_path / "whole")
     killed = subprocess.run([sys.executable, "-c", KILLER, str(setup.student_model), str(conv), str(tmp_path / "k"),
                              MAX_NEW], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
@@ -137,7 +149,7 @@ def test_sigkill_then_resume_equals_uninterrupted(chat, tmp_path):
     assert again.returncode != 0 and "--resume" in again.stderr
     resumed = _generate(setup, conv, tmp_path / "k", "--resume")
     assert "2 written, 1 kept" in resumed.stdout
-    assert _parts(tmp_path / "k") == _parts(tmp_path / "whole")
+    assert _parts(tmp_path / "k") == _parts(whole)
 
 
 def test_two_jobs_split_the_prompts(chat, tmp_path):
@@ -197,20 +209,29 @@ def test_processed_logprobs_top_p_keeps_the_nucleus():
     assert torch.allclose(lp.exp().sum(), torch.tensor(1.0)) and lp[0, 0] < torch.log(torch.tensor(0.5))
 
 
-@pytest.mark.parametrize("rows, message", [
+@pytest.mark.parametrize("rows, message, process", [
     ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
-     "row 0: the last message is the 'assistant'"),
-    ([{"messages": [{"role": "user", "content": "hi"}]}, {"other": 1}], "row 1: missing messages field"),
-    ([], "the file is empty"),
+     "row 0: the last message is the 'assistant'", False),
+    ([{"messages": [{"role": "user", "content": "hi"}]}, {"other": 1}], "row 1: missing messages field", False),
+    ([], "the file is empty", True),  # a real process: its exit status, before the student is loaded
 ])
-def test_bad_prompts_are_refused_in_one_line(chat, tmp_path, rows, message):
+def test_bad_prompts_are_refused_in_one_line(chat, tmp_path, rows, message, process):
     setup, _, _ = chat
     data = tmp_path / "bad.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = _generate(setup, data, tmp_path / "r", check=False)
+    proc = _generate(setup, data, tmp_path / "r", check=False, process=process)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --data ") and "bad.jsonl" in last and message in last, last
+
+
+def test_an_empty_prompt_file_is_refused_before_the_student_is_read(tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    proc = xtcache("generate", "--student", tmp_path / "no-student", "--data", data, "--out", tmp_path / "r",
+                   "--engine", "hf")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "empty.jsonl: the file is empty; give prompt files with at least one row"), proc.stderr[-2000:]
 
 
 class _FakeEngine:
