@@ -7,8 +7,11 @@
    corpus fingerprint equals that of the same files on a local disk, and `xtcache inspect` reads it;
 3. `train-student` under `torchrun` with two ranks trains from the bucket and exports the student.
 
-Every command is its own subprocess and reaches the bucket only through `--storage-options`, as a
-separate machine would. The S3 server (moto) runs in this process on 127.0.0.1.
+Every command is its own process and reaches the bucket only through `--storage-options`, as a
+separate machine would. The `teacher-dump` jobs are forked from one process that imported torch and
+transformers once (`tests.warm_procs`: each job still a process of its own, SIGKILL kills it); the
+other commands, and `torchrun` itself, are plain subprocesses. The S3 server (moto) runs in this
+process on 127.0.0.1.
 
     pytest -q tests/test_s3_walkthrough.py
 """
@@ -26,10 +29,15 @@ from pathlib import Path
 import pytest
 
 from tests.test_train_kd import run_stage2
+from tests.warm_procs import WarmProcs
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "xtcache-walkthrough"
+
+
+DUMP_MODULES = ("torch", "transformers", "s3fs", "xtcache.cli", "xtcache.store", "stage1_teacher.cli",
+                "stage1_teacher.dump", "stage1_teacher.capture_hf")
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +59,10 @@ def _xtcache(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def _done(proc: subprocess.CompletedProcess, what: str) -> None:
+    assert proc.returncode == 0, f"{what} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
+
+
 def _finish(proc: subprocess.Popen, what: str) -> str:
     log = proc.communicate(timeout=600)[0].decode()
     assert proc.returncode == 0, f"{what} failed:\n{log[-4000:]}"
@@ -59,6 +71,7 @@ def _finish(proc: subprocess.Popen, what: str) -> str:
 
 def test_two_jobs_one_killed_and_resumed_then_verify_then_torchrun_from_the_bucket(toy_setup, s3, tmp_path):
     options, fs = s3
+    jobs = WarmProcs(env=_env(), modules=DUMP_MODULES)  # its imports overlap the uploads below
     opts = json.dumps(options)
     lines = toy_setup.heldout_jsonl.read_text().splitlines()
     half = len(lines) // 2
@@ -73,24 +86,25 @@ def test_two_jobs_one_killed_and_resumed_then_verify_then_torchrun_from_the_buck
             "--engine", "hf", "--top-k", "8", "--max-seq-len", "128", "--docs-per-part", "2",
             "--storage-options", opts, "--num-shards", "2"]
 
-    job0 = _xtcache(*dump, "--shard-index", "0")
-    job1 = _xtcache(*dump, "--shard-index", "1")
-    deadline = time.time() + 300
-    while time.time() < deadline and job1.poll() is None:  # kill job 1 once it committed a part
+    with jobs:
+        job0 = jobs.start(*dump, "--shard-index", "0")
+        job1 = jobs.start(*dump, "--shard-index", "1")
+        deadline = time.time() + 300
+        while time.time() < deadline and jobs.poll(job1) is None:  # kill job 1 once it committed a part
+            fs.invalidate_cache()
+            if fs.glob(f"{BUCKET}/caches/toy/index/w00001-*.json"):
+                break
+            time.sleep(0.2)
+        assert jobs.poll(job1) is None, "job 1 finished before it could be killed: give it more parts"
+        os.kill(job1, signal.SIGKILL)
+        assert jobs.wait(job1).returncode == -signal.SIGKILL
+        _done(jobs.wait(job0), "job 0")
         fs.invalidate_cache()
-        if fs.glob(f"{BUCKET}/caches/toy/index/w00001-*.json"):
-            break
-        time.sleep(0.2)
-    assert job1.poll() is None, "job 1 finished before it could be killed: give it more parts"
-    job1.send_signal(signal.SIGKILL)
-    job1.wait()
-    _finish(job0, "job 0")
-    fs.invalidate_cache()
-    assert not fs.exists(f"{BUCKET}/caches/toy/done/w00001.json"), "the killed job must not look done"
-    refused = _xtcache("verify", url, "--storage-options", opts)
-    log = refused.communicate(timeout=300)[0].decode()
-    assert refused.returncode == 1 and "is incomplete" in log, log[-2000:]
-    _finish(_xtcache(*dump, "--shard-index", "1", "--resume"), "job 1 resumed")
+        assert not fs.exists(f"{BUCKET}/caches/toy/done/w00001.json"), "the killed job must not look done"
+        refused = _xtcache("verify", url, "--storage-options", opts)
+        log = refused.communicate(timeout=300)[0].decode()
+        assert refused.returncode == 1 and "is incomplete" in log, log[-2000:]
+        _done(jobs.wait(jobs.start(*dump, "--shard-index", "1", "--resume")), "job 1 resumed")
 
     log = _finish(_xtcache("verify", url, "--storage-options", opts), "verify")
     from stage1_teacher.cache_inputs import read_records

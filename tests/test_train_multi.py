@@ -1,10 +1,11 @@
 """Several teachers, one student, end to end: two stage-1 caches written by different teachers with
-different tokenizers train one student under torchrun (2 ranks), with per-teacher metrics, and a
-run resumed from its checkpoint continues with identical losses.
+different tokenizers train one student on 2 ranks, with per-teacher metrics, and a run resumed from
+its checkpoint continues with identical losses. Every run (every rank) is its own process, forked from
+one process that imported DeepSpeed once (`tests.warm_procs`).
 
 Teacher A is the toy Qwen2 teacher (cross-tokenizer to the student, P-KL); teacher B a tiny Llama
 on the student's own tokenizer (same-tokenizer, KL), both cached by `xtcache teacher-dump --engine
-hf` over the same 48 documents (same document ids).
+hf` over the same 64 documents (same document ids).
 
     pytest -q tests/test_train_multi.py
 """
@@ -12,36 +13,49 @@ hf` over the same 48 documents (same document ids).
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_train_kd import REPO, run_stage2
+from tests.warm_procs import WarmProcs
 
 
 def dump(out: Path, teacher: Path, toy_setup, n_docs: int) -> str:
-    """`xtcache teacher-dump --engine hf` of `teacher` over the first n_docs documents, as train.jsonl."""
+    """`xtcache teacher-dump --engine hf` of `teacher` over the first n_docs documents, as train.jsonl.
+
+    Run in this process (the command's own code, minus a second torch and transformers import): these
+    tests are about training on the caches, not about the dump's process."""
+    from xtcache.cli import app
+
     out.mkdir(parents=True)
     data = out / "train.jsonl"  # the same base name as the other cache's corpus: the same document ids
     data.write_text("".join(toy_setup.train_jsonl.read_text().splitlines(keepends=True)[:n_docs]))
-    cmd = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", str(teacher),
-           "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", str(data), "--out", str(out / "cache"),
-           "--mode", "topk", "--top-k", "16", "--engine", "hf", "--docs-per-part", "16"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    app(["teacher-dump", "--teacher", str(teacher), "--student-tokenizer", str(toy_setup.student_tokenizer),
+         "--data", str(data), "--out", str(out / "cache"), "--mode", "topk", "--top-k", "16", "--engine", "hf",
+         "--docs-per-part", "16"], standalone_mode=False)
     return str(out / "cache")
 
 
 @pytest.fixture(scope="module")
-def two_caches(toy_setup, tmp_path_factory):
+def procs():
+    with WarmProcs() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cache_a(toy_setup, tmp_path_factory) -> str:
+    """Teacher A (the toy teacher) over the first 64 documents: one stage 1 run for both tests."""
+    return dump(tmp_path_factory.mktemp("teacher_a") / "a", toy_setup.teacher_model, toy_setup, 64)
+
+
+@pytest.fixture(scope="module")
+def two_caches(toy_setup, tmp_path_factory, cache_a):
     from xtcache.testing.toy import build_tiny_model
 
     root = tmp_path_factory.mktemp("two")
     same = root / "teacher_b"
     build_tiny_model("llama", toy_setup.student_tokenizer, same, hidden=48, layers=1, intermediate=96, seed=5)
-    return dump(root / "a", toy_setup.teacher_model, toy_setup, 48), dump(root / "b", same, toy_setup, 48)
+    return cache_a, dump(root / "b", same, toy_setup, 64)
 
 
 def flags(toy_setup, caches, **extra) -> list[str]:
@@ -54,9 +68,10 @@ def flags(toy_setup, caches, **extra) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_teachers_of_different_tokenizers_train_on_two_ranks_and_resume_exactly(tmp_path, toy_setup, two_caches):
+def test_two_teachers_of_different_tokenizers_train_on_two_ranks_and_resume_exactly(procs, tmp_path, toy_setup,
+                                                                                     two_caches):
     run = flags(toy_setup, two_caches, save_every=3)
-    full = run_stage2(tmp_path / "full", *run, nproc=2)
+    full = procs.run(tmp_path / "full", *run, nproc=2)
     assert [r["step"] for r in full["train"]] == [1, 2, 3, 4, 5, 6]
     assert full["summary"]["kd_loss"] == "pkl+kl" and full["summary"]["world_size"] == 2
     for row in full["train"]:
@@ -74,14 +89,14 @@ def test_two_teachers_of_different_tokenizers_train_on_two_ranks_and_resume_exac
     part.mkdir(parents=True)
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step3", part / "step3")
     (part / "latest").write_text("step3")
-    resumed = run_stage2(tmp_path / "part", *run, "--resume", "latest", nproc=2)
+    resumed = procs.run(tmp_path / "part", *run, "--resume", "latest", nproc=2)
     assert [r["step"] for r in resumed["train"]] == [4, 5, 6]
     for key in ("loss", "kd", "ce", "tokens", "chunks", "teacher0_kd", "teacher1_kd", "teacher0_weight_share"):
         assert [r[key] for r in resumed["train"]] == [r[key] for r in full["train"][3:]], key
 
 
 @pytest.fixture(scope="module")
-def two_teachers_one_tokenizer(toy_setup, tmp_path_factory):
+def two_teachers_one_tokenizer(toy_setup, tmp_path_factory, cache_a):
     """Caches of two differently trained teachers of one tokenizer: the toy teacher and a smaller Qwen2
     trained on other documents (so their mixture is a distribution the student can be measured against)."""
     import json
@@ -93,7 +108,7 @@ def two_teachers_one_tokenizer(toy_setup, tmp_path_factory):
     build_tiny_model("qwen2", toy_setup.teacher_tokenizer, other, hidden=64, layers=1, intermediate=192, seed=9)
     texts = [json.loads(x)["text"] for x in toy_setup.train_jsonl.read_text().splitlines()]
     train_tiny_lm(other, texts[len(texts) // 2:], steps=120, seq_len=128, batch_size=8, seed=9, log_every=0)
-    return dump(root / "a", toy_setup.teacher_model, toy_setup, 64), dump(root / "a2", other, toy_setup, 64)
+    return cache_a, dump(root / "a2", other, toy_setup, 64)
 
 
 def heldout_kls(model_dir: Path, toy_setup, caches, fraction: float) -> dict:
@@ -132,7 +147,7 @@ def heldout_kls(model_dir: Path, toy_setup, caches, fraction: float) -> dict:
 
 
 @pytest.mark.slow
-def test_heldout_kl_to_each_teacher_and_their_mixture(tmp_path, toy_setup, two_teachers_one_tokenizer):
+def test_heldout_kl_to_each_teacher_and_their_mixture(procs, tmp_path, toy_setup, two_teachers_one_tokenizer):
     """Students of teacher A, of teacher A2, and of both (sum and mean-probs), on the same held-out documents.
 
     Prints the table it measures (the README and docs/losses.md quote a run of it); asserts that each
@@ -151,7 +166,7 @@ def test_heldout_kl_to_each_teacher_and_their_mixture(tmp_path, toy_setup, two_t
     table = {}
     for name, cache_flags in runs.items():
         out = tmp_path / name.replace(" ", "_").replace(",", "").replace("+", "and")
-        run_stage2(out, *cache_flags, *common)
+        procs.run(out, *cache_flags, *common)
         table[name] = heldout_kls(out / "hf", toy_setup, (a, a2), fraction)
     table["untrained student"] = heldout_kls(Path(toy_setup.student_model), toy_setup, (a, a2), fraction)
     lines = ["| student | KL to teacher A | KL to teacher A2 | KL to the mixture |", "| --- | --- | --- | --- |"]
