@@ -1,6 +1,6 @@
 """Stage 2 invariances on a real teacher cache, every run (every rank) its own process, one process group each.
 
-- world 1 x grad-accum 2 trains the same model as world 2 x grad-accum 1 (torchrun, ZeRO-2 and
+- world 1 x grad-accum 2 trains the same model as world 2 x grad-accum 1 (2 ranks, ZeRO-2 and
   ZeRO-3, CPU/gloo): per-step losses, token counts and the exported weights agree; under ZeRO-3
   each rank loads only its partition of the student (zero.Init);
 - a run stopped at step k and resumed from its checkpoint continues bit-identically (losses, lr,
