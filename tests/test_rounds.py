@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.inprocess import xtcache
 from xtcache.testing.suite import REPO
 
 STEPS = 2
@@ -122,8 +123,8 @@ def _assert_rounds_aligned(workdir: Path, setup, *, rollouts: int) -> None:
     fp = chat_fingerprint(tok)
     for r in (0, 1):
         cache = workdir / f"round-{r:03d}" / "cache"
-        inspect = _run([sys.executable, "-m", "xtcache.cli", "inspect", str(cache)]).stdout
-        assert "misaligned chars" in inspect
+        inspect = xtcache("inspect", cache)
+        assert inspect.returncode == 0 and "misaligned chars" in inspect.stdout, inspect.stderr[-2000:]
         assert store_summary(str(cache))["conversation"][fp]["misaligned_chars"] == 0
         reader = CacheReader(str(cache))
         seen = 0
