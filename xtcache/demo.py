@@ -193,13 +193,14 @@ def _run_demo(run: StageRunner, workdir: Path, size_name: str, *, chat: bool, en
     dump, eval_dump = dump_caches(run, ds, size, engine)
     projection = build_projection(run, ds)
 
-    log.info("step 4/5: train-student, distilled from the cache and CE-only, %d steps each", size.student_steps)
+    steps = size.steps(chat=chat)
+    log.info("step 4/5: train-student, distilled from the cache and CE-only, %d steps each", steps)
     runs = {"distilled (P-KL + CE)": ds.workdir / "runs" / "distilled",
             "baseline (CE only)": ds.workdir / "runs" / "baseline"}
     kd = _train(run, ds.setup, dump["path"], eval_dump["path"], projection, runs["distilled (P-KL + CE)"], size,
-                kd=True, extra=ds.train_on)
+                kd=True, extra=ds.train_on, steps=steps)
     ce = _train(run, ds.setup, dump["path"], eval_dump["path"], projection, runs["baseline (CE only)"], size,
-                kd=False, extra=ds.train_on)
+                kd=False, extra=ds.train_on, steps=steps)
 
     log.info("step 5/5: report")
     png = ds.workdir / "demo_curves.png"
