@@ -4,14 +4,13 @@ of the student that sampled them (`sampled_logprobs`, optional array of its alig
 
 The chat toy setup: a Llama-3-style student (BPE) generates with --engine hf, the ChatML teacher
 scores with --engine hf, cross-tokenizer. Cost: one generate, six dumps and the store commands in the test
-process (`tests.inprocess`: the same entry point, no new interpreter), five short trainings (a process each).
+process (`tests.inprocess`: the same entry point, no new interpreter), five short trainings (a process each, forked from one that imported DeepSpeed once).
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +18,6 @@ import numpy as np
 import pytest
 
 from tests.inprocess import xtcache
-from xtcache.testing.suite import REPO
 
 SEQ = "64"
 
@@ -200,21 +198,31 @@ def test_sampled_ids_that_spell_the_turn_are_spliced_others_counted(rollouts, tm
             "no sampling log-probs: 1)") in _cli("inspect", store).stdout
 
 
-def _train(setup, store: Path, out: Path, *extra, check=True, student=None) -> subprocess.CompletedProcess:
-    """`python -m stage2_student ARGS` in a new process: DeepSpeed keeps its process groups for the life of a
-    process, so each training starts its own."""
-    proc = subprocess.run([sys.executable, "-m", "stage2_student", "--out", str(out), "--cache", str(store),
-                           "--student", str(student or setup.student_model), "--seq-len", SEQ, "--micro-batch-size", "2",
-                           "--max-steps", "2", "--loss", "rkl-pg", "--train-on", "last-assistant", "--zero-stage", "0",
-                           "--seed", "3", *extra], cwd=REPO, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def trainer():
+    """Forks each training from one process that imported DeepSpeed once (`tests.warm_procs`): every
+    training is still its own process, with its own process group and DeepSpeed state (on the CPU, as the
+    suite's other stage 2 runs)."""
+    from tests.warm_procs import WarmProcs
+
+    with WarmProcs() as procs:
+        yield procs
+
+
+def _train(trainer, setup, store: Path, out: Path, *extra, check=True, student=None) -> subprocess.CompletedProcess:
+    """`xtcache train-student` (the flags of `python -m stage2_student`) in a process of its own."""
+    proc = trainer.cli("train-student", "--out", str(out), "--cache", str(store), "--student",
+                       str(student or setup.student_model), "--seq-len", SEQ, "--micro-batch-size", "2", "--max-steps",
+                       "2", "--loss", "rkl-pg", "--train-on", "last-assistant", "--zero-stage", "0", "--seed", "3",
+                       *extra)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
-def test_rkl_pg_trains_with_the_ratio_on_and_a_store_without_the_array_still_trains(rollouts, tmp_path):
+def test_rkl_pg_trains_with_the_ratio_on_and_a_store_without_the_array_still_trains(rollouts, trainer, tmp_path):
     setup, _, _, parts, store = rollouts
-    _train(setup, store, tmp_path / "run")  # the default --is-cap: the ratio reads the stored log-probs
+    _train(trainer, setup, store, tmp_path / "run")  # the default --is-cap: the ratio reads the stored log-probs
     train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)
@@ -227,12 +235,12 @@ def test_rkl_pg_trains_with_the_ratio_on_and_a_store_without_the_array_still_tra
     _, _, totals, docs = _group(bare, setup)
     assert "sampled_turns" not in totals and all(lp is None for _, _, lp in docs.values())
     assert _cli("verify", bare).returncode == 0
-    refused = _train(setup, bare, tmp_path / "bare-run", check=False)
+    refused = _train(trainer, setup, bare, tmp_path / "bare-run", check=False)
     assert refused.returncode != 0 and "--is-cap 0" in refused.stdout + refused.stderr
-    _train(setup, bare, tmp_path / "bare-run0", "--is-cap", "0")
+    _train(trainer, setup, bare, tmp_path / "bare-run0", "--is-cap", "0")
 
 
-def test_non_canonical_sampled_ids_are_stored_aligned_and_trained_with_the_ratio(rollouts, tmp_path):
+def test_non_canonical_sampled_ids_are_stored_aligned_and_trained_with_the_ratio(rollouts, trainer, tmp_path):
     """Every turn sampled as another tokenization of its text (a word in two tokens): the stored student
     ids are the sampled ids, with their log-probs on every one of them, the trained positions are
     exactly those tokens, the alignment is exact, and --loss rkl-pg --is-cap 2 trains on it."""
@@ -257,13 +265,13 @@ def test_non_canonical_sampled_ids_are_stored_aligned_and_trained_with_the_ratio
         assert np.array_equal(np.flatnonzero(trained_roles(roles, "last-assistant")), sampled)
     assert store_summary(str(store))["conversation"][fp]["misaligned_chars"] == 0
     assert _cli("verify", store).returncode == 0
-    _train(setup, store, tmp_path / "run", "--is-cap", "2")
+    _train(trainer, setup, store, tmp_path / "run", "--is-cap", "2")
     train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) and r["chunks"] > 0 for r in train)
 
 
-def test_a_same_tokenizer_rollout_cache_stores_and_trains_with_the_ratio(rollouts, tmp_path):
+def test_a_same_tokenizer_rollout_cache_stores_and_trains_with_the_ratio(rollouts, trainer, tmp_path):
     """Rollouts of a student with the teacher's tokenizer and template (the teacher model trains as that
     student): its alignment group is the identity, holds the sampled log-probs on the sampled tokens, and
     train-student --loss rkl-pg --is-cap 2 reads them (not the teacher arrays' tokens without them)."""
@@ -294,7 +302,7 @@ def test_a_same_tokenizer_rollout_cache_stores_and_trains_with_the_ratio(rollout
             assert al.student_ids[a:b][sampled].tolist() in [r["sampled_ids"] for r in rows.values()]
             seen += 1
     assert seen == len(rows) == 8
-    _train(setup, store, tmp_path / "run", "--is-cap", "2", student=setup.teacher_model)
+    _train(trainer, setup, store, tmp_path / "run", "--is-cap", "2", student=setup.teacher_model)
     train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)
