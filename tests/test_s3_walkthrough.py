@@ -83,7 +83,7 @@ def test_two_jobs_one_killed_and_resumed_then_verify_then_torchrun_from_the_buck
     url = f"s3://{BUCKET}/caches/toy"
     dump = ["teacher-dump", "--teacher", str(toy_setup.teacher_model), "--student-tokenizer",
             str(toy_setup.student_tokenizer), "--data", f"s3://{BUCKET}/corpus/*.jsonl", "--out", url,
-            "--engine", "hf", "--top-k", "8", "--max-seq-len", "128", "--docs-per-part", "2",
+            "--engine", "hf", "--top-k", "8", "--max-seq-len", "128", "--docs-per-part", "4",
             "--storage-options", opts, "--num-shards", "2"]
 
     with jobs:
