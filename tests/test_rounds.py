@@ -165,7 +165,9 @@ def test_driver_killed_in_each_stage_resumes_to_the_same_final_weights(full_run,
     setup, prompts = chat
     workdir = tmp_path / "w"
     cmd = _cmd(setup, prompts, workdir)
-    for marker in ("round-000/train/checkpoints/latest",  # train-student, after its first checkpoint
+    # train-student once its first checkpoint is complete (train_config.json is written last: a driver killed
+    # before that restarts the stage, with no --resume)
+    for marker in ("round-000/train/checkpoints/step1/train_config.json",
                    "round-001/rollouts/manifest.json",  # generate, once it has started its output
                    "round-001/cache/manifest.json"):  # teacher-dump, likewise
         _kill_when(cmd, workdir, marker)
