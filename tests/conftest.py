@@ -8,15 +8,13 @@ fresh clone.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 from xtcache.testing import toy
-from xtcache.testing.suite import REPO, TEST_CACHE, TEST_SPEC
+from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
 
 # Each pytest-xdist worker, and every process it starts (the xtcache CLIs, torchrun ranks, vLLM
 # engines), gets an equal share of the cores: OpenMP threads of two workers oversubscribing the same
@@ -30,11 +28,11 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # vLLM's engine core runs inside the process that starts it (VLLM_ENABLE_V1_MULTIPROCESSING=0) in
 # the tests: on these 2 cores an engine start then takes about 7 s instead of 30-45 s (engine core
 # and worker processes each import vLLM and torch), and the two on-policy rounds with vLLM at every
-# stage 135 s instead of 320 s (2026-11-27, side by side on a machine shared with other work). Production keeps vLLM's default,
-# separate engine processes; tests/test_stage1_vllm.py runs its engines that way
-# (`xtcache.testing.suite.VLLM_PROCESSES`): a killed dump's engine processes must exit with it, and its
-# engines start inside a pytest worker, where vLLM's in-process start would scan modules that other test
-# files imported.
+# stage 135 s instead of 320 s (2026-11-27, side by side on a machine shared with other work). Production
+# keeps vLLM's default, separate engine processes; tests/test_stage1_vllm.py's killed dump runs that way
+# (`xtcache.testing.suite.VLLM_PROCESSES`): its engine processes must exit with it. Its other dumps run
+# in-process engines in a fresh interpreter (tests/vllm_dump_jobs.py): vLLM's in-process start scans the
+# modules loaded in its process, and a pytest worker holds those other test files imported (flask, moto).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # Property tests draw the same examples on every run, so `make test` cannot flake; set
@@ -86,13 +84,14 @@ def teacher(toy_setup) -> str:
 
 
 def teacher_dump(out: Path, toy_setup, jsonl: Path, n_docs: int) -> str:
-    """Stage 1 itself (`xtcache teacher-dump --engine hf`) on the first `n_docs` documents of `jsonl`."""
+    """Stage 1 itself (`xtcache teacher-dump --engine hf`, in this process) on the first `n_docs` documents of `jsonl`."""
     data = out.with_suffix(".jsonl")
     data.write_text("".join(Path(jsonl).read_text().splitlines(keepends=True)[:n_docs]))
-    cmd = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", str(toy_setup.teacher_model),
-           "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", str(data), "--out", str(out),
-           "--mode", "topk", "--top-k", "16", "--engine", "hf", "--docs-per-part", "16"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    from tests.commands import xtcache
+
+    proc = xtcache("teacher-dump", "--teacher", toy_setup.teacher_model, "--student-tokenizer",
+                   toy_setup.student_tokenizer, "--data", data, "--out", out, "--mode", "topk", "--top-k", "16",
+                   "--engine", "hf", "--docs-per-part", "16")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return str(out)
 

@@ -5,7 +5,7 @@ The student is the chat toy setup's Llama (a Llama-3-style template), untrained:
 noise, which is all these tests need.
 
 One `xtcache generate` process writes the reference rollouts (module fixture); the other runs call the
-same entry point in the test process (`tests.inprocess`), so a reproducibility check compares two
+same entry point in the test process (`tests.commands.xtcache`), so a reproducibility check compares two
 interpreters. The SIGKILL test kills a real process, and an empty prompt file is refused by a real one.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.inprocess import xtcache
+from tests.commands import xtcache
 from xtcache.testing.suite import REPO
 
 MAX_NEW = "12"

@@ -4,7 +4,7 @@ of the student that sampled them (`sampled_logprobs`, optional array of its alig
 
 The chat toy setup: a Llama-3-style student (BPE) generates with --engine hf, the ChatML teacher
 scores with --engine hf, cross-tokenizer. Cost: one generate, six dumps and the store commands in the test
-process (`tests.inprocess`: the same entry point, no new interpreter), five short trainings (a process each, forked from one that imported DeepSpeed once).
+process (`tests.commands.xtcache`: the same entry point, no new interpreter), five short trainings (a process each, forked from one that imported DeepSpeed once).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.inprocess import xtcache
+from tests.commands import xtcache
 
 SEQ = "64"
 
@@ -200,10 +200,10 @@ def test_sampled_ids_that_spell_the_turn_are_spliced_others_counted(rollouts, tm
 
 @pytest.fixture(scope="module")
 def trainer():
-    """Forks each training from one process that imported DeepSpeed once (`tests.warm_procs`): every
+    """Forks each training from one process that imported DeepSpeed once (`tests.commands`): every
     training is still its own process, with its own process group and DeepSpeed state (on the CPU, as the
     suite's other stage 2 runs)."""
-    from tests.warm_procs import WarmProcs
+    from tests.commands import WarmProcs
 
     with WarmProcs() as procs:
         yield procs

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.inprocess import xtcache
+from tests.commands import xtcache
 from xtcache.testing.suite import REPO
 
 STEPS = 2

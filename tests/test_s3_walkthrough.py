@@ -9,7 +9,7 @@
 
 Every command is its own process and reaches the bucket only through `--storage-options`, as a
 separate machine would. The `teacher-dump` jobs are forked from one process that imported torch and
-transformers once (`tests.warm_procs`: each job still a process of its own, SIGKILL kills it); the
+transformers once (`tests.commands`: each job still a process of its own, SIGKILL kills it); the
 other commands, and `torchrun` itself, are plain subprocesses. The S3 server (moto) runs in this
 process on 127.0.0.1.
 
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.commands import WarmProcs
 from tests.test_train_kd import run_stage2
-from tests.warm_procs import WarmProcs
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

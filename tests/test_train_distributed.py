@@ -10,7 +10,7 @@
 - user errors (a student tokenizer the cache was not aligned for, a projection map of other
   tokenizers) reach the user as one clear line.
 
-The runs are forked from one process that imported DeepSpeed once (`tests.warm_procs`), each rank
+The runs are forked from one process that imported DeepSpeed once (`tests.commands`), each rank
 started with the environment torchrun gives it; tests/test_s3_walkthrough.py runs stage 2 under
 torchrun itself.
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.commands import WarmProcs
 from tests.test_train_kd import run_stage2
-from tests.warm_procs import WarmProcs
 
 
 def flags(toy_setup, caches, **extra) -> list[str]:

@@ -1,7 +1,7 @@
 """Several teachers, one student, end to end: two stage-1 caches written by different teachers with
 different tokenizers train one student on 2 ranks, with per-teacher metrics, and a run resumed from
 its checkpoint continues with identical losses. Every run (every rank) is its own process, forked from
-one process that imported DeepSpeed once (`tests.warm_procs`).
+one process that imported DeepSpeed once (`tests.commands`).
 
 Teacher A is the toy Qwen2 teacher (cross-tokenizer to the student, P-KL); teacher B a tiny Llama
 on the student's own tokenizer (same-tokenizer, KL), both cached by `xtcache teacher-dump --engine
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.warm_procs import WarmProcs
+from tests.commands import WarmProcs
 
 
 def dump(out: Path, teacher: Path, toy_setup, n_docs: int) -> str:

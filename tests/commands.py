@@ -1,14 +1,20 @@
-"""Test runs of xtcache's commands as fresh processes forked from one process that imported the heavy
-modules once.
+"""How the tests run xtcache's commands without paying a new interpreter's imports each time.
 
-A new Python process that imports DeepSpeed (torch, torch._dynamo, transformers) spends ~9 s on
-imports before stage 2 starts (torch and transformers alone, for stage 1, ~4 s); a test module with
-a dozen runs spent most of its time there. Here one server process imports them once and forks a
-child per rank of each run: every run is still its own process (own pid, process group, DeepSpeed
-and RNG state, never the server's; SIGKILL kills it), each rank started with the environment
-torchrun gives it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT). The children run the commands'
-own entry points: `python -m stage2_student` and `xtcache` (`xtcache.cli.main`).
+- `xtcache(*args)`: `xtcache ARGS` inside the test process, through the installed command's entry point
+  (`xtcache.cli.main`): its exit status, stdout and stderr as a shell would see them, without a new
+  interpreter importing torch and transformers again (about 5 s a command on 2 cores). For commands whose
+  property is not about the process.
+- `WarmProcs`: commands as fresh processes forked from one process that imported the heavy modules
+  once. A new Python process that imports DeepSpeed (torch, torch._dynamo, transformers) spends ~9 s on
+  imports before stage 2 starts; here one server process imports them once and forks a child per rank of
+  each run: every run is still its own process (own pid, process group, DeepSpeed and RNG state, never
+  the server's; SIGKILL kills it), each rank started with the environment torchrun gives it (RANK,
+  LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT). Stage 2 runs here: DeepSpeed keeps its process groups for
+  the life of a process, so two trainings cannot share one.
 
+A test about what a real launch does (torchrun itself, vLLM's engine processes) still starts one.
+
+    proc = xtcache("verify", url)                        # returncode, stdout, stderr
     with WarmProcs(env=cpu_env()) as procs:
         run = procs.run(out, "--cache", ..., nproc=2)     # like tests.test_train_kd.run_stage2
         proc = procs.cli("train-student", ...)            # `xtcache ...`: returncode, stdout, stderr
@@ -17,6 +23,8 @@ own entry points: `python -m stage2_student` and `xtcache` (`xtcache.cli.main`).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -31,6 +39,25 @@ from tests.test_train_kd import REPO, cpu_env
 
 TIMEOUT_S = 600
 STAGE2 = ("deepspeed", "transformers", "stage2_student.__main__", "stage2_student.trainer", "xtcache.cli")
+
+
+def xtcache(*args) -> subprocess.CompletedProcess:
+    """Run `xtcache ARGS` here; returns what `subprocess.run(..., capture_output=True, text=True)` would."""
+    from xtcache.cli import main
+
+    argv, out, err = [str(a) for a in args], io.StringIO(), io.StringIO()
+    saved, sys.argv = sys.argv, ["xtcache", *argv]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main()
+        code = 0
+    except SystemExit as e:  # click ends every command with one, 0 on success; main() gives 2 for an XtcacheError
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if not isinstance(e.code, (int, type(None))):
+            err.write(f"{e.code}\n")
+    finally:
+        sys.argv = saved
+    return subprocess.CompletedProcess(["xtcache", *argv], code, out.getvalue(), err.getvalue())
 
 
 def _child(entry: str, argv: list[str], env: dict, log: str) -> None:
@@ -130,9 +157,9 @@ class WarmProcs:
     """The client: starts the server (its imports overlap whatever the test does meanwhile)."""
 
     def __init__(self, env: dict | None = None, modules: tuple[str, ...] = STAGE2) -> None:
-        self.logs = Path(tempfile.mkdtemp(prefix="warm_procs_"))
+        self.logs = Path(tempfile.mkdtemp(prefix="xtcache_procs_"))
         self.n, self.ready, self.pid_logs = 0, False, {}
-        code = f"from tests.warm_procs import serve; serve({list(modules)!r})"
+        code = f"from tests.commands import serve; serve({list(modules)!r})"
         self.server = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=cpu_env() if env is None else env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
