@@ -38,18 +38,19 @@ lint: setup
 	$(VENV)/bin/lint-imports --no-cache
 
 # Everything CI needs; the slowest tests are listed at the end. TEST_WORKERS pytest-xdist workers
-# take whole test files (their module fixtures are built once), in xdist's default order; shared
+# take whole test files (their module fixtures are built once), longest first (tests/conftest.py's
+# LONGEST_FIRST; --no-loadscope-reorder keeps that order instead of xdist's by test count); shared
 # artifacts are built under a lock (xtcache.testing.toy.build_once). Each worker, and every process
 # it starts, gets its share of the cores as OMP_NUM_THREADS (tests/conftest.py): with both workers'
 # processes on all cores the suite took 12 min 18 s, with one thread each 7 min 07 s (2 cores,
 # 2026-11-23's suite; today's, 617 tests, 9 min 41 s).
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # While developing: the fast tier only (no vLLM engines, no torchrun).
 test-fast: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 bench: setup
 	$(PY) bench/store_codec.py
