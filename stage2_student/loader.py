@@ -437,8 +437,12 @@ class CacheLoader:
             self.epoch, self.consumed = 0, 0
         ds.start = (self.epoch, self.consumed)
         kw = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False} if self.num_workers else {}
+        # Its own generator: a DataLoader draws its workers' base seed from torch's global RNG otherwise,
+        # so a resumed run (one more iterator, after the checkpoint restored that RNG) would draw dropout
+        # masks one step out of line with the uninterrupted run. The batches themselves use no RNG.
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
-                                             collate_fn=to_tensors, pin_memory=self.pin_memory, **kw)
+                                             collate_fn=to_tensors, pin_memory=self.pin_memory,
+                                             generator=torch.Generator().manual_seed(ds.seed), **kw)
         for batch in loader:
             if isinstance(batch, ReadFailure):
                 raise batch.error_type(batch.message)

@@ -236,6 +236,20 @@ def test_resume_yields_exactly_the_remaining_batches(store, workers):
         L.CacheLoader(_dataset(url, fp, epochs=2, seed=4)).load_state_dict(state)
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_iterating_the_loader_leaves_torch_global_rng_alone(store, workers):
+    """A resumed run starts one more iterator than the uninterrupted one, after its checkpoint restored
+    torch's RNG: an iterator that drew from that RNG would put the resumed run's dropout out of line."""
+    import torch
+
+    url, fp = store
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    for _ in range(2):
+        next(iter(L.CacheLoader(_dataset(url, fp, epochs=1), num_workers=workers)))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_ranks_are_disjoint_and_equal_grad_accum(store):
     url, fp = store
     one = _all_batches(L.CacheLoader(_dataset(url, fp, epochs=1, grad_accum=2)))
