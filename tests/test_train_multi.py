@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.commands import WarmProcs
+from tests.commands import WarmProcs, xtcache
 
 
 def dump(out: Path, teacher: Path, toy_setup, n_docs: int) -> str:
@@ -25,14 +25,13 @@ def dump(out: Path, teacher: Path, toy_setup, n_docs: int) -> str:
 
     Run in this process (the command's own code, minus a second torch and transformers import): these
     tests are about training on the caches, not about the dump's process."""
-    from xtcache.cli import app
-
     out.mkdir(parents=True)
     data = out / "train.jsonl"  # the same base name as the other cache's corpus: the same document ids
     data.write_text("".join(toy_setup.train_jsonl.read_text().splitlines(keepends=True)[:n_docs]))
-    app(["teacher-dump", "--teacher", str(teacher), "--student-tokenizer", str(toy_setup.student_tokenizer),
-         "--data", str(data), "--out", str(out / "cache"), "--mode", "topk", "--top-k", "16", "--engine", "hf",
-         "--docs-per-part", "16"], standalone_mode=False)
+    proc = xtcache("teacher-dump", "--teacher", teacher, "--student-tokenizer", toy_setup.student_tokenizer,
+                   "--data", data, "--out", out / "cache", "--mode", "topk", "--top-k", "16", "--engine", "hf",
+                   "--docs-per-part", "16")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return str(out / "cache")
 
 
