@@ -173,7 +173,7 @@ def _compress(values: np.ndarray, comp: codecs.Compression):
     import numcodecs
 
     codec = (numcodecs.Zstd(level=comp.level) if comp.shuffle == "none" else
-             numcodecs.Blosc(cname="zstd", clevel=comp.level,
+             numcodecs.Blosc(cname="zstd", clevel=comp.level, blocksize=comp.blocksize,
                              shuffle=numcodecs.Blosc.SHUFFLE if comp.shuffle == "byte" else numcodecs.Blosc.BITSHUFFLE))
     rows = max(1, CHUNK_BYTES // (values.dtype.itemsize * values.shape[1]))
     return [codec.encode(np.ascontiguousarray(values[i:i + rows])) for i in range(0, len(values), rows)], codec

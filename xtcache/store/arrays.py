@@ -64,10 +64,9 @@ def default_compression(name: str, format_version: int = FORMAT_VERSION) -> code
     """Compression of one array by name (schemas/arrays.py): byte shuffle before zstd where it measured
     smaller (bench/store_codec.py: topk_ids at k=64 shrink by a third), plain zstd elsewhere; from format
     version 3 the top-k arrays as `V2_COMPRESSION` says."""
-    shuffle = "byte" if array_def(name).shuffle else "none"
     if format_version >= 3 and name in V2_COMPRESSION:
         return V2_COMPRESSION[name]
-    return codecs.Compression(level=3, shuffle=shuffle)
+    return codecs.Compression(level=3, shuffle="byte" if array_def(name).shuffle else "none")
 
 
 def write_array(loc: Location, group: str, name: str, values: np.ndarray, *,
