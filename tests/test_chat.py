@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.commands import WarmProcs, xtcache
 from xtcache.chat import (
     LAST_ASSISTANT,
     ROLE_ASSISTANT,
@@ -223,17 +222,24 @@ def test_corpus_reads_conversations_from_jsonl_parquet_and_arrow(tmp_path):
 
 
 def _cli(*args, ok=True):
-    proc = subprocess.run([sys.executable, "-m", "xtcache.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    """`xtcache ARGS` in this process (`tests.commands.xtcache`)."""
+    proc = xtcache(*args)
     if ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
 @pytest.fixture(scope="module")
-def chat_run(toy_setup, chat_toks, tmp_path_factory):
+def procs():
+    """Processes of their own (stage 2, a dump whose log a test reads), forked from one warm process."""
+    with WarmProcs() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def chat_run(toy_setup, chat_toks, procs, tmp_path_factory):
     """A chat JSONL with tool calls and thinking -> teacher-dump (ChatML teacher, Llama-3 student) ->
-    align (a Gemma-template student)."""
+    align (a Gemma-template student). The warm process server (`procs`) imports meanwhile."""
     from xtcache.testing.toy import build_tiny_model
 
     root = tmp_path_factory.mktemp("chat_run")
@@ -318,15 +324,11 @@ def test_loader_masks_keep_kd_and_ce_inside_the_trained_turns(chat_run, train_on
     assert seen_ce > 0 and seen_kd > 0
 
 
-def test_train_student_on_assistant_turns(chat_run, tmp_path):
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "stage2_student", "--out", str(out), "--cache", str(chat_run["store"]),
-                           "--student", str(chat_run["root"] / "student"), "--seq-len", "96", "--micro-batch-size",
-                           "2", "--max-steps", "3", "--loss", "alm", "--train-on", "assistant", "--zero-stage", "0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["kind"] == "train"]
+def test_train_student_on_assistant_turns(chat_run, procs, tmp_path):
+    """`python -m stage2_student` in a process of its own (forked from the warm server; it asserts exit code 0)."""
+    train = procs.run(tmp_path / "run", "--cache", str(chat_run["store"]), "--student", str(chat_run["root"] / "student"),
+                      "--seq-len", "96", "--micro-batch-size", "2", "--max-steps", "3", "--loss", "alm", "--train-on",
+                      "assistant", "--zero-stage", "0")["train"]
     assert len(train) == 3 and all(np.isfinite(r["loss"]) for r in train)
 
 
@@ -341,7 +343,9 @@ def test_plain_text_cache_refuses_train_on_assistant(toy_setup, tmp_path):
         CacheDataset(url, str(toy_setup.student_tokenizer), seq_len=64, micro_batch_size=1, train_on="assistant")
 
 
-def test_tokenizer_without_template_and_rejected_rows(chat_run, chat_toks, toy_setup, tmp_path):
+def test_tokenizer_without_template_and_rejected_rows(chat_run, chat_toks, toy_setup, procs, tmp_path):
+    """The refusal runs in this process; the dump that warns runs as a process of its own (forked from the
+    warm server), whose stderr carries the command line's log as a shell sees it."""
     data = chat_run["root"] / "chat.jsonl"
     proc = _cli("teacher-dump", "--teacher", chat_run["root"] / "teacher", "--student-tokenizer",
                 toy_setup.student_tokenizer, "--data", data, "--out", tmp_path / "s", "--engine", "hf", ok=False)
@@ -350,8 +354,10 @@ def test_tokenizer_without_template_and_rejected_rows(chat_run, chat_toks, toy_s
     assert "has no chat template" in lines[-1] and "Traceback" not in proc.stderr
     # a template that rejects tool turns: those rows are counted skips, named in a warning
     m_dir, _ = chat_toks[("mistral", "student")]
-    proc = _cli("teacher-dump", "--teacher", chat_run["root"] / "teacher", "--student-tokenizer", m_dir,
-                "--data", data, "--out", tmp_path / "m", "--engine", "hf", "--top-k", "4", "--max-seq-len", "256")
+    proc = procs.cli("teacher-dump", "--teacher", str(chat_run["root"] / "teacher"), "--student-tokenizer", str(m_dir),
+                     "--data", str(data), "--out", str(tmp_path / "m"), "--engine", "hf", "--top-k", "4",
+                     "--max-seq-len", "256")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "chat template rejected the row: 14" in proc.stdout + proc.stderr
     assert "row 0 of chat.jsonl (student template" in proc.stderr
 
