@@ -1,14 +1,19 @@
 """`xtcache rounds`: two on-policy rounds end to end, cross-tokenizer and conversational (the Llama-3-style
-student generates in its template, the ChatML teacher scores in its own), with --engine hf for
-generate and teacher-dump (seeded: reproducible), and a driver killed with SIGKILL that resumes to the
-same final weights, bit for bit; and the same two rounds with --engine vllm for both generate and
-teacher-dump (CPU vLLM does not sample reproducibly, so that run is checked for alignment and trained
-positions only).
+student generates in its template, the ChatML teacher scores in its own).
 
-Cost (2 cores): one uninterrupted run (module fixture), one run killed once in each stage, and one
-vLLM run of 1 prompt x 2 samples and 1 step a round (four engine starts: teacher-dump with
-`--no-fast-path`, the teacher's own prompt log-probs, needs no first-batch check engine; the fast path
-and its check are tests/test_stage1_vllm.py's).
+- With `--engine vllm` for generate and teacher-dump (round 1 samples with vLLM from round 0's trained
+  export): the rounds chain their policies and checkpoints, print their commands, and every round's
+  cache is aligned and trains exactly the generated turn. CPU vLLM does not sample reproducibly, so
+  this run is not compared bit for bit.
+- With `--engine hf` (seeded: reproducible): the driver killed with SIGKILL once in each stage and
+  rerun resumes to the same final weights, bit for bit, as the stage commands it recorded
+  (round-RRR/done/STAGE.json) replayed in order in another work directory without the driver, as
+  they would run on separate clusters. The replay forks each command from one process that imported
+  the stages once (tests.commands.WarmProcs: each still a process of its own).
+
+Cost (2 cores): the vLLM run is 1 prompt x 2 samples and 1 step a round (four engine starts: teacher-dump
+with `--no-fast-path`, the teacher's own prompt log-probs, needs no first-batch check engine; the fast
+path and its check are tests/test_stage1_vllm.py's); the hf run is 3 prompts x 2 samples, 2 steps a round.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.commands import xtcache
+from tests.commands import WarmProcs, xtcache
+from tests.test_train_kd import cpu_env
 from xtcache.testing.suite import REPO
 
 STEPS = 2
+STAGE_MODULES = ("deepspeed", "transformers", "xtcache.cli", "stage1_teacher.cli", "stage1_teacher.generate",
+                 "stage1_teacher.dump", "stage1_teacher.capture_hf", "stage2_student.trainer")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +58,7 @@ def _cmd(setup, prompts, workdir, *, engine: str = "hf", steps: int = STEPS, mic
 
 
 def _run(cmd, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -58,32 +66,6 @@ def _run(cmd, timeout: int = 600) -> subprocess.CompletedProcess:
 def _weights(workdir: Path) -> dict[str, bytes]:
     hf = workdir / "round-001" / "train" / "hf"
     return {p.name: p.read_bytes() for p in sorted(hf.glob("*.safetensors"))}
-
-
-@pytest.fixture(scope="module")
-def full_run(chat, tmp_path_factory):
-    setup, prompts = chat
-    workdir = tmp_path_factory.mktemp("full") / "w"
-    proc = _run(_cmd(setup, prompts, workdir))
-    return workdir, proc.stdout + proc.stderr
-
-
-def test_two_rounds_chain_policies_checkpoints_and_print_their_commands(full_run, chat):
-    workdir, out = full_run
-    setup, _ = chat
-    commands = (workdir / "commands.sh").read_text().splitlines()
-    assert [c.split()[1] for c in commands] == ["generate", "teacher-dump", "train-student"] * 2
-    assert all(f"$ {c}" in out for c in commands)
-    assert f"--student {workdir}/round-000/train/hf" in commands[3]  # round 1 samples with round 0's export
-    assert f"--init-from {workdir}/round-000/train/checkpoints/step{STEPS}" in commands[5]
-    metrics = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["round"] for m in metrics] == [0, 1]
-    assert [m["step"] for m in metrics] == [STEPS, 2 * STEPS] and all(m["train_steps"] == STEPS for m in metrics)
-    assert all(m["rollouts"] == 6 and m["teacher_positions"] > 0 for m in metrics)
-    assert metrics[0]["policy"] != metrics[1]["policy"]  # the second round's rollouts come from the trained student
-    assert "tokens scored" in out and "final student:" in out
-    train1 = [json.loads(x) for x in (workdir / "round-001" / "train" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in train1 if r["kind"] == "train"] == [STEPS + 1, 2 * STEPS]  # continued, not restarted
 
 
 @pytest.fixture(scope="module")
@@ -99,16 +81,28 @@ def vllm_run(chat, tmp_path_factory):
     return workdir, proc.stdout + proc.stderr
 
 
-def test_each_round_cache_is_aligned_and_trains_exactly_the_generated_turn(full_run, chat):
-    _assert_rounds_aligned(full_run[0], chat[0], rollouts=6)
+def test_two_rounds_chain_policies_checkpoints_and_print_their_commands(vllm_run):
+    workdir, out = vllm_run
+    steps = 1
+    commands = (workdir / "commands.sh").read_text().splitlines()
+    assert [c.split()[1] for c in commands] == ["generate", "teacher-dump", "train-student"] * 2
+    assert all(f"$ {c}" in out for c in commands)
+    assert sum("--engine vllm" in c for c in commands) == 4  # generate and teacher-dump, both rounds
+    assert all(c.endswith("--no-fast-path") for c in commands if " teacher-dump " in c)
+    assert f"--student {workdir}/round-000/train/hf" in commands[3]  # round 1 samples with round 0's export
+    assert f"--init-from {workdir}/round-000/train/checkpoints/step{steps}" in commands[5]
+    metrics = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in metrics] == [0, 1]
+    assert [m["step"] for m in metrics] == [steps, 2 * steps] and all(m["train_steps"] == steps for m in metrics)
+    assert all(m["rollouts"] == 2 and m["teacher_positions"] > 0 for m in metrics)
+    assert metrics[0]["policy"] != metrics[1]["policy"]  # the second round's rollouts come from the trained student
+    assert "tokens scored" in out and "final student:" in out
+    train1 = [json.loads(x) for x in (workdir / "round-001" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in train1 if r["kind"] == "train"] == [steps + 1]  # continued, not restarted
 
 
 def test_vllm_rounds_are_aligned_and_train_exactly_the_generated_turn(vllm_run, chat):
-    workdir, _ = vllm_run
-    commands = (workdir / "commands.sh").read_text().splitlines()
-    assert sum("--engine vllm" in c for c in commands) == 4  # generate and teacher-dump, both rounds
-    assert all(c.endswith("--no-fast-path") for c in commands if " teacher-dump " in c)
-    _assert_rounds_aligned(workdir, chat[0], rollouts=2)
+    _assert_rounds_aligned(vllm_run[0], chat[0], rollouts=2)
 
 
 def _assert_rounds_aligned(workdir: Path, setup, *, rollouts: int) -> None:
@@ -149,7 +143,7 @@ def _assert_rounds_aligned(workdir: Path, setup, *, rollouts: int) -> None:
 
 def _kill_when(cmd, workdir: Path, marker: str) -> None:
     """Start the driver, SIGKILL it (the driver only: its stage dies with it) once `marker` exists."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not (workdir / marker).exists():
             assert proc.poll() is None, f"the driver ended (exit {proc.returncode}) before {marker} appeared"
@@ -160,10 +154,12 @@ def _kill_when(cmd, workdir: Path, marker: str) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
-def test_driver_killed_in_each_stage_resumes_to_the_same_final_weights(full_run, chat, tmp_path):
-    """One run killed three times, once in each stage, each time rerun with the same command."""
+@pytest.fixture(scope="module")
+def killed_run(chat, tmp_path_factory):
+    """The hf rounds killed three times, once in each stage, each time rerun with the same command:
+    (work directory, the last rerun's output)."""
     setup, prompts = chat
-    workdir = tmp_path / "w"
+    workdir = tmp_path_factory.mktemp("killed") / "w"
     cmd = _cmd(setup, prompts, workdir)
     # train-student once its first checkpoint is complete (train_config.json is written last: a driver killed
     # before that restarts the stage, with no --resume)
@@ -172,11 +168,29 @@ def test_driver_killed_in_each_stage_resumes_to_the_same_final_weights(full_run,
                    "round-001/cache/manifest.json"):  # teacher-dump, likewise
         _kill_when(cmd, workdir, marker)
     assert not (workdir / "round-001" / "done" / "train-student.json").exists()
-    out = _run(cmd)
+    return workdir, _run(cmd)
+
+
+def test_driver_killed_in_each_stage_resumes_to_the_weights_of_its_commands_replayed(killed_run, tmp_path):
+    workdir, out = killed_run
     commands = (workdir / "commands.sh").read_text().splitlines()
     resumed = [c.split()[1] for c in commands if "--resume" in c]
     assert {"generate", "teacher-dump", "train-student"} <= set(resumed), out.stderr[-2000:]
-    assert _weights(workdir) == _weights(full_run[0]) != {}
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    with WarmProcs(env=cpu_env(), modules=STAGE_MODULES) as procs:
+        for r in (0, 1):
+            for stage in ("generate", "teacher-dump", "train-student"):
+                recorded = json.loads((workdir / f"round-{r:03d}" / "done" / f"{stage}.json").read_text())["command"]
+                assert recorded[0] == stage and "--resume" not in recorded
+                args = [a.replace(str(workdir), str(replay)) for a in recorded]
+                proc = procs.cli(*args)
+                assert proc.returncode == 0, f"replayed {stage} of round {r}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    assert _weights(workdir) == _weights(replay) != {}
+
+
+def test_each_round_cache_of_the_killed_run_is_aligned_and_trains_exactly_the_generated_turn(killed_run, chat):
+    _assert_rounds_aligned(killed_run[0], chat[0], rollouts=6)
 
 
 def _cfg(tmp_path, **kw):
@@ -199,7 +213,7 @@ def test_teacher_dump_flags_of_every_round_and_the_check_trusted_after_round_0(t
         _cfg(tmp_path, dump_args=["--out", "elsewhere"])
 
 
-def test_a_workdir_refuses_other_settings_changed_outputs_and_owned_flags(full_run, chat, tmp_path):
+def test_a_workdir_refuses_other_settings_changed_outputs_and_owned_flags(killed_run, chat, tmp_path):
     import shutil
 
     from xtcache.errors import ConfigError
@@ -213,7 +227,7 @@ def test_a_workdir_refuses_other_settings_changed_outputs_and_owned_flags(full_r
         check_settings(_cfg(tmp_path, max_new_tokens=9))
     setup, prompts = chat
     workdir = tmp_path / "copy"
-    shutil.copytree(full_run[0], workdir)
+    shutil.copytree(killed_run[0], workdir)
     cfg = _cfg(tmp_path, workdir=str(workdir), student=str(setup.student_model), teacher=str(setup.teacher_model),
                prompts=[str(prompts)], samples_per_prompt=2, max_new_tokens=8, steps_per_round=STEPS)
     with pytest.raises(ConfigError, match="round 0 generate was run as"):  # the record names the copied workdir
