@@ -86,13 +86,15 @@ def capture(setup, teacher: str, args, dtype: str, work: Path) -> dict:
 
 
 def train(setup, store: Path, args, dtype: str, work: Path) -> dict:
-    """train-student on the dump (projected KL, ZeRO-2) in a subprocess: its summary."""
+    """train-student on the dump (projected KL, ZeRO-2) in a subprocess (its memory is its own, as it is
+    on a GPU after vLLM's): its summary. The projection (`xtcache projection build`'s defaults) is built here."""
+    from xtcache.projection import build_projection
+    from xtcache.tokenizer import load_tokenizer
+
     out = work / "student"
     projection = work / "projection.safetensors"
-    common = [sys.executable, "-m", "xtcache.cli"]
-    subprocess.run([*common, "projection", "build", "--student-tokenizer", str(setup.student_tokenizer),
-                    "--teacher-tokenizer", str(setup.teacher_tokenizer), "--out", str(projection)], check=True, cwd=REPO)
-    cmd = [*common, "train-student", "--cache", str(store), "--student", str(setup.student_model), "--out", str(out),
+    build_projection(load_tokenizer(str(setup.student_tokenizer)), load_tokenizer(str(setup.teacher_tokenizer))).save(projection)
+    cmd = [sys.executable, "-m", "xtcache.cli", "train-student", "--cache", str(store), "--student", str(setup.student_model), "--out", str(out),
            "--projection", str(projection), "--loss", "pkl", "--seq-len", "128", "--micro-batch-size", "8",
            "--max-steps", str(args.steps), "--warmup-steps", "2", "--eval-every", "0", "--zero-stage", "2",
            "--seed", "0", "--bf16" if dtype == "bfloat16" else "--no-bf16"]
