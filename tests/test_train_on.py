@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
@@ -24,9 +22,9 @@ from hypothesis import strategies as st
 
 from stage2_student import loader as L
 from stage2_student.batches import IGNORE
+from tests.commands import WarmProcs, xtcache
 from xtcache.packing import CONTEXT_SHARE, common_boundaries, group_trained, pack_documents, pack_trained
 from xtcache.testing.chat import WORDS, chat_tokenizer, write_chat_jsonl
-from xtcache.testing.suite import REPO
 
 SEQ = 64
 
@@ -95,15 +93,23 @@ def long_prompt_corpus(n: int, seed: int = 0) -> list[dict]:
 
 
 def _cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "xtcache.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    """`xtcache ARGS` in this process (`tests.commands.xtcache`); its stdout."""
+    proc = xtcache(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
 @pytest.fixture(scope="module")
-def chat_store(toy_setup, tmp_path_factory):
-    """teacher-dump --engine hf of the long-prompt corpus: ChatML teacher, Llama-3 student."""
+def procs():
+    """Stage 2 as a process of its own, forked from one warm process."""
+    with WarmProcs() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def chat_store(toy_setup, procs, tmp_path_factory):
+    """teacher-dump --engine hf of the long-prompt corpus: ChatML teacher, Llama-3 student. The warm
+    process server (`procs`) imports meanwhile."""
     from xtcache.testing.toy import build_tiny_model
 
     root = tmp_path_factory.mktemp("train_on")
@@ -246,14 +252,14 @@ def test_inspect_reports_the_loaders_trained_positions_and_context(chat_store):
     assert f"windows of --seq-len {SEQ} per --train-on" in out and "last-assistant" in out
 
 
-def test_train_student_on_assistant_runs_to_its_last_step_at_seq_len_64(chat_store, tmp_path):
+def test_train_student_on_assistant_runs_to_its_last_step_at_seq_len_64(chat_store, procs, tmp_path):
+    """`xtcache train-student` in a process of its own (forked from the warm server): its exit status and log."""
     out = tmp_path / "run"
     steps = _dataset(chat_store).batches_per_epoch  # one whole epoch: every window of the corpus
-    proc = subprocess.run([sys.executable, "-m", "stage2_student", "--out", str(out), "--cache", chat_store["store"],
-                           "--student", str(chat_store["root"] / "student"), "--seq-len", str(SEQ),
-                           "--micro-batch-size", "2", "--max-steps", str(steps), "--loss", "alm", "--train-on",
-                           "assistant", "--zero-stage", "0", "--seed", "3"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = procs.cli("train-student", "--out", str(out), "--cache", chat_store["store"], "--student",
+                     str(chat_store["root"] / "student"), "--seq-len", str(SEQ), "--micro-batch-size", "2",
+                     "--max-steps", str(steps), "--loss", "alm", "--train-on", "assistant", "--zero-stage", "0",
+                     "--seed", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "trained positions" in proc.stderr + proc.stdout
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
