@@ -16,13 +16,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import pytest
 
+from tests.commands import xtcache
 from xtcache.errors import ConfigError
-from xtcache.testing.suite import REPO
 
 SAMPLES, NEW_TOKENS = 3, 20
 
@@ -159,16 +157,16 @@ def test_bad_prompts_are_refused_in_one_line(chat, tmp_path):
 
 
 def test_cli_writes_the_report_and_refuses_a_missing_file(chat, tmp_path):
+    """`xtcache policy-eval` through the command's entry point, in this process (`tests.commands.xtcache`):
+    its exit status (0, and 2 for a missing file), the report it prints and writes, its one-line error."""
     setup, prompts, _ = chat
     out = tmp_path / "report.json"
-    base = [sys.executable, "-m", "xtcache.cli", "policy-eval", "--student", str(setup.teacher_model), "--teacher",
-            str(setup.teacher_model), "--samples-per-prompt", "1", "--max-new-tokens", "4"]
-    proc = subprocess.run([*base, "--prompts", str(prompts), "--out", str(out)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    base = ["policy-eval", "--student", str(setup.teacher_model), "--teacher", str(setup.teacher_model),
+            "--samples-per-prompt", "1", "--max-new-tokens", "4"]
+    proc = xtcache(*base, "--prompts", str(prompts), "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["samples"] == 6 and "reverse_kl_per_token" in proc.stdout
-    proc = subprocess.run([*base, "--prompts", str(tmp_path / "none.jsonl")], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    proc = xtcache(*base, "--prompts", str(tmp_path / "none.jsonl"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --prompts ")
