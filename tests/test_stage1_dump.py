@@ -12,8 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import pytest
 
 from stage1_teacher.config import build_config
 from stage1_teacher.dump import Summary, run_teacher_dump
+from tests.commands import WarmProcs
 from xtcache.errors import CaptureError, ConfigError, StoreError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -288,16 +287,23 @@ def _index_hashes(url: Path) -> dict:
     return out
 
 
-def _cli(args, **popen):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "xtcache.cli", "teacher-dump", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen)
+DUMP_MODULES = ("torch", "transformers", "xtcache.cli", "xtcache.store", "stage1_teacher.cli", "stage1_teacher.dump",
+                "stage1_teacher.capture_hf")
 
 
-def test_kill_and_resume_equals_uninterrupted_run(teacher, corpus, toy_setup, tmp_path):
-    """SIGKILL a real dump (the command line) at several moments, resume each time; the store must
-    equal a clean run of the same settings (in this process: the command line's settings are the
-    config's, tests/test_cliconfig.py).
+@pytest.fixture(scope="module")
+def procs():
+    """`xtcache teacher-dump` processes, each forked from one warm process that imported torch and
+    transformers once: each its own process (own pid; SIGKILL kills it alone), in the environment of
+    this process with the repository on PYTHONPATH."""
+    with WarmProcs(env={**os.environ, "PYTHONPATH": str(REPO)}, modules=DUMP_MODULES) as server:
+        yield server
+
+
+def test_kill_and_resume_equals_uninterrupted_run(teacher, corpus, toy_setup, procs, tmp_path):
+    """SIGKILL a real dump process (`xtcache teacher-dump`, forked from the warm server) at several
+    moments, resume each time; the store must equal a clean run of the same settings (in this
+    process: the command line's settings are the config's, tests/test_cliconfig.py).
 
     Uses --engine hf: three vLLM engine starts per run would cost minutes on a CPU.
     """
@@ -313,22 +319,22 @@ def test_kill_and_resume_equals_uninterrupted_run(teacher, corpus, toy_setup, tm
     out = tmp_path / "killed"
     kills = 0
     for target_parts in (0, 2, 5):  # before any commit, and mid-run twice
-        p = _cli(args + ["--out", str(out), "--resume"])
+        pid = procs.start("teacher-dump", *args, "--out", str(out), "--resume")
         deadline = time.time() + 120
-        while time.time() < deadline and p.poll() is None:
+        while time.time() < deadline and procs.poll(pid) is None:
             if len(list((out / "index").glob("*.json"))) >= target_parts and (out / "manifest.json").exists():
                 break
             time.sleep(0.05)
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
+        if procs.poll(pid) is None:
+            os.kill(pid, signal.SIGKILL)
             kills += 1
-        p.wait()
+        procs.wait(pid)
     assert kills >= 2
-    p = _cli(args + ["--out", str(out)])  # without --resume: a clear refusal, nothing overwritten
-    log = p.communicate(timeout=300)[0].decode()
+    p = procs.cli("teacher-dump", *args, "--out", str(out))  # without --resume: a clear refusal, nothing overwritten
+    log = p.stdout + p.stderr
     assert p.returncode == 2 and "--resume" in log, log[-2000:]
-    p = _cli(args + ["--out", str(out), "--resume"])
-    log = p.communicate(timeout=300)[0].decode()
+    p = procs.cli("teacher-dump", *args, "--out", str(out), "--resume")
+    log = p.stdout + p.stderr
     assert p.returncode == 0, log[-3000:]
     assert _index_hashes(out) == want
     from xtcache.store import CacheReader
@@ -358,7 +364,8 @@ def test_teacher_with_bos_gets_a_bos_in_front_of_every_window(corpus, toy_setup,
     assert_stored_close(d.topk_logprobs[rows], np.take_along_axis(ref, d.topk_ids[rows].astype(np.int64), 1))
 
 
-def test_two_jobs_fill_disjoint_shards_concurrently(teacher, corpus, toy_setup, tmp_path):
+def test_two_jobs_fill_disjoint_shards_concurrently(teacher, corpus, toy_setup, procs, tmp_path):
+    """Two `xtcache teacher-dump` processes at once (forked from the warm server), one per shard."""
     from xtcache.commands_store import verify_store
 
     out = tmp_path / "conc"
@@ -366,8 +373,9 @@ def test_two_jobs_fill_disjoint_shards_concurrently(teacher, corpus, toy_setup, 
     base = ["--teacher", teacher, "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", a, "--data", b,
             "--engine", "hf", "--top-k", "8", "--docs-per-part", "4", "--max-seq-len", "256", "--out", str(out),
             "--num-shards", "2"]
-    jobs = [_cli(base + ["--shard-index", str(i)]) for i in (1, 0)]  # writer 1 waits for writer 0's plan
-    logs = [j.communicate(timeout=300)[0].decode() for j in jobs]
+    pids = [procs.start("teacher-dump", *base, "--shard-index", str(i)) for i in (1, 0)]  # 1 waits for 0's plan
+    jobs = [procs.wait(pid) for pid in pids]
+    logs = [j.stdout + j.stderr for j in jobs]
     assert [j.returncode for j in jobs] == [0, 0], "\n".join(log[-2000:] for log in logs)
     r, shards = read_all(out)
     assert r.is_complete() and verify_store(str(out)) == []
