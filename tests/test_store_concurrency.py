@@ -35,7 +35,8 @@ def s3():
         yield options
 
 
-# waits until a common start time, then takes writer 1's claim; prints WON or the refusal
+# connects, says READY, reads a common start time from stdin and waits for it, then takes writer 1's
+# claim; prints WON or the refusal
 CLAIMER = textwrap.dedent("""
     import json, sys, time
     from schemas.models import Manifest
@@ -43,10 +44,12 @@ CLAIMER = textwrap.dedent("""
     from xtcache.store import CacheWriter
     from xtcache.store_io import Location
 
-    url, options, start = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+    url, options = sys.argv[1], json.loads(sys.argv[2])
     m = Manifest(cache_key="claims", mode="topk", k=4, teacher_vocab_size=100, num_writers=2)
     Location(url, options).fs.exists(url)  # connect before the start
-    while time.time() < start:
+    print("READY", flush=True)
+    start = float(sys.stdin.readline())
+    while time.time() < start:  # both processes leave this loop within microseconds of each other
         pass
     try:
         CacheWriter(url, m, writer_index=1, storage_options=options)
@@ -64,9 +67,14 @@ def test_two_processes_racing_for_one_shard_index_on_s3_exactly_one_wins(s3):
     for round_ in range(3):
         url = f"s3://{BUCKET}/race{round_}"
         CacheWriter(url, manifest(num_writers=2), writer_index=0, storage_options=s3).close()  # manifest exists
-        start = time.time() + 6
-        procs = [subprocess.Popen([sys.executable, "-c", CLAIMER, url, json.dumps(s3), str(start)], cwd=REPO,
+        procs = [subprocess.Popen([sys.executable, "-c", CLAIMER, url, json.dumps(s3)], cwd=REPO, stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        ready = [p.stdout.readline().strip() for p in procs]  # both imported and connected
+        assert ready == ["READY", "READY"], (ready, [p.stderr.read()[-2000:] for p in procs if p.poll() is not None])
+        start = time.time() + 0.2
+        for p in procs:  # the start time to both before either can pass it
+            p.stdin.write(f"{start}\n")
+            p.stdin.flush()
         outs = [p.communicate(timeout=120) for p in procs]
         lines = [o[0].strip() for o in outs]
         assert sorted(line.split()[0] for line in lines) == ["REFUSED", "WON"], (lines, [o[1][-2000:] for o in outs])
