@@ -4,14 +4,17 @@ resumable after SIGKILL, split across jobs without overlap, keyed by the policy 
 The student is the chat toy setup's Llama (a Llama-3-style template), untrained: what it writes is
 noise, which is all these tests need.
 
-One `xtcache generate` process writes the reference rollouts (module fixture); the other runs call the
+One `xtcache generate` process, forked from a warm process that imported torch and transformers once
+(`tests.commands.WarmProcs`), writes the reference rollouts (module fixture); the other runs call the
 same entry point in the test process (`tests.commands.xtcache`), so a reproducibility check compares two
-interpreters. The SIGKILL test kills a real process, and an empty prompt file is refused by a real one.
+processes. The SIGKILL test kills a real process (a new interpreter), and an empty prompt file is
+refused by a process of its own (forked from the warm one).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,15 +22,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.commands import xtcache
+from tests.commands import WarmProcs, xtcache
 from xtcache.testing.suite import REPO
 
 MAX_NEW = "12"
+GENERATE_MODULES = ("torch", "transformers", "xtcache.cli", "stage1_teacher.cli", "stage1_teacher.generate",
+                    "stage1_teacher.samplers")
 
 
 @pytest.fixture(scope="module")
-def chat(toy_setup, tmp_path_factory):
-    """(chat setup, conversation prompts .jsonl, text prompts .jsonl); held-out prompts in heldout.jsonl."""
+def procs():
+    """`xtcache generate` processes forked from one warm process, in this process's environment."""
+    with WarmProcs(env=dict(os.environ), modules=GENERATE_MODULES) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def chat(toy_setup, procs, tmp_path_factory):
+    """(chat setup, conversation prompts .jsonl, text prompts .jsonl); held-out prompts in heldout.jsonl.
+    The warm process server (`procs`) imports meanwhile."""
     from xtcache.testing.chat import build_chat_setup, write_prompts
 
     root = tmp_path_factory.mktemp("gen")
@@ -40,26 +53,22 @@ def chat(toy_setup, tmp_path_factory):
     return setup, conv, text
 
 
-def _generate(setup, data, out, *extra, check=True, process=False) -> subprocess.CompletedProcess:
-    """`xtcache generate` in this process, or in a new one (`process`)."""
+def _generate(setup, data, out, *extra, check=True, procs: WarmProcs | None = None) -> subprocess.CompletedProcess:
+    """`xtcache generate` in this process, or in a process of its own forked from `procs`."""
     args = ["generate", "--student", str(setup.student_model), "--data", str(data), "--out", str(out), "--engine", "hf",
             "--samples-per-prompt", "2", "--max-new-tokens", MAX_NEW, "--prompts-per-part", "2", *extra]
-    if process:
-        proc = subprocess.run([sys.executable, "-m", "xtcache.cli", *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=300)
-    else:
-        proc = xtcache(*args)
+    proc = procs.cli(*args) if procs is not None else xtcache(*args)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
 @pytest.fixture(scope="module")
-def whole(chat, tmp_path_factory) -> Path:
+def whole(chat, procs, tmp_path_factory) -> Path:
     """The conversation prompts' rollouts, written by one uninterrupted `xtcache generate` process (seed 0)."""
     setup, conv, _ = chat
     out = tmp_path_factory.mktemp("whole") / "r"
-    _generate(setup, conv, out, process=True)
+    _generate(setup, conv, out, procs=procs)
     return out
 
 
@@ -213,13 +222,14 @@ def test_processed_logprobs_top_p_keeps_the_nucleus():
     ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
      "row 0: the last message is the 'assistant'", False),
     ([{"messages": [{"role": "user", "content": "hi"}]}, {"other": 1}], "row 1: missing messages field", False),
-    ([], "the file is empty", True),  # a real process: its exit status, before the student is loaded
+    ([], "the file is empty", True),  # a process of its own: its exit status, before the student is loaded
 ])
-def test_bad_prompts_are_refused_in_one_line(chat, tmp_path, rows, message, process):
+def test_bad_prompts_are_refused_in_one_line(chat, request, tmp_path, rows, message, process):
     setup, _, _ = chat
     data = tmp_path / "bad.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = _generate(setup, data, tmp_path / "r", check=False, process=process)
+    proc = _generate(setup, data, tmp_path / "r", check=False,
+                     procs=request.getfixturevalue("procs") if process else None)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --data ") and "bad.jsonl" in last and message in last, last
