@@ -8,10 +8,10 @@
 3. `train-student` under `torchrun` with two ranks trains from the bucket and exports the student.
 
 Every command is its own process and reaches the bucket only through `--storage-options`, as a
-separate machine would. The `teacher-dump` jobs are forked from one process that imported torch and
-transformers once (`tests.commands`: each job still a process of its own, SIGKILL kills it); the
-other commands, and `torchrun` itself, are plain subprocesses. The S3 server (moto) runs in this
-process on 127.0.0.1.
+separate machine would. The `teacher-dump` jobs, `verify` and `inspect` are forked from one process
+that imported torch, transformers and s3fs once and never opened the bucket itself (`tests.commands`:
+each command still a process of its own, SIGKILL kills it); `torchrun` and its ranks are plain
+subprocesses. The S3 server (moto) runs in this process on 127.0.0.1.
 
     pytest -q tests/test_s3_walkthrough.py
 """
@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 BUCKET = "xtcache-walkthrough"
 
 
-DUMP_MODULES = ("torch", "transformers", "s3fs", "xtcache.cli", "xtcache.store", "stage1_teacher.cli",
-                "stage1_teacher.dump", "stage1_teacher.capture_hf")
+DUMP_MODULES = ("torch", "transformers", "s3fs", "xtcache.cli", "xtcache.store", "xtcache.commands_store",
+                "stage1_teacher.cli", "stage1_teacher.dump", "stage1_teacher.capture_hf")
 
 
 @pytest.fixture(scope="module")
@@ -54,19 +53,8 @@ def _env() -> dict:
             "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _xtcache(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "xtcache.cli", *args], cwd=REPO, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
 def _done(proc: subprocess.CompletedProcess, what: str) -> None:
     assert proc.returncode == 0, f"{what} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
-
-
-def _finish(proc: subprocess.Popen, what: str) -> str:
-    log = proc.communicate(timeout=600)[0].decode()
-    assert proc.returncode == 0, f"{what} failed:\n{log[-4000:]}"
-    return log
 
 
 def test_two_jobs_one_killed_and_resumed_then_verify_then_torchrun_from_the_bucket(toy_setup, s3, tmp_path):
@@ -101,12 +89,15 @@ def test_two_jobs_one_killed_and_resumed_then_verify_then_torchrun_from_the_buck
         _done(jobs.wait(job0), "job 0")
         fs.invalidate_cache()
         assert not fs.exists(f"{BUCKET}/caches/toy/done/w00001.json"), "the killed job must not look done"
-        refused = _xtcache("verify", url, "--storage-options", opts)
-        log = refused.communicate(timeout=300)[0].decode()
-        assert refused.returncode == 1 and "is incomplete" in log, log[-2000:]
+        refused = jobs.cli("verify", url, "--storage-options", opts)
+        assert refused.returncode == 1 and "is incomplete" in refused.stdout + refused.stderr, refused.stderr[-2000:]
         _done(jobs.wait(jobs.start(*dump, "--shard-index", "1", "--resume")), "job 1 resumed")
+        verify = jobs.cli("verify", url, "--storage-options", opts)
+        _done(verify, "verify")
+        inspect = jobs.cli("inspect", url, "--storage-options", opts)
+        _done(inspect, "inspect")
 
-    log = _finish(_xtcache("verify", url, "--storage-options", opts), "verify")
+    log = verify.stdout
     from stage1_teacher.cache_inputs import read_records
     from xtcache.fingerprint import content_fingerprint, corpus_fingerprint
     from xtcache.store import CacheReader
@@ -118,8 +109,7 @@ def test_two_jobs_one_killed_and_resumed_then_verify_then_torchrun_from_the_buck
     # the corpus streamed from the bucket: the same fingerprint as the same files on a local disk
     recorded = read_records(url, [0, 1], options)  # each job's digests of the files it read
     assert content_fingerprint(recorded[i][0][1] for i in sorted(recorded)) == corpus_fingerprint(local)
-    inspect = _finish(_xtcache("inspect", url, "--storage-options", opts), "inspect")
-    assert "documents" in inspect.lower()
+    assert "documents" in inspect.stdout.lower()
     assert {m.writer_index for m in reader.shards} == {0, 1}
     docs = [d for m in reader.shards for d in reader.read_shard(m.shard_id).doc_ids()]
     usable = sum(1 for line in lines if json.loads(line).get("text"))
