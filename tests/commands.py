@@ -38,7 +38,8 @@ from pathlib import Path
 from tests.test_train_kd import REPO, cpu_env
 
 TIMEOUT_S = 600
-STAGE2 = ("deepspeed", "transformers", "stage2_student.__main__", "stage2_student.trainer", "xtcache.cli")
+STAGES = ("deepspeed", "transformers", "stage2_student.__main__", "stage2_student.trainer", "xtcache.cli",
+          "stage1_teacher.cli", "stage1_teacher.dump", "stage1_teacher.capture_hf", "stage1_teacher.generate")
 
 
 def xtcache(*args) -> subprocess.CompletedProcess:
@@ -156,7 +157,7 @@ def serve(modules: list[str]) -> None:
 class WarmProcs:
     """The client: starts the server (its imports overlap whatever the test does meanwhile)."""
 
-    def __init__(self, env: dict | None = None, modules: tuple[str, ...] = STAGE2) -> None:
+    def __init__(self, env: dict | None = None, modules: tuple[str, ...] = STAGES) -> None:
         self.logs = Path(tempfile.mkdtemp(prefix="xtcache_procs_"))
         self.n, self.ready, self.pid_logs = 0, False, {}
         code = f"from tests.commands import serve; serve({list(modules)!r})"

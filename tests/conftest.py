@@ -106,6 +106,18 @@ def kd_caches(toy_setup, tmp_path_factory):
             teacher_dump(root / "held", toy_setup, toy_setup.heldout_jsonl, 12))
 
 
+@pytest.fixture(scope="session")
+def procs():
+    """The warm process server of this pytest worker (`tests.commands.WarmProcs`, CPU-pinned like every
+    stage 2 run of the suite): stage 2 runs and `xtcache` commands that must be processes of their own
+    are forked from it, so DeepSpeed, torch and transformers are imported once per worker, not once per
+    test file. A module that needs another environment defines its own `procs`."""
+    from tests.commands import WarmProcs
+
+    with WarmProcs() as server:
+        yield server
+
+
 def has_cuda() -> bool:
     try:
         import torch

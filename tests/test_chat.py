@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.commands import WarmProcs, xtcache
+from tests.commands import xtcache
 from xtcache.chat import (
     LAST_ASSISTANT,
     ROLE_ASSISTANT,
@@ -227,13 +227,6 @@ def _cli(*args, ok=True):
     if ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
-
-
-@pytest.fixture(scope="module")
-def procs():
-    """Processes of their own (stage 2, a dump whose log a test reads), forked from one warm process."""
-    with WarmProcs() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

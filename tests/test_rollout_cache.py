@@ -198,20 +198,9 @@ def test_sampled_ids_that_spell_the_turn_are_spliced_others_counted(rollouts, tm
             "no sampling log-probs: 1)") in _cli("inspect", store).stdout
 
 
-@pytest.fixture(scope="module")
-def trainer():
-    """Forks each training from one process that imported DeepSpeed once (`tests.commands`): every
-    training is still its own process, with its own process group and DeepSpeed state (on the CPU, as the
-    suite's other stage 2 runs)."""
-    from tests.commands import WarmProcs
-
-    with WarmProcs() as procs:
-        yield procs
-
-
-def _train(trainer, setup, store: Path, out: Path, *extra, check=True, student=None) -> subprocess.CompletedProcess:
+def _train(procs, setup, store: Path, out: Path, *extra, check=True, student=None) -> subprocess.CompletedProcess:
     """`xtcache train-student` (the flags of `python -m stage2_student`) in a process of its own."""
-    proc = trainer.cli("train-student", "--out", str(out), "--cache", str(store), "--student",
+    proc = procs.cli("train-student", "--out", str(out), "--cache", str(store), "--student",
                        str(student or setup.student_model), "--seq-len", SEQ, "--micro-batch-size", "2", "--max-steps",
                        "2", "--loss", "rkl-pg", "--train-on", "last-assistant", "--zero-stage", "0", "--seed", "3",
                        *extra)
@@ -220,9 +209,9 @@ def _train(trainer, setup, store: Path, out: Path, *extra, check=True, student=N
     return proc
 
 
-def test_rkl_pg_trains_with_the_ratio_on_and_a_store_without_the_array_still_trains(rollouts, trainer, tmp_path):
+def test_rkl_pg_trains_with_the_ratio_on_and_a_store_without_the_array_still_trains(rollouts, procs, tmp_path):
     setup, _, _, parts, store = rollouts
-    _train(trainer, setup, store, tmp_path / "run")  # the default --is-cap: the ratio reads the stored log-probs
+    _train(procs, setup, store, tmp_path / "run")  # the default --is-cap: the ratio reads the stored log-probs
     train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)
@@ -235,12 +224,12 @@ def test_rkl_pg_trains_with_the_ratio_on_and_a_store_without_the_array_still_tra
     _, _, totals, docs = _group(bare, setup)
     assert "sampled_turns" not in totals and all(lp is None for _, _, lp in docs.values())
     assert _cli("verify", bare).returncode == 0
-    refused = _train(trainer, setup, bare, tmp_path / "bare-run", check=False)
+    refused = _train(procs, setup, bare, tmp_path / "bare-run", check=False)
     assert refused.returncode != 0 and "--is-cap 0" in refused.stdout + refused.stderr
-    _train(trainer, setup, bare, tmp_path / "bare-run0", "--is-cap", "0")
+    _train(procs, setup, bare, tmp_path / "bare-run0", "--is-cap", "0")
 
 
-def test_non_canonical_sampled_ids_are_stored_aligned_and_trained_with_the_ratio(rollouts, trainer, tmp_path):
+def test_non_canonical_sampled_ids_are_stored_aligned_and_trained_with_the_ratio(rollouts, procs, tmp_path):
     """Every turn sampled as another tokenization of its text (a word in two tokens): the stored student
     ids are the sampled ids, with their log-probs on every one of them, the trained positions are
     exactly those tokens, the alignment is exact, and --loss rkl-pg --is-cap 2 trains on it."""
@@ -265,13 +254,13 @@ def test_non_canonical_sampled_ids_are_stored_aligned_and_trained_with_the_ratio
         assert np.array_equal(np.flatnonzero(trained_roles(roles, "last-assistant")), sampled)
     assert store_summary(str(store))["conversation"][fp]["misaligned_chars"] == 0
     assert _cli("verify", store).returncode == 0
-    _train(trainer, setup, store, tmp_path / "run", "--is-cap", "2")
+    _train(procs, setup, store, tmp_path / "run", "--is-cap", "2")
     train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) and r["chunks"] > 0 for r in train)
 
 
-def test_a_same_tokenizer_rollout_cache_stores_and_trains_with_the_ratio(rollouts, trainer, tmp_path):
+def test_a_same_tokenizer_rollout_cache_stores_and_trains_with_the_ratio(rollouts, procs, tmp_path):
     """Rollouts of a student with the teacher's tokenizer and template (the teacher model trains as that
     student): its alignment group is the identity, holds the sampled log-probs on the sampled tokens, and
     train-student --loss rkl-pg --is-cap 2 reads them (not the teacher arrays' tokens without them)."""
@@ -302,7 +291,7 @@ def test_a_same_tokenizer_rollout_cache_stores_and_trains_with_the_ratio(rollout
             assert al.student_ids[a:b][sampled].tolist() in [r["sampled_ids"] for r in rows.values()]
             seen += 1
     assert seen == len(rows) == 8
-    _train(trainer, setup, store, tmp_path / "run", "--is-cap", "2", student=setup.teacher_model)
+    _train(procs, setup, store, tmp_path / "run", "--is-cap", "2", student=setup.teacher_model)
     train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)

@@ -8,8 +8,8 @@ student generates in its template, the ChatML teacher scores in its own).
 - With `--engine hf` (seeded: reproducible): the driver killed with SIGKILL once in each stage and
   rerun resumes to the same final weights, bit for bit, as the stage commands it recorded
   (round-RRR/done/STAGE.json) replayed in order in another work directory without the driver, as
-  they would run on separate clusters. The replay forks each command from one process that imported
-  the stages once (tests.commands.WarmProcs: each still a process of its own).
+  they would run on separate clusters. The replay forks each command from the worker's warm process
+  (tests/conftest.py `procs`: each still a process of its own, CPU-pinned like the driver's stages).
 
 Cost (2 cores): the vLLM run is 1 prompt x 2 samples and 1 step a round (four engine starts: teacher-dump
 with `--no-fast-path`, the teacher's own prompt log-probs, needs no first-batch check engine; the fast
@@ -29,13 +29,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.commands import WarmProcs, xtcache
+from tests.commands import xtcache
 from tests.test_train_kd import cpu_env
 from xtcache.testing.suite import REPO
 
 STEPS = 2
-STAGE_MODULES = ("deepspeed", "transformers", "xtcache.cli", "stage1_teacher.cli", "stage1_teacher.generate",
-                 "stage1_teacher.dump", "stage1_teacher.capture_hf", "stage2_student.trainer")
 
 
 @pytest.fixture(scope="module")
@@ -171,21 +169,20 @@ def killed_run(chat, tmp_path_factory):
     return workdir, _run(cmd)
 
 
-def test_driver_killed_in_each_stage_resumes_to_the_weights_of_its_commands_replayed(killed_run, tmp_path):
+def test_driver_killed_in_each_stage_resumes_to_the_weights_of_its_commands_replayed(killed_run, procs, tmp_path):
     workdir, out = killed_run
     commands = (workdir / "commands.sh").read_text().splitlines()
     resumed = [c.split()[1] for c in commands if "--resume" in c]
     assert {"generate", "teacher-dump", "train-student"} <= set(resumed), out.stderr[-2000:]
     replay = tmp_path / "replay"
     replay.mkdir()
-    with WarmProcs(env=cpu_env(), modules=STAGE_MODULES) as procs:
-        for r in (0, 1):
-            for stage in ("generate", "teacher-dump", "train-student"):
-                recorded = json.loads((workdir / f"round-{r:03d}" / "done" / f"{stage}.json").read_text())["command"]
-                assert recorded[0] == stage and "--resume" not in recorded
-                args = [a.replace(str(workdir), str(replay)) for a in recorded]
-                proc = procs.cli(*args)
-                assert proc.returncode == 0, f"replayed {stage} of round {r}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    for r in (0, 1):
+        for stage in ("generate", "teacher-dump", "train-student"):
+            recorded = json.loads((workdir / f"round-{r:03d}" / "done" / f"{stage}.json").read_text())["command"]
+            assert recorded[0] == stage and "--resume" not in recorded
+            args = [a.replace(str(workdir), str(replay)) for a in recorded]
+            proc = procs.cli(*args)
+            assert proc.returncode == 0, f"replayed {stage} of round {r}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
     assert _weights(workdir) == _weights(replay) != {}
 
 

@@ -83,14 +83,16 @@ def test_a_store_that_never_answers_is_unreachable_not_damaged(store, fast_retri
     assert sid in str(info.value)
 
 
-def test_train_student_over_faulty_reads_has_the_losses_of_an_undisturbed_run(tmp_path, store, toy_setup,
+def test_train_student_over_faulty_reads_has_the_losses_of_an_undisturbed_run(tmp_path, store, toy_setup, procs,
                                                                               monkeypatch):
-    """5% of object reads fail transiently in every process of the run: same losses, step for step."""
+    """5% of object reads fail transiently in every process of the run: same losses, step for step. The
+    undisturbed run is forked from the worker's warm process; the faulty one is a new interpreter, which
+    installs the faults at its start (sitecustomize)."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(faults.sitecustomize_source())
     flags = ["--student", str(toy_setup.student_model), "--seq-len", "64", "--micro-batch-size", "2",
              "--max-steps", "4", "--lr", "1e-3", "--zero-stage", "0", "--loss", "alm"]
-    clean = run_stage2(tmp_path / "clean", "--cache", str(store), *flags)
+    clean = procs.run(tmp_path / "clean", "--cache", str(store), *flags)
     log = tmp_path / "faults.log"
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}")
     monkeypatch.setenv("XTCACHE_FAULT_RATE", "0.05")

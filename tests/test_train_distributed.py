@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.commands import WarmProcs
 from tests.test_train_kd import run_stage2
 
 
@@ -49,12 +48,6 @@ def same_flags(zero: int) -> dict:
     """The flags the two sides of one ZeRO stage share (grad-accum aside); the whole held-out split on
     both sides (an --eval-batches cap counts per rank)."""
     return dict(zero_stage=zero, eval_fraction=0.15, eval_batches=0, save_every=2)
-
-
-@pytest.fixture(scope="module")
-def procs():
-    with WarmProcs() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 
 The caches are real: stage 1 (`xtcache teacher-dump --engine hf`) runs the toy teacher (a trained
 tiny Qwen2) over the toy corpus and aligns the toy student's tokenizer; a held-out store of other
-documents is the --eval-cache. Every training run is a `python -m stage2_student` subprocess.
+documents is the --eval-cache. Every training run is `python -m stage2_student` in a process of its own,
+forked from the worker's warm process (tests/conftest.py `procs`); `run_stage2` starts a new interpreter
+(under torchrun for several ranks) for the tests about a real launch.
 
     pytest -q tests/test_train_kd.py
 """
@@ -52,13 +54,13 @@ def common_flags(toy_setup, train: str, held: str, steps: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_projected_kl_beats_ce_only_on_heldout_kl(tmp_path, toy_setup, kd_caches):
+def test_projected_kl_beats_ce_only_on_heldout_kl(tmp_path, toy_setup, kd_caches, procs):
     train, held = kd_caches
     steps = 30
-    kd = run_stage2(tmp_path / "kd", *common_flags(toy_setup, train, held, steps), "--loss", "pkl",
-                    "--kd-weight", "1.0", "--ce-weight", "0.1")
-    ce = run_stage2(tmp_path / "ce", *common_flags(toy_setup, train, held, steps), "--loss", "ce",
-                    "--ce-weight", "1.0")
+    kd = procs.run(tmp_path / "kd", *common_flags(toy_setup, train, held, steps), "--loss", "pkl",
+                   "--kd-weight", "1.0", "--ce-weight", "0.1")
+    ce = procs.run(tmp_path / "ce", *common_flags(toy_setup, train, held, steps), "--loss", "ce",
+                   "--ce-weight", "1.0")
     start = kd["summary"]["first_eval"]
     assert start is not None
     first_kl = kd["eval"][0]["kl"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.commands import WarmProcs, xtcache
+from tests.commands import xtcache
 
 
 def dump(out: Path, teacher: Path, toy_setup, n_docs: int) -> str:
@@ -33,12 +33,6 @@ def dump(out: Path, teacher: Path, toy_setup, n_docs: int) -> str:
                    "--docs-per-part", "16")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return str(out / "cache")
-
-
-@pytest.fixture(scope="module")
-def procs():
-    with WarmProcs() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

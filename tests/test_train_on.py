@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from stage2_student import loader as L
 from stage2_student.batches import IGNORE
-from tests.commands import WarmProcs, xtcache
+from tests.commands import xtcache
 from xtcache.packing import CONTEXT_SHARE, common_boundaries, group_trained, pack_documents, pack_trained
 from xtcache.testing.chat import WORDS, chat_tokenizer, write_chat_jsonl
 
@@ -97,13 +97,6 @@ def _cli(*args):
     proc = xtcache(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
-
-
-@pytest.fixture(scope="module")
-def procs():
-    """Stage 2 as a process of its own, forked from one warm process."""
-    with WarmProcs() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
