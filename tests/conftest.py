@@ -35,6 +35,14 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # modules loaded in its process, and a pytest worker holds those other test files imported (flask, moto).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+# vLLM compiles its sampler's helper functions (log-prob ranks, top-k/top-p) with torch.compile in every
+# process that samples or returns log-probs: on the CPU an inductor C++ build, 10-22 s a process while
+# the inductor cache (/tmp/torchinductor_$USER) is cold, as on a fresh CI machine, and about 2 s with a
+# warm one (the vLLM generate test, 2026-11-27: 37 s cold, 15 s warm, 14 s without). The tests run those
+# functions eagerly, the same operations; the engine itself already runs eagerly on the CPU (xtcache's
+# default there), and nothing in xtcache calls torch.compile. Production and `make gpu-check` keep it.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 # Property tests draw the same examples on every run, so `make test` cannot flake; set
 # HYPOTHESIS_PROFILE=explore to search with fresh random examples while developing.
 settings.register_profile("repeatable", derandomize=True, print_blob=True)
