@@ -12,9 +12,6 @@ real headtail store of the toy teacher (same tokenizer and cross tokenizer) and 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,9 +20,9 @@ import torch
 from stage2_student import losses
 from stage2_student.batches import drawn_targets
 from stage2_student.objective import Capabilities, Objective, resolve_kind
+from tests.commands import xtcache
 from xtcache.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
 K, N = 4, 24  # head width, tail draws
 
 
@@ -309,10 +306,8 @@ def test_teacher_dump_headtail_end_to_end(tmp_path, toy_setup):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(toy_setup.train_jsonl.read_text().splitlines(keepends=True)[:6]))
     out = tmp_path / "store"
-    cmd = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", str(toy_setup.teacher_model),
-           "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", str(data), "--out", str(out),
-           "--mode", "headtail", "--top-k", str(K), "--num-samples", str(N), "--engine", "hf"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = xtcache("teacher-dump", "--teacher", toy_setup.teacher_model, "--student-tokenizer", toy_setup.student_tokenizer,
+                   "--data", data, "--out", out, "--mode", "headtail", "--top-k", K, "--num-samples", N, "--engine", "hf")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from xtcache.commands_store import store_summary, verify_store
 
