@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +9,9 @@ import pytest
 
 from schemas.models import Manifest
 from stage1_teacher import preflight
+from tests.commands import xtcache
 from xtcache.errors import ConfigError
 from xtcache.store import CacheReader, CacheWriter
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("content, field, match", [
@@ -63,10 +60,8 @@ def test_teacher_dump_refuses_an_empty_corpus_before_loading_and_creates_nothing
     data = tmp_path / "empty.jsonl"
     data.write_text("")
     out = tmp_path / "store"
-    proc = subprocess.run(
-        [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", str(toy_setup.teacher_model),
-         "--student-tokenizer", str(toy_setup.student_tokenizer), "--data", str(data), "--out", str(out),
-         "--engine", "hf", "--top-k", "8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = xtcache("teacher-dump", "--teacher", toy_setup.teacher_model, "--student-tokenizer", toy_setup.student_tokenizer,
+                   "--data", data, "--out", out, "--engine", "hf", "--top-k", "8")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"error: --data {data}: the file is empty (no rows); give a " \
                                                    "corpus with documents"
