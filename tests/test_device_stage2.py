@@ -249,17 +249,12 @@ def test_deterministic_sets_torch_cudnn_and_cublas_before_cuda_starts(on):
 
 
 def test_the_deterministic_flag_reaches_the_config(monkeypatch):
-    import typer
-    from typer.testing import CliRunner
-
-    from stage2_student import cli
+    from tests.commands import xtcache
 
     seen = []
     monkeypatch.setattr("stage2_student.trainer.train", seen.append)
-    app = typer.Typer()
-    app.command()(cli.train_student)
     base = ["--cache", "/c", "--student", "/s", "--out", "/o"]
     for flags in (base, [*base, "--deterministic"]):
-        result = CliRunner().invoke(app, flags)
-        assert result.exit_code == 0, result.output
+        proc = xtcache("train-student", *flags)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [c.deterministic for c in seen] == [False, True]
