@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
+from tests.commands import xtcache
 from xtcache.align import tokenizer_info
-from xtcache.commands_projection import app
-from xtcache.errors import ProjectionError, XtcacheError
+from xtcache.errors import ProjectionError
 from xtcache.projection import ProjectionMap, build_projection, coverage, format_report, import_nemo
 
 
@@ -178,28 +177,28 @@ def test_import_nemo_format(toy_map, tmp_path, student_tokenizer, teacher_tokeni
 def test_cli_build_inspect_import(toy_setup, tmp_path):
     import torch
 
-    runner = CliRunner()
     out = tmp_path / "w.safetensors"
     s, t = str(toy_setup.student_tokenizer), str(toy_setup.teacher_tokenizer)
-    res = runner.invoke(app, ["build", "--student-tokenizer", s, "--teacher-tokenizer", t, "--out", str(out),
-                              "--top-k", "3"])
-    assert res.exit_code == 0, res.output
-    print("\n" + res.output)
-    assert "exact matches" in res.output and "<s>" in res.output and out.is_file()
+    res = xtcache("projection", "build", "--student-tokenizer", s, "--teacher-tokenizer", t, "--out", out,
+                  "--top-k", "3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    print("\n" + res.stdout)
+    assert "exact matches" in res.stdout and "<s>" in res.stdout and out.is_file()
     pm = ProjectionMap.load(out)
     assert pm.top_k == 3
-    res = runner.invoke(app, ["inspect", str(out), "--student-tokenizer", s, "--teacher-tokenizer", t])
-    assert res.exit_code == 0 and "rows with mapping" in res.output and "'</s>' -> '<|endoftext|>'" in res.output
-    res = runner.invoke(app, ["inspect", str(out)])  # no tokenizers: rows shown as ids
-    assert res.exit_code == 0 and "exact matches" in res.output and " -> " in res.output, res.output
+    res = xtcache("projection", "inspect", out, "--student-tokenizer", s, "--teacher-tokenizer", t)
+    assert res.returncode == 0 and "rows with mapping" in res.stdout and "'</s>' -> '<|endoftext|>'" in res.stdout
+    res = xtcache("projection", "inspect", out)  # no tokenizers: rows shown as ids
+    assert res.returncode == 0 and "exact matches" in res.stdout and " -> " in res.stdout, res.stdout + res.stderr
     nemo = tmp_path / "n.pt"
     torch.save({"indices": torch.from_numpy(pm.indices), "likelihoods": torch.from_numpy(pm.weights)}, nemo)
-    res = runner.invoke(app, ["import", str(nemo), "--student-tokenizer", s, "--teacher-tokenizer", t,
-                              "--out", str(tmp_path / "imported.safetensors")])
-    assert res.exit_code == 0, res.output
-    res = runner.invoke(app, ["build", "--student-tokenizer", s, "--teacher-tokenizer", t, "--out", str(out),
-                              "--top-k", "0"])
-    assert res.exit_code != 0 and "--top-k 0" in res.output
-    res = runner.invoke(app, ["build", "--student-tokenizer", str(tmp_path / "nope"), "--teacher-tokenizer", t,
-                              "--out", str(out)])
-    assert isinstance(res.exception, XtcacheError)
+    res = xtcache("projection", "import", nemo, "--student-tokenizer", s, "--teacher-tokenizer", t,
+                  "--out", tmp_path / "imported.safetensors")
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = xtcache("projection", "build", "--student-tokenizer", s, "--teacher-tokenizer", t, "--out", out,
+                  "--top-k", "0")
+    assert res.returncode == 2 and "--top-k 0" in res.stderr, res.stdout + res.stderr  # click's usage error
+    res = xtcache("projection", "build", "--student-tokenizer", tmp_path / "nope", "--teacher-tokenizer", t,
+                  "--out", out)
+    # an XtcacheError: main() prints it as one `error: ...` line and exits 2
+    assert res.returncode == 2 and res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
