@@ -20,7 +20,7 @@ import pytest
 
 from stage1_teacher.config import build_config
 from stage1_teacher.dump import Summary, run_teacher_dump
-from tests.commands import WarmProcs
+from tests.commands import WarmProcs, xtcache
 from xtcache.errors import CaptureError, ConfigError, StoreError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,15 +168,11 @@ def test_same_request_twice_reuses_the_cache(teacher, corpus, toy_setup, tmp_pat
 
 
 def test_align_command_equals_dumping_with_both_tokenizers(teacher, corpus, toy_setup, tmp_path):
-    from typer.testing import CliRunner
-
-    from xtcache.cli import app
     from xtcache.fingerprint import tokenizer_fingerprint
 
     dump(teacher, corpus, tmp_path / "one", [toy_setup.student_tokenizer])
-    res = CliRunner().invoke(app, ["align", str(tmp_path / "one"), "--student-tokenizer",
-                                   str(toy_setup.teacher_tokenizer)])
-    assert res.exit_code == 0, res.output
+    res = xtcache("align", tmp_path / "one", "--student-tokenizer", toy_setup.teacher_tokenizer)
+    assert res.returncode == 0, res.stdout + res.stderr
     dump(teacher, corpus, tmp_path / "both", [toy_setup.student_tokenizer, toy_setup.teacher_tokenizer])
     r1, _ = read_all(tmp_path / "one")
     r2, _ = read_all(tmp_path / "both")
@@ -188,9 +184,8 @@ def test_align_command_equals_dumping_with_both_tokenizers(teacher, corpus, toy_
             assert np.array_equal(getattr(a1, name), getattr(a2, name)), name
     # a cross-tokenizer group added later equals the one written by the dump
     dump(teacher, corpus, tmp_path / "ident", [toy_setup.teacher_tokenizer])
-    res = CliRunner().invoke(app, ["align", str(tmp_path / "ident"), "--student-tokenizer",
-                                   str(toy_setup.student_tokenizer)])
-    assert res.exit_code == 0, res.output
+    res = xtcache("align", tmp_path / "ident", "--student-tokenizer", toy_setup.student_tokenizer)
+    assert res.returncode == 0, res.stdout + res.stderr
     r3, _ = read_all(tmp_path / "ident")
     fp = tokenizer_fingerprint(toy_setup.student_tokenizer)
     assert not r3.alignment_groups()[fp].identity
@@ -201,23 +196,17 @@ def test_align_command_equals_dumping_with_both_tokenizers(teacher, corpus, toy_
                      "exact"):
             assert np.array_equal(getattr(a3, name), getattr(a2, name)), name
     # a group the store already has is left as it is
-    res = CliRunner().invoke(app, ["align", str(tmp_path / "one"), "--student-tokenizer",
-                                   str(toy_setup.student_tokenizer)])
-    assert res.exit_code == 0, res.output
-    assert re.search(rf"\b0 parts aligned \(0 documents\), {len(r1.shards)} already present", res.output), res.output
+    res = xtcache("align", tmp_path / "one", "--student-tokenizer", toy_setup.student_tokenizer)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(rf"\b0 parts aligned \(0 documents\), {len(r1.shards)} already present", res.stdout), res.stdout
 
 
 def test_dry_run_counts_without_teacher(teacher, corpus, toy_setup, tmp_path):
-    from typer.testing import CliRunner
-
-    from xtcache.cli import app
-
-    res = CliRunner().invoke(app, ["teacher-dump", "--teacher", teacher, "--student-tokenizer",
-                                   str(toy_setup.student_tokenizer), "--data", corpus, "--out",
-                                   str(tmp_path / "dry"), "--dry-run", "--max-seq-len", "160"])
-    assert res.exit_code == 0, res.output
-    assert "documents           24" in res.output and "estimated size" in res.output
-    assert "positions" in res.output and "fewer than 2 teacher tokens: 1" in res.output
+    res = xtcache("teacher-dump", "--teacher", teacher, "--student-tokenizer", toy_setup.student_tokenizer,
+                  "--data", corpus, "--out", tmp_path / "dry", "--dry-run", "--max-seq-len", "160")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "documents           24" in res.stdout and "estimated size" in res.stdout
+    assert "positions" in res.stdout and "fewer than 2 teacher tokens: 1" in res.stdout
     assert not (tmp_path / "dry").exists()
 
 
