@@ -242,9 +242,7 @@ def test_config_file_flat_or_sectioned(tmp_path, suffix, text):
 
 
 def test_cli_flags_win_over_config_file(tmp_path):
-    from typer.testing import CliRunner
-
-    from xtcache.cli import app
+    from tests.commands import xtcache
 
     p = tmp_path / "c.yaml"
     p.write_text("top_k: 8\nmode: full\nteacher: /nonexistent\nstudent_tokenizer: [s]\ndata: [d.jsonl]\nout: o\n")
@@ -261,10 +259,10 @@ def test_cli_flags_win_over_config_file(tmp_path):
     orig = dump.run_teacher_dump
     dump.run_teacher_dump = fake_run
     try:
-        r = CliRunner().invoke(app, ["teacher-dump", "--config", str(p), "--top-k", "4"])
+        r = xtcache("teacher-dump", "--config", p, "--top-k", "4")
     finally:
         dump.run_teacher_dump = orig
-    assert r.exit_code == 0, r.output
+    assert r.returncode == 0, r.stdout + r.stderr
     assert seen["cfg"].capture.top_k == 4 and seen["cfg"].capture.mode == "full"
 
 
