@@ -325,20 +325,8 @@ def test_cache_dir_helpers(tmp_path):
     assert infos.size > 0 and infos.url == url
 
 
-def _cli():
-    import typer
-
-    from xtcache import commands_store
-
-    app = typer.Typer()
-    app.command("inspect")(commands_store.inspect)
-    app.command("verify")(commands_store.verify)
-    app.command("ls")(commands_store.cache_ls)
-    return app
-
-
 def test_inspect_verify_and_cache_ls_commands(tmp_path):
-    from typer.testing import CliRunner
+    from tests.commands import xtcache
 
     rng = np.random.default_rng(10)
     cache_dir = tmp_path / "caches"
@@ -348,25 +336,24 @@ def test_inspect_verify_and_cache_ls_commands(tmp_path):
     w = CacheWriter(url, manifest(cache_key="k" * 64, alignment_groups=[g], fingerprints={"corpus": "c" * 64}))
     w.write_part(0, docs[:2], {g.fingerprint: [make_alignment(rng, len(d.teacher_ids)) for d in docs[:2]]})
     w.write_part(1, docs[2:], {g.fingerprint: [make_alignment(rng, len(d.teacher_ids)) for d in docs[2:]]})
-    runner = CliRunner()
     # a store still being written: its committed parts check out, yet it is no store to train on
-    running = runner.invoke(_cli(), ["verify", url])
-    assert running.exit_code == 1 and "1 of 1 writer(s) have not finished" in running.output
-    assert "--allow-incomplete" in running.output
-    partial = runner.invoke(_cli(), ["verify", url, "--allow-incomplete"])
-    assert partial.exit_code == 0 and "OK (2 shards, 101 positions, incomplete)" in partial.output
+    running = xtcache("verify", url)
+    assert running.returncode == 1 and "1 of 1 writer(s) have not finished" in running.stderr, running.stderr
+    assert "--allow-incomplete" in running.stderr
+    partial = xtcache("verify", url, "--allow-incomplete")
+    assert partial.returncode == 0 and "OK (2 shards, 101 positions, incomplete)" in partial.stdout, partial.stdout
     w.finish()
-    out = runner.invoke(_cli(), ["inspect", url])
-    assert out.exit_code == 0, out.output
+    out = xtcache("inspect", url)
+    assert out.returncode == 0, out.stdout + out.stderr
     for needle in ("teacher positions 101", "documents       4", "topk_ids", "B/position", "x smaller",
                    "mean top-k mass", "student", "1:1", f"format version  {FORMAT_VERSION}", "corpus", "shards 2"):
-        assert needle in out.output, (needle, out.output)
+        assert needle in out.stdout, (needle, out.stdout)
 
-    ok = runner.invoke(_cli(), ["verify", url])
-    assert ok.exit_code == 0 and "OK (2 shards, 101 positions, complete)" in ok.output
+    ok = xtcache("verify", url)
+    assert ok.returncode == 0 and "OK (2 shards, 101 positions, complete)" in ok.stdout, ok.stdout + ok.stderr
 
-    ls = runner.invoke(_cli(), ["ls", "--cache-dir", str(cache_dir)])
-    assert ls.exit_code == 0 and "k" * 16 in ls.output and "yes" in ls.output
+    ls = xtcache("cache", "ls", "--cache-dir", cache_dir)
+    assert ls.returncode == 0 and "k" * 16 in ls.stdout and "yes" in ls.stdout, ls.stdout + ls.stderr
 
     # damage one array of each part: --all names both, the default stops at the first
     for sid, name in ((shard_id(0, 0), "residual"), (shard_id(0, 1), "topk_ids")):
@@ -374,13 +361,14 @@ def test_inspect_verify_and_cache_ls_commands(tmp_path):
         data = bytearray(chunk.read_bytes())
         data[len(data) // 3] ^= 0x55
         chunk.write_bytes(bytes(data))
-    bad = runner.invoke(_cli(), ["verify", url])
-    assert bad.exit_code == 1
-    assert "teacher part w00000-p000000: array 'residual'" in bad.output and "topk_ids" not in bad.output
-    every = runner.invoke(_cli(), ["verify", url, "--all"])
-    assert every.exit_code == 1
-    assert "teacher part w00000-p000000: array 'residual'" in every.output
-    assert "teacher part w00000-p000001: array 'topk_ids'" in every.output
+    bad = xtcache("verify", url)
+    assert bad.returncode == 1
+    assert "teacher part w00000-p000000: array 'residual'" in bad.stderr
+    assert "topk_ids" not in bad.stdout + bad.stderr
+    every = xtcache("verify", url, "--all")
+    assert every.returncode == 1
+    assert "teacher part w00000-p000000: array 'residual'" in every.stderr
+    assert "teacher part w00000-p000001: array 'topk_ids'" in every.stderr
 
 
 def test_verify_reports_newer_shard_version(tmp_path):
@@ -448,8 +436,7 @@ def test_s3_round_trip_through_moto(monkeypatch):
 
 def test_xtcache_verify_exit_status(tmp_path):
     """Through the real `xtcache` entry point: 0 for a good store, non-zero naming the problem otherwise."""
-    import subprocess
-    import sys
+    from tests.commands import xtcache
 
     rng = np.random.default_rng(13)
     url = str(tmp_path / "cache")
@@ -457,15 +444,12 @@ def test_xtcache_verify_exit_status(tmp_path):
         w.write_part(0, [make_doc(rng, 0, 30, 8, 5000)])
         w.finish()
 
-    def run(*a):
-        return subprocess.run([sys.executable, "-m", "xtcache.cli", *a], capture_output=True, text=True, timeout=120)
-
-    good = run("verify", url)
+    good = xtcache("verify", url)
     assert good.returncode == 0, good.stderr
     chunk = next(p for p in (tmp_path / "cache" / "shards" / shard_id(0, 0) / "char_offsets" / "c").rglob("*")
                  if p.is_file())
     chunk.write_bytes(chunk.read_bytes()[:-7] + b"garbage")
-    bad = run("verify", url)
+    bad = xtcache("verify", url)
     assert bad.returncode != 0
     assert "teacher part w00000-p000000: array 'char_offsets'" in bad.stderr
 
