@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import typer
-from typer.testing import CliRunner
 
-from stage2_student import cli
 from stage2_student.config import TrainConfig, deepspeed_config, lr_lambda
+from tests.commands import xtcache
 from xtcache.cliconfig import read_config_file
 from xtcache.errors import ConfigError
 
@@ -22,10 +20,8 @@ def test_flags_override_config_file_and_file_overrides_defaults(tmp_path, monkey
     monkeypatch.setattr("stage2_student.trainer.train", lambda cfg: seen.update(cfg=cfg))
     (tmp_path / "run.yaml").write_text("cache: /c\nstudent: /s\nout: /o\nloss: {kd_weight: 0.5, loss: pkl}\n"
                                        "lr: 0.002\nmax-steps: 7\n")
-    app = typer.Typer()
-    app.command()(cli.train_student)
-    result = CliRunner().invoke(app, ["--config", str(tmp_path / "run.yaml"), "--lr", "0.01", "--bf16"])
-    assert result.exit_code == 0, result.output
+    result = xtcache("train-student", "--config", tmp_path / "run.yaml", "--lr", "0.01", "--bf16")
+    assert result.returncode == 0, result.stdout + result.stderr
     cfg = seen["cfg"]
     assert (cfg.cache, cfg.loss.loss, cfg.loss.kd_weight, cfg.optim.max_steps) == (["/c"], "pkl", 0.5, 7)
     assert cfg.optim.lr == 0.01 and cfg.deepspeed.bf16 is True
@@ -78,10 +74,9 @@ def test_unknown_config_key_is_refused():
 
 
 def test_missing_required_flags_are_reported():
-    app = typer.Typer()
-    app.command()(cli.train_student)
-    result = CliRunner().invoke(app, ["--cache", "c"])
-    assert result.exit_code != 0 and "--student" in str(result.exception)
+    result = xtcache("train-student", "--cache", "c")
+    # a ConfigError: main() prints it as one `error: ...` line and exits 2
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "--student" in result.stderr, result.stderr
 
 
 def test_deepspeed_config_follows_flags(tmp_path):
