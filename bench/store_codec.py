@@ -35,7 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.store_codec_candidates import candidate_rows, candidate_table  # noqa: E402
+from bench.store_codec_candidates import candidate_rows, candidate_table, chunk_blobs, compressed_bytes  # noqa: E402
 from xtcache import codecs  # noqa: E402
 from xtcache.store.arrays import default_compression  # noqa: E402
 from xtcache.testing import toy  # noqa: E402
@@ -46,7 +46,6 @@ DOC_BLOCKS = {"store-codec": "README.md", "checked-reads": "README.md",
 DEFAULT_VARIANTS = {8: "sqrt127 shuf3", 64: "sqrt127 shuf3", 256: "sqrt255 shuf3"}  # the v2 value code per k
 VERSIONS = {2: "v1 (format 2)", 3: "v2 (format 3)"}  # store format version -> codec name in the tables
 TARGET_VOCAB = 80_000
-CHUNK_BYTES = 1 << 20
 log = logging.getLogger("bench.store_codec")
 
 
@@ -168,17 +167,6 @@ def kl_error(lp: np.ndarray, decoded: np.ndarray) -> float:
     return float(terms.sum(1).mean())
 
 
-def _compress(values: np.ndarray, comp: codecs.Compression):
-    """(blobs, codec): compressed with the numcodecs compressor behind the Zarr codec, per inner chunk."""
-    import numcodecs
-
-    codec = (numcodecs.Zstd(level=comp.level) if comp.shuffle == "none" else
-             numcodecs.Blosc(cname="zstd", clevel=comp.level, blocksize=comp.blocksize,
-                             shuffle=numcodecs.Blosc.SHUFFLE if comp.shuffle == "byte" else numcodecs.Blosc.BITSHUFFLE))
-    rows = max(1, CHUNK_BYTES // (values.dtype.itemsize * values.shape[1]))
-    return [codec.encode(np.ascontiguousarray(values[i:i + rows])) for i in range(0, len(values), rows)], codec
-
-
 def measure(ids, lp, ids_codec, lp_codec, comp_ids, comp_lp, repeat: int = 5) -> dict:
     P = len(ids)
     best_enc = best_dec = float("inf")
@@ -186,8 +174,8 @@ def measure(ids, lp, ids_codec, lp_codec, comp_ids, comp_lp, repeat: int = 5) ->
         t0 = time.perf_counter()
         deltas, order = ids_codec.encode(ids)
         vals = lp_codec.encode(np.take_along_axis(lp, order, 1))
-        id_blobs, id_c = _compress(deltas, comp_ids)
-        lp_blobs, lp_c = _compress(vals, comp_lp)
+        id_blobs, id_c = chunk_blobs(deltas, comp_ids.shuffle, comp_ids.level, comp_ids.blocksize)
+        lp_blobs, lp_c = chunk_blobs(vals, comp_lp.shuffle, comp_lp.level, comp_lp.blocksize)
         best_enc = min(best_enc, time.perf_counter() - t0)
         t0 = time.perf_counter()
         d2 = np.concatenate([np.frombuffer(id_c.decode(b), dtype=deltas.dtype) for b in id_blobs]).reshape(deltas.shape)
@@ -211,8 +199,8 @@ def side_bytes(lp: np.ndarray, realized: np.ndarray) -> float:
     rest = np.clip(1 - np.exp(lp.astype(np.float64)).sum(1), 0, None).astype(np.float32)
     total = 0
     for name, values in (("residual", rest), ("realized_logprob", np.ascontiguousarray(realized))):
-        blobs, _ = _compress(values[:, None], default_compression(name))
-        total += sum(map(len, blobs))
+        comp = default_compression(name)
+        total += compressed_bytes(values[:, None], comp.shuffle, comp.level, comp.blocksize)
     return total / len(lp)
 
 

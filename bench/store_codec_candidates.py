@@ -17,19 +17,25 @@ from xtcache import codecs
 CHUNK_BYTES = 1 << 20
 
 
-def compressed_bytes(values: np.ndarray, shuffle: str = "none", level: int = 3, blocksize: int = 0) -> int:
-    """Bytes of `values` compressed per 1 MiB inner chunk, as the store compresses an array (blosc
-    blocks of `blocksize` bytes, 0: blosc's choice)."""
+def chunk_blobs(values: np.ndarray, shuffle: str = "none", level: int = 3, blocksize: int = 0) -> tuple[list, object]:
+    """(blobs, codec): `values` compressed per 1 MiB inner chunk of rows with the numcodecs compressor
+    behind the store's Zarr codec (zstd, or blosc-zstd with a byte or bit shuffle in blocks of
+    `blocksize` bytes, 0: blosc's choice); `codec.decode` reads a blob back."""
     import numcodecs
 
     codec = (numcodecs.Zstd(level=level) if shuffle == "none" else
              numcodecs.Blosc(cname="zstd", clevel=level, blocksize=blocksize,
                              shuffle=numcodecs.Blosc.SHUFFLE if shuffle == "byte" else numcodecs.Blosc.BITSHUFFLE))
     if values.size == 0:
-        return 0
+        return [], codec
     flat = np.ascontiguousarray(values).reshape(len(values), -1)
     rows = max(1, CHUNK_BYTES // max(1, flat.dtype.itemsize * flat.shape[1]))
-    return sum(len(codec.encode(np.ascontiguousarray(flat[i:i + rows]))) for i in range(0, len(flat), rows))
+    return [codec.encode(np.ascontiguousarray(flat[i:i + rows])) for i in range(0, len(flat), rows)], codec
+
+
+def compressed_bytes(values: np.ndarray, shuffle: str = "none", level: int = 3, blocksize: int = 0) -> int:
+    """Bytes of `values` compressed per inner chunk, as the store compresses an array (`chunk_blobs`)."""
+    return sum(map(len, chunk_blobs(values, shuffle, level, blocksize)[0]))
 
 
 def kl_top_rest(lp: np.ndarray, decoded: np.ndarray, rest: np.ndarray | None = None) -> float:
