@@ -93,10 +93,11 @@ def train(setup, store: Path, args, dtype: str, work: Path) -> dict:
 
     out = work / "student"
     projection = work / "projection.safetensors"
-    build_projection(load_tokenizer(str(setup.student_tokenizer)), load_tokenizer(str(setup.teacher_tokenizer))).save(projection)
-    cmd = [sys.executable, "-m", "xtcache.cli", "train-student", "--cache", str(store), "--student", str(setup.student_model), "--out", str(out),
-           "--projection", str(projection), "--loss", "pkl", "--seq-len", "128", "--micro-batch-size", "8",
-           "--max-steps", str(args.steps), "--warmup-steps", "2", "--eval-every", "0", "--zero-stage", "2",
+    pm = build_projection(load_tokenizer(str(setup.student_tokenizer)), load_tokenizer(str(setup.teacher_tokenizer)))
+    pm.save(projection)
+    cmd = [sys.executable, "-m", "xtcache.cli", "train-student", "--cache", str(store), "--student",
+           str(setup.student_model), "--out", str(out), "--projection", str(projection), "--loss", "pkl",
+           "--seq-len", "128", "--micro-batch-size", "8", "--max-steps", str(args.steps), "--warmup-steps", "2", "--eval-every", "0", "--zero-stage", "2",
            "--seed", "0", "--bf16" if dtype == "bfloat16" else "--no-bf16"]
     subprocess.run(cmd, check=True, cwd=REPO)
     return json.loads((out / "summary.json").read_text())

@@ -35,7 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.store_codec_candidates import candidate_rows, candidate_table, chunk_blobs, compressed_bytes  # noqa: E402
+from bench.store_codec_candidates import candidate_rows, candidate_table, chunk_blobs  # noqa: E402
 from xtcache import codecs  # noqa: E402
 from xtcache.store.arrays import default_compression  # noqa: E402
 from xtcache.testing import toy  # noqa: E402
@@ -174,8 +174,8 @@ def measure(ids, lp, ids_codec, lp_codec, comp_ids, comp_lp, repeat: int = 5) ->
         t0 = time.perf_counter()
         deltas, order = ids_codec.encode(ids)
         vals = lp_codec.encode(np.take_along_axis(lp, order, 1))
-        id_blobs, id_c = chunk_blobs(deltas, comp_ids.shuffle, comp_ids.level, comp_ids.blocksize)
-        lp_blobs, lp_c = chunk_blobs(vals, comp_lp.shuffle, comp_lp.level, comp_lp.blocksize)
+        id_blobs, id_c = chunk_blobs(deltas, comp_ids)
+        lp_blobs, lp_c = chunk_blobs(vals, comp_lp)
         best_enc = min(best_enc, time.perf_counter() - t0)
         t0 = time.perf_counter()
         d2 = np.concatenate([np.frombuffer(id_c.decode(b), dtype=deltas.dtype) for b in id_blobs]).reshape(deltas.shape)
@@ -199,8 +199,7 @@ def side_bytes(lp: np.ndarray, realized: np.ndarray) -> float:
     rest = np.clip(1 - np.exp(lp.astype(np.float64)).sum(1), 0, None).astype(np.float32)
     total = 0
     for name, values in (("residual", rest), ("realized_logprob", np.ascontiguousarray(realized))):
-        comp = default_compression(name)
-        total += compressed_bytes(values[:, None], comp.shuffle, comp.level, comp.blocksize)
+        total += sum(map(len, chunk_blobs(values[:, None], default_compression(name))[0]))
     return total / len(lp)
 
 

@@ -17,15 +17,15 @@ from xtcache import codecs
 CHUNK_BYTES = 1 << 20
 
 
-def chunk_blobs(values: np.ndarray, shuffle: str = "none", level: int = 3, blocksize: int = 0) -> tuple[list, object]:
+def chunk_blobs(values: np.ndarray, comp: codecs.Compression) -> tuple[list, object]:
     """(blobs, codec): `values` compressed per 1 MiB inner chunk of rows with the numcodecs compressor
-    behind the store's Zarr codec (zstd, or blosc-zstd with a byte or bit shuffle in blocks of
-    `blocksize` bytes, 0: blosc's choice); `codec.decode` reads a blob back."""
+    behind the store's Zarr codec for `comp` (zstd, or blosc-zstd with a byte or bit shuffle in blocks of
+    `comp.blocksize` bytes, 0: blosc's choice); `codec.decode` reads a blob back."""
     import numcodecs
 
-    codec = (numcodecs.Zstd(level=level) if shuffle == "none" else
-             numcodecs.Blosc(cname="zstd", clevel=level, blocksize=blocksize,
-                             shuffle=numcodecs.Blosc.SHUFFLE if shuffle == "byte" else numcodecs.Blosc.BITSHUFFLE))
+    codec = (numcodecs.Zstd(level=comp.level) if comp.shuffle == "none" else
+             numcodecs.Blosc(cname="zstd", clevel=comp.level, blocksize=comp.blocksize,
+                             shuffle=numcodecs.Blosc.SHUFFLE if comp.shuffle == "byte" else numcodecs.Blosc.BITSHUFFLE))
     if values.size == 0:
         return [], codec
     flat = np.ascontiguousarray(values).reshape(len(values), -1)
@@ -35,7 +35,7 @@ def chunk_blobs(values: np.ndarray, shuffle: str = "none", level: int = 3, block
 
 def compressed_bytes(values: np.ndarray, shuffle: str = "none", level: int = 3, blocksize: int = 0) -> int:
     """Bytes of `values` compressed per inner chunk, as the store compresses an array (`chunk_blobs`)."""
-    return sum(map(len, chunk_blobs(values, shuffle, level, blocksize)[0]))
+    return sum(map(len, chunk_blobs(values, codecs.Compression(level, shuffle, blocksize))[0]))
 
 
 def kl_top_rest(lp: np.ndarray, decoded: np.ndarray, rest: np.ndarray | None = None) -> float:
