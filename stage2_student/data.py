@@ -95,6 +95,8 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
 
     manifests = [CacheReader(c, storage_options=cfg.loader.storage_options).manifest for c in cfg.cache]
     student_fp = tokenizer_fingerprint(tokenizer)
+    if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
+        check_eval_caches(cfg, manifests, tokenizer)
     # the loader refuses a student tokenizer a cache has no alignment for, naming the cache and what to run
     train, make_eval = make_loaders(cfg, tokenizer, rank, world)
     caps = [Capabilities(same_tokenizer=student_fp == m.fingerprints.get("teacher_tokenizer"), mode=m.mode)
@@ -131,6 +133,50 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     return StageData(train=train, objective=objective, make_eval=make_eval, measures=measures,
                      measure_definition=measure_definition(eval_caps) if measures[0] is not None else None,
                      mixture_measure=mixture, info=info)
+
+
+def check_eval_caches(cfg: TrainConfig, manifests, tokenizer) -> None:
+    """Refuse an --eval-cache whose held-out KL would not measure the distance to the --cache's teacher.
+
+    The evaluation reads eval store i through training store i's teacher vocabulary, projection map
+    and student alignment, so eval store i must agree with training store i on what those rely on:
+    the teacher (model and tokenizer, hence the teacher vocabulary and any --projection, which is
+    checked against the training store), the kind of corpus (conversations or plain text) and an
+    alignment group for this student. One line naming --eval-cache and what differs, before any
+    model loads.
+    """
+    from stage2_student.loader import student_fingerprint
+    from xtcache.store import CacheReader
+
+    for url, train_url, train in zip(cfg.eval.eval_cache, cfg.cache, manifests):
+        reader = CacheReader(url, storage_options=cfg.loader.storage_options)
+        held = reader.manifest
+        differ = [f"{what} {_short(a)} vs {_short(b)}" for what, a, b in (
+            ("teacher tokenizer", held.fingerprints.get("teacher_tokenizer"), train.fingerprints.get("teacher_tokenizer")),
+            ("teacher vocabulary", held.teacher_vocab_size, train.teacher_vocab_size),
+            ("teacher model", held.fingerprints.get("teacher_model"), train.fingerprints.get("teacher_model")))
+            if a != b]
+        if differ:
+            raise ConfigError(
+                f"--eval-cache {url} was written by another teacher than --cache {train_url} ({'; '.join(differ)}): "
+                f"its KL would not be the distance to the teacher being distilled; evaluate on a held-out store of "
+                f"the same teacher ({train.teacher_name or 'see `xtcache inspect ' + train_url + '`'})")
+        if held.conversation != train.conversation:
+            kinds = ("conversations", "plain text")
+            raise ConfigError(f"--eval-cache {url} holds {kinds[not held.conversation]} and --cache {train_url} "
+                              f"{kinds[not train.conversation]}: evaluate on a store of the same kind")
+        fp = student_fingerprint(tokenizer, chat=held.conversation)
+        if fp not in reader.alignment_groups() and fp != held.fingerprints.get("teacher_tokenizer"):
+            raise ConfigError(f"--eval-cache {url} has no alignment for the student tokenizer ({fp[:12]}..) that "
+                              f"--cache {train_url} is read with; run `xtcache align {url} --student-tokenizer "
+                              f"{cfg.student}` first")
+
+
+def _short(value) -> str:
+    """A fingerprint cut to 12 characters; other values as they are; None as 'none'."""
+    if value is None:
+        return "none"
+    return f"{value[:12]}.." if isinstance(value, str) and len(value) == 64 else str(value)
 
 
 def _kinds_and_projections(cfg: TrainConfig, manifests, caps: list[Capabilities], tokenizer, student_fp: str,
