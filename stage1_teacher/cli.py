@@ -44,7 +44,8 @@ def _dump(cfg: TeacherDumpConfig) -> None:
 teacher_dump = command(
     TeacherDumpConfig, _dump, name="teacher_dump",
     help="Run the teacher once over a corpus and write a reusable teacher cache.",
-    panels={None: "Run", "input": "Input", "teacher": "Teacher", "capture": "Capture", "store": "Store"})
+    panels={None: "Run", "input": "Input", "teacher": "Teacher", "capture": "Capture", "store": "Store"},
+    paths={"teacher": "dir", "student_tokenizer": "dir", "trust_check_from": "dir"})
 
 
 def _align(cfg: AlignConfig) -> None:
@@ -57,7 +58,8 @@ def _align(cfg: AlignConfig) -> None:
 
 
 align = command(AlignConfig, _align, name="align",
-                help="Add an alignment group for another student tokenizer to a store, without running the teacher.")
+                help="Add an alignment group for another student tokenizer to a store, without running the teacher.",
+                paths={"store": "dir", "student_tokenizer": "dir", "teacher_tokenizer": "dir"})
 
 
 def _generate(cfg: GenerateConfig) -> None:
@@ -72,4 +74,5 @@ def _generate(cfg: GenerateConfig) -> None:
 
 generate = command(GenerateConfig, _generate, name="generate",
                    help="Sample the student's completions for a prompt set: a rollout corpus teacher-dump reads as is.",
-                   panels={None: "Run", "input": "Input", "sampling": "Sampling", "output": "Output"})
+                   panels={None: "Run", "input": "Input", "sampling": "Sampling", "output": "Output"},
+                   paths={"student": "dir"})

@@ -9,6 +9,7 @@ store for that key (at --out or under --cache-dir); `manifest_for` is the manife
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -158,15 +159,43 @@ def find_reusable(cfg: TeacherDumpConfig, plan: Plan) -> str | None:
             raise StoreError(f"--out {plan.out} was filled under another shard plan ({had.num_jobs} jobs, fingerprint "
                              f"{had.fingerprint[:12]}..); a store keeps one plan: use another --out")
         if r.manifest.cache_key != plan.cache_key:
-            raise StoreError(f"--out {plan.out} holds a cache written for another teacher, corpus or settings "
-                             f"(cache key {r.manifest.cache_key[:16]}.. != {plan.cache_key[:16]}..); "
-                             "use another --out or delete that store")
+            raise StoreError(f"--out {plan.out} holds a cache of another key "
+                             f"({'; '.join(key_differences(r.manifest, plan))}); use another --out, rerun with the "
+                             "store's settings, or delete that store")
         if r.is_complete():
             return plan.out
     if cfg.store.cache_dir:
         return find_cache(cfg.store.cache_dir, plan.cache_key, cfg.store.storage_options)
     return None
 
+
+
+def key_differences(stored, plan: Plan) -> list[str]:
+    """What makes a store's cache key (manifest `stored`) differ from this run's: each differing
+    component fingerprint, and each capture setting by its flag, "in the store" vs "now"."""
+    from xtcache.cliconfig import leaf_fields
+
+    names = {"teacher_model": "--teacher (the model's weights or config)", "teacher_tokenizer": "the teacher tokenizer",
+             "corpus": "--data (the corpus files' names, sizes or bytes)"}
+    out = [f"{what}: {str(stored.fingerprints.get(c))[:12]}.. in the store, {str(plan.fingerprints.get(c))[:12]}.. now"
+           for c, what in names.items() if stored.fingerprints.get(c) != plan.fingerprints.get(c)]
+    leaves = leaf_fields(TeacherDumpConfig)
+    flags = {"max_seq_len": "window length (--max-seq-len, within the teacher's context)",
+             "window_cut_tokenizers": "--student-tokenizer", "capture_engine": "--engine",
+             "shard_plan": "--num-shards (the shard plan)"}
+    for k in sorted(set(stored.settings) | set(plan.settings)):
+        a, b = stored.settings.get(k), plan.settings.get(k)
+        if a != b:
+            flag = flags.get(k) or (leaves[k].flag if k in leaves else f"setting {k}")
+            out.append(f"{flag}: {_brief(a)} in the store, {_brief(b)} now")
+    if not out and stored.fingerprints.get("settings") != plan.fingerprints.get("settings"):
+        out.append("capture settings")
+    return out or ["cache key"]
+
+
+def _brief(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def store_plan(plan: Plan, storage_options: dict) -> None:

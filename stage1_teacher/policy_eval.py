@@ -270,4 +270,5 @@ def _run(cfg: PolicyEvalConfig) -> None:
 
 policy_eval_command = command(
     PolicyEvalConfig, _run, name="policy_eval",
-    help="On-policy measure: the student samples held-out prompts, the live teacher scores them (reverse KL, NLL).")
+    help="On-policy measure: the student samples held-out prompts, the live teacher scores them (reverse KL, NLL).",
+    paths={"student": "dir", "teacher": "dir"})

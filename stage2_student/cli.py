@@ -36,4 +36,6 @@ train_student = command(
     TrainConfig, _train, name="train_student",
     help="Train a student on a teacher cache with DeepSpeed (KD + CE), evaluate, export to Hugging Face.",
     panels={None: "Run", "loader": "Loader", "loss": "Loss", "optim": "Optimization", "deepspeed": "DeepSpeed",
-            "checkpoint": "Checkpoints", "eval": "Evaluation"})
+            "checkpoint": "Checkpoints", "eval": "Evaluation"},
+    paths={"cache": "dir", "student": "dir", "eval_cache": "dir", "projection": "file", "corpus_cache": "dir",
+           "deepspeed": "file", "init_from": "dir"})

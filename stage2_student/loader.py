@@ -387,7 +387,10 @@ class CacheDataset(torch.utils.data.IterableDataset):
                 n_groups += ok.shape[0]
                 for ci in range(n):
                     windows[ci][-1].append(segs[ci])
-        return build_joined_batch(windows, group_ok, self.seq_len, self.pad_id, self.urls)
+        batch = build_joined_batch(windows, group_ok, self.seq_len, self.pad_id, self.urls)
+        if self.train_on is not None:  # conversation caches: which messages the labels train
+            batch["train_on"] = self.train_on
+        return batch
 
     def positions(self, start: tuple[int, int]):
         """(epoch, j) of the rank's micro-batches from `start` on, across epochs."""

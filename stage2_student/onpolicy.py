@@ -68,7 +68,12 @@ def behaviour_rows(batch: dict, rows, is_cap: float) -> Tensor | None:
                           "docs/on-policy.md)")
     out = batch[SAMPLED_KEY].reshape(-1)[torch.as_tensor(rows, dtype=torch.int64)].float()  # [P]
     if not bool(torch.isfinite(out).all()):
-        raise XtcacheError(f"--loss rkl-pg: {int((~torch.isfinite(out)).sum())} trained position(s) of the micro-batch "
-                           f"have no sampling log-prob ({SAMPLED_KEY}): train rollouts with --train-on last-assistant, "
-                           "or use --is-cap 0")
+        missing = f"--loss rkl-pg: {int((~torch.isfinite(out)).sum())} trained position(s) of the micro-batch have " \
+                  f"no sampling log-prob ({SAMPLED_KEY})"
+        if batch.get("train_on") == "last-assistant":  # only sampled turns are trained: turns whose ids differ
+            raise XtcacheError(f"{missing}: they lie in sampled turns whose sampled ids do not spell the turn's text "
+                               "(`xtcache inspect` on the rollout cache counts them), which store no sampling log-probs; "
+                               "use --is-cap 0 to train them without the ratio")
+        raise XtcacheError(f"{missing}: train rollouts with --train-on last-assistant (the sampled turn only), or use "
+                           "--is-cap 0")
     return out

@@ -41,8 +41,9 @@ def test_console_keeps_xtcache_lines_and_sends_engine_lines_to_the_log(line, con
 def test_engine_warning_goes_to_the_log_and_a_failed_stage_to_the_console(toy_setup, tmp_path, capsys):
     log_path = tmp_path / "demo.log"
     runner = StageRunner(log_path)
+    (tmp_path / "not_a_store").mkdir()  # refused by the stage's reader, after DeepSpeed's import printed its notice
     with pytest.raises(StageFailed, match=r"exit 2\): xtcache train-student .*demo\.log"):
-        runner.xtcache("train-student", "--cache", str(tmp_path / "missing"), "--student",
+        runner.xtcache("train-student", "--cache", str(tmp_path / "not_a_store"), "--student",
                        str(toy_setup.student_model), "--out", str(tmp_path / "out"), "--max-steps", "1")
     out, err = capsys.readouterr()
     logged = log_path.read_text()

@@ -238,6 +238,7 @@ def test_bad_prompts_are_refused_in_one_line(chat, request, tmp_path, rows, mess
 def test_an_empty_prompt_file_is_refused_before_the_student_is_read(tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("")
+    (tmp_path / "no-student").mkdir()  # a directory without a model: the prompts are refused before it is read
     proc = xtcache("generate", "--student", tmp_path / "no-student", "--data", data, "--out", tmp_path / "r",
                    "--engine", "hf")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(

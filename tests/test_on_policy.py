@@ -171,6 +171,21 @@ def test_missing_or_partial_sampling_log_probs_are_refused():
     Objective("rkl-pg", measure_agreement=False, is_cap=0.0).prepare(no_logprobs, vocab=V)  # no ratio: fine
 
 
+@pytest.mark.parametrize("train_on", [None, "assistant", "last-assistant"])
+def test_a_trained_position_without_sampling_log_prob_is_explained_by_what_train_on_trains(train_on):
+    """--train-on last-assistant trains only sampled turns: a hole there is a turn whose ids differ from its
+    text, and the refusal does not advise the flag already given."""
+    batch = _cross_rollout(torch.Generator().manual_seed(5))
+    batch["sampled_logprobs"][0, 2] = float("nan")
+    if train_on is not None:
+        batch["train_on"] = train_on
+    with pytest.raises(XtcacheError, match="1 trained position") as refused:
+        Objective("rkl-pg", measure_agreement=False, is_cap=2.0).prepare(batch, vocab=V)
+    message = str(refused.value)
+    assert ("--train-on last-assistant" in message) == (train_on != "last-assistant"), message
+    assert "--is-cap 0" in message
+
+
 def test_rkl_pg_is_allowed_on_every_cache_never_picked_by_auto_and_trains_at_t1():
     for same in (True, False):
         for mode in ("topk", "full", "sampled"):

@@ -18,12 +18,14 @@ from xtcache.errors import ConfigError
 def test_flags_override_config_file_and_file_overrides_defaults(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr("stage2_student.trainer.train", lambda cfg: seen.update(cfg=cfg))
-    (tmp_path / "run.yaml").write_text("cache: /c\nstudent: /s\nout: /o\nloss: {kd_weight: 0.5, loss: pkl}\n"
-                                       "lr: 0.002\nmax-steps: 7\n")
+    for d in ("c", "s"):  # the paths a command is given must exist
+        (tmp_path / d).mkdir()
+    (tmp_path / "run.yaml").write_text(f"cache: {tmp_path}/c\nstudent: {tmp_path}/s\nout: /o\n"
+                                       "loss: {kd_weight: 0.5, loss: pkl}\nlr: 0.002\nmax-steps: 7\n")
     result = xtcache("train-student", "--config", tmp_path / "run.yaml", "--lr", "0.01", "--bf16")
     assert result.returncode == 0, result.stdout + result.stderr
     cfg = seen["cfg"]
-    assert (cfg.cache, cfg.loss.loss, cfg.loss.kd_weight, cfg.optim.max_steps) == (["/c"], "pkl", 0.5, 7)
+    assert (cfg.cache, cfg.loss.loss, cfg.loss.kd_weight, cfg.optim.max_steps) == ([f"{tmp_path}/c"], "pkl", 0.5, 7)
     assert cfg.optim.lr == 0.01 and cfg.deepspeed.bf16 is True
     assert cfg.optim.grad_accum == 1  # default
 

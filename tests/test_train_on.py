@@ -167,6 +167,7 @@ def test_every_trained_position_is_trained_once_per_epoch(chat_store, train_on):
     ce, kd = Counter(), Counter()
     for j in range(ds.batches_per_epoch):
         b = ds.micro_batch(0, j)
+        assert b["train_on"] == train_on  # what the objective's messages about trained positions read
         labels = b["labels"][b["labels"] != IGNORE]
         assert labels.size > 0  # no window trains nothing
         ce.update(labels.tolist())

@@ -15,7 +15,9 @@ optional ones), `bool` and `bool | None` (`--x/--no-x`), `list[str]` (repeatable
 object on the command line, read by `parse_storage_options`, a mapping in a config file). A leaf
 without a default is required: given as a flag or in the file. Bad values raise ConfigError naming the flag (one line,
 exit 2 from the CLI); cross-field checks stay in the dataclass's `__post_init__` and raise
-ValueError naming the flag, which the command turns into ConfigError.
+ValueError naming the flag, which the command turns into ConfigError. A command names the leaves
+that hold local paths (`paths={"student": "dir", "projection": "file"}`): each one given must exist
+before the command reads anything, else one line naming the flag (fsspec URLs are left to their readers).
 """
 
 from __future__ import annotations
@@ -174,6 +176,9 @@ def flatten(cls: type, data: dict[str, Any], where: str = "") -> dict[str, Any]:
                 flat[sname] = v
         elif name in leaves:
             flat[name] = value
+        elif isinstance(value, dict):
+            raise ConfigError(f"{where}unknown section {key!r}: the sections are {', '.join(secs)} (keys mirror "
+                              "the command-line flags, flat or under these sections)")
         else:
             raise ConfigError(f"{where}unknown key {key!r} (keys mirror the command-line flags)")
     return flat
@@ -209,8 +214,18 @@ def read_mapping(path: str | Path) -> dict[str, Any]:
 
 
 def read_config_file(cls: type, path: str | Path) -> dict[str, Any]:
-    """Flat {field: value} of a `--config` file for `cls` (flat or sectioned keys, '-' or '_')."""
-    return flatten(cls, read_mapping(path), where=f"--config {path}: ")
+    """Flat {field: value} of a `--config` file for `cls` (flat or sectioned keys, '-' or '_'); a key or
+    value that is wrong raises ConfigError naming the file."""
+    flat = flatten(cls, read_mapping(path), where=f"--config {path}: ")
+    leaves = leaf_fields(cls)
+    for name, value in flat.items():
+        if value is None and not leaves[name].nullable:  # as from_flat: not given
+            continue
+        try:
+            _check(leaves[name], value)
+        except ConfigError as e:
+            raise ConfigError(f"--config {path}: {e}") from None
+    return flat
 
 
 def from_flat(cls: type, values: dict[str, Any]):
@@ -237,6 +252,33 @@ def from_flat(cls: type, values: dict[str, Any]):
     return cls(**top, **{name: t(**by_section[name]) for name, t in sections(cls).items()})
 
 
+PATH_KINDS = ("dir", "file")
+
+
+def require_path(flag: str, path: str, kind: str = "dir") -> None:
+    """A local `path` given as `flag` is an existing directory (`kind` "dir") or file ("file");
+    ConfigError naming the flag otherwise (`--student art/studnet: no such directory`). fsspec URLs
+    are left to their readers, which name what is missing."""
+    import os
+
+    if "://" in str(path):
+        return
+    if kind == "dir" and not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: {'not a directory' if os.path.exists(path) else 'no such directory'}")
+    if kind == "file" and not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: {'not a file' if os.path.exists(path) else 'no such file'}")
+
+
+def check_paths(cfg: Any, paths: dict[str, str]) -> None:
+    """`require_path` on each path given for a leaf of `paths` (leaf name -> "dir" or "file")."""
+    leaves = leaf_fields(type(cfg))
+    for name, kind in paths.items():
+        leaf = leaves[name]
+        value = getattr(getattr(cfg, leaf.section) if leaf.section else cfg, name)
+        for path in [] if value is None else value if isinstance(value, list) else [value]:
+            require_path(leaf.flag, path, kind)
+
+
 def _option(leaf: Leaf, panel: str | None):
     """(annotation, typer.Option) of one leaf."""
     import typer
@@ -259,17 +301,22 @@ def _option(leaf: Leaf, panel: str | None):
 
 
 def command(cls: type, run: Callable[[Any], None], *, name: str, help: str,
-            panels: dict[str | None, str] | None = None, on_error: tuple[type[Exception], ...] = ()) -> Callable:
+            panels: dict[str | None, str] | None = None, on_error: tuple[type[Exception], ...] = (),
+            paths: dict[str, str] | None = None) -> Callable:
     """A typer command callable: `--config FILE` plus one option per leaf of `cls`; calls `run(cfg)`.
 
     `panels` maps a section name (None: the top-level fields) to its `--help` panel title.
     ValueError and TypeError raised while building the config (the dataclass's checks) become
-    ConfigError, as do the exception types in `on_error`.
+    ConfigError, as do the exception types in `on_error`. `paths` maps the leaves holding local
+    paths to "dir" or "file": `check_paths` runs on them before `run(cfg)`.
     """
     import typer
 
-    panels = panels or {}
+    panels, paths = panels or {}, paths or {}
     leaves = leaf_fields(cls)
+    for leaf_name, kind in paths.items():
+        if leaf_name not in leaves or kind not in PATH_KINDS:
+            raise TypeError(f"{cls.__name__}: paths[{leaf_name!r}] = {kind!r}: a leaf name and one of {PATH_KINDS}")
     params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
               inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[str],
                                 default=typer.Option(None, "--config", rich_help_panel=panels.get(None),
@@ -290,6 +337,7 @@ def command(cls: type, run: Callable[[Any], None], *, name: str, help: str,
             cfg = from_flat(cls, values)
         except (ValueError, TypeError, *on_error) as err:
             raise ConfigError(str(err)) from None
+        check_paths(cfg, paths)
         run(cfg)
 
     callback.__name__ = callback.__qualname__ = name

@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from xtcache.cliconfig import STORAGE_OPTIONS_HELP, parse_storage_options
+from xtcache.cliconfig import STORAGE_OPTIONS_HELP, parse_storage_options, require_path
 
 
 def _human(n: float) -> str:
@@ -135,7 +135,9 @@ def inspect(
     storage_options: str = typer.Option(None, "--storage-options", help=STORAGE_OPTIONS_HELP),
 ) -> None:
     """Print what a teacher-cache store holds: sizes, compression, alignment groups, fingerprints."""
-    s = store_summary(store, parse_storage_options(storage_options))
+    options = parse_storage_options(storage_options)
+    require_path("STORE", store)
+    s = store_summary(store, options)
     m = s["manifest"]
     P = max(1, s["positions"])
     print(f"store           {store}")
@@ -202,7 +204,7 @@ def inspect(
             if "sampled_turns" in c:  # rollouts (stage1_teacher.sampled)
                 print(_rollout_line(fp, c))
         if seq_len is not None:
-            _print_windows(store, parse_storage_options(storage_options), s["conversation"], seq_len)
+            _print_windows(store, options, s["conversation"], seq_len)
 
 
 def _rollout_line(fp: str, c: dict) -> str:
@@ -326,8 +328,11 @@ def verify(
 ) -> None:
     """Read every committed part with every check on (checksums, counts, schema, format version,
     alignment coverage, lost parts); exit 1 on a problem, or on a store whose writers are still
-    running unless --allow-incomplete (its committed parts are checked either way)."""
-    problems = verify_store(store, parse_storage_options(storage_options), stop_first=not all_problems)
+    running unless --allow-incomplete (its committed parts are checked either way). A path that does
+    not exist is a mistyped argument, not a damaged store: one line, exit 2, as `inspect`."""
+    options = parse_storage_options(storage_options)
+    require_path("STORE", store)
+    problems = verify_store(store, options, stop_first=not all_problems)
     if problems:
         for p in problems:
             typer.echo(f"error: {p}", err=True)
@@ -336,7 +341,7 @@ def verify(
         raise SystemExit(1)  # not typer.Exit: xtcache.cli.main runs click with standalone_mode=False
     from xtcache.store import CacheReader
 
-    r = CacheReader(store, parse_storage_options(storage_options))
+    r = CacheReader(store, options)
     reasons = r.incomplete()
     typer.echo(f"{store}: OK ({len(r.shards)} shards, {sum(s.num_positions for s in r.shards):,} positions, "
                f"{'incomplete' if reasons else 'complete'})")
@@ -348,20 +353,28 @@ def verify(
         raise SystemExit(1)
 
 
+DEFAULT_CACHE_DIR = "~/.cache/xtcache"
+
+
 def cache_ls(
-    cache_dir: str = typer.Option("~/.cache/xtcache", "--cache-dir", help="Directory (or URL) holding caches."),
+    cache_dir: str = typer.Option(DEFAULT_CACHE_DIR, "--cache-dir", help="Directory (or URL) holding caches: "
+                                  "the --cache-dir given to teacher-dump (stores written with --out are not listed)."),
     storage_options: str = typer.Option(None, "--storage-options", help=STORAGE_OPTIONS_HELP),
 ) -> None:
-    """List the teacher caches under a cache directory."""
+    """List the teacher caches under a cache directory (a --cache-dir that does not exist: exit 2)."""
     import os
 
     from xtcache.store import list_caches
 
+    given, options = cache_dir, parse_storage_options(storage_options)
     if "://" not in cache_dir:
         cache_dir = os.path.expanduser(cache_dir)
-    infos = list_caches(cache_dir, parse_storage_options(storage_options))
+    if given != DEFAULT_CACHE_DIR:  # the default may not exist yet; a directory the user typed must
+        require_path("--cache-dir", cache_dir)
+    infos = list_caches(cache_dir, options)
     if not infos:
-        typer.echo(f"no caches under {cache_dir}")
+        typer.echo(f"no caches under {cache_dir} (teacher-dump writes there when given --cache-dir {given}; "
+                   "stores written with --out are not listed)")
         return
     rows = [(i.url, i.key[:16], _human(i.size), i.created, f"{i.documents:,}", f"{i.positions:,}",
              "yes" if i.complete else ("no: " + i.problem if i.problem else "no")) for i in infos]

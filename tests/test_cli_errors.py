@@ -1,0 +1,89 @@
+"""Mistakes a user makes at the command line get one line that points home: the flag (or the file)
+and what is wrong, exit 2, before anything reads the mistyped input.
+
+Every command runs through the installed entry point (`tests.commands.xtcache`); the refusals come
+before any model loads or any process group starts.
+
+    pytest -q tests/test_cli_errors.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.commands import xtcache
+
+
+def _one_line_error(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def _commands(toy_setup, tmp_path) -> dict[str, tuple[list, str, str]]:
+    """name -> (argv with one mistyped path, the flag it names, the path)."""
+    s, data = toy_setup, tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    store, missing = tmp_path / "store", tmp_path / "art" / "studnet"
+    store.mkdir()
+    train = ["train-student", "--cache", store, "--student", s.student_model, "--out", tmp_path / "run"]
+    return {
+        "train-student --student": (["train-student", "--cache", store, "--student", missing, "--out", tmp_path / "r"],
+                                    "--student", missing),
+        "train-student --cache": (["train-student", "--cache", missing, "--student", s.student_model, "--out",
+                                   tmp_path / "r"], "--cache", missing),
+        "train-student --eval-cache": ([*train, "--eval-cache", missing], "--eval-cache", missing),
+        "train-student --projection": ([*train, "--projection", missing], "--projection", missing),
+        "train-student --deepspeed": ([*train, "--deepspeed", missing], "--deepspeed", missing),
+        "generate --student": (["generate", "--student", missing, "--data", data, "--out", tmp_path / "g"],
+                               "--student", missing),
+        "align --student-tokenizer": (["align", store, "--student-tokenizer", missing], "--student-tokenizer",
+                                      missing),
+        "teacher-dump --student-tokenizer": (["teacher-dump", "--teacher", s.teacher_model, "--student-tokenizer",
+                                              missing, "--data", data, "--out", tmp_path / "o"],
+                                             "--student-tokenizer", missing),
+        "verify": (["verify", missing], "STORE", missing),
+        "inspect": (["inspect", missing], "STORE", missing),
+        "cache ls": (["cache", "ls", "--cache-dir", missing], "--cache-dir", missing),
+    }
+
+
+CASES = ["train-student --student", "train-student --cache", "train-student --eval-cache",
+         "train-student --projection", "train-student --deepspeed", "generate --student", "align --student-tokenizer",
+         "teacher-dump --student-tokenizer", "verify", "inspect", "cache ls"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_mistyped_path_is_one_line_naming_its_flag(case, toy_setup, tmp_path):
+    argv, flag, path = _commands(toy_setup, tmp_path)[case]
+    line = _one_line_error(xtcache(*argv))
+    assert line == f"error: {flag} {path}: no such directory" or line == f"error: {flag} {path}: no such file", line
+
+
+def test_a_config_files_bad_value_names_the_file_and_an_unknown_section_lists_the_sections(tmp_path):
+    bad = tmp_path / "run.yaml"
+    bad.write_text("cache: c\nstudent: s\nout: o\noptim:\n  max-steps: four\n")
+    line = _one_line_error(xtcache("train-student", "--config", bad))
+    assert line == f"error: --config {bad}: --max-steps 'four': expected int", line
+    bad.write_text("cache: c\nstudent: s\nout: o\noptimization:\n  lr: 0.1\n")
+    line = _one_line_error(xtcache("train-student", "--config", bad))
+    assert f"--config {bad}: unknown section 'optimization'" in line, line
+    assert "loader, loss, optim, deepspeed, checkpoint, eval" in line, line
+
+
+def test_out_holding_another_key_names_the_setting_that_differs(toy_setup, tmp_path):
+    from tests.conftest import teacher_dump
+
+    store = teacher_dump(tmp_path / "store", toy_setup, toy_setup.train_jsonl, 2)  # --top-k 16
+    proc = xtcache("teacher-dump", "--teacher", toy_setup.teacher_model, "--student-tokenizer",
+                   toy_setup.student_tokenizer, "--data", tmp_path / "store.jsonl", "--out", store, "--mode", "topk",
+                   "--top-k", "8", "--engine", "hf", "--docs-per-part", "16")
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and line.startswith(f"error: --out {store} holds a cache of another key"), proc.stderr
+    assert "(--top-k: 16 in the store, 8 now)" in line, line
+
+
+def test_cache_ls_of_an_empty_directory_says_where_stores_come_from(tmp_path):
+    proc = xtcache("cache", "ls", "--cache-dir", tmp_path)
+    assert proc.returncode == 0 and f"no caches under {tmp_path}" in proc.stdout and "--cache-dir" in proc.stdout
