@@ -188,8 +188,12 @@ def test_cli_build_inspect_import(toy_setup, tmp_path):
     assert pm.top_k == 3
     res = xtcache("projection", "inspect", out, "--student-tokenizer", s, "--teacher-tokenizer", t)
     assert res.returncode == 0 and "rows with mapping" in res.stdout and "'</s>' -> '<|endoftext|>'" in res.stdout
+    assert "  empty rows: '<s>'" in res.stdout, res.stdout  # the student's <s> has no teacher counterpart
     res = xtcache("projection", "inspect", out)  # no tokenizers: rows shown as ids
     assert res.returncode == 0 and "exact matches" in res.stdout and " -> " in res.stdout, res.stdout + res.stderr
+    empty_ids = [int(i) for i in np.flatnonzero(pm.indices[:, 0] < 0)]
+    # a list of ids, said to be ids: "empty rows: 0" would read as a count
+    assert f"  empty rows (student ids): {', '.join(map(str, empty_ids))}" in res.stdout.splitlines(), res.stdout
     nemo = tmp_path / "n.pt"
     torch.save({"indices": torch.from_numpy(pm.indices), "likelihoods": torch.from_numpy(pm.weights)}, nemo)
     res = xtcache("projection", "import", nemo, "--student-tokenizer", s, "--teacher-tokenizer", t,

@@ -410,5 +410,6 @@ def format_report(pm: ProjectionMap, student_tok=None, teacher_tok=None, *, exam
     empty = np.flatnonzero(pm.indices[:, 0] < 0)
     if empty.size:
         names = ", ".join(s_name(int(i)) for i in empty[:10])
-        lines.append(f"  empty rows: {names}{' ...' if empty.size > 10 else ''}")
+        label = "empty rows" if student_tok is not None else "empty rows (student ids)"  # ids: not a count
+        lines.append(f"  {label}: {names}{' ...' if empty.size > 10 else ''}")
     return "\n".join(lines)
