@@ -48,6 +48,10 @@ def test_small_demo_distilled_student_beats_ce_baseline():
     assert os.path.getsize(result["png"]) > 10_000
     assert "distilled student is ahead on held-out KL" in proc.stdout
     assert result["bytes_per_position"] > 0
+    from tests.commands import xtcache
+
+    inspected = xtcache("inspect", result["cache"])  # one definition of bytes/position: the demo prints inspect's
+    assert f"{result['bytes_per_position']:.1f} B/position (every file" in inspected.stdout, inspected.stdout
     # the KL is against every teacher id of the held-out documents, and the table says so
     assert result["eval_cache_mb"] > 0 and result["eval_cache_docs"] > 0
     assert "projected KL to the teacher's FULL distribution" in proc.stdout

@@ -348,6 +348,12 @@ def test_inspect_verify_and_cache_ls_commands(tmp_path):
     for needle in ("teacher positions 101", "documents       4", "topk_ids", "B/position", "x smaller",
                    "mean top-k mass", "student", "1:1", f"format version  {FORMAT_VERSION}", "corpus", "shards 2"):
         assert needle in out.stdout, (needle, out.stdout)
+    # bytes/position (inspect's and the demo's): every byte of the store over its teacher positions
+    from xtcache.commands_store import store_summary
+
+    on_disk = sum(f.stat().st_size for f in Path(url).rglob("*") if f.is_file())
+    assert store_summary(url)["bytes_per_position"] == on_disk / 101
+    assert f"{on_disk / 101:.1f} B/position (every file of the store" in out.stdout, out.stdout
 
     ok = xtcache("verify", url)
     assert ok.returncode == 0 and "OK (2 shards, 101 positions, complete)" in ok.stdout, ok.stdout + ok.stderr

@@ -37,7 +37,12 @@ def _table(rows: list[tuple], header: tuple) -> str:
 
 
 def store_summary(url: str, storage_options: dict | None = None) -> dict[str, Any]:
-    """Numbers `xtcache inspect` prints, as a dict (also used by tests and the demo)."""
+    """Numbers `xtcache inspect` prints, as a dict (also used by tests and the demo).
+
+    `bytes_per_position` is the one definition of a store's bytes per position that inspect and the
+    demo print: every byte of the store (teacher and alignment parts, metadata) over its teacher
+    positions; `total_array_bytes` holds the teacher parts' arrays only (inspect's table).
+    """
     from xtcache.store import CacheReader
 
     r = CacheReader(url, storage_options)
@@ -58,7 +63,9 @@ def store_summary(url: str, storage_options: dict | None = None) -> dict[str, An
     mean_mass = sum(v * n for v, n in masses) / sum(n for _, n in masses) if masses else float("nan")
     topk_bytes = per_array.get("topk_ids", 0) + per_array.get("topk_logprobs", 0) + per_array.get("topk_counts", 0)
     raw_topk = m.k * 8 * positions
+    store_bytes = r.total_bytes()
     return {
+        "store_bytes": store_bytes, "bytes_per_position": store_bytes / positions if positions else None,
         "url": url, "manifest": m, "shards": r.shards, "complete": r.is_complete(),
         "writers_done": len(r.writer_summaries()), "documents": sum(s.num_docs for s in r.shards),
         "positions": positions, "predicted": predicted, "bytes_by_array": per_array,
@@ -150,6 +157,8 @@ def inspect(
           f"with prediction {s['predicted']:,}")
     if m.mode != "sampled":
         print(f"mean top-k mass {s['mean_topk_mass']:.4f}")
+    print(f"store size      {_human(s['store_bytes'])}, {s['bytes_per_position'] or 0:.1f} B/position (every file of "
+          "the store; the teacher arrays alone: the table's total)")
     print(f"cache key       {m.cache_key}")
     for name, fp in sorted(m.fingerprints.items()):
         print(f"  {name:<18} {fp}")

@@ -60,6 +60,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def _dump(run: StageRunner, setup, data: list[Path], out: Path, capture: list[str], engine: str) -> dict:
     """teacher-dump with `engine` into `out` (reused when complete for the same key); returns its summary."""
+    from xtcache.commands_store import store_summary
     from xtcache.errors import StoreError
     from xtcache.store import CacheReader
 
@@ -81,10 +82,10 @@ def _dump(run: StageRunner, setup, data: list[Path], out: Path, capture: list[st
     reader = CacheReader(str(out))
     summaries = [s.model_dump() if hasattr(s, "model_dump") else dict(s) for s in reader.writer_summaries().values()]
     summary = dict(summaries[0].get("summary", summaries[0])) if summaries else {}
-    summary["bytes"] = reader.total_bytes()
+    stored = store_summary(str(out))  # the sizes `xtcache inspect` prints, by its definition
+    summary["bytes"], summary["bytes_per_position"] = stored["store_bytes"], stored["bytes_per_position"]
     positions = summary.get("positions") or 0
     summary["positions_per_s"] = positions / summary["capture_s"] if summary.get("capture_s") else None
-    summary["bytes_per_position"] = summary["bytes"] / positions if positions else None
     summary["reused"] = reused_before
     return summary
 
