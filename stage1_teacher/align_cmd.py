@@ -22,10 +22,16 @@ log = logging.getLogger(__name__)
 
 
 def _teacher_tokenizer(reader, teacher_tokenizer: str | None):
-    """The store's teacher tokenizer when it can be found (for byte checks); None otherwise."""
+    """The store's teacher tokenizer when it can be found (for byte checks): --teacher-tokenizer, the
+    copy the store carries (`xtcache.store_tokenizer`), or the store's recorded teacher path; None otherwise."""
     from xtcache.fingerprint import tokenizer_fingerprint
+    from xtcache.store_tokenizer import load_store_tokenizer
     from xtcache.tokenizer import load_tokenizer
 
+    if not teacher_tokenizer:
+        stored = load_store_tokenizer(reader.url, reader.manifest, reader.loc.storage_options)
+        if stored is not None:
+            return stored
     path = teacher_tokenizer or reader.manifest.teacher_name
     want = reader.manifest.fingerprints.get("teacher_tokenizer")
     if not path or not os.path.isdir(path):

@@ -39,6 +39,7 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
     (tests); without it the engines are started here and always shut down before returning.
     """
     from xtcache.store import CacheWriter
+    from xtcache.store_tokenizer import save_teacher_tokenizer
 
     t_start = time.perf_counter()
     place_job(cfg)
@@ -56,6 +57,7 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
             summary.notes.append(f"--out {plan.out} was not written: the cache for this request is {reusable}")
         summary.alignment_groups_added = ensure_groups(reusable, plan.students, plan.teacher_tok,
                                                        cfg.store.storage_options)
+        save_teacher_tokenizer(reusable, cfg.teacher.teacher, cfg.store.storage_options)  # a store without one
         log.info("complete cache for this request found at %s: no teacher work", reusable)
         return summary
     if cfg.store.cache_dir and not cfg.store.out:
@@ -68,6 +70,7 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
     try:
         if cfg.store.num_shards > 1:
             store_plan(plan, cfg.store.storage_options)
+        save_teacher_tokenizer(plan.out, cfg.teacher.teacher, cfg.store.storage_options)  # what its readers need
         record_digests(plan.out, plan.corpus_digests, plan.shard_plan.fingerprint, cfg.store.storage_options)
         committed = {m.part_index: m for m in writer.committed_parts()}
         if committed and not cfg.store.resume:

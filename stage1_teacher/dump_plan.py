@@ -136,7 +136,7 @@ def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
     return Manifest(cache_key=plan.cache_key, mode=cfg.capture.mode, k=plan.k, teacher_vocab_size=plan.vocab_size,
                     num_samples=cfg.capture.num_samples if cfg.capture.mode in DRAWN_MODES else None,
                     top_k=cfg.capture.top_k if cfg.capture.mode == "headtail" else None,
-                    num_writers=cfg.store.num_shards, teacher_name=cfg.teacher.teacher,
+                    num_writers=cfg.store.num_shards, teacher_name=os.path.abspath(cfg.teacher.teacher),
                     fingerprints=plan.fingerprints, settings=plan.settings, alignment_groups=groups,
                     xtcache_version=getattr(xtcache, "__version__", ""),
                     shard_plan=plan.shard_plan.meta() if cfg.store.num_shards > 1 else None,

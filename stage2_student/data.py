@@ -53,31 +53,36 @@ class StageData:
         return self.measures[0] if self.measures else None
 
 
-def load_projection(cfg: TrainConfig, manifest, student_tokenizer, student_fp: str, model_vocab: int,
+def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, student_fp: str, model_vocab: int,
                     path: str | None = None):
     """The projection W as a sparse [V_model, V_t] tensor, checked against both tokenizer fingerprints.
 
-    `path`: this cache's --projection. Without one, W is built on the fly from the student
-    tokenizer and the teacher tokenizer found at the cache's recorded teacher path (its
-    fingerprint must match the cache); otherwise the run stops and says how to build one.
+    `path`: the --projection of the cache at `url`. Without one, W is built on the fly from the
+    student tokenizer and the teacher tokenizer the store carries (`xtcache.store_tokenizer`), or,
+    in a store without one, the tokenizer at the store's recorded teacher path (its fingerprint must
+    match the cache); otherwise the run stops and says how to build one.
     """
     import torch
 
     from xtcache import projection as xproj
     from xtcache.fingerprint import tokenizer_fingerprint
+    from xtcache.store_tokenizer import TOKENIZER_DIR, load_store_tokenizer
 
     teacher_fp = manifest.fingerprints.get("teacher_tokenizer")
     if path:
         pm = xproj.ProjectionMap.load(path, expect_student=student_fp, expect_teacher=teacher_fp)
     else:
-        where = Path(manifest.teacher_name) if manifest.teacher_name else None
-        teacher_tok = load_tokenizer(where) if where and (where / "tokenizer.json").is_file() else None
+        teacher_tok, where = load_store_tokenizer(url, manifest, cfg.loader.storage_options), f"{url}/{TOKENIZER_DIR}"
+        if teacher_tok is None:  # a store written before teacher-dump stored its teacher's tokenizer
+            recorded = Path(manifest.teacher_name) if manifest.teacher_name else None
+            teacher_tok = load_tokenizer(recorded) if recorded and (recorded / "tokenizer.json").is_file() else None
+            where = str(recorded)
         if teacher_tok is None or tokenizer_fingerprint(teacher_tok) != teacher_fp:
             raise ConfigError(
-                f"cross-tokenizer cache and no --projection: the teacher tokenizer recorded in the cache "
-                f"({manifest.teacher_name or 'none'}) is not here or differs; build a map with `xtcache projection "
-                "build --student-tokenizer STUDENT --teacher-tokenizer TEACHER --out w.safetensors` and pass "
-                "--projection w.safetensors")
+                f"cross-tokenizer cache {url} and no --projection: the store carries no teacher tokenizer and the one "
+                f"recorded in it ({manifest.teacher_name or 'none'}) is not here or differs; build a map with "
+                "`xtcache projection build --student-tokenizer STUDENT --teacher-tokenizer TEACHER --out "
+                "w.safetensors` and pass --projection w.safetensors")
         log.warning("no --projection: building the projection map from %s and the student tokenizer", where)
         pm = xproj.build_projection(student_tokenizer, teacher_tok)
     w = pm.to_torch_sparse(manifest.teacher_vocab_size).coalesce()
@@ -202,7 +207,7 @@ def _kinds_and_projections(cfg: TrainConfig, manifests, caps: list[Capabilities]
         projection = None
         if not c.same_tokenizer and (combine != "mean-probs" or i == 0):
             try:
-                w = load_projection(cfg, m, tokenizer, student_fp, model_vocab,
+                w = load_projection(cfg, cfg.cache[i], m, tokenizer, student_fp, model_vocab,
                                     paths[cross.index(i)] if paths else None)
             except ConfigError as e:
                 if name == "pkl":

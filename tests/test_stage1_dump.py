@@ -227,7 +227,7 @@ def test_bad_requests_fail_clearly(teacher, corpus, toy_setup, tmp_path):
     assert not (tmp_path / "field").exists()  # refused before anything was created
     dump(teacher, corpus, tmp_path / "same", [toy_setup.student_tokenizer], top_k=4)
     other = str(build_vllm_teacher(toy_setup.root, tied=True, steps=0))
-    with pytest.raises(StoreError, match="another teacher"):
+    with pytest.raises(StoreError, match=r"another key \(--teacher \(the model's weights or config\): "):
         dump(other, corpus, tmp_path / "same", [toy_setup.student_tokenizer], top_k=4)
 
 
