@@ -18,7 +18,7 @@ renders each one in a Llama-3-style template (student) and a ChatML-style one (t
 mapping the tokens, the chunk walk and the misalignment check. Its time per token is compared with
 the plain-text byte-BPE row (target: at most 2x); the rendering (jinja) is timed on its own.
 
-    python bench/align.py [--docs 400] [--doc-chars 2000] [--chats 400] [--repeat 7] [--write-docs]
+    python bench/align.py [--docs 400] [--doc-chars 2000] [--chats 400] [--repeat 7] [--teacher real] [--write-docs]
 
 `--write-docs` writes the plain-text rows into README.md's `align` block and the conversation rows
 into docs/conversations.md's `align-chat` block (xtcache.docblock), stamped with this command.
@@ -37,7 +37,8 @@ from xtcache.align import align_flat, align_offsets, alignment_stats, encode_fla
 from xtcache.testing import toy
 
 REPO = Path(__file__).resolve().parents[1]
-DOC_BLOCKS = {"align": "README.md", "align-chat": "docs/conversations.md"}  # --write-docs: block -> file
+DOC_BLOCKS = {"align": "README.md", "align-chat": "docs/conversations.md",
+              "align-real": "README.md"}  # --write-docs: block -> file
 
 
 def timed(fn):
@@ -129,11 +130,18 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="directory for the trained tokenizers (default: a temp dir)")
     ap.add_argument("--write-docs", action="store_true",
                     help="also write the tables into README.md (align) and docs/conversations.md (align-chat)")
+    ap.add_argument("--teacher", choices=("toy", "real"), default="toy",
+                    help="real: SmolLM2-135M-Instruct's tokenizer (49,152 ids, ChatML) as the teacher, the Llama-3 "
+                         "(128,256) and Qwen3 (151,669) vocabularies as students, on documentation text "
+                         "(xtcache.testing.real); --write-docs then writes README.md's align-real block")
     args = ap.parse_args()
     if args.write_docs:
         from xtcache.docblock import require_blocks
 
-        require_blocks(REPO, DOC_BLOCKS)
+        require_blocks(REPO, {"align-real": DOC_BLOCKS["align-real"]} if args.teacher == "real" else
+                       {k: v for k, v in DOC_BLOCKS.items() if k != "align-real"})
+    if args.teacher == "real":
+        return real_rows(args)
     from transformers import AutoTokenizer
 
     docs = toy.stdlib_corpus(args.docs, doc_chars=args.doc_chars)
@@ -175,6 +183,38 @@ def main() -> None:
         write_block(REPO / "docs" / "conversations.md", "align-chat",
                     "\n".join([head + " (plain text), " + f"{args.chats} conversations per row:", "",
                                *table(rows[:1] + rows[2:]), "", *notes]))
+
+
+def real_rows(args) -> None:
+    """The real tier's rows: real vocabularies on documentation text, and conversations in the real teacher's
+    ChatML against the Llama-3 template on the Llama-3 vocabulary."""
+    import json
+
+    from xtcache.testing.chat import chat_corpus
+    from xtcache.testing.real import build_real_models
+    from xtcache.tokenizer import load_tokenizer
+
+    models = build_real_models()
+    docs = [json.loads(line)["text"] for line in models.train_jsonl.read_text().splitlines()][:args.docs]
+    teacher = load_tokenizer(models.teacher)
+    llama3, qwen3 = load_tokenizer(models.llama3_tokenizer), load_tokenizer(models.qwen3_tokenizer)
+    rows = [bench_pair("Llama-3 (128k) -> SmolLM2 (49k)", llama3, teacher, docs, args.repeat),
+            bench_pair("Qwen3 (152k) -> SmolLM2 (49k)", qwen3, teacher, docs, args.repeat),
+            bench_conversations("conversations, 1-3 turns: Llama-3 template -> SmolLM2's ChatML", llama3, teacher,
+                                chat_corpus(args.chats), args.repeat)]
+    chars = sum(len(d) for d in docs)
+    head = (f"real tokenizers: {len(docs)} documents of the Python language reference, {chars:,} characters, and "
+            f"{args.chats} conversations; best of {args.repeat}")
+    lines = [head + ":", "", *table(rows), "", *conversation_notes(rows, args.chats)]
+    for r in rows:
+        st = r["stats"]
+        lines.append(f"{r['pair']}: chunks {st['chunks']:,}: 1:1 {st['1:1'] / st['chunks']:.1%}, 1:n "
+                     f"{st['1:n'] / st['chunks']:.1%}, n:1 {st['n:1'] / st['chunks']:.1%}, n:m {st['n:m'] / st['chunks']:.1%}")
+    print("\n".join(lines))
+    if args.write_docs:
+        from xtcache.docblock import write_block
+
+        write_block(REPO / DOC_BLOCKS["align-real"], "align-real", "\n".join(lines))
 
 
 def table(rows: list[dict]) -> list[str]:

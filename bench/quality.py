@@ -3,8 +3,7 @@
     python bench/quality.py                          # the full table (README), about 15 min on 2 CPU cores
     python bench/quality.py --quick                  # a smoke run: few documents and steps, one seed
     python bench/quality.py --section on-policy      # only the on-policy rows (bench/quality_onpolicy.py), ~28 min
-    python bench/quality.py --teacher T --student S --student-same-tok S2 --train-data a.jsonl \
-        --heldout-data b.jsonl --train-docs 20000 --steps 2000 --seq-len 1024   # the same table on real models
+    python bench/quality.py --teacher real           # the real tier's rows (bench/quality_real.py), about 1 h
 
 Every row trains the same student for the same steps, on the same windows in the same order,
 with the same optimizer (AdamW, warmup + cosine), through the product's own trainer: what
@@ -75,7 +74,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-DOC_BLOCKS = {"quality-table": "README.md", "quality-on-policy": "docs/on-policy.md"}  # --write-docs: block -> file
+DOC_BLOCKS = {"quality-table": "README.md", "quality-on-policy": "docs/on-policy.md",
+              "quality-real": "README.md"}  # --write-docs: block -> file
 
 log = logging.getLogger("bench.quality")
 
@@ -458,21 +458,17 @@ def run(args) -> dict:
     from xtcache.testing import toy
     from xtcache.tokenizer import load_tokenizer
 
-    s = QUICK if args.quick else Settings(steps=args.steps, seq_len=args.seq_len, seeds=args.seeds, lr=args.lr,
+    given = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("lr", args.lr)) if v is not None}
+    s = QUICK if args.quick else Settings(**given, seq_len=args.seq_len,
                                           micro_batch_size=args.micro_batch_size, train_docs=args.train_docs,
                                           heldout_docs=args.heldout_docs)
     work = Path(args.workdir)
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    if args.teacher:
-        teacher_dir, cross_student, same_student = Path(args.teacher), Path(args.student), Path(args.student_same_tok)
-        teacher_tok, cross_tok = teacher_dir, cross_student
-        train_src, held_src = Path(args.train_data), Path(args.heldout_data)
-    else:
-        setup = toy.build_toy_setup(work / "artifacts", demo._toy_spec(demo.SIZES["default"]))
-        teacher_dir, teacher_tok, cross_tok = setup.teacher_model, setup.teacher_tokenizer, setup.student_tokenizer
-        cross_student, same_student = setup.student_model, None
-        train_src, held_src = setup.train_jsonl, setup.heldout_jsonl
+    setup = toy.build_toy_setup(work / "artifacts", demo._toy_spec(demo.SIZES["default"]))
+    teacher_dir, teacher_tok, cross_tok = setup.teacher_model, setup.teacher_tokenizer, setup.student_tokenizer
+    cross_student = setup.student_model
+    train_src, held_src = setup.train_jsonl, setup.heldout_jsonl
     t_setup = time.perf_counter() - t_start
     log.info("setup ready (%.0f s)", t_setup)
     tag = f"d{s.train_docs}-h{s.heldout_docs}"
@@ -515,11 +511,9 @@ def run(args) -> dict:
     results = []
     t_train = 0.0
     for seed in range(s.seeds):
-        if args.teacher:  # given students: the seed varies the data order only
-            same, cross = same_student, cross_student
-        else:  # fresh toy students, initialised with seed 1 + seed
-            same = make_student(teacher_tok, work / "quality" / "students" / f"same-seed{seed}", 1 + seed, cross_student)
-            cross = make_student(cross_tok, work / "quality" / "students" / f"cross-seed{seed}", 1 + seed, cross_student)
+        # fresh toy students, initialised with seed 1 + seed
+        same = make_student(teacher_tok, work / "quality" / "students" / f"same-seed{seed}", 1 + seed, cross_student)
+        cross = make_student(cross_tok, work / "quality" / "students" / f"cross-seed{seed}", 1 + seed, cross_student)
         grads0 = {"same": gradient(load_model(same), "kl", ref_probe),
                   "cross": gradient(load_model(cross), "pkl", cross_ref_probe, projection)}
         for row in ROWS:
@@ -699,18 +693,17 @@ def main(argv=None) -> None:
                    help="toy artifacts, stores and runs (reused)")
     p.add_argument("--out", default=str(REPO / "bench" / "results"), help="where quality.md/.json/.png go")
     p.add_argument("--quick", action="store_true", help="a smoke run (few documents and steps, one seed)")
-    p.add_argument("--steps", type=int, default=Settings.steps)
+    p.add_argument("--steps", type=int, default=None, help="default: the section's settings")
     p.add_argument("--seq-len", type=int, default=Settings.seq_len)
-    p.add_argument("--seeds", type=int, default=Settings.seeds)
-    p.add_argument("--lr", type=float, default=Settings.lr)
+    p.add_argument("--seeds", type=int, default=None, help="default: the section's settings")
+    p.add_argument("--lr", type=float, default=None, help="default: the section's settings")
     p.add_argument("--micro-batch-size", type=int, default=Settings.micro_batch_size)
     p.add_argument("--train-docs", type=int, default=Settings.train_docs, help="the first N training documents")
     p.add_argument("--heldout-docs", type=int, default=Settings.heldout_docs, help="the first N held-out documents")
-    p.add_argument("--teacher", help="a real teacher directory (default: the demo's toy teacher)")
-    p.add_argument("--student", help="with --teacher: a student with its own tokenizer (cross-tokenizer rows)")
-    p.add_argument("--student-same-tok", help="with --teacher: a student on the teacher's tokenizer")
-    p.add_argument("--train-data", help="with --teacher: training documents (.jsonl, field text)")
-    p.add_argument("--heldout-data", help="with --teacher: held-out documents (.jsonl, field text)")
+    p.add_argument("--teacher", choices=("toy", "real"), default="toy",
+                   help="toy: the demo's toy teacher (the full table); real: SmolLM2-135M-Instruct with students on "
+                        "its own and on the Llama-3 vocabulary (bench/quality_real.py; --write-docs writes README.md's "
+                        "quality-real block)")
     p.add_argument("--write-docs", action="store_true",
                    help="also write quality.md into README.md's quality-table block (xtcache.docblock)")
     p.add_argument("--section", choices=("table", "on-policy"), default="table",
@@ -724,10 +717,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.section == "on-policy":
         return on_policy_section(args)
-    if args.teacher and not all([args.student, args.student_same_tok, args.train_data, args.heldout_data]):
-        p.error("--teacher needs --student, --student-same-tok, --train-data and --heldout-data")
-    if args.write_docs and (args.quick or args.teacher):
-        p.error("--write-docs: README.md's quality table is the toy teacher's full run; drop --quick / --teacher")
+    if args.teacher == "real":
+        return real_section(args)
+    if args.write_docs and args.quick:
+        p.error("--write-docs: README.md's quality table is the toy teacher's full run; drop --quick")
     if args.write_docs:
         from xtcache.docblock import require_blocks
 
@@ -749,6 +742,33 @@ def main(argv=None) -> None:
         from xtcache.docblock import write_block
 
         write_block(REPO / "README.md", "quality-table", md)
+
+
+def real_section(args) -> None:
+    """`--teacher real`: bench/quality_real.py's rows, its table printed and written (quality-real.md)."""
+    from bench.quality_real import QUICK, RealSettings, run_real
+    from bench.quality_real import markdown as real_markdown
+
+    if args.write_docs:
+        from xtcache.docblock import require_blocks
+
+        require_blocks(REPO, {"quality-real": DOC_BLOCKS["quality-real"]})
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("stage1_teacher", "stage2_student", "xtcache", "DeepSpeed", "deepspeed", "torch", "transformers"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    given = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("lr", args.lr)) if v is not None}
+    s = QUICK if args.quick else RealSettings(**given)
+    report = run_real(Path(args.workdir) / "real", s)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality-real.json").write_text(json.dumps(report, indent=2, default=str))
+    md = real_markdown(report)
+    (out / "quality-real.md").write_text(md)
+    print(md)
+    if args.write_docs and not args.quick:
+        from xtcache.docblock import write_block
+
+        write_block(REPO / DOC_BLOCKS["quality-real"], "quality-real", md)
 
 
 def on_policy_section(args) -> None:

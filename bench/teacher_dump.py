@@ -19,7 +19,7 @@ get. The toy teacher's head costs 1.3x its transformer body (real teachers: 0.08
 teacher given with --teacher.
 
     .venv/bin/python bench/teacher_dump.py [--docs 256] [--top-k 64] [--max-seq-len 512] [--shapes toy,proportioned]
-        [--write-docs]      # also writes the table into README.md's `teacher-dump` block (xtcache.docblock)
+        [--teacher real] [--write-docs]      # also writes the table into README.md's `teacher-dump` block (xtcache.docblock)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from xtcache.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
 
-DOC_BLOCKS = {"teacher-dump": "README.md"}  # --write-docs: block -> file
+DOC_BLOCKS = {"teacher-dump": "README.md", "teacher-dump-real": "README.md"}  # --write-docs: block -> file
 
 
 def corpus_windows(teacher: str, texts: list[str], max_len: int) -> list[np.ndarray]:
@@ -143,12 +143,15 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--shapes", default="toy,proportioned",
                    help="toy teacher shapes to measure, comma-separated (xtcache.testing.toy_teacher.SHAPES)")
-    p.add_argument("--teacher", default=None, help="measure this teacher directory instead of the toy shapes")
+    p.add_argument("--teacher", default=None,
+                   help="'real' (SmolLM2-135M-Instruct with the Llama-3 student tokenizer over documentation text, "
+                        "xtcache.testing.real), or a teacher directory, instead of the toy shapes")
     p.add_argument("--student-tokenizer", default=None)
     p.add_argument("--write-docs", action="store_true", help="also write the table into README.md (teacher-dump)")
     args = p.parse_args()
+    block = "teacher-dump-real" if args.teacher == "real" else "teacher-dump"
     if args.write_docs:
-        require_blocks(REPO, DOC_BLOCKS)
+        require_blocks(REPO, {block: DOC_BLOCKS[block]})
     logging.basicConfig(level=logging.WARNING)
 
     from xtcache.testing import toy
@@ -158,7 +161,14 @@ def main() -> None:
     setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
     student = args.student_tokenizer or str(setup.student_tokenizer)
     texts = [json.loads(line)["text"] for line in open(setup.train_jsonl)][:args.docs]
-    if args.teacher:
+    if args.teacher == "real":  # a trained teacher, a real student vocabulary, real documentation text
+        from xtcache.testing.real import build_real_models
+
+        models = build_real_models()
+        student = args.student_tokenizer or str(models.llama3_tokenizer)
+        texts = [json.loads(line)["text"] for line in open(models.train_jsonl)][:args.docs]
+        teachers = {"real (SmolLM2-135M)": str(models.teacher)}
+    elif args.teacher:
         teachers = {Path(args.teacher).name: args.teacher}
     else:
         teachers = {shape: str(build_vllm_teacher(setup.root, shape=shape, steps=120 if shape == "toy" else 40))
@@ -168,7 +178,7 @@ def main() -> None:
     with tee_stdout() as printed:
         print_table(results)
     if args.write_docs:
-        write_block(REPO / "README.md", "teacher-dump", printed.text())
+        write_block(REPO / DOC_BLOCKS[block], block, printed.text())
 
 
 def print_table(results: dict[str, dict]) -> None:

@@ -69,6 +69,8 @@ class LossConfig:
     """Mixing weight beta of the generalized JSD loss."""
     alm_tau: float = 100.0
     """Temperature tau of the ALM chunk-likelihood loss."""
+    chunk_rows: str = "mean"
+    """--loss pkl: which rows of a chunk are compared: first (its first student position and first teacher row: the distributions of the first teacher token of the text that follows) or mean (the mean of all its student rows against the mean of all its teacher rows)."""
     is_cap: float = 2.0
     """--loss rkl-pg: cap C of the truncated importance ratio min(p_student / p_sampler, C) per chunk (>= 1; 0: no ratio, for rollouts sampled by the weights being trained)."""
     projection: list[str] = field(default_factory=list)

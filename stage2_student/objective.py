@@ -41,6 +41,7 @@ from xtcache.errors import ConfigError, ProjectionError, XtcacheError
 
 ROW_CHUNK = 1024
 KINDS = ("kl", "rkl", "jsd", "sampled", "pkl", "alm", "rkl-pg")
+CHUNK_ROWS = ("first", "mean")  # --chunk-rows
 _V_COPIES = 9  # [rows, V] fp32-sized tensors a block holds at its peak (recompute + its backward)
 _K_BYTES = 72  # bytes per stored teacher entry a block holds (ids, log-probs, p, q, terms, grads)
 
@@ -98,6 +99,25 @@ def _rows_selector(rows: np.ndarray):
     return torch.from_numpy(rows.astype(np.int64))
 
 
+def _first_rows(sc: np.ndarray, pos_in: np.ndarray, pos_chunk: np.ndarray, tch: np.ndarray, n_chunks: int):
+    """Each chunk's first student logit position and first teacher row only (`--chunk-rows first`).
+
+    Returns (sc with the chunk's later positions set to -1, so that they train CE only; the kept positions;
+    their chunks; bool [teacher rows] which rows are kept). At a chunk's first position both tokenizations
+    begin at the same character, so the student's next-token distribution, each student token read as the
+    first teacher token of its text (`projection build --pieces first`), and the teacher's first row are
+    distributions of the same event: the first teacher token of the text that follows.
+    """
+    first = np.full(n_chunks, sc.size, dtype=np.int64)
+    np.minimum.at(first, pos_chunk, pos_in)
+    keep = pos_in == first[pos_chunk]
+    sc = sc.copy()
+    sc[pos_in[~keep]] = -1
+    first_row = np.full(n_chunks, tch.size, dtype=np.int64)
+    np.minimum.at(first_row, tch, np.arange(tch.size))
+    return sc, pos_in[keep], pos_chunk[keep], np.arange(tch.size) == first_row[tch]
+
+
 class Objective:
     """KD + CE of one micro-batch; see the module docstring."""
 
@@ -105,7 +125,7 @@ class Objective:
                  dynamic_scaling: bool = False, temperature: float = 1.0, jsd_beta: float = 0.5,
                  alm_tau: float = 100.0, projection: ProjectionOperator | None = None, teacher_tail: str = "ghost",
                  measure_agreement: bool = True, row_chunk: int = ROW_CHUNK, with_ce: bool = True,
-                 is_cap: float = 0.0):
+                 is_cap: float = 0.0, chunk_rows: str = "mean"):
         if kind is not None and kind not in KINDS:
             raise ValueError(f"--loss {kind!r}: use {', '.join(KINDS)}")
         if teacher_tail not in ("ghost", "uniform"):
@@ -116,12 +136,15 @@ class Objective:
         if kind == "rkl-pg" and temperature != 1.0:
             raise ConfigError(f"--temperature {temperature:g} with --loss rkl-pg: the policy gradient trains the "
                               "student's own T=1 policy against the teacher's stored T=1 log-probs; use --temperature 1")
+        if chunk_rows not in CHUNK_ROWS:
+            raise ValueError(f"--chunk-rows {chunk_rows!r}: use {' or '.join(CHUNK_ROWS)}")
         if kind == "pkl" and projection is None:
             raise ProjectionError("--loss pkl needs a projection map (--projection, or built from both tokenizers)")
         self.kind, self.projection = kind, projection
         self.kd_weight, self.ce_weight, self.dynamic_scaling = kd_weight, ce_weight, dynamic_scaling
         self.row_chunk = int(row_chunk)
         self.with_ce = with_ce  # False: this teacher's pass skips CE (another teacher's pass computes it)
+        self.chunk_rows = chunk_rows  # pkl: "first" compares each chunk's first student and teacher rows only
         self.spec = TermSpec(kind, float(temperature), jsd_beta, alm_tau, teacher_tail, projection, float(is_cap))
         cross = kind in ("pkl", "alm")
         self.measure_agreement = measure_agreement and kind is not None and (not cross or projection is not None)
@@ -138,7 +161,7 @@ class Objective:
         kw = dict(kd_weight=loss_cfg.kd_weight, ce_weight=loss_cfg.ce_weight,
                   dynamic_scaling=loss_cfg.dynamic_scaling, temperature=loss_cfg.temperature,
                   jsd_beta=loss_cfg.jsd_beta, alm_tau=loss_cfg.alm_tau, projection=projection,
-                  is_cap=loss_cfg.is_cap if kind == "rkl-pg" else 0.0,
+                  is_cap=loss_cfg.is_cap if kind == "rkl-pg" else 0.0, chunk_rows=loss_cfg.chunk_rows,
                   measure_agreement=kind != "rkl-pg" or caps.same_tokenizer or projection is not None)
         kw.update(overrides)
         return cls(kind, **kw)
@@ -206,8 +229,11 @@ class Objective:
         if same and pos_in.size != n_chunks:
             raise XtcacheError(f"batch has {pos_in.size} chunk logits for {n_chunks} chunks: not a same-tokenizer "
                                "batch; use the projected KL loss for cross-tokenizer caches")
+        keep_row = None
+        if self.kind == "pkl" and self.chunk_rows == "first":
+            sc, pos_in, pos_chunk, keep_row = _first_rows(sc, pos_in, pos_chunk, tch, n_chunks)
         n_pos = np.bincount(pos_chunk, minlength=n_chunks)
-        n_rows = np.bincount(tch, minlength=n_chunks)
+        n_rows = np.bincount(tch, minlength=n_chunks) if keep_row is None else np.ones(n_chunks, dtype=np.int64)
         first = np.full(n_chunks, sc.size, dtype=np.int64)
         np.minimum.at(first, pos_chunk, pos_in)
         row_bytes = _V_COPIES * 4.0 * vocab
@@ -226,6 +252,8 @@ class Objective:
         unit_block[order] = self._cut(unit_cost[order], vocab)
         chunk_block, ce_only_block = unit_block[:n_chunks], unit_block[n_chunks:]
         row_block = chunk_block[tch]
+        if keep_row is not None:
+            row_block = np.where(keep_row, row_block, -1)
         pos_block = chunk_block[pos_chunk]
         chunk_pos = np.zeros(n_chunks, dtype=np.int64)
         chunk_pos[pos_chunk] = pos_in

@@ -34,6 +34,8 @@ class ProjectionBuildConfig:
     """Weight ratio between consecutive pieces of a decomposed token (first piece dominant; default 0.5)."""
     reverse_scale: float = 0.5
     """Weight of teacher->student decompositions credited back, relative to forward ones (default 0.5)."""
+    pieces: str = "all"
+    """Pieces of a decomposition kept: first (a student token stands for the first teacher token of its text; what `--chunk-rows first` compares) or all (weighted by --decay)."""
 
     def __post_init__(self):
         if self.top_k < 1:
@@ -42,6 +44,8 @@ class ProjectionBuildConfig:
             raise ValueError(f"--decay {self.decay}: must be in (0, 1]")
         if self.reverse_scale < 0:
             raise ValueError(f"--reverse-scale {self.reverse_scale}: must be at least 0")
+        if self.pieces not in ("first", "all"):
+            raise ValueError(f"--pieces {self.pieces!r}: use first or all")
 
 
 def load_tokenizer(name: str, side: str):
@@ -63,18 +67,21 @@ def build(
     top_k: int = typer.Option(4, help="Teacher entries kept per student token (default 4)."),
     decay: float = typer.Option(0.5, help="Weight ratio between consecutive pieces of a decomposed token."),
     reverse_scale: float = typer.Option(0.5, help="Weight of teacher->student decompositions credited back."),
+    pieces: str = typer.Option("all", help="Decomposition pieces kept: first (a student token stands for the first "
+                                             "teacher token of its text) or all (weighted by --decay)."),
 ) -> None:
     """Build the student->teacher map from the two tokenizers and print its coverage."""
     from xtcache.projection import build_projection, format_report
 
     try:
         cfg = ProjectionBuildConfig(student_tokenizer=student_tokenizer, teacher_tokenizer=teacher_tokenizer,
-                                    out=out, top_k=top_k, decay=decay, reverse_scale=reverse_scale)
+                                    out=out, top_k=top_k, decay=decay, reverse_scale=reverse_scale, pieces=pieces)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     s_tok = load_tokenizer(cfg.student_tokenizer, "student")
     t_tok = load_tokenizer(cfg.teacher_tokenizer, "teacher")
-    pm = build_projection(s_tok, t_tok, top_k=cfg.top_k, decay=cfg.decay, reverse_scale=cfg.reverse_scale)
+    pm = build_projection(s_tok, t_tok, top_k=cfg.top_k, decay=cfg.decay, reverse_scale=cfg.reverse_scale,
+                          pieces=cfg.pieces)
     pm.save(cfg.out)
     typer.echo(format_report(pm, s_tok, t_tok))
     missing = pm.notes.get("specials_without_counterpart") or []

@@ -217,10 +217,17 @@ def _lookup(tok, info: TokenizerInfo, pieces: list[bytes]) -> dict[bytes, int]:
 
 
 def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float = 0.5,
-                     reverse_scale: float = 0.5) -> ProjectionMap:
-    """Build W for two fast tokenizers; `notes` of the result carries the build report."""
+                     reverse_scale: float = 0.5, pieces: str = "all") -> ProjectionMap:
+    """Build W for two fast tokenizers; `notes` of the result carries the build report.
+
+    `pieces="first"` keeps only the first piece of each decomposition: a student token stands for the
+    first teacher token of its text, and is credited with the teacher tokens whose text its own text
+    begins (the reverse direction's first pieces)."""
     if top_k < 1:
         raise ValueError(f"--top-k {top_k}: must be at least 1")
+    if pieces not in ("first", "all"):
+        raise ValueError(f"--pieces {pieces!r}: use first or all")
+    keep = 1 if pieces == "first" else None
     s_info, t_info = tokenizer_info(student_tok), tokenizer_info(teacher_tok)
     v_s, v_t = s_info.vocab_size, t_info.vocab_size
     s_pieces, t_pieces = _pieces(s_info), _pieces(t_info)
@@ -253,7 +260,7 @@ def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float =
     max_t = max((len(p) for p in t_lookup), default=1)
     fwd = _decompose(s_pieces, rest, teacher_tok, t_lookup, t_pieces, max_t)
     for i, ids in fwd.items():
-        for j, t in enumerate(ids):
+        for j, t in enumerate(ids[:keep]):
             rows.append(i), cols.append(t), vals.append(decay ** j)
     # reverse: every ordinary teacher token's text in student tokens, credited back
     max_s = max((len(p) for p in s_lookup), default=1)
@@ -261,7 +268,7 @@ def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float =
     rev = _decompose(t_pieces, t_ordinary, student_tok, s_lookup, s_pieces, max_s)
     rest_set = set(rest)
     for t, ids in rev.items():
-        for j, i in enumerate(ids):
+        for j, i in enumerate(ids[:keep]):
             if i in rest_set:
                 rows.append(i), cols.append(t), vals.append(reverse_scale * decay ** j)
     indices, weights = _top_k(np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64),

@@ -1,0 +1,275 @@
+"""The quality bench on the real tier: a trained teacher, real student vocabularies, documentation text.
+
+    python bench/quality.py --teacher real            # the table below (README's quality-real block with --write-docs)
+    python bench/quality.py --teacher real --quick    # a smoke run: few steps, one seed
+
+The teacher is SmolLM2-135M-Instruct (49,152 ids), the corpus the Python language reference
+(`xtcache.testing.real`: held-out documents come from topics never trained on). Stage 1 runs once per
+store as a user runs it (`xtcache teacher-dump --engine hf --dtype float32`, one store holding both
+students' alignment groups); every row trains a fresh tiny Llama (hidden 64, 2 layers; initialised with
+seed 1 + s) with `xtcache train-student` for the same steps on the same windows in the same order (data
+order seed s), then is graded in this process against a full-vocabulary store of held-out documents:
+
+- cross rows: a student on the Llama-3 vocabulary (128,256 ids). `first-token KL`: at each chunk's first
+  position, KL(teacher's distribution of its next token || the student's distribution of the first teacher
+  token of its next token's text), each student token read through the first-piece projection map
+  (`--chunk-rows first`, `projection build --pieces first`: both sides' distributions of one event, so 0
+  only for a student that predicts the teacher's next text). `chunk-mean P-KL`: the chunk means of both
+  sides through the decayed-pieces map (`--chunk-rows mean --pieces all`), the measure of P-KL's original
+  form. Top-1 agreement: the student's argmax at a chunk's first position, read as its first teacher
+  token, against the teacher's argmax at the chunk's first row.
+- same-tokenizer rows: a student on the teacher's own tokenizer; KL(teacher || student) per token over the
+  full vocabulary, and top-1 agreement.
+- held-out CE: the student's next-token cross-entropy on its own tokens (nats per student token).
+
+Key rows run on `--seeds` seeds (mean +- standard deviation); the notes compare each KD row with CE only
+on the same seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger("bench.quality.real")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class RealSettings:
+    steps: int = 60
+    seq_len: int = 256
+    micro_batch_size: int = 4
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    train_docs: int = 100
+    heldout_docs: int = 8
+    eval_batches: int = 8
+    seeds: int = 3
+
+
+QUICK = RealSettings(steps=4, warmup_steps=1, train_docs=6, heldout_docs=2, eval_batches=1, seeds=1)
+
+
+@dataclass(frozen=True)
+class RealRow:
+    name: str
+    cross: bool
+    flags: tuple[str, ...]  # train-student flags of the row (the store and student are the bench's)
+    key: bool = False  # run on every seed
+
+
+ROWS = [
+    RealRow("same tokenizer: CE only", False, ("--loss", "ce", "--ce-weight", "1.0"), key=True),
+    RealRow("same tokenizer: KL top-64 + rest (defaults)", False, ("--loss", "auto"), key=True),
+    RealRow("cross: CE only", True, ("--loss", "ce", "--ce-weight", "1.0"), key=True),
+    RealRow("cross: P-KL (defaults: first rows, first-piece map, CE 0.1)", True, ("--loss", "auto"), key=True),
+    RealRow("cross: P-KL chunk means, decayed-pieces map, CE 0.1", True,
+            ("--loss", "pkl", "--chunk-rows", "mean", "--projection", "{proj_all}")),
+    RealRow("cross: P-KL chunk means, decayed-pieces map, CE 1.0", True,
+            ("--loss", "pkl", "--chunk-rows", "mean", "--projection", "{proj_all}", "--ce-weight", "1.0")),
+    RealRow("cross: ALM chunk likelihood, CE 0.1", True, ("--loss", "alm")),
+]
+
+
+def _xtcache(*args, log_file: Path) -> None:
+    cmd = [str(Path(sys.executable).with_name("xtcache")), *map(str, args)]
+    with open(log_file, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:2])} failed (exit {done.returncode}): see {log_file}")
+
+
+def _first_lines(src: Path, dst: Path, n: int) -> Path:
+    lines = src.read_text(encoding="utf-8").splitlines(keepends=True)[:n]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text("".join(lines), encoding="utf-8")
+    return dst
+
+
+def prepare(work: Path, s: RealSettings, log_file: Path) -> dict:
+    """The real tier, the two stores (reused when complete) and both projection maps."""
+    from xtcache.errors import StoreError
+    from xtcache.store import CacheReader
+    from xtcache.testing.real import build_real_models
+
+    m = build_real_models()
+    p = {"models": m, "work": work}
+    for name, src, n, mode in (("train", m.train_jsonl, s.train_docs, ("--mode", "topk", "--top-k", "64")),
+                               ("held", m.heldout_jsonl, s.heldout_docs, ("--mode", "full"))):
+        store = work / "stores" / f"{name}-{n}"
+        try:
+            complete = CacheReader(str(store)).is_complete()
+        except StoreError:
+            complete = False
+        if not complete:
+            shutil.rmtree(store, ignore_errors=True)
+            data = _first_lines(src, work / "data" / f"{name}-{n}.jsonl", n)
+            t0 = time.perf_counter()
+            _xtcache("teacher-dump", "--teacher", m.teacher, "--student-tokenizer", m.llama3_tokenizer,
+                     "--student-tokenizer", m.teacher, "--data", data, "--out", store, "--engine", "hf",
+                     "--dtype", "float32", *mode, log_file=log_file)
+            log.info("store %s written in %.0f s", store, time.perf_counter() - t0)
+        reader = CacheReader(str(store))
+        positions = sum(int(reader.doc_pos_offsets(sh.shard_id)[-1]) for sh in reader.shards)
+        p[name] = {"path": store, "positions": positions, "bytes_per_position": reader.total_bytes() / positions}
+    for pieces in ("first", "all"):
+        out = work / f"llama3-to-smollm2-{pieces}.safetensors"
+        if not out.exists():
+            _xtcache("projection", "build", "--student-tokenizer", m.llama3_tokenizer, "--teacher-tokenizer",
+                     m.teacher, "--pieces", pieces, "--out", out, log_file=log_file)
+        p[f"proj_{pieces}"] = out
+    return p
+
+
+def student(p: dict, cross: bool, seed: int) -> Path:
+    from xtcache.testing.toy import build_tiny_model
+
+    m = p["models"]
+    out = p["work"] / "students" / f"{'cross' if cross else 'same'}-seed{seed}"
+    if not (out / "config.json").exists():
+        build_tiny_model("llama", m.llama3_tokenizer if cross else m.teacher, out, hidden=64, layers=2,
+                         intermediate=192, seed=1 + seed)
+    return out
+
+
+def train(p: dict, row: RealRow, s: RealSettings, seed: int, log_file: Path) -> dict:
+    out = p["work"] / "runs" / f"seed{seed}" / row.name.split(":")[0].replace(" ", "-") / str(ROWS.index(row))
+    flags = [f.format(proj_all=p["proj_all"]) for f in row.flags]
+    if row.cross and "--projection" not in flags and "ce" not in flags:
+        flags += ["--projection", str(p["proj_first"])]
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    _xtcache("train-student", "--cache", p["train"]["path"], "--student", student(p, row.cross, seed), "--out", out,
+             "--seed", seed, "--seq-len", s.seq_len, "--micro-batch-size", s.micro_batch_size, "--max-steps", s.steps,
+             "--lr", s.lr, "--warmup-steps", s.warmup_steps, "--zero-stage", 2, *flags,
+             log_file=log_file)
+    summary = json.loads((out / "summary.json").read_text())
+    return {"hf_dir": out / "hf", "train_s": time.perf_counter() - t0, "steps_per_s": summary.get("steps_per_s")}
+
+
+def grade(p: dict, hf_dir: Path, cross: bool, s: RealSettings) -> dict:
+    """The held-out measures of one student (module docstring), from the product's objectives."""
+    import torch
+
+    from bench.quality import Settings, batches, load_model
+    from stage2_student.losses import ProjectionOperator
+    from stage2_student.objective import Objective
+    from stage2_student.student import model_inputs
+    from xtcache.projection import ProjectionMap
+
+    m = p["models"]
+    bs = Settings(seq_len=s.seq_len, micro_batch_size=s.micro_batch_size)
+    tok = m.llama3_tokenizer if cross else m.teacher
+    key = ("evals", cross)
+    if key not in p:  # the held-out full store's rows renormalised over the tokenizer's ids
+        p[key] = [{**b, "teacher_residual": torch.zeros_like(b["teacher_residual"])}
+                  for b in batches(str(p["held"]["path"]), tok, bs, s.eval_batches)]
+    if cross:
+        ops = {pc: ProjectionOperator(ProjectionMap.load(p[f"proj_{pc}"]).to_torch_sparse(49_152))
+               for pc in ("first", "all")}
+        measures = {"kl": Objective("pkl", ce_weight=0.0, projection=ops["first"], chunk_rows="first"),
+                    "kl_chunk_mean": Objective("pkl", ce_weight=0.0, projection=ops["all"], chunk_rows="mean")}
+    else:
+        measures = {"kl": Objective("kl", ce_weight=0.0)}
+    ce_obj = Objective(None, ce_weight=1.0)
+    model = load_model(hf_dir).eval()
+    tot = {k: 0.0 for k in [*measures, "chunks", "agree", "agree_n", "ce", "tokens"]}
+    tot.update({f"{k}_chunks": 0.0 for k in measures})
+    with torch.no_grad():
+        for b in p[key]:
+            logits = model(**model_inputs(b)).logits
+            for name, obj in measures.items():
+                prep = obj.prepare(b, vocab=logits.shape[-1])
+                tot[name] += float(obj.sums(logits, prep)[0])
+                tot[f"{name}_chunks"] += prep.chunks
+                if name == "kl":
+                    a, n = obj.agreement(logits, prep)
+                    tot["agree"] += float(a)
+                    tot["agree_n"] += float(n)
+            prep = ce_obj.prepare(b, vocab=logits.shape[-1])
+            tot["ce"] += float(ce_obj.sums(logits, prep)[1])
+            tot["tokens"] += prep.tokens
+    out = {name: tot[name] / tot[f"{name}_chunks"] for name in measures}
+    out.update(ce=tot["ce"] / tot["tokens"], top1=tot["agree"] / tot["agree_n"])
+    return out
+
+
+def run_real(work: Path, s: RealSettings, rows: list[RealRow] = ROWS) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    log_file = work / "commands.log"
+    t0 = time.perf_counter()
+    p = prepare(work, s, log_file)
+    t_prep = time.perf_counter() - t0
+    results = []
+    for seed in range(s.seeds):
+        for row in rows:
+            if seed > 0 and not row.key:
+                continue
+            run = train(p, row, s, seed, log_file)
+            rec = {"row": row.name, "cross": row.cross, "seed": seed, "train_s": run["train_s"],
+                   **grade(p, run["hf_dir"], row.cross, s)}
+            results.append(rec)
+            log.info("%s", json.dumps(rec))
+    stores = {k: {"positions": p[k]["positions"], "bytes_per_position": p[k]["bytes_per_position"]}
+              for k in ("train", "held")}
+    from bench.quality import machine
+
+    return {"settings": asdict(s), "results": results, "stores": stores, "prepare_s": t_prep,
+            "wall_s": time.perf_counter() - t0, "machine": machine(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
+
+
+def _cell(values: list[float], fmt: str = ".3f") -> str:
+    if not values:
+        return "n/a"
+    mean = statistics.fmean(values)
+    return format(mean, fmt) + (f" ± {statistics.stdev(values):{fmt}}" if len(values) > 1 else "")
+
+
+def markdown(report: dict) -> str:
+    s, res = report["settings"], report["results"]
+    names = list(dict.fromkeys(r["row"] for r in res))
+    out = [f"Measured {report['date']} on {report['machine']}; SmolLM2-135M-Instruct teacher, fresh tiny Llama students, "
+           f"{s['steps']} steps x {s['micro_batch_size']} windows x {s['seq_len']} tokens at lr {s['lr']:g}, "
+           f"{s['train_docs']} training and {s['heldout_docs']} held-out documents of the Python language reference; "
+           f"training store top-64 + rest, {report['stores']['train']['bytes_per_position']:.1f} B/position; "
+           f"total {report['wall_s'] / 60:.0f} min.", "",
+           "| row | seeds | held-out KL | chunk-mean P-KL | held-out CE | top-1 agreement |",
+           "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name in names:
+        rs = [r for r in res if r["row"] == name]
+        cm = [r["kl_chunk_mean"] for r in rs if "kl_chunk_mean" in r]
+        out.append(f"| {name} | {len(rs)} | {_cell([r['kl'] for r in rs])} | {_cell(cm) if cm else '-'} | "
+                   f"{_cell([r['ce'] for r in rs])} | {_cell([r['top1'] for r in rs])} |")
+    out += ["", "Held-out KL: cross rows the first-token KL, same-tokenizer rows the token-level KL over the full "
+            "vocabulary (different measures: compare rows of one kind). Chunk-mean P-KL: cross rows only.", ""]
+    out += [f"- {n}" for n in paired_notes(res)]
+    return "\n".join(out) + "\n"
+
+
+def paired_notes(res: list[dict]) -> list[str]:
+    """Each key KD row against CE only of its kind on the same seeds: mean paired difference and its spread."""
+    notes = []
+    for cross in (False, True):
+        base = {r["seed"]: r for r in res if r["cross"] == cross and r["row"].endswith("CE only")}
+        for name in dict.fromkeys(r["row"] for r in res if r["cross"] == cross and not r["row"].endswith("CE only")):
+            rs = [r for r in res if r["row"] == name and r["seed"] in base]
+            if len(rs) < 2:
+                continue
+            parts = []
+            for col, better in (("kl", -1), ("ce", -1), ("top1", 1)):
+                d = [r[col] - base[r["seed"]][col] for r in rs]
+                mean, sd = statistics.fmean(d), statistics.stdev(d)
+                wins = sum(x * better > 0 for x in d)
+                parts.append(f"{col} {mean:+.3f} (sd {sd:.3f}, better on {wins}/{len(d)} seeds)")
+            notes.append(f"{name} vs CE only, paired by seed: " + "; ".join(parts))
+    return notes
