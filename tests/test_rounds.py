@@ -220,8 +220,6 @@ def test_a_workdir_refuses_other_settings_changed_outputs_and_owned_flags(killed
         _cfg(tmp_path, train_args=["--max-steps", "9"])
     check_settings(_cfg(tmp_path))
     check_settings(_cfg(tmp_path, rounds=5))  # more rounds: the same work directory goes on
-    with pytest.raises(ConfigError, match=r"other settings \(max_new_tokens\)"):
-        check_settings(_cfg(tmp_path, max_new_tokens=9))
     setup, prompts = chat
     workdir = tmp_path / "copy"
     shutil.copytree(killed_run[0], workdir)
@@ -229,3 +227,86 @@ def test_a_workdir_refuses_other_settings_changed_outputs_and_owned_flags(killed
                prompts=[str(prompts)], samples_per_prompt=2, max_new_tokens=8, steps_per_round=STEPS)
     with pytest.raises(ConfigError, match="round 0 generate was run as"):  # the record names the copied workdir
         run_stage(cfg, 0, "generate")
+
+
+def _finish(cfg, r: int, stage: str) -> None:
+    """A done record of round r's `stage` as run_stage writes it (its outputs' hashes are not read here)."""
+    from xtcache.rounds import round_dir, stage_command
+
+    done = round_dir(cfg, r) / "done" / f"{stage}.json"
+    done.parent.mkdir(parents=True, exist_ok=True)
+    done.write_text(json.dumps({"stage": stage, "round": r, "command": stage_command(cfg, r, stage), "outputs": {}}))
+    (round_dir(cfg, r) / {"generate": "rollouts", "teacher-dump": "cache", "train-student": "train"}[stage]).mkdir()
+
+
+def test_a_rerun_may_change_the_settings_of_unfinished_stages_and_a_refusal_names_the_setting_and_way_out(tmp_path):
+    import shutil
+
+    from xtcache.errors import ConfigError
+    from xtcache.rounds import check_settings
+
+    cfg = _cfg(tmp_path, max_new_tokens=8, train_args=["--lr", "-1"])
+    check_settings(cfg)
+    for stage in ("generate", "teacher-dump"):  # round 0 failed in train-student
+        _finish(cfg, 0, stage)
+    check_settings(_cfg(tmp_path, max_new_tokens=8, train_args=["--lr", "1e-3"]))  # the fixed flag: unfinished stage
+    check_settings(_cfg(tmp_path, max_new_tokens=8, train_args=["--lr", "1e-3"], steps_per_round=7))
+    with pytest.raises(ConfigError) as refused:
+        check_settings(_cfg(tmp_path, max_new_tokens=9, train_args=["--lr", "1e-3"]))
+    message = str(refused.value)
+    w = tmp_path / "w" / "round-000"
+    assert "--max-new-tokens 8 -> --max-new-tokens 9 changes round 0 generate, which has finished" in message
+    assert "Rerun with --max-new-tokens 8 to go on" in message and "--lr" not in message
+    removed = message.split("rm -r ", 1)[1].split(";")[0].split()
+    assert removed == [str(w / "rollouts"), str(w / "done" / "generate.json"), str(w / "cache"),
+                       str(w / "done" / "teacher-dump.json")]
+    for path in map(Path, removed):  # the way out it gives: then the new setting is taken
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    check_settings(_cfg(tmp_path, max_new_tokens=9, train_args=["--lr", "1e-3"]))
+    assert json.loads((tmp_path / "w" / "rounds.json").read_text())["max_new_tokens"] == 9
+    for stage in ("generate", "teacher-dump"):
+        _finish(_cfg(tmp_path, max_new_tokens=9), 0, stage)
+    with pytest.raises(ConfigError, match=r"^--workdir \S+: no --dump-args -> --dump-args '--top-k 8' changes round 0 "
+                                          r"teacher-dump, which has finished"):
+        check_settings(_cfg(tmp_path, max_new_tokens=9, train_args=["--lr", "1e-3"], dump_args=["--top-k", "8"]))
+
+
+def test_a_stage_started_with_other_settings_starts_again_from_nothing(tmp_path):
+    from xtcache.rounds import restart_if_changed, round_dir, stage_command
+
+    cfg, fixed = _cfg(tmp_path, train_args=["--lr", "-1"]), _cfg(tmp_path, train_args=["--lr", "1e-3"])
+    train = round_dir(cfg, 0) / "train"
+    restart_if_changed(cfg, 0, "train-student", stage_command(cfg, 0, "train-student"))
+    (train / "checkpoints" / "step1").mkdir(parents=True)
+    restart_if_changed(cfg, 0, "train-student", stage_command(cfg, 0, "train-student"))
+    assert train.exists()  # the same command: resumed from what it left
+    restart_if_changed(fixed, 0, "train-student", stage_command(fixed, 0, "train-student"))
+    assert not train.exists()  # another command: its output would mix both settings
+    started = json.loads((round_dir(cfg, 0) / "started" / "train-student.json").read_text())
+    assert started["command"] == stage_command(fixed, 0, "train-student")
+
+
+def test_a_run_failed_in_train_student_reruns_with_the_fixed_flag(chat, tmp_path):
+    """The failure's advice holds: the rerun with the fixed train-student flag keeps the finished generate and
+    teacher-dump and trains (--engine hf, 1 round of 1 prompt x 1 sample of 4 tokens, 1 step)."""
+    setup, prompts = chat
+    one = tmp_path / "prompt.jsonl"
+    one.write_text(prompts.read_text().splitlines(keepends=True)[0])
+    workdir = tmp_path / "w"
+
+    def rounds(lr: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "xtcache.cli", "rounds", "--student", str(setup.student_model), "--teacher",
+               str(setup.teacher_model), "--prompts", str(one), "--rounds", "1", "--workdir", str(workdir),
+               "--engine", "hf", "--samples-per-prompt", "1", "--max-new-tokens", "4", "--steps-per-round", "1",
+               "--", "--seq-len", "64", "--micro-batch-size", "1", "--zero-stage", "0", "--lr", lr]
+        return subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
+
+    failed = rounds("-1")
+    assert failed.returncode == 2 and "--lr -1.0: must be positive" in failed.stderr, failed.stderr[-3000:]
+    assert "fix the cause and rerun xtcache rounds" in failed.stderr
+    fixed = rounds("1e-3")
+    assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-3000:]
+    stages = [c.split()[1] for c in (workdir / "commands.sh").read_text().splitlines()]
+    assert stages == ["generate", "teacher-dump", "train-student", "train-student"]  # finished stages kept
+    done = json.loads((workdir / "round-000" / "done" / "train-student.json").read_text())
+    assert done["command"][done["command"].index("--lr") + 1] == "1e-3"

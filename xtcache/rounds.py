@@ -19,6 +19,10 @@ last (atomically: temp file + rename) with its command and its outputs' fingerpr
 it (refusing when its command or outputs changed) and continues an interrupted stage with that
 command's own resume (`generate --resume`, `teacher-dump --resume`, `train-student --resume CKPT`),
 so the driver killed with SIGKILL at any point resumes to the weights of an uninterrupted run.
+A rerun may change the settings of the stages that have not finished (a failed stage's fixed flag):
+a stage started with another command (W/round-RRR/started/STAGE.json) starts again from nothing. A
+change that reaches a finished stage is refused, naming the setting, that stage and what to remove
+to redo it.
 Per-round metrics go to W/metrics.jsonl (TensorBoard: each train/ writes its own), and a table is
 printed at the end. docs/on-policy.md, "Rounds".
 
@@ -35,7 +39,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import typer
@@ -203,7 +207,8 @@ def run_xtcache(cfg: RoundsConfig, args: list[str]) -> None:
     rc = subprocess.run([sys.executable, "-m", "xtcache.cli", *args], env=env,
                         preexec_fn=_die_with_parent if linux else None).returncode
     if rc != 0:
-        raise ConfigError(f"{line}: exit {rc}; fix the cause and rerun xtcache rounds (finished stages are kept)")
+        raise ConfigError(f"{line}: exit {rc}; fix the cause and rerun xtcache rounds (finished stages are kept; "
+                          "flags that change only unfinished stages may change)")
 
 
 def run_stage(cfg: RoundsConfig, r: int, stage: str) -> dict:
@@ -214,12 +219,14 @@ def run_stage(cfg: RoundsConfig, r: int, stage: str) -> dict:
         done = json.loads(done_path.read_text())
         if done["command"] != command:
             raise ConfigError(f"{done_path}: round {r} {stage} was run as `xtcache {shlex.join(done['command'])}`, "
-                              "not as these settings give; use another --workdir")
+                              f"not as these settings give; to redo it: rm -r {shlex.join(redo_paths(cfg, r, stage))}"
+                              "; or use another --workdir")
         if stage_outputs(cfg, r, stage) != done["outputs"]:
             raise ConfigError(f"{done_path}: the outputs of round {r} {stage} changed since it finished; "
                               f"delete {done_path.parent} and rerun to redo the round")
         log.info("round %d %s: done, skipped", r, stage)
         return done
+    restart_if_changed(cfg, r, stage, command)
     run_xtcache(cfg, [*command, *resume_flags(cfg, r, stage)])
     done = {"stage": stage, "round": r, "command": command, "outputs": stage_outputs(cfg, r, stage)}
     _write_atomic(done_path, json.dumps(done, indent=1))
@@ -263,17 +270,90 @@ def summary_table(metrics: list[dict]) -> str:
     return "\n".join(lines)
 
 
+OUTPUT_DIRS = {"generate": "rollouts", "teacher-dump": "cache", "train-student": "train"}
+
+
+def restart_if_changed(cfg: RoundsConfig, r: int, stage: str, command: list[str]) -> None:
+    """Record the command an unfinished stage starts with (W/round-RRR/started/STAGE.json); when it was
+    started before with another one, remove what it left: resuming would mix two settings in one output,
+    which its done record's command would no longer describe."""
+    started = round_dir(cfg, r) / "started" / f"{stage}.json"
+    output = round_dir(cfg, r) / OUTPUT_DIRS[stage]
+    if started.exists() and json.loads(started.read_text())["command"] != command and output.exists():
+        log.warning("round %d %s: started as `xtcache %s`, now `xtcache %s`; starting it again (%s removed)", r,
+                    stage, shlex.join(json.loads(started.read_text())["command"]), shlex.join(command), output)
+        shutil.rmtree(output)
+    _write_atomic(started, json.dumps({"stage": stage, "round": r, "command": command}, indent=1))
+
+
+def redo_paths(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
+    """What to remove so that a rerun redoes round r's `stage` and every stage after it: their outputs and
+    records in round r, and the later rounds' directories (those that exist)."""
+    d = round_dir(cfg, r)
+    later = STAGES[STAGES.index(stage):]
+    paths = [p for s in later for p in (d / OUTPUT_DIRS[s], d / "done" / f"{s}.json", d / "started" / f"{s}.json")]
+    paths += sorted(p for p in Path(cfg.workdir).glob("round-*") if p.name > d.name)
+    return [str(p) for p in paths if p.exists()]
+
+
+def _flags(key: str, value) -> str:
+    """A setting as the command line gives it: `--max-new-tokens 8`, `-- --lr 1e-3`, `--dump-args '...'`."""
+    if key == "train_args":
+        return shlex.join(["--", *value]) if value else "no flags after --"
+    flag = "--rounds" if key == "rounds" else "--" + key.replace("_", "-")
+    if value is None or value == [] and key != "prompts":
+        return f"no {flag}"
+    if key == "dump_args":
+        return f"{flag} {shlex.quote(shlex.join(value))}"
+    return " ".join(f"{flag} {shlex.quote(str(v))}" for v in (value if isinstance(value, list) else [value]))
+
+
+def finished_stages_changed(was: RoundsConfig, cfg: RoundsConfig, changed: list[str]) -> list[tuple[int, str, list[str]]]:
+    """(round, stage, settings) of each finished stage of the rounds `cfg` runs whose command the new
+    settings change, with the changed settings that change it (all of them when none alone does)."""
+    out, mine = [], asdict(cfg)
+    for r in range(cfg.rounds):
+        for stage in STAGES:
+            done_path = round_dir(cfg, r) / "done" / f"{stage}.json"
+            if not done_path.exists():
+                continue
+            if json.loads(done_path.read_text())["command"] == stage_command(cfg, r, stage):
+                continue
+            keys = [k for k in changed if stage_command(replace(was, **{k: mine[k]}), r, stage)
+                    != stage_command(was, r, stage)]
+            out.append((r, stage, keys or changed))
+    return out
+
+
 def check_settings(cfg: RoundsConfig) -> None:
-    """Record the settings in WORKDIR/rounds.json; refuse a rerun with others (--rounds may grow)."""
+    """Record the settings in WORKDIR/rounds.json. A rerun may change them where they change only stages
+    that have not finished (--rounds may grow or shrink); one that changes a finished stage is refused,
+    naming the setting, the stage, and the ways out."""
     path = Path(cfg.workdir) / SETTINGS_FILE
-    mine = {k: v for k, v in asdict(cfg).items() if k != "rounds"}
     if path.exists():
-        was = {k: v for k, v in json.loads(path.read_text()).items() if k != "rounds"}
-        was.setdefault("dump_args", [])  # work directories of the version before --dump-args
-        diff = sorted(k for k in set(was) | set(mine) if was.get(k) != mine.get(k))
-        if diff:
-            raise ConfigError(f"--workdir {cfg.workdir} was run with other settings ({', '.join(diff)}); "
-                              "rerun with them or use another --workdir")
+        recorded = json.loads(path.read_text())
+        recorded.setdefault("dump_args", [])  # work directories of the version before --dump-args
+        mine = asdict(cfg)
+        changed = sorted(k for k in set(recorded) | set(mine) if k != "rounds" and recorded.get(k) != mine.get(k))
+        if changed:
+            try:
+                was = RoundsConfig(**recorded)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"--workdir {cfg.workdir}: {path} is not a rounds.json this xtcache reads ({e}); "
+                                  "use another --workdir") from None
+            blocked = finished_stages_changed(was, cfg, changed)
+            if blocked:
+                r, stage, keys = blocked[0]
+                now = "; ".join(f"{_flags(k, recorded.get(k))} -> {_flags(k, mine.get(k))}" for k in keys)
+                back = " ".join(_flags(k, recorded.get(k)) for k in keys)
+                raise ConfigError(
+                    f"--workdir {cfg.workdir}: {now} changes round {r} {stage}, which has finished "
+                    f"({round_dir(cfg, r) / 'done' / (stage + '.json')}). Settings of stages that have not "
+                    f"finished may change on a rerun; this one may not. Rerun with {back} to go on; or, to redo "
+                    f"round {r} {stage} and everything after it with the new settings: "
+                    f"rm -r {shlex.join(redo_paths(cfg, r, stage))}; or use another --workdir")
+            log.info("--workdir %s: settings changed since its last run (%s); no finished stage depends on them",
+                     cfg.workdir, ", ".join(changed))
     _write_atomic(path, json.dumps(asdict(cfg), indent=1))
 
 
