@@ -20,6 +20,7 @@ from xtcache.cliconfig import from_flat
 
 MODES = ("topk", "full", "sampled", "headtail")
 ENGINES = ("vllm", "hf")
+DEFAULT_MAX_SEQ_LEN = 2048  # a cap: a teacher with a shorter context gets windows of its context less one
 
 
 @dataclass(kw_only=True)
@@ -72,8 +73,8 @@ class CaptureConfig:
     """Draws per position in sampled mode; draws from the tail (outside the head) in headtail mode."""
     seed: int = 0
     """Seed of the sampled and headtail modes' draws (per document and window, independent of batching)."""
-    max_seq_len: int = 2048
-    """Teacher window in tokens; longer documents are cut into windows at chunk boundaries."""
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
+    """Teacher window in tokens, at most the teacher's context less one; longer documents are cut into windows at chunk boundaries."""
     window_overlap: int = 0
     """Tokens of left context repeated from the previous window (their predictions are stored once)."""
     batch_tokens: int = 65536

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from schemas.models import DRAWN_MODES, support_width
 from stage1_teacher import preflight
 from stage1_teacher.cache_inputs import capture_identity, share_digests
-from stage1_teacher.config import TeacherDumpConfig, settings_for_fingerprint
+from stage1_teacher.config import DEFAULT_MAX_SEQ_LEN, TeacherDumpConfig, settings_for_fingerprint
 from stage1_teacher.corpus import Corpus
 from stage1_teacher.prep import StudentSide
 from stage1_teacher.shard_plan import PLAN_FILE, obtain_plan
@@ -90,9 +90,12 @@ def make_plan(cfg: TeacherDumpConfig, corpus: Corpus | None = None) -> Plan:
         "max_position_embeddings") or (c.max_seq_len + 1))
     max_model_len = t.max_model_len or min(c.max_seq_len + 1, max_pos)
     window_len = min(c.max_seq_len, max_model_len - 1)
-    if window_len < c.max_seq_len:
-        log.warning("--max-seq-len %d exceeds the teacher's context (%d positions): windows of %d tokens",
-                    c.max_seq_len, max_pos, window_len)
+    if window_len < c.max_seq_len:  # the context less one: --max-model-len must exceed the window
+        if c.max_seq_len > max_pos and c.max_seq_len != DEFAULT_MAX_SEQ_LEN:  # asked for more than the context
+            log.warning("--max-seq-len %d exceeds the teacher's context (%d positions): windows of %d tokens",
+                        c.max_seq_len, max_pos, window_len)
+        else:  # the default, a cap, or the context itself
+            log.info("windows of %d tokens: the teacher's context (%d positions) less one", window_len, max_pos)
     if c.window_overlap > window_len - 3:
         raise ConfigError(f"--window-overlap {c.window_overlap}: must be below the window of {window_len} - 2")
     part_bytes = cfg.store.docs_per_part * window_len * k * 8

@@ -210,6 +210,23 @@ def test_dry_run_counts_without_teacher(teacher, corpus, toy_setup, tmp_path):
     assert not (tmp_path / "dry").exists()
 
 
+
+def test_the_default_window_of_a_teacher_of_2048_positions_does_not_warn(teacher, corpus, toy_setup, tmp_path, caplog):
+    """The toy teacher's context is 2,048 positions, the default --max-seq-len 2048: windows of 2,047 tokens
+    (--max-model-len must exceed the window), said once at info level; asking for more than the context warns."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    args = ["teacher-dump", "--teacher", teacher, "--student-tokenizer", toy_setup.student_tokenizer, "--data", corpus,
+            "--out", tmp_path / "dry", "--dry-run"]
+    assert xtcache(*args).returncode == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "max-seq-len" in r.getMessage()]
+    assert "windows of 2047 tokens: the teacher's context (2048 positions) less one" in caplog.text
+    caplog.clear()
+    assert xtcache(*args, "--max-seq-len", "4096").returncode == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "--max-seq-len 4096 exceeds the teacher's context (2048 positions): windows of 2047 tokens"]
+
 def test_bad_requests_fail_clearly(teacher, corpus, toy_setup, tmp_path):
     from xtcache.testing.toy_teacher import build_vllm_teacher
 
