@@ -32,3 +32,11 @@ def test_every_command_is_documented():
     for cmd in ["teacher-dump", "align", "train-student", "inspect", "verify", "cache ls",
                 "projection build", "projection import", "projection inspect", "demo"]:
         assert f"`xtcache {cmd}`" in ref
+
+
+def test_a_command_s_whole_help_is_in_the_reference():
+    ref = clidoc.cli_reference_markdown()
+    verify = ref.split("#### `xtcache verify`", 1)[1].split("| option", 1)[0]
+    assert "lost parts); exit 1 on a problem" in verify and "exit 2, as `inspect`." in verify  # not cut at a line end
+    rounds = ref.split("#### `xtcache rounds`", 1)[1].split("| option", 1)[0]
+    assert "Arguments after `--` go to every train-student command" in rounds  # its second paragraph

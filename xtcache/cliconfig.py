@@ -343,6 +343,7 @@ def command(cls: type, run: Callable[[Any], None], *, name: str, help: str,
     callback.__name__ = callback.__qualname__ = name
     callback.__doc__ = help
     callback.required = [leaf.name for leaf in leaves.values() if leaf.default is dataclasses.MISSING]  # for clidoc
+    callback.config_class = cls  # tests/test_doc_commands.py builds the documented commands' configs
     callback.__signature__ = inspect.Signature(params)
     callback.__annotations__ = {p.name: p.annotation for p in params}
     return callback

@@ -45,6 +45,12 @@ def _param_row(p, config_required: list[str]) -> str:
     return f"| {flags} | {help_text}{default} | {need} |"
 
 
+def _paragraphs(text: str) -> list[str]:
+    """A command's whole help text as markdown lines: each paragraph on one line, a blank line after it."""
+    paragraphs = [" ".join(p.split()) for p in text.strip().split("\n\n") if p.strip()]
+    return [line for p in paragraphs for line in (p, "")] or [""]
+
+
 def cli_reference_markdown() -> str:
     import typer.main
 
@@ -53,8 +59,7 @@ def cli_reference_markdown() -> str:
     root = typer.main.get_command(app)
     out = []
     for path, cmd in _commands(root, "xtcache"):
-        summary = (cmd.help or "").strip().splitlines()[0] if cmd.help else ""
-        out += [f"#### `{path}`", "", summary, "", "| option | meaning | |", "| --- | --- | --- |"]
+        out += [f"#### `{path}`", "", *_paragraphs(cmd.help or ""), "| option | meaning | |", "| --- | --- | --- |"]
         required = getattr(cmd.callback, "required", [])  # set by xtcache.cliconfig.command
         out += [_param_row(p, required) for p in cmd.params if p.name not in ("help",)]
         out.append("")
