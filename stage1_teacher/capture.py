@@ -298,9 +298,10 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
         return engines.get(key, factory) if engines is not None else factory()
 
     if t.engine == "hf":
-        from stage1_teacher.capture_hf import HfEngine
+        from stage1_teacher.capture_hf import FORWARD_TOKENS, HfEngine
 
-        eng = make(("hf", t.teacher, t.dtype), lambda: HfEngine(t.teacher, dtype=t.dtype, batch_tokens=c.batch_tokens))
+        eng = make(("hf", t.teacher, t.dtype), lambda: HfEngine(t.teacher, dtype=t.dtype,
+                                                                batch_tokens=min(c.batch_tokens, FORWARD_TOKENS)))
         cap = Capture(engine=eng, kind="logits", path="transformers forward + torch top-k", **common)
         cap.start_seconds = time.perf_counter() - t0
         return cap

@@ -17,6 +17,10 @@ reserves). vLLM starts worker processes, so scripts that use these engines need 
 `if __name__ == "__main__":` guard. `close()` shuts the engine's processes down; if this process
 dies first (even by SIGKILL), `xtcache.reaper` stops them.
 
+vLLM returns a call's outputs only when all of them are done, so `run(windows, done)` cuts a batch
+into calls of a few seconds each (`progress.CallPacer`) and hands each call's outputs to `done` as
+it returns; an engine that runs a whole batch within that time gets it in one call.
+
     python -m stage1_teacher.capture_vllm TEACHER_DIR   # starts both engines once and compares them
 """
 
@@ -27,8 +31,11 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
+
+from stage1_teacher.progress import CallPacer
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +125,17 @@ class _VllmEngine:
         with guard_children():  # a killed dump must not leave its engine holding the device
             self.llm = LLM(**kw)
         self.options = options
+        self.pacer = CallPacer()
+
+    def run(self, windows: list[np.ndarray], done: Callable[[Sequence[int], list], None] | None = None) -> list:
+        """The outputs of each window, in order: in one call, or with `done`, in paced calls, each
+        followed by `done(indices, outputs)` of its windows."""
+        if done is None:
+            return self.call(windows)
+        return self.pacer.run(windows, self.call, done)
+
+    def call(self, windows: list[np.ndarray]) -> list:
+        raise NotImplementedError
 
     def model_runner(self) -> str:
         """'v1' or 'v2': the model runner this engine's workers use."""
@@ -156,7 +174,7 @@ class VllmHiddenEngine(_VllmEngine):
         super().__init__(options, runner="pooling", hf_overrides={"head_dtype": "model"}, pooler_config=PoolerConfig(
             task="token_embed", tok_pooling_type="ALL", use_activation=False))
 
-    def run(self, windows: list[np.ndarray]) -> list:
+    def call(self, windows: list[np.ndarray]) -> list:
         prompts = [{"prompt_token_ids": w.tolist()} for w in windows]
         outs = self.llm.encode(prompts, pooling_task="token_embed", use_tqdm=False)
         result = []
@@ -190,7 +208,7 @@ class VllmPromptLogprobEngine(_VllmEngine):
         super().__init__(options, max_logprobs=k if k > 0 else -1)
         self.k = k
 
-    def run(self, windows: list[np.ndarray]) -> list[PromptLogprobs]:
+    def call(self, windows: list[np.ndarray]) -> list[PromptLogprobs]:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=self.k, flat_logprobs=True, detokenize=False,

@@ -1,19 +1,22 @@
 """The threads of `xtcache teacher-dump`, so that the teacher never waits for the disk:
 
   prep thread     reads the corpus, tokenizes, aligns, plans windows, packs batches (bounded queue)
-  main thread     runs the teacher on batch n+1 ...
-  post thread     ... while batch n becomes top-k / full / sampled targets (lm_head on the device)
+  main thread     runs the teacher on a batch ...
+  post thread     ... while the windows the engine has finished (each forward or call, see
+                  `stage1_teacher.progress`) become top-k / full / sampled targets (lm_head on the
+                  device) and move the progress bar
   writer thread   and finished parts are encoded, compressed and committed to the store
 
-Queues hold at most two items each; the time the main thread spends blocked handing a batch to
-the post thread is reported as "teacher waited on writer". A stage that fails stops the others
-and its error is raised by the main thread.
+Queues hold at most two items each; the time the main thread spends blocked handing finished
+windows to the post thread is reported as "teacher waited on writer". A stage that fails stops
+the others and its error is raised by the main thread.
 
     python -c "from stage1_teacher.pipeline import run_pipeline"   # used by stage1_teacher.dump
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -28,7 +31,7 @@ from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.dump_plan import Plan
 from stage1_teacher.placement import share_cpu_with_vllm
 from stage1_teacher.prep import Part, Preparer, iter_parts, part_batches
-from stage1_teacher.progress import progress_bar
+from stage1_teacher.progress import CaptureProgress
 from stage1_teacher.summary import Summary
 from stage1_teacher.windows import window_has_pred
 from xtcache.errors import CaptureError, StoreError
@@ -112,7 +115,7 @@ class _Pipeline:
         self.q_post: queue.Queue = queue.Queue(maxsize=2)
         self.q_write: queue.Queue = queue.Queue(maxsize=2)
         self.lock = threading.Lock()
-        self.bar = progress_bar(plan.corpus, plan.shard_plan, cfg.store.shard_index, progress)
+        self.progress = CaptureProgress.for_job(plan.corpus, plan.shard_plan, cfg.store.shard_index, progress)
         self.cap = None
 
     def run(self, engines, checks: CheckRecords | None) -> None:
@@ -126,12 +129,14 @@ class _Pipeline:
                 log.info("nothing to capture: every part is committed or the stream is empty")
             else:
                 self.cap = _start_capture(self.cfg, self.plan, self.summary, first, engines, checks)
+                self.progress.start()
             t_pos = time.perf_counter()
             for th in threads[1:]:
                 th.start()
-            self._run_teacher(first, t_pos)
+            self._run_teacher(first)
             for th in threads:
                 th.join()
+            self.progress.close()
             if self.cap is not None:
                 self.summary.capture_s = time.perf_counter() - t_pos
             self.summary.prep_s = self.prep.seconds
@@ -149,10 +154,9 @@ class _Pipeline:
         if self.errors:
             self.stop.set()
         restore_threads()
+        self.progress.close()
         if self.cap is not None:
             self.cap.close()
-        if self.bar is not None:
-            self.bar.close()
         for th in threads:
             if th.is_alive() and self.errors:
                 th.join(timeout=5)
@@ -163,20 +167,27 @@ class _Pipeline:
         self.summary.input_wait_s += time.perf_counter() - t_wait
         return item
 
-    def _run_teacher(self, item, t_pos: float) -> None:
-        """The main thread: the teacher on each batch, handed to the post thread."""
+    def _run_teacher(self, item) -> None:
+        """The main thread: the teacher on each batch; the windows the engine reports finished go to
+        the post thread as they come, so targets are made while the engine runs the rest."""
         summary = self.summary
         while item is not None:
             state, batch, last = item
-            t0 = time.perf_counter()
-            raw = self.cap.engine.run([w.tokens for w in batch])
-            summary.teacher_s += time.perf_counter() - t0
+            left = [len(batch)]
+            t0, waited = time.perf_counter(), summary.teacher_wait_s
+            self.cap.engine.run([w.tokens for w in batch],
+                                done=functools.partial(self._hand_over, state, batch, last, left))
+            summary.teacher_s += time.perf_counter() - t0 - (summary.teacher_wait_s - waited)
             summary.windows += len(batch)
-            summary.teacher_wait_s += _put(self.q_post, (state, batch, last, raw), self.stop)
             item = self._next_input()
-            if self.bar is not None:
-                self.bar.set_description(f"{summary.positions / max(1e-9, time.perf_counter() - t_pos):,.0f} pos/s")
         _put(self.q_post, None, self.stop)
+
+    def _hand_over(self, state: _PartState, batch: list, last: bool, left: list[int], indices, raws: list) -> None:
+        """The engine finished windows `indices` of `batch` (outputs `raws`): to the post thread, the
+        final ones of the part's last batch flagged `last`."""
+        left[0] -= len(indices)
+        sub = [batch[i] for i in indices]
+        self.summary.teacher_wait_s += _put(self.q_post, (state, sub, last and left[0] == 0, raws), self.stop)
 
     def _guarded(self, fn):
         def run():
@@ -196,19 +207,21 @@ class _Pipeline:
             with self.lock:
                 for s in part.skipped:
                     summary.skipped[s.reason] = summary.skipped.get(s.reason, 0) + 1
+            positions = sum(pd.num_tokens for pd in part.docs)
+            self.progress.planned(len(part.docs) + len(part.skipped), positions)
             if not part.docs:
                 continue
             if part.index in self.committed:
                 check_committed(self.committed[part.index], part)
                 with self.lock:
                     summary.parts_resumed += 1
-                if self.bar is not None:
-                    self.bar.update(len(part.docs))
+                self.progress.resumed(positions)
                 continue
             state = _PartState(part, plan.k, cfg.capture.mode, cfg.capture.top_k)
             batches = part_batches(part, self.prep, cfg.capture.batch_tokens)
             for i, b in enumerate(batches):
                 _put(self.q_in, (state, b, i == len(batches) - 1), self.stop)
+        self.progress.planned_everything()
         _put(self.q_in, None, self.stop)
 
     def post(self) -> None:
@@ -222,6 +235,7 @@ class _Pipeline:
             _fill_batch(state, batch, raw, self.cap)
             with self.lock:
                 self.summary.post_s += time.perf_counter() - t0
+            self.progress.captured(sum(_kept_positions(state.part, wi) for wi in batch))
             if last:
                 _put(self.q_write, state, self.stop)
 
@@ -242,10 +256,7 @@ class _Pipeline:
                 summary.positions += meta.num_positions
                 summary.predicted += meta.num_predicted
                 summary.bytes_written += nbytes
-            if self.bar is not None:
-                self.bar.update(meta.num_docs)
-                self.bar.set_postfix_str(f"{summary.positions:,} pos, {summary.bytes_written / 1e6:.1f} MB",
-                                         refresh=False)
+            self.progress.written(meta.num_docs, nbytes)
 
 
 def _start_capture(cfg, plan: Plan, summary: Summary, first, engines, checks: CheckRecords | None):
@@ -280,6 +291,12 @@ def _start_capture(cfg, plan: Plan, summary: Summary, first, engines, checks: Ch
     summary.capture_path, summary.notes, summary.check_gap = cap.path, cap.notes, cap.check_gap
     summary.engine_start_s = cap.start_seconds
     return cap
+
+
+def _kept_positions(part: Part, wi) -> int:
+    """Positions of its document that window item `wi` keeps (each position is kept by one window)."""
+    w = part.docs[wi.doc].windows[wi.window]
+    return w.end - w.store_start
 
 
 def _fill_batch(state: _PartState, batch: list, raws: list, cap) -> None:
