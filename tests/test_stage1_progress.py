@@ -31,11 +31,10 @@ def paced_calls(lengths: list[int], rate: float, target_s: float = 3.0) -> list[
     clock = FakeClock()
     pacer = CallPacer(target_s, clock=clock)
     windows = [np.zeros(n, dtype=np.int64) + i for i, n in enumerate(lengths)]
-    calls, reported = [], []
+    reported = []
 
     def call(ws):
         clock.t += sum(len(w) for w in ws) / rate
-        calls.append(len(ws))
         return [int(w[0]) for w in ws]
 
     out = pacer.run(windows, call, lambda idx, outs: reported.append((idx, outs)))
