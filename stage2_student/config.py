@@ -59,8 +59,8 @@ class LossConfig:
     """KD loss: auto|pkl|kl|rkl|jsd|sampled|alm|rkl-pg|ce (sampled: forward KL to the teacher estimated from a sampled or headtail cache; rkl-pg: reverse-KL policy gradient on the student's own rollouts, docs/on-policy.md; ce: cross entropy only)."""
     kd_weight: float = 1.0
     """Weight of the KD term."""
-    ce_weight: float = 0.1
-    """Weight of the next-token cross-entropy term (0 drops it)."""
+    ce_weight: float | None = None
+    """Weight of the next-token cross-entropy term (0 drops it); default 0.1 with a KD loss on a same-tokenizer cache, 1.0 on a cross-tokenizer cache and with --loss ce (measured on the real pair: docs/losses.md)."""
     dynamic_scaling: bool = False
     """Scale KD to CE's magnitude each micro-batch: w = --kd-weight * stop_grad(|CE| / |KD|)."""
     temperature: float = 1.0
@@ -69,8 +69,8 @@ class LossConfig:
     """Mixing weight beta of the generalized JSD loss."""
     alm_tau: float = 100.0
     """Temperature tau of the ALM chunk-likelihood loss."""
-    chunk_rows: str = "mean"
-    """--loss pkl: which rows of a chunk are compared: first (its first student position and first teacher row: the distributions of the first teacher token of the text that follows) or mean (the mean of all its student rows against the mean of all its teacher rows)."""
+    chunk_rows: str = "first"
+    """--loss pkl: which rows of a chunk are compared: first (its first student position and first teacher row: the distributions of the first teacher token of the text that follows, read through a `projection build --pieces first` map) or mean (the mean of all its student rows against the mean of all its teacher rows)."""
     is_cap: float = 2.0
     """--loss rkl-pg: cap C of the truncated importance ratio min(p_student / p_sampler, C) per chunk (>= 1; 0: no ratio, for rollouts sampled by the weights being trained)."""
     projection: list[str] = field(default_factory=list)
@@ -182,7 +182,7 @@ class TrainConfig:
                         "--export-every": c.export_every, "--keep-checkpoints": c.keep_checkpoints,
                         "--eval-batches": e.eval_batches, "--grad-clip": o.grad_clip,
                         "--weight-decay": o.weight_decay, "--kd-weight": loss.kd_weight,
-                        "--ce-weight": loss.ce_weight}
+                        "--ce-weight": 0.0 if loss.ce_weight is None else loss.ce_weight}
         for flag, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"{flag} {value}: must not be negative")

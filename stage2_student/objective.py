@@ -89,14 +89,32 @@ def measure_definition(caps: Capabilities) -> str:
                         "taken as R c / n (an unbiased estimate from samples, not a bound)"}[caps.mode]
     if caps.same_tokenizer:
         return "forward KL(teacher || student) at T=1 per position over " + what.format("position", "")
-    return ("projected forward KL (P-KL) at T=1 per chunk, teacher chunk distribution vs the student's mapped "
-            "through the projection W, over " + what.format("chunk", "teacher "))
+    return ("first-token forward KL at T=1 per chunk: the teacher's distribution of its next token at the chunk's "
+            "first row vs the student's at the chunk's first position mapped through the projection W (P-KL, "
+            "--chunk-rows first), over " + what.format("chunk", "teacher "))
+
 
 def _rows_selector(rows: np.ndarray):
     """A contiguous ascending range as a (start, end) slice (a view, no copy), else an index tensor."""
     if rows.size and rows[-1] - rows[0] + 1 == rows.size and np.all(np.diff(rows) == 1):
         return int(rows[0]), int(rows[-1]) + 1
     return torch.from_numpy(rows.astype(np.int64))
+
+
+# --ce-weight when not given (docs/losses.md, "Defaults"): with a same-tokenizer KD loss the teacher's distribution
+# over the student's own ids carries the token choice and CE is a small anchor; across tokenizers the KD term only
+# constrains the distribution of the first teacher token of the text that follows (many student tokens share one),
+# so which student token carries that mass is learned from CE, at full weight
+CE_WEIGHT_SAME, CE_WEIGHT_CROSS = 0.1, 1.0
+
+
+def default_ce_weight(loss_cfg, caps: Capabilities, kind: str | None) -> float:
+    """`--ce-weight`, or its default for this run's loss and cache (CE only: 1)."""
+    if loss_cfg.ce_weight is not None:
+        return loss_cfg.ce_weight
+    if kind is None:
+        return 1.0
+    return CE_WEIGHT_SAME if caps.same_tokenizer else CE_WEIGHT_CROSS
 
 
 def _first_rows(sc: np.ndarray, pos_in: np.ndarray, pos_chunk: np.ndarray, tch: np.ndarray, n_chunks: int):
@@ -125,7 +143,7 @@ class Objective:
                  dynamic_scaling: bool = False, temperature: float = 1.0, jsd_beta: float = 0.5,
                  alm_tau: float = 100.0, projection: ProjectionOperator | None = None, teacher_tail: str = "ghost",
                  measure_agreement: bool = True, row_chunk: int = ROW_CHUNK, with_ce: bool = True,
-                 is_cap: float = 0.0, chunk_rows: str = "mean"):
+                 is_cap: float = 0.0, chunk_rows: str = "first"):
         if kind is not None and kind not in KINDS:
             raise ValueError(f"--loss {kind!r}: use {', '.join(KINDS)}")
         if teacher_tail not in ("ghost", "uniform"):
@@ -158,7 +176,7 @@ class Objective:
         if caps.mode == "headtail" and kind in ("sampled", "pkl") and loss_cfg.temperature != 1.0:
             raise ConfigError(f"--temperature {loss_cfg.temperature:g} on a headtail cache: its tail holds draws of the "
                               "T=1 teacher, which cannot be re-tempered; use --temperature 1 (docs/losses.md)")
-        kw = dict(kd_weight=loss_cfg.kd_weight, ce_weight=loss_cfg.ce_weight,
+        kw = dict(kd_weight=loss_cfg.kd_weight, ce_weight=default_ce_weight(loss_cfg, caps, kind),
                   dynamic_scaling=loss_cfg.dynamic_scaling, temperature=loss_cfg.temperature,
                   jsd_beta=loss_cfg.jsd_beta, alm_tau=loss_cfg.alm_tau, projection=projection,
                   is_cap=loss_cfg.is_cap if kind == "rkl-pg" else 0.0, chunk_rows=loss_cfg.chunk_rows,

@@ -86,7 +86,7 @@ def test_closed_form_equals_the_autograd_recompute(case, monkeypatch):
 # projected KL (stage2_student/projected.py)
 
 
-def _pkl_case(case: str, gen):
+def _pkl_case(case: str, gen, chunk_rows: str = "mean"):
     """(objective, batch, logits) of a cross-tokenizer micro-batch: chunks of 1, 2 and 3 student rows and of
     1 and 2 teacher rows over two sequences, CE-only and unlabelled positions, stored-id padding, a teacher row
     with no stored id, a stored id no student token maps to, an unmapped student token; "no rest": W maps every
@@ -132,7 +132,8 @@ def _pkl_case(case: str, gen):
         batch["teacher_logprobs"] = logp
     temperature = 2.0 if "T=2" in case else 1.0
     obj = Objective("pkl", projection=losses.ProjectionOperator(w.to_sparse()), temperature=temperature,
-                    teacher_tail="uniform" if "uniform" in case else "ghost", row_chunk=5)
+                    teacher_tail="uniform" if "uniform" in case else "ghost", row_chunk=5,
+                    chunk_rows=chunk_rows)  # mean: every row of chunks of 1-3 student and 1-2 teacher rows
     logits = torch.randn(2, 12, v_s, generator=gen, dtype=torch.float64) * 3
     if case != "no rest":  # teacher id 5, stored by row 2: every student token onto it at e^-30, q below the floor
         batch["teacher_ids"][2, 0] = 5
@@ -177,3 +178,19 @@ def test_agreement_plan_takes_the_largest_stored_score_never_a_padding_slot(kind
     first = torch.stack([torch.nonzero(tch == c)[0, 0] for c in range(batch["num_chunks"])])
     want = ids[first].gather(1, torch.where(ids[first] >= 0, score[first], -torch.inf).argmax(1, keepdim=True))[:, 0]
     assert torch.equal(obj.prepare(batch, vocab=logits.shape[-1]).agree["teacher_top"], want)
+
+
+@pytest.mark.parametrize("case", ["topk", "topk T=2", "sampled", "no rest", "full"])
+def test_projected_kl_of_first_rows_equals_the_autograd_recompute(case):
+    """`--chunk-rows first` (each chunk's first student position and first teacher row, the later positions
+    CE only): the closed form equals `losses.projected_kl` under autograd, values and gradient with CE."""
+    gen = torch.Generator().manual_seed(43)
+    obj, batch, logits = _pkl_case(case, gen, chunk_rows="first")
+    prep = obj.prepare(batch, vocab=logits.shape[-1])
+    assert sum(b.num_kd_rows for b in prep.blocks) == prep.chunks  # one student row per chunk
+    weights = torch.rand(prep.chunks, generator=gen, dtype=torch.float64)
+    z = logits.clone().requires_grad_(True)
+    kd, ce = obj.terms(z, prep)
+    (g,) = torch.autograd.grad((kd * weights).sum() + 0.7 * ce, z)
+    _assert_equals_autograd(obj, prep, logits, weights, kd, ce, g)
+    assert torch.isfinite(g).all() and g.abs().sum() > 0 and (kd > -1e-12).all()  # a KL: 0 where both sides agree

@@ -54,17 +54,23 @@ def test_specials_map_by_role(toy_map, student_tokenizer, teacher_tokenizer):
     assert toy_map.indices[s.bos_token_id, 0] == -1  # the teacher has no BOS: reported, empty
 
 
-def test_digit_groups_decompose_first_piece_dominant(toy_map, student_tokenizer, teacher_tokenizer):
-    # student groups digits 1-3, the teacher splits them: "12" -> "1" (dominant), "2"
+@pytest.mark.parametrize("pieces", ["first", "all"])
+def test_digit_groups_decompose_into_their_first_piece(pieces, student_tokenizer, teacher_tokenizer):
+    # student groups digits 1-3, the teacher splits them: "12" -> "1" alone (pieces first: the first teacher token
+    # of its text), or "1" (dominant) and "2" (pieces all, decay 0.5)
+    pm = build_projection(student_tokenizer, teacher_tokenizer, top_k=4, pieces=pieces)
     rows = [i for i in range(len(student_tokenizer))
             if len(p := _piece(student_tokenizer, i)) == 2 and p.isdigit() and p[0] != p[1]]
     assert rows, "the toy student should have two-digit tokens"
     for r in rows:
         p = _piece(student_tokenizer, r)
         first, second = (teacher_tokenizer.convert_tokens_to_ids(chr(c)) for c in p)
-        ids = pm_ids = toy_map.indices[r].tolist()
-        assert ids[0] == first and second in pm_ids
-        assert toy_map.weights[r, 0] > toy_map.weights[r, ids.index(second)]
+        ids = pm.indices[r].tolist()
+        assert ids[0] == first
+        if pieces == "first":
+            assert ids[1:] == [-1, -1, -1] and pm.weights[r, 0] == 1.0
+        else:
+            assert second in ids and pm.weights[r, 0] > pm.weights[r, ids.index(second)]
 
 
 def test_sentencepiece_student_matches_byte_level_teacher(sp_tokenizer, teacher_tokenizer):
@@ -105,9 +111,10 @@ def test_save_load_and_fingerprints(toy_map, tmp_path, student_tokenizer, teache
         ProjectionMap.load(path, expect_teacher="0" * 64)
 
 
-def test_to_torch_sparse_with_padded_lm_head(toy_map):
+def test_to_torch_sparse_with_padded_lm_head(student_tokenizer, teacher_tokenizer):
     import torch
 
+    toy_map = build_projection(student_tokenizer, teacher_tokenizer, top_k=4, pieces="all")  # rows of several ids
     v_t = toy_map.teacher_vocab_size
     w = toy_map.to_torch_sparse(v_t + 64)  # lm_head padded beyond the tokenizer, as Qwen3's is
     assert w.is_sparse and w.dtype == torch.float32 and w.shape == (toy_map.student_vocab_size, v_t + 64)

@@ -34,7 +34,7 @@ class ProjectionBuildConfig:
     """Weight ratio between consecutive pieces of a decomposed token (first piece dominant; default 0.5)."""
     reverse_scale: float = 0.5
     """Weight of teacher->student decompositions credited back, relative to forward ones (default 0.5)."""
-    pieces: str = "all"
+    pieces: str = "first"
     """Pieces of a decomposition kept: first (a student token stands for the first teacher token of its text; what `--chunk-rows first` compares) or all (weighted by --decay)."""
 
     def __post_init__(self):
@@ -67,7 +67,7 @@ def build(
     top_k: int = typer.Option(4, help="Teacher entries kept per student token (default 4)."),
     decay: float = typer.Option(0.5, help="Weight ratio between consecutive pieces of a decomposed token."),
     reverse_scale: float = typer.Option(0.5, help="Weight of teacher->student decompositions credited back."),
-    pieces: str = typer.Option("all", help="Decomposition pieces kept: first (a student token stands for the first "
+    pieces: str = typer.Option("first", help="Decomposition pieces kept: first (a student token stands for the first "
                                              "teacher token of its text) or all (weighted by --decay)."),
 ) -> None:
     """Build the student->teacher map from the two tokenizers and print its coverage."""

@@ -7,9 +7,10 @@ W is built from the tokenizers alone:
 1. exact matches: the student token spells exactly the bytes of a teacher token (byte-level `Ġ`,
    SentencePiece `▁` and `<0xNN>` pieces are compared as the bytes they stand for): weight 1;
 2. the other tokens are decomposed both ways: the student token's text encoded by the teacher
-   tokenizer (piece j weighted `decay**j`, so the first piece dominates), and every teacher token's
-   text encoded by the student tokenizer, credited back to the student pieces (scaled by
-   `reverse_scale`);
+   tokenizer, and every teacher token's text encoded by the student tokenizer, credited back to the
+   student pieces (scaled by `reverse_scale`). With `pieces="first"` (the default) only the first
+   piece counts: a student token stands for the first teacher token of its text, the event that
+   P-KL's first rows compare (docs/losses.md); with `pieces="all"` piece j is weighted `decay**j`;
 3. special tokens map by role (bos, eos, pad, unk); a role the teacher lacks leaves an empty row;
 4. rows are cut to the top k and renormalized.
 
@@ -217,7 +218,7 @@ def _lookup(tok, info: TokenizerInfo, pieces: list[bytes]) -> dict[bytes, int]:
 
 
 def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float = 0.5,
-                     reverse_scale: float = 0.5, pieces: str = "all") -> ProjectionMap:
+                     reverse_scale: float = 0.5, pieces: str = "first") -> ProjectionMap:
     """Build W for two fast tokenizers; `notes` of the result carries the build report.
 
     `pieces="first"` keeps only the first piece of each decomposition: a student token stands for the
