@@ -7,11 +7,13 @@ Everything that writes, reads or checks arrays goes through this table: the writ
 
 Shapes are written with the counts of a part: `D` documents, `P` teacher positions, `k` entries
 per position (the manifest's `k`), `k_head` of them with a log-prob and `k_tail` with a draw count
-(`entry_widths`), `B` text bytes, `M` conversation bytes, `S` student tokens, `C` chunks.
+(`entry_widths`), `B` text bytes, `M` conversation bytes, `U` distinct top-k ids (the length of
+`topk_id_dict`), `S` student tokens, `C` chunks.
 Arrays marked `conversation` are held by the parts of conversation stores only (manifest field
 `conversation`, format version 2). Arrays marked `optional` may be absent from a part that could
 hold them: `sampled_logprobs`, written for the alignment group of the student that sampled a
-rollout corpus (`xtcache generate`) only.
+rollout corpus (`xtcache generate`) only. Arrays marked `id_dictionary` are held by the parts whose
+`topk_ids` transform is `xtcache.dict_delta_ids` (topk stores from format version 4) only.
 
     python -c "from schemas.arrays import TEACHER_ARRAYS; print([a.name for a in TEACHER_ARRAYS])"
 """
@@ -32,12 +34,13 @@ class ArrayDef:
 
     name: str
     dtypes: tuple[str, ...]  # stored numpy dtype names a reader accepts
-    shape: tuple[str, ...]  # symbolic dimensions over D, P, k, k_head, k_tail, B, S, C (or a number)
+    shape: tuple[str, ...]  # symbolic dimensions over D, P, k, k_head, k_tail, B, M, U, S, C (or a number)
     modes: tuple[str, ...] = ("topk", "full", "sampled", "headtail")  # modes whose parts hold it
     transform: str | None = None  # 'ids', 'logprobs' or 'offsets' (version 3): a transform named in the manifest
     shuffle: bool = False  # default compression: byte shuffle + zstd (blosc) instead of plain zstd
     conversation: bool = False  # held by the parts of conversation stores only
     optional: bool = False  # a part may hold it or not (its index says); readers accept both
+    id_dictionary: bool = False  # held by the parts whose ids are dictionary coded only (its transform: the ids')
 
     def resolve(self, counts: dict[str, int]) -> tuple[int, ...]:
         """The concrete shape for a part's counts, e.g. {"D": 3, "P": 100, "k": 8}."""
@@ -60,6 +63,7 @@ TEACHER_ARRAYS: tuple[ArrayDef, ...] = (
     ArrayDef("char_offsets", ("int32",), ("P", "2"), transform="offsets"),
     ArrayDef("has_pred", ("bool",), ("P",)),
     ArrayDef("topk_ids", ("uint16", "uint32"), ("P", "k"), transform="ids", shuffle=True),
+    ArrayDef("topk_id_dict", ("int32",), ("U",), modes=("topk",), transform="ids", shuffle=True, id_dictionary=True),
     ArrayDef("topk_logprobs", ("uint8", "uint16", "float16", "float32"), ("P", "k_head"),
              modes=("topk", "full", "headtail"), transform="logprobs"),
     ArrayDef("topk_counts", ("uint16",), ("P", "k_tail"), modes=DRAWN_MODES),
@@ -97,9 +101,11 @@ def entry_widths(mode: str, k: int, top_k: int | None = None) -> dict[str, int]:
     return {"k": k, "k_head": 0 if mode == "sampled" else k, "k_tail": k if mode == "sampled" else 0}
 
 
-def teacher_arrays(mode: str, conversation: bool = False) -> tuple[ArrayDef, ...]:
-    """The arrays a teacher part of `mode` holds (of a conversation store: `conversation`)."""
-    return tuple(a for a in TEACHER_ARRAYS if mode in a.modes and (conversation or not a.conversation))
+def teacher_arrays(mode: str, conversation: bool = False, id_dictionary: bool = False) -> tuple[ArrayDef, ...]:
+    """The arrays a teacher part of `mode` holds (of a conversation store: `conversation`; whose ids are
+    dictionary coded: `id_dictionary`)."""
+    return tuple(a for a in TEACHER_ARRAYS if mode in a.modes and (conversation or not a.conversation)
+                 and (id_dictionary or not a.id_dictionary))
 
 
 def align_arrays(conversation: bool = False) -> tuple[ArrayDef, ...]:

@@ -16,13 +16,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Version of the on-disk layout; written to the manifest and to every part's metadata."""
 
-READ_VERSIONS = (1, 2, 3)
+READ_VERSIONS = (1, 2, 3, 4)
 """Versions a reader of this xtcache reads: 2 added conversation stores; a version 1 store is a
 plain-text store of version 2's layout (and keeps version 1 when an alignment group is added);
-3 added the sqrt-prob value code and float16 residual / realized log-prob (codec v2)."""
+3 added the sqrt-prob value code and float16 residual / realized log-prob (codec v2); 4 added
+dictionary coded top-k ids with the part's `topk_id_dict` (codec v3, topk mode)."""
 
 Mode = Literal["topk", "full", "sampled", "headtail"]
 DRAWN_MODES = ("sampled", "headtail")

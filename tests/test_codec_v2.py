@@ -1,5 +1,6 @@
 """Codec v2 (store format version 3): the sqrt-prob value code against an fp64 reference, float16 side
-arrays, and a version 3 store written, read and verified (damaged bytes in its arrays are named).
+arrays, and a version 3 store written, read and verified (damaged bytes in its arrays are named). Codec v3
+(format version 4) keeps these and codes ids into a dictionary: tests/test_codec_v3.py.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_codec_v2.py
 """
@@ -101,12 +102,12 @@ def test_delta_char_offsets_round_trip(lengths, seed):
 
 
 def test_default_codecs_follow_the_format_version():
-    assert FORMAT_VERSION == 3
-    v3 = codecs.default_codecs("topk", 80_000)
+    assert FORMAT_VERSION == 4
+    v3 = codecs.default_codecs("topk", 80_000, 3)
     assert v3["topk_logprobs"] == codecs.SqrtProbs(127).to_config()
     assert codecs.default_codecs("topk", 80_000, 2)["topk_logprobs"]["name"] == codecs.QUANT_NAME
     assert "topk_logprobs" not in codecs.default_codecs("sampled", 80_000)
-    assert codecs.default_codecs("topk", 80_000, k=256)["topk_logprobs"] == codecs.SqrtProbs(255).to_config()
+    assert codecs.default_codecs("topk", 80_000, 3, k=256)["topk_logprobs"] == codecs.SqrtProbs(255).to_config()
     assert codecs.default_codecs("full", 300, k=300)["topk_logprobs"]["name"] == codecs.QUANT_NAME
     assert v3["char_offsets"]["name"] == codecs.OFFSETS_NAME
     assert "char_offsets" not in codecs.default_codecs("topk", 80_000, 2)
@@ -128,7 +129,7 @@ def _store(tmp_path: Path, k: int = 16, V: int = 80_000) -> tuple[str, DocRecord
     rng = np.random.default_rng(3)
     doc = _doc(rng, 0, 300, k, V)
     url = str(tmp_path / "v3")
-    with CacheWriter(url, Manifest(cache_key="v3", mode="topk", k=k, teacher_vocab_size=V)) as w:
+    with CacheWriter(url, Manifest(cache_key="v3", mode="topk", k=k, teacher_vocab_size=V, format_version=3)) as w:
         w.write_part(0, [doc])
         w.finish()
     return url, doc

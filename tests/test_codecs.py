@@ -170,6 +170,9 @@ def test_store_fidelity_on_toy_teacher(toy_setup):
         rec = got.doc(i)
         hp = doc.has_pred
         order = np.argsort(doc.topk_ids, axis=1, kind="stable")
-        np.testing.assert_array_equal(rec.topk_ids[hp], np.take_along_axis(doc.topk_ids, order, 1)[hp])
-        kls.append(_kl_topk_rest(np.take_along_axis(doc.topk_logprobs, order, 1)[hp], rec.topk_logprobs[hp]))
+        by_id = np.argsort(rec.topk_ids, axis=1, kind="stable")  # the store's rows (dictionary codes) by id
+        np.testing.assert_array_equal(np.take_along_axis(rec.topk_ids, by_id, 1)[hp],
+                                      np.take_along_axis(doc.topk_ids, order, 1)[hp])
+        kls.append(_kl_topk_rest(np.take_along_axis(doc.topk_logprobs, order, 1)[hp],
+                                 np.take_along_axis(rec.topk_logprobs, by_id, 1)[hp]))
     assert 0 < float(np.mean(kls)) < 1e-3

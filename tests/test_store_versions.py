@@ -1,5 +1,5 @@
-"""Stores of format versions 1 (before conversations) and 2 (before codec v2) still read and verify,
-and keep their version when extended.
+"""Stores of format versions 1 (before conversations), 2 (before codec v2) and 3 (before dictionary coded
+ids) still read and verify, keep their version when extended, and this writer writes every version it reads.
 
 `tests/fixtures/store_v1` was written by the xtcache of format version 1 (commit 39ac103) with
 `tests/fixtures/make_store_v1.py`:
@@ -13,6 +13,13 @@ saved the values it wrote as `tests/fixtures/store_v2_source.npz`:
 
     git archive 87f80aa | tar -x -C /tmp/old && cd /tmp/old && \
         PYTHONPATH=. python $REPO/tests/fixtures/make_store_v2.py $REPO/tests/fixtures/store_v2
+
+`tests/fixtures/store_v3` (sqrt-prob codes, float16 side arrays, ids sorted by id, above 16 bits) was
+written by the xtcache of format version 3 (commit 370e2f4) with `tests/fixtures/make_store_v3.py`, which
+saved the values it wrote as `tests/fixtures/store_v3_source.npz`:
+
+    git archive 370e2f4 | tar -x -C /tmp/old && cd /tmp/old && \
+        PYTHONPATH=. python $REPO/tests/fixtures/make_store_v3.py $REPO/tests/fixtures/store_v3
 """
 
 from __future__ import annotations
@@ -30,12 +37,13 @@ from xtcache.store import AlignmentRecord, CacheReader, CacheWriter
 
 V1 = Path(__file__).resolve().parent / "fixtures" / "store_v1"
 V2 = Path(__file__).resolve().parent / "fixtures" / "store_v2"
+V3 = Path(__file__).resolve().parent / "fixtures" / "store_v3"
 
 
 def test_a_version_1_store_reads_and_verifies():
     from xtcache.commands_store import store_summary, verify_store
 
-    assert FORMAT_VERSION == 3
+    assert FORMAT_VERSION == 4
     r = CacheReader(str(V1))
     assert r.manifest.format_version == 1 and not r.manifest.conversation and r.is_complete()
     shard = r.read_shard(r.shards[0].shard_id, verify=True)
@@ -102,6 +110,81 @@ def test_a_writer_resuming_a_version_2_store_writes_version_2_parts(tmp_path):
     assert meta.format_version == 2 and meta.arrays["residual"].dtype == "float32"
     assert meta.arrays["topk_logprobs"].transform.name == "xtcache.quantized_logprobs"
     assert CacheReader(str(store)).read_shard(meta.shard_id, verify=True).texts == [shard.texts[0]]
+
+
+def test_a_version_3_store_reads_and_verifies_with_ids_sorted_by_id():
+    from xtcache import codecs
+    from xtcache.commands_store import verify_store
+
+    r = CacheReader(str(V3))
+    assert r.manifest.format_version == 3 and r.is_complete()
+    assert r.manifest.codecs["topk_ids"].name == codecs.IDS_NAME
+    assert r.manifest.codecs["topk_logprobs"].name == codecs.SQRT_NAME
+    assert "topk_id_dict" not in r.shards[0].arrays
+    shard = r.read_shard(r.shards[0].shard_id, verify=True)
+    src = np.load(V3.parent / "store_v3_source.npz")
+    ids = np.concatenate([src["topk_ids0"], src["topk_ids1"]])
+    lp = np.concatenate([src["topk_logprobs0"], src["topk_logprobs1"]])
+    assert ids.max() >= 65_536  # uint32 deltas
+    order = np.argsort(ids, axis=1)
+    has = shard.has_pred
+    np.testing.assert_array_equal(shard.topk_ids[has], np.take_along_axis(ids, order, 1)[has])
+    want = np.exp(0.5 * np.take_along_axis(lp, order, 1)[has].astype(np.float64))
+    assert np.abs(np.exp(0.5 * shard.topk_logprobs[has].astype(np.float64)) - want).max() <= 0.5 / 127 + 1e-6
+    np.testing.assert_allclose(shard.residual, np.concatenate([src["residual0"], src["residual1"]]), rtol=2.0**-11)
+    assert verify_store(str(V3)) == []
+
+
+def test_a_writer_resuming_a_version_3_store_writes_version_3_parts(tmp_path):
+    store = tmp_path / "v3"
+    shutil.copytree(V3, store)
+    r = CacheReader(str(store))
+    shard = r.read_shard(r.shards[0].shard_id)
+    with CacheWriter(str(store), r.manifest, resume=True) as w:
+        meta = w.write_part(1, [_record_from(shard)])
+    assert meta.format_version == 3 and "topk_id_dict" not in meta.arrays
+    assert meta.arrays["topk_ids"].transform.name == "xtcache.sorted_delta_ids"
+    assert CacheReader(str(store)).read_shard(meta.shard_id, verify=True).texts == [shard.texts[0]]
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+def test_this_writer_writes_and_reads_every_version(tmp_path, version):
+    """A store of each version this xtcache reads, written with that version's default codecs: its manifest,
+    part index and done marker carry the version, its arrays are that version's, and it reads back exactly."""
+    from schemas.models import Manifest
+    from xtcache import codecs
+    from xtcache.commands_store import verify_store
+    from xtcache.store import DocRecord
+
+    rng = np.random.default_rng(version)
+    T, k, V = 40, 8, 70_000
+    ids = np.stack([rng.choice(V, k, replace=False) for _ in range(T)]).astype(np.int32)
+    lp = np.log(rng.dirichlet(np.full(k + 1, 0.5), T)[:, :k]).astype(np.float32)
+    has = np.arange(T) > 0
+    doc = DocRecord(source="s", row=0, text="x" * T, teacher_ids=rng.integers(0, V, T).astype(np.int32),
+                    char_offsets=np.stack([np.arange(T), np.arange(T) + 1], 1).astype(np.int32), has_pred=has,
+                    topk_ids=ids, topk_logprobs=lp, topk_counts=None,
+                    residual=(1 - np.exp(lp.astype(np.float64)).sum(1)).astype(np.float32),
+                    realized_logprob=np.where(has, lp[:, 0], np.nan).astype(np.float32))
+    url = str(tmp_path / f"v{version}")
+    with CacheWriter(url, Manifest(cache_key="v", mode="topk", k=k, teacher_vocab_size=V,
+                                   format_version=version)) as w:
+        meta = w.write_part(0, [doc])
+        w.finish()
+    r = CacheReader(url)
+    assert r.manifest.format_version == meta.format_version == r.writer_summaries()[0].format_version == version
+    want = codecs.default_codecs("topk", V, version, k=k)
+    assert {n: c.model_dump() for n, c in r.manifest.codecs.items()} == want
+    assert ("topk_id_dict" in meta.arrays) == (version >= 4)
+    assert meta.arrays["residual"].dtype == codecs.side_dtype(version)
+    got = r.read_shard(meta.shard_id, verify=True)
+    by_id, order = np.argsort(got.topk_ids, axis=1), np.argsort(ids, axis=1)
+    np.testing.assert_array_equal(np.take_along_axis(got.topk_ids, by_id, 1)[has], np.take_along_axis(ids, order, 1)[has])
+    np.testing.assert_array_equal(got.char_offsets, doc.char_offsets)
+    lp_codec = codecs.codec_from_config(want["topk_logprobs"])
+    stored = np.take_along_axis(got.topk_logprobs, by_id, 1)[has]
+    np.testing.assert_array_equal(stored, lp_codec.decode(lp_codec.encode(np.take_along_axis(lp, order, 1)))[has])
+    assert verify_store(url) == []
 
 
 def _record_from(shard):

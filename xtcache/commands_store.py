@@ -61,7 +61,7 @@ def store_summary(url: str, storage_options: dict | None = None) -> dict[str, An
     masses = [(s.stats.get("mean_topk_mass"), s.num_predicted) for s in r.shards]
     masses = [(v, n) for v, n in masses if v is not None and v == v and n]
     mean_mass = sum(v * n for v, n in masses) / sum(n for _, n in masses) if masses else float("nan")
-    topk_bytes = per_array.get("topk_ids", 0) + per_array.get("topk_logprobs", 0) + per_array.get("topk_counts", 0)
+    topk_bytes = sum(per_array.get(n, 0) for n in ("topk_ids", "topk_id_dict", "topk_logprobs", "topk_counts"))
     raw_topk = m.k * 8 * positions
     store_bytes = r.total_bytes()
     return {

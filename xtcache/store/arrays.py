@@ -53,19 +53,26 @@ def array_sha256(values: np.ndarray) -> str:
     return hashlib.sha256(arr.tobytes()).hexdigest()
 
 
-V2_COMPRESSION = {"topk_logprobs": codecs.Compression(9), "topk_ids": codecs.Compression(6, "byte", CHUNK_BYTES)}
-"""Compression of the top-k arrays in stores of format version 3 (codec v2); zstd 3 elsewhere. At k=64
-(bench/store_codec.py) sqrt-prob codes shrink from 24.8 to 22.7 B/position at zstd 9, and id deltas
-from 14.3 to 10.6 at blosc level 6 and to 9.6 with each inner chunk shuffled as one block (blosc's
-own blocks, smaller than a chunk, each restart zstd's window); any level and block size decodes the same."""
+CODEC_COMPRESSION = {
+    3: {"topk_logprobs": codecs.Compression(9), "topk_ids": codecs.Compression(6, "byte", CHUNK_BYTES)},
+    4: {"topk_logprobs": codecs.Compression(9), "topk_ids": codecs.Compression(6, "byte", CHUNK_BYTES),
+        "topk_id_dict": codecs.Compression(6, "byte", CHUNK_BYTES)},
+}
+"""Compression of the top-k arrays by the format version that introduced it (codec v2: version 3; codec v3:
+version 4); zstd 3 elsewhere. At k=64 on the toy teacher (bench/store_codec.py) sqrt-prob codes shrink from 24.8
+to 22.7 B/position at zstd 9, and id deltas from 14.3 to 10.6 at blosc level 6 and to 9.6 with each inner chunk
+shuffled as one block (blosc's own blocks, smaller than a chunk, each restart zstd's window). Blosc level 9 codes
+the real teacher's dictionary codes 1.2 B/position smaller than level 6 but runs zstd at its slowest level (29k
+positions/s against 393k on one core, --teacher real); any level and block size decodes the same."""
 
 
 def default_compression(name: str, format_version: int = FORMAT_VERSION) -> codecs.Compression:
     """Compression of one array by name (schemas/arrays.py): byte shuffle before zstd where it measured
     smaller (bench/store_codec.py: topk_ids at k=64 shrink by a third), plain zstd elsewhere; from format
-    version 3 the top-k arrays as `V2_COMPRESSION` says."""
-    if format_version >= 3 and name in V2_COMPRESSION:
-        return V2_COMPRESSION[name]
+    version 3 the top-k arrays as `CODEC_COMPRESSION` says."""
+    table = CODEC_COMPRESSION.get(min(format_version, max(CODEC_COMPRESSION)), {})
+    if name in table:
+        return table[name]
     return codecs.Compression(level=3, shuffle="byte" if array_def(name).shuffle else "none")
 
 

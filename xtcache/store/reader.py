@@ -240,13 +240,18 @@ class CacheReader:
             if spec is not None and spec.transform != codec:
                 raise CorruptionError(f"{where}: array {name!r} was written with transform {spec.transform}, the "
                                       f"manifest says {codec}: manifest.json was edited or damaged")
-        blob, conv = meta.arrays.get("doc_text"), meta.arrays.get("doc_conversation")
+        blob, conv, id_dict = (meta.arrays.get(n) for n in ("doc_text", "doc_conversation", "topk_id_dict"))
         counts = {"D": meta.num_docs, "P": meta.num_positions, **entry_widths(m.mode, m.k, m.top_k),
-                  "B": blob.shape[0] if blob else 0, "M": conv.shape[0] if conv else 0}
+                  "B": blob.shape[0] if blob else 0, "M": conv.shape[0] if conv else 0,
+                  "U": id_dict.shape[0] if id_dict else 0}
         if len(meta.docs) != meta.num_docs:
             raise CorruptionError(f"{where}: its index lists {len(meta.docs)} document ids for {meta.num_docs} "
                                   "documents")
-        return self._specs(meta, teacher_arrays(m.mode, m.conversation), where, counts, names)
+        if id_dict is not None and id_dict.transform != m.codecs["topk_ids"]:
+            raise CorruptionError(f"{where}: array 'topk_id_dict' was written with transform {id_dict.transform}, "
+                                  f"the manifest's ids transform is {m.codecs['topk_ids']}")
+        arrays = teacher_arrays(m.mode, m.conversation, id_dictionary=m.codecs["topk_ids"].name == codecs.DICT_IDS_NAME)
+        return self._specs(meta, arrays, where, counts, names)
 
     def check_indexes(self) -> None:
         """Check every committed index against the manifest and the array table, reading no array
@@ -275,15 +280,7 @@ class CacheReader:
         pos, text_offs = raw["doc_pos_offsets"], raw["doc_text_offsets"]
         _check_offsets(pos, meta.num_positions, where, "doc_pos_offsets")
         _check_offsets(text_offs, raw["doc_text"].shape[0], where, "doc_text_offsets")
-        ids_codec = codecs.codec_from_config(meta.arrays["topk_ids"].transform)
-        problem = codecs.id_runs_problem(ids_codec, self.manifest.mode, self.manifest.top_k)
-        if problem:
-            raise CorruptionError(f"{where}: {problem}: its index or manifest.json is damaged")
-        ids = ids_codec.decode(raw["topk_ids"], overwrite=True)  # the deltas' memory: read_shard keeps only ids
-        V = self.manifest.teacher_vocab_size
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= V):
-            raise CorruptionError(f"{where}: array 'topk_ids' decodes to ids outside the teacher vocabulary [0, {V}): "
-                                  "the array or manifest.json is damaged")
+        ids = self._decode_ids(meta, raw, where)
         char_offsets = raw["char_offsets"]
         if meta.arrays["char_offsets"].transform is not None:
             char_offsets = codecs.codec_from_config(meta.arrays["char_offsets"].transform).decode(char_offsets, pos)
@@ -320,6 +317,30 @@ class CacheReader:
             topk_counts=raw.get("topk_counts"), residual=raw["residual"].astype(np.float32, copy=False),
             realized_logprob=raw["realized_logprob"].astype(np.float32, copy=False),
             conversations=conversations)
+
+    def _decode_ids(self, meta: ShardMeta, raw: dict[str, np.ndarray], where: str) -> np.ndarray:
+        """The part's top-k ids int32 [P, k], each checked to lie in the teacher vocabulary (and, dictionary
+        coded, each code in its dictionary)."""
+        m, V = self.manifest, self.manifest.teacher_vocab_size
+        ids_codec = codecs.codec_from_config(meta.arrays["topk_ids"].transform)
+        problem = codecs.id_runs_problem(ids_codec, m.mode, m.top_k, m.format_version)
+        if problem:
+            raise CorruptionError(f"{where}: {problem}: its index or manifest.json is damaged")
+        if not isinstance(ids_codec, codecs.DictDeltaIds):
+            ids = ids_codec.decode(raw["topk_ids"], overwrite=True)  # the deltas' memory: read_shard keeps only ids
+        else:
+            dictionary = ids_codec.decode_dictionary(raw["topk_id_dict"])
+            if dictionary.size and (int(dictionary.min()) < 0 or int(dictionary.max()) >= V):
+                raise CorruptionError(f"{where}: array 'topk_id_dict' holds ids outside the teacher vocabulary "
+                                      f"[0, {V}): the array or manifest.json is damaged")
+            try:
+                return ids_codec.decode(raw["topk_ids"], dictionary)
+            except CorruptionError as e:
+                raise CorruptionError(f"{where}: {e}: the arrays are damaged") from None
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= V):
+            raise CorruptionError(f"{where}: array 'topk_ids' decodes to ids outside the teacher vocabulary [0, {V}): "
+                                  "the array or manifest.json is damaged")
+        return ids
 
     def read_alignment(self, fingerprint: str, sid: str, *, verify: bool = False,
                        doc_pos_offsets: np.ndarray | None = None) -> AlignShardData:

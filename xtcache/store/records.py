@@ -63,7 +63,9 @@ class ShardData:
     teacher_ids: np.ndarray  # int32 [P]
     char_offsets: np.ndarray  # int32 [P, 2]
     has_pred: np.ndarray  # bool [P]
-    topk_ids: np.ndarray  # int32 [P, k], each row ascending by id (headtail: the head's k_head, then the tail's)
+    # int32 [P, k]: each row ascending by id, or by dictionary code (xtcache.dict_delta_ids, a set in no id
+    # order); headtail: the head's k_head, then the tail's
+    topk_ids: np.ndarray
     topk_logprobs: np.ndarray | None  # float32 [P, k_head] (schemas.arrays.entry_widths)
     topk_counts: np.ndarray | None  # uint16 [P, k_tail]
     residual: np.ndarray  # float32 [P]

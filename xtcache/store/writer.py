@@ -64,7 +64,8 @@ class CacheWriter:
             raise StoreError(f"writer index {writer_index} is outside [0, {self.manifest.num_writers}) "
                              f"of the store at {url}")
         self.ids_codec = codecs.codec_from_config(self.manifest.codecs["topk_ids"])
-        problem = codecs.id_runs_problem(self.ids_codec, self.manifest.mode, self.manifest.top_k)
+        problem = codecs.id_runs_problem(self.ids_codec, self.manifest.mode, self.manifest.top_k,
+                                         self.manifest.format_version)
         if problem:
             raise XtcacheError(f"store {url}: {problem}")
         lp = self.manifest.codecs.get("topk_logprobs")
@@ -246,7 +247,13 @@ class CacheWriter:
             drawn[:] = np.take_along_axis(np.where(real, drawn, 0), pre, axis=1)
             np.maximum.accumulate(drawn, axis=1, out=drawn)
             counts = np.take_along_axis(counts, pre, axis=1)
-        deltas, order = self.ids_codec.encode(ids)  # headtail: head and tail sorted apart (codec `head`)
+        id_dict = None
+        if isinstance(self.ids_codec, codecs.DictDeltaIds):  # topk mode: codes into the part's dictionary
+            dictionary = self.ids_codec.dictionary(ids)
+            deltas, order = self.ids_codec.encode(ids, dictionary)
+            id_dict = (self.ids_codec.encode_dictionary(dictionary), self.ids_codec.to_config())
+        else:
+            deltas, order = self.ids_codec.encode(ids)  # headtail: head and tail sorted apart (codec `head`)
         if counts is not None:
             counts = np.take_along_axis(counts, order[:, kh:] - kh, axis=1)  # the identity: sorted above
         out: dict[str, tuple[np.ndarray, dict | None]] = {
@@ -263,6 +270,8 @@ class CacheWriter:
         }
         if counts is not None:
             out["topk_counts"] = (counts, None)
+        if id_dict is not None:
+            out["topk_id_dict"] = id_dict
         if lp is not None:
             lp = np.take_along_axis(lp, order[:, :kh], axis=1)
             out["topk_logprobs"] = (self.lp_codec.encode(lp), self.lp_codec.to_config())
@@ -272,7 +281,8 @@ class CacheWriter:
             convs = [d.conversation.encode("utf-8") for d in docs]
             out["doc_conversation_offsets"] = (_offsets([len(c) for c in convs]), None)
             out["doc_conversation"] = (np.frombuffer(b"".join(convs), dtype=np.uint8), None)
-        return {a.name: out[a.name] for a in teacher_arrays(m.mode, m.conversation)}  # the contract's order
+        arrays = teacher_arrays(m.mode, m.conversation, id_dictionary=id_dict is not None)
+        return {a.name: out[a.name] for a in arrays}  # the contract's order
 
     def _char_offsets(self, docs: list[DocRecord]) -> tuple[np.ndarray, dict | None]:
         """The part's char_offsets, delta coded when the manifest names a transform for them (version 3)."""
