@@ -245,7 +245,11 @@ def test_cli_flags_win_over_config_file(tmp_path):
     from tests.commands import xtcache
 
     p = tmp_path / "c.yaml"
-    p.write_text("top_k: 8\nmode: full\nteacher: /nonexistent\nstudent_tokenizer: [s]\ndata: [d.jsonl]\nout: o\n")
+    for d in ("t", "s"):  # paths are checked before anything reads them; run_teacher_dump is replaced below
+        (tmp_path / d).mkdir()
+    (tmp_path / "d.jsonl").write_text("")
+    p.write_text(f"top_k: 8\nmode: full\nteacher: {tmp_path / 't'}\nstudent_tokenizer: [{tmp_path / 's'}]\n"
+                 f"data: [{tmp_path / 'd.jsonl'}]\nout: {tmp_path / 'o'}\n")
     seen = {}
 
     def fake_run(cfg, **_):
