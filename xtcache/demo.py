@@ -20,9 +20,10 @@ What it does, all on this machine and with no downloads:
    full-vocabulary cache of the held-out documents;
 5. prints a table (teacher positions/s, bytes/position, cache size, student steps/s, held-out CE
    and held-out KL to the teacher for both runs) and writes `demo_curves.png`. The held-out KL is
-   the chunk-level projected KL (P-KL: the student's distribution projected onto the teacher
-   vocabulary, averaged per chunk) against the teacher's full distribution, not against a top-k
-   bucket (which would be a coarse lower bound of it).
+   the first-token KL (P-KL at each chunk's first position: the student's distribution projected
+   onto the teacher vocabulary, each student token read as the first teacher token of its text)
+   against the teacher's full distribution, not against a top-k bucket (which would be a coarse
+   lower bound of it).
 
 Every stage runs as its own `xtcache` subprocess, exactly as a user would run it.
 
@@ -254,8 +255,8 @@ def _table(r: dict) -> str:
         f"  {'baseline (CE only)':<24}{_fmt(ce.get('steps_per_s'), '.2f'):>9}{_fmt(ce.get('final_eval_ce')):>13}{_fmt(kl_ce):>25}",
         f"  {'distilled (P-KL + CE)':<24}{_fmt(kd.get('steps_per_s'), '.2f'):>9}{_fmt(kd.get('final_eval_ce')):>13}{_fmt(kl_kd):>25}",
         "",
-        "  * chunk-level projected KL to the teacher's FULL distribution (every teacher id, from the held-out",
-        "    full-vocabulary cache), per chunk of the held-out documents; CE: nats per student token",
+        "  * first-token KL to the teacher's FULL distribution (every teacher id, from the held-out full-vocabulary",
+        "    cache) at each chunk's first position of the held-out documents; CE: nats per student token",
         "",
     ]
     if kl_kd is not None and kl_ce is not None:

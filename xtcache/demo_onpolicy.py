@@ -192,7 +192,7 @@ def on_policy_table(r: dict) -> str:
                      f"{_fmt(row['reverse_kl_per_token']):>20}{_fmt(row['teacher_nll_per_token']):>21}")
     lines += [
         "",
-        "  * chunk-level projected KL to the teacher's full distribution, on the last assistant turns of "
+        "  * first-token KL to the teacher's full distribution, on the last assistant turns of "
         f"{_fmt(r['eval_cache_docs'], 'd')}",
         "    held-out conversations (the demo's measure); off-policy KD: P-KL + 0.1 CE on the training "
         "conversations'",
