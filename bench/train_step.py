@@ -36,9 +36,19 @@ full-vocabulary KL within 1.5x.
 
     python bench/train_step.py --rows 'cross-1b/ce,cross-1b/pkl,same-1b/ce,same-1b/kl,same-1b/kl full'
 
+The rows `real/ce` and `real/pkl` (`--teacher real`) train the real pair of
+xtcache.testing.real: a fresh tiny Llama student (hidden 64, 2 layers) on the Llama-3 vocabulary
+(128,256 ids) against SmolLM2-135M-Instruct (49,152 ids), the W that `xtcache projection build`
+makes for the two tokenizers, and a top-64 cache of the real teacher (built here with plain
+transformers from the tier's documents, or `--real-cache` for a store at hand); target P-KL <= 1.2x CE.
+
+    python bench/train_step.py --teacher real                                   # the real pair's two rows
+    python bench/train_step.py --teacher real --real-cache /path/to/top64-store   # a store aligned for Llama-3
+
 `--write-docs` also writes the printed table: README.md's `train-step` block (all rows) or, with
 `--rows cross/ce,cross/pkl,cross/2-teachers`, its `train-step-two-teachers` block; with the
-proportioned rows above, docs/losses.md's `train-step-proportioned` block.
+proportioned rows above, docs/losses.md's `train-step-proportioned` block; with `--teacher real`,
+docs/losses.md's `train-step-real` block.
 """
 
 from __future__ import annotations
@@ -61,7 +71,7 @@ from xtcache.docblock import require_blocks, tee_stdout, write_block  # noqa: E4
 
 # --write-docs: block -> file; the default rows write train-step, TWO_TEACHER_ROWS write train-step-two-teachers
 DOC_BLOCKS = {"train-step": "README.md", "train-step-two-teachers": "README.md",
-              "train-step-proportioned": "docs/losses.md"}
+              "train-step-proportioned": "docs/losses.md", "train-step-real": "docs/losses.md"}
 TWO_TEACHER_ROWS = "cross/ce,cross/pkl,cross/2-teachers"
 PROPORTIONED_ROWS = "cross-1b/ce,cross-1b/pkl,same-1b/ce,same-1b/kl,same-1b/kl full"
 # The proportioned students (rows cross-1b/..., same-1b/...): hidden 256, 4 layers, 4k vocabularies, so that the LM
@@ -76,7 +86,9 @@ ROWS = [("cross", "ce", "topk", "cross_student"), ("cross", "pkl", "topk", "cros
         ("cross", "2-teachers", ("topk", "second"), "cross_student"),
         ("cross-1b", "ce", "topk-1b", "cross_student-1b"), ("cross-1b", "pkl", "topk-1b", "cross_student-1b"),
         ("same-1b", "ce", "topk-1b", "same_student-1b"), ("same-1b", "kl", "topk-1b", "same_student-1b"),
-        ("same-1b", "kl full", "full-1b", "same_student-1b")]
+        ("same-1b", "kl full", "full-1b", "same_student-1b"),
+        ("real", "ce", "real-topk", "real_student"), ("real", "pkl", "real-topk", "real_student")]
+REAL_K = 64  # top-k of the real pair's cache
 PROPORTIONED = dict(num_docs=300, doc_chars=1200, teacher_vocab=4096, student_vocab=4096, teacher_hidden=64,
                     teacher_layers=2, student_hidden=256, student_layers=4, teacher_steps=150, teacher_seq_len=128)
 
@@ -222,7 +234,28 @@ def build_inputs(root: Path, args, kinds: set[str]) -> dict:
     if kinds & {"cross-1b", "same-1b"}:  # the proportioned students, their own (4k-vocabulary) teacher
         prop = build_student_inputs(root / "prop", args, TEST_CACHE, toy.ToySpec(**PROPORTIONED), extras=False)
         inputs.update({f"{k}-1b": v for k, v in prop.items()})
+    if "real" in kinds:
+        inputs.update(build_real_inputs(root / "real", args))
     return inputs
+
+
+def build_real_inputs(root: Path, args) -> dict:
+    """The real pair (xtcache.testing.real): a fresh tiny Llama student on the Llama-3 vocabulary, the projection W
+    of its tokenizer onto SmolLM2's, and a top-64 cache of SmolLM2 (`--real-cache`, or built here)."""
+    from xtcache.projection import build_projection
+    from xtcache.testing import toy
+    from xtcache.testing.caches import build_hf_cache
+    from xtcache.testing.real import build_real_models
+    from xtcache.tokenizer import load_tokenizer
+
+    models = build_real_models()
+    student = root / "student"
+    toy.build_tiny_model("llama", models.llama3_tokenizer, student, hidden=64, layers=2, intermediate=192, seed=1)
+    projection = root / "w.safetensors"
+    build_projection(load_tokenizer(models.llama3_tokenizer), load_tokenizer(models.teacher)).save(projection)
+    cache = args.real_cache or build_hf_cache(root / "topk", models.teacher, models.train_jsonl,
+                                              [models.llama3_tokenizer], k=REAL_K, max_docs=args.docs)
+    return {"real_student": str(student), "real-topk": str(cache), "real_projection": str(projection)}
 
 
 def build_student_inputs(root: Path, args, cache_dir: Path, spec, *, extras: bool) -> dict:
@@ -266,7 +299,11 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=64, help="documents per cache")
     ap.add_argument("--num-workers", type=int, default=0)
     ap.add_argument("--bf16", action="store_true")
-    ap.add_argument("--rows", help="comma-separated row names to run (default: all)")
+    ap.add_argument("--rows", help="comma-separated row names to run (default: all of --teacher's)")
+    ap.add_argument("--teacher", choices=("toy", "real"), default="toy",
+                    help="toy: the toy and proportioned rows; real: the real pair's rows (real/ce, real/pkl)")
+    ap.add_argument("--real-cache", help="a top-k store of SmolLM2-135M-Instruct aligned for the Llama-3 tokenizer "
+                                         "(default: build one from the real tier's documents)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--write-docs", action="store_true",
                     help="also write the table into README.md (train-step, or train-step-two-teachers with "
@@ -279,12 +316,13 @@ def main() -> None:
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return
-    wanted = args.rows.split(",") if args.rows else [f"{kind}/{loss}" for kind, loss, _, _ in ROWS]
+    wanted = args.rows.split(",") if args.rows else [f"{kind}/{loss}" for kind, loss, _, _ in ROWS
+                                                     if (kind == "real") == (args.teacher == "real")]
     with tempfile.TemporaryDirectory(prefix="xtcache_bench_train_") as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
         inputs = build_inputs(root, args, {name.split("/")[0] for name in wanted})
-        print(f"caches built in {time.perf_counter() - t0:.1f}s (k={args.k}, {args.docs} docs each)")
+        print(f"caches built in {time.perf_counter() - t0:.1f}s (k={args.k}, real pair k={REAL_K}, {args.docs} docs each)")
         runs = [(kind, loss, [inputs[c] for c in caches] if isinstance(caches, tuple) else inputs[caches], inputs[student])
                 for kind, loss, caches, student in ROWS if f"{kind}/{loss}" in wanted]
         results = []
@@ -295,6 +333,8 @@ def main() -> None:
                       "teacher_combine": "dynamic", "seq_len": args.seq_len,
                       "micro_batch_size": args.micro_batch_size, "max_steps": 1000, "lr": 1e-3,
                       "zero_stage": 2, "bf16": args.bf16, "num_workers": args.num_workers}
+            if student_kind == "real":
+                config["projection"] = [inputs["real_projection"]]
             spec = {"name": f"{student_kind}/{loss}", "config": config, "steps": args.steps, "warmup": args.warmup,
                     "loader_batches": 4 * (args.steps + args.warmup)}
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -318,14 +358,14 @@ def doc_block(args) -> str | None:
     if not args.write_docs:
         return None
     if args.rows is None:
-        return "train-step"
+        return "train-step-real" if args.teacher == "real" else "train-step"
     if args.rows == TWO_TEACHER_ROWS:
         return "train-step-two-teachers"
     if args.rows == PROPORTIONED_ROWS:
         return "train-step-proportioned"
-    raise SystemExit(f"train_step.py --write-docs with --rows {args.rows}: the docs have blocks for all rows (no --rows), "
-                     f"for --rows {TWO_TEACHER_ROWS} and for --rows '{PROPORTIONED_ROWS}' only; drop --write-docs or "
-                     "use one of those")
+    raise SystemExit(f"train_step.py --write-docs with --rows {args.rows}: the docs have blocks for all rows (no --rows, "
+                     f"with --teacher toy or real), for --rows {TWO_TEACHER_ROWS} and for --rows '{PROPORTIONED_ROWS}' "
+                     "only; drop --write-docs or use one of those")
 
 
 def print_table(results: list[dict], args) -> None:
@@ -352,6 +392,11 @@ def print_table(results: list[dict], args) -> None:
           "the -1b students are proportioned so (hidden 256, 4 layers, 4k vocabularies)")
     print("targets: KD step <= 1.3x CE (-1b students: top-k KL and P-KL <= 1.1x, full-vocabulary KL <= 1.5x), "
           "peak memory <= 1.1x CE (full vocabulary: <= 1.2x the top-k row), loader >= 10x the trainer's consumption")
+    real = {r["loss"]: r for r in results if r["student"] == "real"}
+    if "ce" in real and "pkl" in real:
+        ce, pkl = real["ce"]["step_ms"], real["pkl"]["step_ms"]
+        print(f"real pair (Llama-3 student, 128,256 ids; SmolLM2-135M teacher, 49,152 ids; top-{REAL_K}): CE "
+              f"{1000 / ce:.3f} steps/s, P-KL {1000 / pkl:.3f} steps/s, P-KL/CE {pkl / ce:.2f}x (target <= 1.2x)")
     one = next((r for r in results if r["student"] == "cross" and r["loss"] == "pkl"), None)
     two = next((r for r in results if r["loss"] == "2-teachers"), None)
     if one and two:

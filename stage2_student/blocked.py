@@ -103,6 +103,35 @@ def blocked_terms(logits: Tensor, passes: list[tuple[TermSpec, Prepared]]) -> tu
     return kd, ce
 
 
+class Scratch:
+    """[rows, V]-sized buffers that the blocks of one forward or backward pass reuse in turn.
+
+    On CPU every fresh buffer of that size pays its page faults again (about a pass over it), block after
+    block; `take` hands out the same memory for a name each time (contents undefined), sized for the pass's
+    largest block. The closed forms take their [rows, V] work from here and may overwrite the block's rows.
+    """
+
+    def __init__(self, device, numel: int):
+        self.device, self.numel, self._bufs = device, numel, {}
+
+    def take(self, name: str, shape: tuple, dtype) -> Tensor:
+        n = math.prod(shape)
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            buf = self._bufs[name] = torch.empty(max(n, self.numel), dtype=dtype, device=self.device)
+        return buf[:n].view(shape)
+
+    def rows(self, logits: Tensor, index: Tensor) -> Tensor:
+        """`logits.index_select(0, index)`, into the buffer "rows"."""
+        out = self.take("rows", (index.shape[0], logits.shape[1]), logits.dtype)
+        return torch.index_select(logits, 0, index, out=out)
+
+    @classmethod
+    def of(cls, logits: Tensor, passes) -> "Scratch":
+        rows = max((b.logit_rows.shape[0] for _, p in passes for b in p.blocks), default=0)
+        return cls(logits.device, rows * logits.shape[1])
+
+
 class _BlockedTerms(torch.autograd.Function):
     """(KD of every chunk [C_i] of each pass..., CE sum) over the blocks of a micro-batch; backward
     recomputes block by block.
@@ -110,6 +139,7 @@ class _BlockedTerms(torch.autograd.Function):
     Backward allocates the gradient of the logits (the only [N, V] tensor) and, per block of each
     pass, adds in the block's gradient: written in closed form (`closed_form`: CE, KL, sampled;
     `projected`: P-KL) or by re-running `_block_terms` with autograd on a copy of the block's rows.
+    Both directions copy a block's rows into one `Scratch` buffer, which the closed forms may overwrite.
     """
 
     @staticmethod
@@ -118,14 +148,15 @@ class _BlockedTerms(torch.autograd.Function):
         outs = []
         ce_out = torch.zeros((), dtype=cdt, device=logits.device)
         ctx.saved = []  # per pass and block: (closed-form module, its O(rows) log-partitions), None: autograd recompute
+        scratch = Scratch.of(logits, passes)
         for spec, prep in passes:
             kd_out = torch.zeros(prep.chunks, dtype=cdt, device=logits.device)
             saved = []
             for blk in prep.blocks:
-                z = logits.index_select(0, blk.logit_rows)
+                z = scratch.rows(logits, blk.logit_rows)
                 form = _closed_form(spec, blk)
                 if form is not None:
-                    kd, ce, keep = form.forward(spec, z, blk, prep.teacher)
+                    kd, ce, keep = form.forward(spec, z, blk, prep.teacher, scratch)
                     keep = (form, keep)
                 else:
                     (kd, ce), keep = _block_terms(spec, z, blk, prep.teacher), None
@@ -143,12 +174,13 @@ class _BlockedTerms(torch.autograd.Function):
         (logits,) = ctx.saved_tensors
         grad_ce = grads[-1]
         grad = torch.zeros_like(logits)
+        scratch = Scratch.of(logits, ctx.passes)
         for (spec, prep), grad_kd, saved in zip(ctx.passes, grads[:-1], ctx.saved):
             for blk, keep in zip(prep.blocks, saved):
                 if keep is not None:
-                    z = logits.index_select(0, blk.logit_rows)
+                    z = scratch.rows(logits, blk.logit_rows)
                     form, keep = keep
-                    gz = form.gradient(spec, z, blk, prep.teacher, keep, grad_kd[blk.kd_chunk], grad_ce)
+                    gz = form.gradient(spec, z, blk, prep.teacher, keep, grad_kd[blk.kd_chunk], grad_ce, scratch)
                     grad.index_add_(0, blk.logit_rows, gz.to(grad.dtype))
                     del z, gz
                     continue

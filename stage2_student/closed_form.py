@@ -22,8 +22,8 @@ stored ids' entries are overwritten afterwards (there that factor may be inf). t
 checks values and gradients against the same losses under autograd (`blocked._block_terms`),
 tests/test_losses.py against dense fp64 references.
 
-    kd, ce, saved = forward(spec, z_rows, blk, teacher)          # in _BlockedTerms.forward
-    g = gradient(spec, z_rows, blk, teacher, saved, grad_kd_rows, grad_ce)   # [b, V], in backward
+    kd, ce, saved = forward(spec, z_rows, blk, teacher, scratch)          # in _BlockedTerms.forward
+    g = gradient(spec, z_rows, blk, teacher, saved, grad_kd_rows, grad_ce, scratch)   # [b, V], in backward
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def _tempered(spec, log_p1: Tensor, resid: Tensor, valid: Tensor, vocab: int, ls
     return losses.drop_unreachable_rest(log_p, p_rest, torch.isneginf(lse_out))
 
 
-def forward(spec, z_rows: Tensor, blk, teacher: dict) -> tuple[Tensor, Tensor, tuple]:
-    """(KD of each KD row [m], CE sum, what `gradient` needs: O(rows)) of one block."""
+def forward(spec, z_rows: Tensor, blk, teacher: dict, scratch=None) -> tuple[Tensor, Tensor, tuple]:
+    """(KD of each KD row [m], CE sum, what `gradient` needs: O(rows)) of one block (`scratch`: unused here)."""
     cdt = losses.compute_dtype(z_rows.dtype)
     z = z_rows.to(cdt)  # [b, V]
     t, m, vocab = spec.temperature, blk.num_kd_rows, z.shape[1]
@@ -121,8 +121,9 @@ def ce_sum(z: Tensor, lse1: Tensor | None, blk) -> Tensor:
 
 
 def gradient(spec, z_rows: Tensor, blk, teacher: dict, saved: tuple, grad_kd_rows: Tensor | None,
-             grad_ce: Tensor) -> Tensor:
-    """d(sum_rows grad_kd_rows * KD_row + grad_ce * CE) / d z_rows, [b, V] in the compute dtype."""
+             grad_ce: Tensor, scratch=None) -> Tensor:
+    """d(sum_rows grad_kd_rows * KD_row + grad_ce * CE) / d z_rows, [b, V] in the compute dtype, written into a
+    `scratch` buffer (`blocked.Scratch`) when one is given."""
     cdt = losses.compute_dtype(z_rows.dtype)
     z = z_rows.to(cdt)  # [b, V]
     lse, lse_out, lse1 = saved
@@ -131,7 +132,10 @@ def gradient(spec, z_rows: Tensor, blk, teacher: dict, saved: tuple, grad_kd_row
     c = torch.zeros(b, dtype=cdt, device=z.device)  # CE weight of each row
     if lse1 is not None:
         c = c.index_fill(0, blk.ce_rows, 1.0) * grad_ce.to(cdt)
-    g = torch.empty((b, vocab), dtype=cdt, device=z.device)
+    if scratch is None:
+        g = torch.empty((b, vocab), dtype=cdt, device=z.device)
+    else:
+        g = scratch.take("grad", (b, vocab), cdt)
     if m:
         u = z[:m] if t == 1.0 else z[:m] / t  # [m, V]
         ids, log_p1, resid, valid = stored(blk, teacher, cdt)

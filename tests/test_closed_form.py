@@ -141,29 +141,120 @@ def _pkl_case(case: str, gen, chunk_rows: str = "mean"):
     return obj, batch, logits
 
 
-@pytest.mark.parametrize("saved", [True, False], ids=["entries saved", "entries recomputed"])
+# (SUPPORT_DEVICES, SAVE_ENTRIES_BELOW) of each P-KL path; SUPPORT_BELOW 1: the support path at tiny vocabularies
+PKL_PATHS = {"support": (("cpu",), 1e9), "dense, entries saved": ((), 1e9), "dense, entries recomputed": ((), 0.0)}
+
+
+def _pkl_path_kept(saved) -> str:
+    if saved.dot is not None:
+        return "support"
+    return "dense, entries saved" if saved.entries is not None else "dense, entries recomputed"
+
+
+@pytest.mark.parametrize("path", list(PKL_PATHS))
 @pytest.mark.parametrize("case", ["topk", "topk T=2", "topk T=2 uniform", "sampled", "no rest", "full"])
-def test_projected_kl_closed_form_equals_the_autograd_recompute(case, saved, monkeypatch):
+def test_projected_kl_closed_form_equals_the_autograd_recompute(case, path, monkeypatch):
     """The P-KL closed form (values and gradient, with CE) equals `losses.projected_kl` under autograd
-    (`blocked._block_terms`) over several blocks, whether backward reuses the stored entries' dKL/dq from
-    forward or recomputes them; and it is the path taken."""
+    (`blocked._block_terms`) over several blocks on each path: W restricted to the block's union of stored ids
+    (support), or the [V_t + 2, C] buffers with backward reusing the stored entries' dKL/dq from forward or
+    recomputing them (dense); and it is the path taken."""
     from stage2_student import projected
 
     gen = torch.Generator().manual_seed(43)
     obj, batch, logits = _pkl_case(case, gen)
-    monkeypatch.setattr(projected, "SAVE_ENTRIES_BELOW", 1e9 if saved else 0.0)
+    devices, save_below = PKL_PATHS[path]
+    monkeypatch.setattr(projected, "SUPPORT_DEVICES", devices)
+    monkeypatch.setattr(projected, "SAVE_ENTRIES_BELOW", save_below)
+    monkeypatch.setattr(projected, "SUPPORT_BELOW", 1.0)
     prep = obj.prepare(batch, vocab=logits.shape[-1])
     assert len(prep.blocks) > 2
     weights = torch.rand(prep.chunks, generator=gen, dtype=torch.float64)
     z = logits.clone().requires_grad_(True)
     calls = []
     real = projected.gradient
-    monkeypatch.setattr(projected, "gradient", lambda *a: calls.append(a[4][1] is not None) or real(*a))
+    monkeypatch.setattr(projected, "gradient", lambda *a: calls.append(_pkl_path_kept(a[4])) or real(*a))
     kd, ce = obj.terms(z, prep)
     (g,) = torch.autograd.grad((kd * weights).sum() + 0.7 * ce, z)
-    assert calls == [saved] * sum(b.num_kd_rows > 0 for b in prep.blocks)
+    assert calls == [path] * sum(b.num_kd_rows > 0 for b in prep.blocks)
     _assert_equals_autograd(obj, prep, logits, weights, kd, ce, g)
     assert torch.isfinite(g).all() and g.abs().sum() > 0 and (kd > 0).all()
+
+
+def _wide_pkl_case(gen, dtype, chunk_rows: str):
+    """(objective, batch, logits) at a teacher vocabulary far wider than a block's stored ids, as on the real
+    pair: 6,000 teacher ids, top-12 rows whose union is a few percent of them; every student token maps onto
+    1-4 teacher ids, the first of them one of five heavy ids (each the target of ~100 student tokens), two
+    student tokens map nowhere; chunks of 1-3 student and 1-2 teacher rows, CE-only positions."""
+    from stage2_student import losses
+    from stage2_student.objective import Objective
+
+    v_s, v_t, k = 500, 6000, 12
+    w = torch.zeros(v_s, v_t, dtype=torch.float64)
+    for s in range(2, v_s):
+        n = 1 + s % 4
+        cols = torch.cat([torch.tensor([s % 5]), 5 + torch.randperm(v_t - 5, generator=gen)[:n - 1]])
+        w[s, cols] = torch.rand(n, generator=gen, dtype=torch.float64) + 0.05
+    w = w / w.sum(-1, keepdim=True).clamp(min=1e-300)
+    sc, tch, n_chunks = [], [], 0
+    for _ in range(3):  # 3 sequences of 40 positions
+        row = []
+        while len(row) < 40:
+            rows = min(int(torch.randint(1, 4, (1,), generator=gen)), 40 - len(row))
+            if len(row) % 7 == 3:  # a span without a teacher side: CE only
+                row += [-1] * rows
+                continue
+            row += [n_chunks] * rows
+            tch += [n_chunks] * int(torch.randint(1, 3, (1,), generator=gen))
+            n_chunks += 1
+        sc.append(row)
+    sc, tch = torch.tensor(sc), torch.tensor(tch)
+    n = tch.shape[0]
+    # stored ids: a few heavy ones and a shared pool, so that a block's union stays small
+    pool = torch.randperm(v_t, generator=gen)[:150]
+    ids = torch.stack([torch.cat([torch.randperm(5, generator=gen)[:3],
+                                  pool[torch.randperm(150, generator=gen)[:k - 3]]]) for _ in range(n)])
+    ids[3, 8:] = -1  # padding
+    logp = torch.log_softmax(torch.randn(n, k, generator=gen, dtype=torch.float64) * 2, -1)
+    residual = torch.rand(n, generator=gen, dtype=torch.float64) * 0.3
+    logp = (logp + torch.log1p(-residual)[:, None]).masked_fill(ids < 0, 0.0)
+    labels = torch.randint(0, v_s, sc.shape, generator=gen)
+    labels[0, 5] = -100
+    batch = {"student_chunk": sc, "labels": labels, "num_chunks": n_chunks, "teacher_chunk": tch,
+             "teacher_ids": ids, "teacher_logprobs": logp.to(dtype), "teacher_residual": residual.to(dtype)}
+    obj = Objective("pkl", projection=losses.ProjectionOperator(w.to(dtype).to_sparse()), row_chunk=400,
+                    chunk_rows=chunk_rows)
+    return obj, batch, (torch.randn(3, 40, v_s, generator=gen, dtype=torch.float64) * 4).to(dtype)
+
+
+@pytest.mark.parametrize("chunk_rows", ["mean", "first"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_projected_kl_support_path_equals_the_dense_path_at_a_wide_teacher_vocabulary(dtype, chunk_rows,
+                                                                                       monkeypatch):
+    """At a teacher vocabulary far wider than the stored support, the support path (W restricted to each
+    block's union of stored ids, the rest as the mass outside the union plus q_c on the union outside K_c)
+    gives the dense path's values and gradient ([V_t + 2, C] buffers and the full W), with chunks of several
+    rows (`--chunk-rows mean`) and of their first rows."""
+    from stage2_student import projected
+
+    obj, batch, logits = _wide_pkl_case(torch.Generator().manual_seed(45), dtype, chunk_rows)
+    prep = obj.prepare(batch, vocab=logits.shape[-1])
+    assert len(prep.blocks) > 2
+    weights = torch.rand(prep.chunks, generator=torch.Generator().manual_seed(46), dtype=torch.float64).to(dtype)
+    out, kept = {}, []
+    real = projected.gradient
+    monkeypatch.setattr(projected, "gradient", lambda *a: kept.append(_pkl_path_kept(a[4])) or real(*a))
+    for devices in (("cpu",), ()):
+        monkeypatch.setattr(projected, "SUPPORT_DEVICES", devices)
+        z = logits.clone().requires_grad_(True)
+        kd, ce = obj.terms(z, prep)
+        (g,) = torch.autograd.grad((kd * weights).sum() + 0.7 * ce, z)
+        out[devices] = kd, ce, g
+    n_kd = sum(b.num_kd_rows > 0 for b in prep.blocks)
+    assert kept == ["support"] * n_kd + ["dense, entries saved"] * n_kd
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=1e-6)
+    for got, want in zip(out[("cpu",)], out[()]):
+        torch.testing.assert_close(got, want, **tol)
+    assert (out[()][0] > 0).all() and out[()][2].abs().sum() > 0
 
 
 @pytest.mark.parametrize("kind", ["kl", "pkl"])
