@@ -144,14 +144,21 @@ def train(p: dict, row: RealRow, s: RealSettings, seed: int, log_file: Path) -> 
     flags = [f.format(proj_all=p["proj_all"]) for f in row.flags]
     if row.cross and "--projection" not in flags and "ce" not in flags:
         flags += ["--projection", str(p["proj_first"])]
+    argv = ["--cache", p["train"]["path"], "--student", student(p, row.cross, seed), "--out", out, "--seed", seed,
+            "--seq-len", s.seq_len, "--micro-batch-size", s.micro_batch_size, "--max-steps", s.steps, "--lr", s.lr,
+            "--warmup-steps", s.warmup_steps, "--zero-stage", 2, *flags]
+    record = out / "bench_row.json"  # the run's flags: a finished run of the same flags is reused, not repeated
+    if record.exists() and (out / "summary.json").exists() and json.loads(record.read_text()) == list(map(str, argv)):
+        log.info("%s seed %d: reusing the finished run in %s", row.name, seed, out)
+        summary = json.loads((out / "summary.json").read_text())
+        return {"hf_dir": out / "hf", "train_s": None, "steps_per_s": summary.get("steps_per_s"), "reused": True}
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    _xtcache("train-student", "--cache", p["train"]["path"], "--student", student(p, row.cross, seed), "--out", out,
-             "--seed", seed, "--seq-len", s.seq_len, "--micro-batch-size", s.micro_batch_size, "--max-steps", s.steps,
-             "--lr", s.lr, "--warmup-steps", s.warmup_steps, "--zero-stage", 2, *flags,
-             log_file=log_file)
+    _xtcache("train-student", *argv, log_file=log_file)
+    record.write_text(json.dumps(list(map(str, argv))))
     summary = json.loads((out / "summary.json").read_text())
-    return {"hf_dir": out / "hf", "train_s": time.perf_counter() - t0, "steps_per_s": summary.get("steps_per_s")}
+    return {"hf_dir": out / "hf", "train_s": time.perf_counter() - t0, "steps_per_s": summary.get("steps_per_s"),
+            "reused": False}
 
 
 def grade(p: dict, hf_dir: Path, cross: bool, s: RealSettings) -> dict:
@@ -213,7 +220,7 @@ def run_real(work: Path, s: RealSettings, rows: list[RealRow] = ROWS) -> dict:
             if seed > 0 and not row.key:
                 continue
             run = train(p, row, s, seed, log_file)
-            rec = {"row": row.name, "cross": row.cross, "seed": seed, "train_s": run["train_s"],
+            rec = {"row": row.name, "cross": row.cross, "seed": seed, "train_s": run["train_s"], "reused": run["reused"],
                    **grade(p, run["hf_dir"], row.cross, s)}
             results.append(rec)
             log.info("%s", json.dumps(rec))
@@ -247,6 +254,11 @@ def markdown(report: dict) -> str:
         cm = [r["kl_chunk_mean"] for r in rs if "kl_chunk_mean" in r]
         out.append(f"| {name} | {len(rs)} | {_cell([r['kl'] for r in rs])} | {_cell(cm) if cm else '-'} | "
                    f"{_cell([r['ce'] for r in rs])} | {_cell([r['top1'] for r in rs])} |")
+    reused = sorted({(r["row"], r["seed"]) for r in res if r.get("reused")}, key=lambda x: (x[1], x[0]))
+    if reused:
+        out += ["", f"{len(reused)} of the {len(res)} runs (seed {', '.join(sorted({str(sd) for _, sd in reused}))}) "
+                "were finished runs of the same flags in the bench's work directory, reused (each run's "
+                "bench_row.json holds its flags); every run is graded in this invocation."]
     out += ["", "Held-out KL: cross rows the first-token KL, same-tokenizer rows the token-level KL over the full "
             "vocabulary (different measures: compare rows of one kind). Chunk-mean P-KL: cross rows only.", ""]
     out += [f"- {n}" for n in paired_notes(res)]
