@@ -48,6 +48,7 @@ from xtcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
 STAGES = ("generate", "teacher-dump", "train-student")
+ROLLOUT_CE_WEIGHT = 0.1  # train-student --ce-weight on a round's rollouts unless given after `--`
 SETTINGS_FILE = "rounds.json"
 
 
@@ -125,6 +126,10 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
         args += ["--projection", cfg.projection]
     if cfg.eval_cache:
         args += ["--eval-cache", cfg.eval_cache]
+    if "--ce-weight" not in {a.split("=")[0] for a in cfg.train_args}:
+        # on the student's own fresh samples CE has no expected gradient: a small anchor, not train-student's
+        # cross-tokenizer corpus default of 1.0 (docs/on-policy.md)
+        args += ["--ce-weight", str(ROLLOUT_CE_WEIGHT)]
     return [*args, *cfg.train_args]
 
 
