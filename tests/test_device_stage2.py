@@ -248,12 +248,14 @@ def test_deterministic_sets_torch_cudnn_and_cublas_before_cuda_starts(on):
     assert last == "objective ok"
 
 
-def test_the_deterministic_flag_reaches_the_config(monkeypatch):
+def test_the_deterministic_flag_reaches_the_config(monkeypatch, tmp_path):
     from tests.commands import xtcache
 
     seen = []
     monkeypatch.setattr("stage2_student.trainer.train", seen.append)
-    base = ["--cache", "/c", "--student", "/s", "--out", "/o"]
+    for d in ("c", "s"):  # paths are checked before anything reads them; the training itself is replaced
+        (tmp_path / d).mkdir()
+    base = ["--cache", str(tmp_path / "c"), "--student", str(tmp_path / "s"), "--out", str(tmp_path / "o")]
     for flags in (base, [*base, "--deterministic"]):
         proc = xtcache("train-student", *flags)
         assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -198,7 +198,7 @@ def _all(loader):
 def _same(a, b):
     assert a.keys() == b.keys()
     for k in a:
-        assert a[k] == b[k] if isinstance(a[k], int) else np.array_equal(a[k].numpy(), b[k].numpy()), k
+        assert a[k] == b[k] if isinstance(a[k], (int, str)) else np.array_equal(a[k].numpy(), b[k].numpy()), k
 
 
 def test_trained_windows_keep_order_workers_resume_and_world_size(chat_store):
