@@ -725,9 +725,7 @@ def main(argv=None) -> None:
         from xtcache.docblock import require_blocks
 
         require_blocks(REPO, {"quality-table": DOC_BLOCKS["quality-table"]})
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for name in ("stage1_teacher", "stage2_student", "xtcache", "DeepSpeed", "deepspeed", "torch", "transformers"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    _bench_logging()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     report = run(args)
     out = Path(args.out)
@@ -744,6 +742,13 @@ def main(argv=None) -> None:
         write_block(REPO / "README.md", "quality-table", md)
 
 
+def _bench_logging() -> None:
+    """The bench's own progress at INFO, the product's and the libraries' at WARNING."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("stage1_teacher", "stage2_student", "xtcache", "DeepSpeed", "deepspeed", "torch", "transformers"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def real_section(args) -> None:
     """`--teacher real`: bench/quality_real.py's rows, its table printed and written (quality-real.md)."""
     from bench.quality_real import QUICK, RealSettings, run_real
@@ -753,9 +758,7 @@ def real_section(args) -> None:
         from xtcache.docblock import require_blocks
 
         require_blocks(REPO, {"quality-real": DOC_BLOCKS["quality-real"]})
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for name in ("stage1_teacher", "stage2_student", "xtcache", "DeepSpeed", "deepspeed", "torch", "transformers"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    _bench_logging()
     given = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("lr", args.lr)) if v is not None}
     s = QUICK if args.quick else RealSettings(**given)
     report = run_real(Path(args.workdir) / "real", s)
@@ -780,9 +783,7 @@ def on_policy_section(args) -> None:
         from xtcache.docblock import require_blocks
 
         require_blocks(REPO, {"quality-on-policy": DOC_BLOCKS["quality-on-policy"]})
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for name in ("stage1_teacher", "stage2_student", "xtcache", "DeepSpeed", "deepspeed", "torch", "transformers"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    _bench_logging()
     s = OnPolicySettings(seeds=1, steps_per_round=6, prompts=8, num_train=80, teacher_steps=40) if args.quick \
         else OnPolicySettings()
     out = Path(args.out)
