@@ -36,7 +36,7 @@ def canonical_sha256(obj: Any, *, ascii_only: bool = False) -> str:
     return hashlib.sha256(canonical_json(obj, ascii_only=ascii_only)).hexdigest()
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -84,7 +84,7 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
             f"{root} has no weight files ({', '.join(WEIGHT_SUFFIXES)}): the teacher fingerprint needs the weights")
     parts = {
         "config": json.loads(config.read_text(encoding="utf-8")),
-        "weights": {p.name: _sha256_file(p) for p in weights},
+        "weights": {p.name: sha256_file(p) for p in weights},
     }
     return canonical_sha256(parts)
 

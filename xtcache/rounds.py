@@ -31,7 +31,6 @@ This module composes the stages' command lines only: it imports no stage (import
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ from pathlib import Path
 import typer
 
 from xtcache.errors import ConfigError
+from xtcache.fingerprint import sha256_file
 
 log = logging.getLogger(__name__)
 STAGES = ("generate", "teacher-dump", "train-student")
@@ -158,13 +158,6 @@ def complete_checkpoint(train_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def stage_outputs(cfg: RoundsConfig, r: int, stage: str) -> dict[str, str]:
     """sha256 of the files that make a stage's result (what the next stage reads; small files only for
@@ -179,7 +172,7 @@ def stage_outputs(cfg: RoundsConfig, r: int, stage: str) -> dict[str, str]:
     missing = [str(f) for f in files if not f.is_file()]
     if missing or not files:
         raise ConfigError(f"round {r} {stage}: exited 0 but {missing or d} is missing; rerun xtcache rounds")
-    return {str(f.relative_to(d)): _sha256(f) for f in files}
+    return {str(f.relative_to(d)): sha256_file(f) for f in files}
 
 
 def _write_atomic(path: Path, text: str) -> None:

