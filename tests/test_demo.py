@@ -54,5 +54,5 @@ def test_small_demo_distilled_student_beats_ce_baseline():
     assert f"{result['bytes_per_position']:.1f} B/position (every file" in inspected.stdout, inspected.stdout
     # the KL is against every teacher id of the held-out documents, and the table says so
     assert result["eval_cache_mb"] > 0 and result["eval_cache_docs"] > 0
-    assert "projected KL to the teacher's FULL distribution" in proc.stdout
+    assert "first-token KL to the teacher's FULL distribution" in proc.stdout
     assert result["engine"] == "transformers" and "teacher (transformers)" in proc.stdout

@@ -282,8 +282,11 @@ def _store_docs(url) -> dict:
         al = r.read_alignment(fp, m.shard_id, verify=True)
         for i in range(data.num_docs):
             d, a = data.doc(i), al.record(i)
+            # a row's top-k is a set: its order follows its part's id dictionary (format 4), so compare by id
+            order = np.argsort(d.topk_ids, axis=1, kind="stable")
             out[d.doc_id] = {"text": d.text, "teacher_ids": d.teacher_ids, "char_offsets": d.char_offsets,
-                             "has_pred": d.has_pred, "topk_ids": d.topk_ids, "topk_logprobs": d.topk_logprobs,
+                             "has_pred": d.has_pred, "topk_ids": np.take_along_axis(d.topk_ids, order, 1),
+                             "topk_logprobs": np.take_along_axis(d.topk_logprobs, order, 1),
                              "residual": d.residual, "realized": d.realized_logprob, "student_ids": a.student_ids,
                              "student_end": a.alignment.student_end, "teacher_end": a.alignment.teacher_end}
     return out
