@@ -762,16 +762,19 @@ def real_section(args) -> None:
     given = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("lr", args.lr)) if v is not None}
     s = QUICK if args.quick else RealSettings(**given)
     report = run_real(Path(args.workdir) / "real", s)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quality-real.json").write_text(json.dumps(report, indent=2, default=str))
-    md = real_markdown(report)
-    (out / "quality-real.md").write_text(md)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "quality-real.json").write_text(json.dumps(report, indent=2, default=str))
+    _publish(args, "quality-real", real_markdown(report))
+
+
+def _publish(args, block: str, md: str) -> None:
+    """A section's table: printed, written to --out as BLOCK.md, and with --write-docs (not --quick) into its doc block."""
+    (Path(args.out) / f"{block}.md").write_text(md)
     print(md)
     if args.write_docs and not args.quick:
         from xtcache.docblock import write_block
 
-        write_block(REPO / DOC_BLOCKS["quality-real"], "quality-real", md)
+        write_block(REPO / DOC_BLOCKS[block], block, md)
 
 
 def on_policy_section(args) -> None:
@@ -800,13 +803,7 @@ def on_policy_section(args) -> None:
     else:
         report = run_on_policy(Path(args.workdir) / "on-policy", s)
         (out / "quality-on-policy.json").write_text(json.dumps(report, indent=2, default=str))
-    md = on_policy_markdown(report)
-    (out / "quality-on-policy.md").write_text(md)
-    print(md)
-    if args.write_docs and not args.quick:
-        from xtcache.docblock import write_block
-
-        write_block(REPO / DOC_BLOCKS["quality-on-policy"], "quality-on-policy", md)
+    _publish(args, "quality-on-policy", on_policy_markdown(report))
 
 
 if __name__ == "__main__":
