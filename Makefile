@@ -28,7 +28,7 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/xtcache demo
 
-# Two on-policy rounds (`xtcache rounds`) beside off-policy KD, on conversations (xtcache/demo_onpolicy.py).
+# Two on-policy rounds (`xtcache rounds`) beside off-policy KD, on conversations (xtcache/app/demo/onpolicy.py).
 demo-on-policy: setup
 	$(VENV)/bin/xtcache demo --on-policy
 

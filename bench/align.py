@@ -5,7 +5,7 @@ student vs the same teacher) and the same documents, it times in one run:
 
 - tokenize: both fast tokenizers encode the batch (`encode_batch`) and their ids and character
   offsets are read out into numpy arrays (what any aligner needs as input);
-- align (batch): `xtcache.align` on the whole batch in one vectorized walk, with the byte check
+- align (batch): `xtcache.align.chunks` on the whole batch in one vectorized walk, with the byte check
   of every token against the text;
 - align (per doc): a loop of `align_offsets`, one call per document, for comparison;
 
@@ -14,14 +14,14 @@ and prints a table with the ratio align / tokenize (target: at most 10%). Timing
 
 A conversation row (`--chats` conversations with tool calls and thinking, `xtcache.testing.chat`)
 renders each one in a Llama-3-style template (student) and a ChatML-style one (teacher); its
-"align" is what `xtcache.chat` adds to tokenizing: locating the messages in both renderings,
+"align" is what `xtcache.chat.layout` adds to tokenizing: locating the messages in both renderings,
 mapping the tokens, the chunk walk and the misalignment check. Its time per token is compared with
 the plain-text byte-BPE row (target: at most 2x); the rendering (jinja) is timed on its own.
 
     python bench/align.py [--docs 400] [--doc-chars 2000] [--chats 400] [--repeat 7] [--teacher real] [--write-docs]
 
 `--write-docs` writes the plain-text rows into README.md's `align` block and the conversation rows
-into docs/conversations.md's `align-chat` block (xtcache.docblock), stamped with this command.
+into docs/conversations.md's `align-chat` block (xtcache.app.docblock), stamped with this command.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xtcache.align import align_flat, align_offsets, alignment_stats, encode_flat, tokenizer_info
+from xtcache.align.chunks import align_flat, align_offsets, alignment_stats, encode_flat, tokenizer_info
 from xtcache.testing import toy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +84,8 @@ def bench_pair(name: str, s_tok, t_tok, docs: list[str], repeat: int) -> dict:
 
 def bench_conversations(name: str, s_tok, t_tok, convs: list[dict], repeat: int) -> dict:
     """Render, tokenize and align conversations, each model in its own template (interleaved)."""
-    from xtcache.chat import align_conversations, render, renderings, turn_marker_ids
+    from xtcache.chat.layout import align_conversations
+    from xtcache.chat.render import render, renderings, turn_marker_ids
 
     s_mark, t_mark = (np.asarray(turn_marker_ids(t), dtype=np.int64) for t in (s_tok, t_tok))
 
@@ -136,7 +137,7 @@ def main() -> None:
                          "(xtcache.testing.real); --write-docs then writes README.md's align-real block")
     args = ap.parse_args()
     if args.write_docs:
-        from xtcache.docblock import require_blocks
+        from xtcache.app.docblock import require_blocks
 
         require_blocks(REPO, {"align-real": DOC_BLOCKS["align-real"]} if args.teacher == "real" else
                        {k: v for k, v in DOC_BLOCKS.items() if k != "align-real"})
@@ -177,7 +178,7 @@ def main() -> None:
         print(f"{r['pair']}: chunks {s['chunks']:,}  1:1 {s['1:1']:,}  1:n {s['1:n']:,}  n:1 {s['n:1']:,}  "
               f"n:m {s['n:m']:,}  one side empty {s['empty_student'] + s['empty_teacher']:,}")
     if args.write_docs:
-        from xtcache.docblock import write_block
+        from xtcache.app.docblock import write_block
 
         write_block(REPO / "README.md", "align", "\n".join([head + ":", "", *table(rows[:2])]))
         write_block(REPO / "docs" / "conversations.md", "align-chat",
@@ -212,7 +213,7 @@ def real_rows(args) -> None:
                      f"{st['1:n'] / st['chunks']:.1%}, n:1 {st['n:1'] / st['chunks']:.1%}, n:m {st['n:m'] / st['chunks']:.1%}")
     print("\n".join(lines))
     if args.write_docs:
-        from xtcache.docblock import write_block
+        from xtcache.app.docblock import write_block
 
         write_block(REPO / DOC_BLOCKS["align-real"], "align-real", "\n".join(lines))
 

@@ -14,10 +14,10 @@ imported: the same toy setup in the same --workdir and its held-out file, the fi
 documents), runs the teacher (transformers, CPU, float32, each document in one forward) and, for each
 estimator, computes both the exact mean variance above (float64, from the teacher's logits) and the
 variance measured over --seeds independent draws made by the product's code:
-`stage1_teacher.head.distill_targets` (what `teacher-dump` stores, a seeded generator per draw) turned
+`stage1_teacher.capture.head.distill_targets` (what `teacher-dump` stores, a seeded generator per draw) turned
 into p_hat by `stage2_student.losses.teacher_logprobs` (what every distribution loss reads). The
 student q is the teacher itself at T = 2. Prints a markdown table; `--write-docs` writes it into
-docs/losses.md's `estimator-variance` block, stamped with the command (xtcache.docblock).
+docs/losses.md's `estimator-variance` block, stamped with the command (xtcache.app.docblock).
 """
 
 from __future__ import annotations
@@ -67,12 +67,12 @@ def teacher_rows(workdir: Path, n_docs: int) -> TeacherRows:
     import numpy as np
     import torch
 
-    from xtcache import demo
-    from xtcache.align_tokenizer import encode_flat
+    from xtcache.align.tokenizer import encode_flat
+    from xtcache.app.demo.setup import SIZES, toy_spec
     from xtcache.testing import toy
     from xtcache.tokenizer import load_tokenizer
 
-    setup = toy.build_toy_setup(workdir / "artifacts", demo._toy_spec(demo.SIZES["default"]))
+    setup = toy.build_toy_setup(workdir / "artifacts", toy_spec(SIZES["default"]))
     s = Settings()
     held = first_docs(setup.heldout_jsonl, workdir / "quality" / "data" / f"heldout-d{s.train_docs}-h{s.heldout_docs}.jsonl",
                       max(n_docs, s.heldout_docs))
@@ -130,7 +130,7 @@ def measured(rows: TeacherRows, est: Estimator, log_q, seeds: int) -> dict:
     """The CE estimate over `seeds` independent draws of the product's targets: per-position mean and variance."""
     import torch
 
-    from stage1_teacher.head import distill_targets
+    from stage1_teacher.capture.head import distill_targets
     from stage2_student.losses import teacher_logprobs
 
     total = torch.zeros(len(rows.targets), dtype=torch.float64)
@@ -204,12 +204,12 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, default=64, help="independent draws per estimator (default 64)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--write-docs", action="store_true",
-                   help="also write the table into docs/losses.md's estimator-variance block (xtcache.docblock)")
+                   help="also write the table into docs/losses.md's estimator-variance block (xtcache.app.docblock)")
     args = p.parse_args(argv)
     if args.heldout_docs < 1 or args.seeds < 2:
         p.error(f"--heldout-docs {args.heldout_docs} --seeds {args.seeds}: need at least 1 document and 2 seeds")
     if args.write_docs:
-        from xtcache.docblock import require_blocks
+        from xtcache.app.docblock import require_blocks
 
         require_blocks(REPO, DOC_BLOCKS)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -220,7 +220,7 @@ def main(argv=None) -> None:
     print(md)
     log.info("%.0f s", report["wall_s"])
     if args.write_docs:
-        from xtcache.docblock import write_block
+        from xtcache.app.docblock import write_block
 
         write_block(REPO / DOC_BLOCKS["estimator-variance"], "estimator-variance", md)
 

@@ -17,7 +17,7 @@ vLLM's grace period). Generated tokens per second; the ratio is xtcache / plain.
 
     python bench/generate.py [--prompts 128] [--samples 2] [--max-new-tokens 128] [--prompts-per-part N] [--reps 5] [--hf-prompts 8] [--write-docs]
 
-`--write-docs` writes the table into docs/on-policy.md's `generate` block (xtcache.docblock).
+`--write-docs` writes the table into docs/on-policy.md's `generate` block (xtcache.app.docblock).
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def plain_generate(llm, reqs, params) -> dict:
 def xtcache_generate(values: dict, sampler=None) -> dict:
     """`run_generate` of one job. With `sampler`, the job samples with that (already started) sampler
     and leaves it open; without, it starts and closes its own, timed apart."""
-    import stage1_teacher.generate as g
-    from stage1_teacher.generate_config import build_generate_config
+    import stage1_teacher.onpolicy.generate as g
+    from stage1_teacher.onpolicy.generate_config import build_generate_config
 
     fixed = {"start": 0.0, "stop": 0.0}
     make = g._sampler
@@ -105,10 +105,10 @@ def side_by_side(student: str, prompts: Path, tmp: Path, args) -> tuple[list[dic
     one xtcache's VllmSampler starts), after one warm-up call; and the engine's start and stop."""
     from vllm.inputs import TokensPrompt
 
-    import stage1_teacher.generate as g
+    import stage1_teacher.onpolicy.generate as g
     from stage1_teacher.corpus import iter_corpus
-    from stage1_teacher.generate_config import build_generate_config
-    from stage1_teacher.rollouts import prompt_of
+    from stage1_teacher.onpolicy.generate_config import build_generate_config
+    from stage1_teacher.onpolicy.rollouts import prompt_of
     from xtcache.tokenizer import load_tokenizer
 
     values = dict(student=student, data=[str(prompts)], engine="vllm", **sampling_values(args))
@@ -174,11 +174,11 @@ def main() -> None:
     ap.add_argument("--write-docs", action="store_true", help="also write the table into docs/on-policy.md")
     args = ap.parse_args()
     if args.write_docs:
-        from xtcache.docblock import require_blocks
+        from xtcache.app.docblock import require_blocks
 
         require_blocks(REPO, DOC_BLOCKS)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from stage1_teacher.generate_config import RolloutOutConfig
+    from stage1_teacher.onpolicy.generate_config import RolloutOutConfig
     from xtcache.testing import toy
     from xtcache.testing.chat import build_chat_setup
     from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
@@ -206,7 +206,7 @@ def main() -> None:
     lines = [head, "", *table(runs, hf, args), "", foot]
     print("\n".join(lines))
     if args.write_docs:
-        from xtcache.docblock import write_block
+        from xtcache.app.docblock import write_block
 
         write_block(REPO / "docs" / "on-policy.md", "generate", "\n".join(lines))
 

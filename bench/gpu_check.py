@@ -95,7 +95,7 @@ def train(setup, store: Path, args, dtype: str, work: Path) -> dict:
     projection = work / "projection.safetensors"
     pm = build_projection(load_tokenizer(str(setup.student_tokenizer)), load_tokenizer(str(setup.teacher_tokenizer)))
     pm.save(projection)
-    cmd = [sys.executable, "-m", "xtcache.cli", "train-student", "--cache", str(store), "--student",
+    cmd = [sys.executable, "-m", "xtcache.app.cli", "train-student", "--cache", str(store), "--student",
            str(setup.student_model), "--out", str(out), "--projection", str(projection), "--loss", "pkl",
            "--seq-len", "128", "--micro-batch-size", "8", "--max-steps", str(args.steps), "--warmup-steps", "2", "--eval-every", "0", "--zero-stage", "2",
            "--seed", "0", "--bf16" if dtype == "bfloat16" else "--no-bf16"]
@@ -129,7 +129,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     dtype, device_name = device_setup(args.device)
     if args.write_docs and args.device == "cuda":
-        from xtcache.docblock import require_blocks
+        from xtcache.app.docblock import require_blocks
 
         require_blocks(REPO, DOC_BLOCKS)
     from xtcache.testing import toy
@@ -156,7 +156,7 @@ def write_docs(device: str, device_name: str, head: str, text: str) -> None:
     if device != "cuda":
         print("--write-docs: not written: docs/gpu.md's gpu-check block holds GPU runs only (this run: --device cpu)")
         return
-    from xtcache.docblock import write_block
+    from xtcache.app.docblock import write_block
 
     write_block(REPO / "docs" / "gpu.md", "gpu-check", head + "\n\n" + text, gpu=device_name)
 

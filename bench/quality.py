@@ -54,7 +54,7 @@ head 4 + tail 12, head 4 + tail 16) run on 3 seeds (seed s: the
 student initialised with seed 1 + s and data order s); the table gives mean +- standard
 deviation and says which differences are within that spread. Writes `quality.md`, `quality.json`
 and `quality.png` (held-out KL against bytes/position) under --out; `--write-docs` also writes
-quality.md into README.md's `quality-table` block, stamped with the command (xtcache.docblock).
+quality.md into README.md's `quality-table` block, stamped with the command (xtcache.app.docblock).
 """
 
 from __future__ import annotations
@@ -452,8 +452,8 @@ def run(args) -> dict:
     import torch
 
     from stage2_student.losses import ProjectionOperator
-    from xtcache import demo
     from xtcache import projection as xproj
+    from xtcache.app.demo.setup import SIZES, toy_spec
     from xtcache.store import CacheReader
     from xtcache.testing import toy
     from xtcache.tokenizer import load_tokenizer
@@ -465,7 +465,7 @@ def run(args) -> dict:
     work = Path(args.workdir)
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    setup = toy.build_toy_setup(work / "artifacts", demo._toy_spec(demo.SIZES["default"]))
+    setup = toy.build_toy_setup(work / "artifacts", toy_spec(SIZES["default"]))
     teacher_dir, teacher_tok, cross_tok = setup.teacher_model, setup.teacher_tokenizer, setup.student_tokenizer
     cross_student = setup.student_model
     train_src, held_src = setup.train_jsonl, setup.heldout_jsonl
@@ -705,7 +705,7 @@ def main(argv=None) -> None:
                         "its own and on the Llama-3 vocabulary (bench/quality_real.py; --write-docs writes README.md's "
                         "quality-real block)")
     p.add_argument("--write-docs", action="store_true",
-                   help="also write quality.md into README.md's quality-table block (xtcache.docblock)")
+                   help="also write quality.md into README.md's quality-table block (xtcache.app.docblock)")
     p.add_argument("--section", choices=("table", "on-policy"), default="table",
                    help="table: the full table (README); on-policy: on-policy rounds against off-policy KD "
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block)")
@@ -722,7 +722,7 @@ def main(argv=None) -> None:
     if args.write_docs and args.quick:
         p.error("--write-docs: README.md's quality table is the toy teacher's full run; drop --quick")
     if args.write_docs:
-        from xtcache.docblock import require_blocks
+        from xtcache.app.docblock import require_blocks
 
         require_blocks(REPO, {"quality-table": DOC_BLOCKS["quality-table"]})
     _bench_logging()
@@ -737,7 +737,7 @@ def main(argv=None) -> None:
     print(md)
     print(f"wrote {out / 'quality.md'}, {out / 'quality.json'}, {out / 'quality.png'}")
     if args.write_docs:
-        from xtcache.docblock import write_block
+        from xtcache.app.docblock import write_block
 
         write_block(REPO / "README.md", "quality-table", md)
 
@@ -755,7 +755,7 @@ def real_section(args) -> None:
     from bench.quality_real import markdown as real_markdown
 
     if args.write_docs:
-        from xtcache.docblock import require_blocks
+        from xtcache.app.docblock import require_blocks
 
         require_blocks(REPO, {"quality-real": DOC_BLOCKS["quality-real"]})
     _bench_logging()
@@ -772,7 +772,7 @@ def _publish(args, block: str, md: str) -> None:
     (Path(args.out) / f"{block}.md").write_text(md)
     print(md)
     if args.write_docs and not args.quick:
-        from xtcache.docblock import write_block
+        from xtcache.app.docblock import write_block
 
         write_block(REPO / DOC_BLOCKS[block], block, md)
 
@@ -783,7 +783,7 @@ def on_policy_section(args) -> None:
     from bench.quality_onpolicy import markdown as on_policy_markdown
 
     if args.write_docs:
-        from xtcache.docblock import require_blocks
+        from xtcache.app.docblock import require_blocks
 
         require_blocks(REPO, {"quality-on-policy": DOC_BLOCKS["quality-on-policy"]})
     _bench_logging()

@@ -58,7 +58,7 @@ class OnPolicySettings:
 
 
 def _xtcache(*args: str, log_file: Path) -> None:
-    cmd = [sys.executable, "-m", "xtcache.cli", *args]
+    cmd = [sys.executable, "-m", "xtcache.app.cli", *args]
     log.info("$ xtcache %s", " ".join(args[:1]))
     with open(log_file, "a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
@@ -233,7 +233,7 @@ def run_on_policy(work: Path, s: OnPolicySettings, *, base: dict | None = None, 
 
 def _run_row(p: dict, out: Path, s: OnPolicySettings, seed: int, kind: str, flags, log_file: Path) -> dict:
     """One row on one seed: its training, then policy-eval of the student it ends with."""
-    from stage1_teacher.policy_eval import policy_eval
+    from stage1_teacher.onpolicy.policy_eval import policy_eval
 
     if kind == "train":
         r = _train(p, out, s, seed, flags, log_file)

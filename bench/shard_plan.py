@@ -28,7 +28,7 @@ machine's vLLM lock.
 
     .venv/bin/python bench/shard_plan.py [--files 10000] [--jobs 1000] [--seed 0] [--engine-start] [--write-docs]
 
-`--write-docs` also writes the printed tables into docs/scaling.md's `shard-plan` block (xtcache.docblock).
+`--write-docs` also writes the printed tables into docs/scaling.md's `shard-plan` block (xtcache.app.docblock).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from xtcache.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
+from xtcache.app.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
 
 DOC_BLOCKS = {"shard-plan": "docs/scaling.md"}  # --write-docs: block -> file
 
@@ -248,7 +248,7 @@ def engine_start_per_job() -> None:
             path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[i * 8:(i + 1) * 8]))
             data += ["--data", str(path)]
         for store, job in (("a", 0), ("a", 1), ("b", 0), ("b", 1)):  # store b: with warm compile/page caches
-            args = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", teacher, "--student-tokenizer",
+            args = [sys.executable, "-m", "xtcache.app.cli", "teacher-dump", "--teacher", teacher, "--student-tokenizer",
                     str(setup.student_tokenizer), *data, "--out", f"{tmp}/store_{store}", "--dtype", "float32",
                     "--top-k", "8", "--max-seq-len", "256", "--num-shards", "2", "--shard-index", str(job)]
             t0 = time.perf_counter()

@@ -24,7 +24,7 @@ Both teachers: the candidates for each piece of a position at k=64 (`bench/store
 `--write-docs` also writes, for the toy teacher, README.md's `store-codec` block (the default codecs' row
 per k) and `checked-reads` block (the checked-read table) and docs/store.md's `store-codec-toy` block (the
 candidates and the whole store per codec version), and for the real teacher docs/store.md's
-`store-codec-real` block, stamped with the command (xtcache.docblock).
+`store-codec-real` block, stamped with the command (xtcache.app.docblock).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.store_codec_candidates import candidate_rows, candidate_table, chunk_blobs  # noqa: E402
 from bench.store_codec_teachers import build_teacher, real_teacher, teacher_documents  # noqa: E402
-from xtcache import codecs  # noqa: E402
+from xtcache.store import codecs  # noqa: E402
 from xtcache.store.arrays import default_compression  # noqa: E402
 
 DOC_BLOCKS = {"store-codec": "README.md", "checked-reads": "README.md", "store-codec-toy": "docs/store.md",
@@ -197,7 +197,7 @@ def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 
     import tempfile
 
     from schemas.models import Manifest
-    from xtcache.commands_store import store_summary
+    from xtcache.app.store_commands import store_summary
     from xtcache.store import CacheReader, CacheWriter
 
     manifest = Manifest(cache_key="bench", mode="topk", k=k, teacher_vocab_size=vocab, format_version=format_version)
@@ -243,7 +243,7 @@ def main() -> None:
     if args.reads and args.write_docs:
         raise SystemExit("--reads measures part of the tables: run without it to --write-docs")
     if args.write_docs:
-        from xtcache.docblock import require_blocks
+        from xtcache.app.docblock import require_blocks
 
         require_blocks(REPO, {b: DOC_BLOCKS[b] for b in TEACHER_BLOCKS[args.teacher]})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -284,7 +284,7 @@ def main() -> None:
     print()
     rows = store_rows(docs, ks, vocab, args.teacher)
     if args.write_docs:
-        from xtcache.docblock import write_block
+        from xtcache.app.docblock import write_block
 
         store_block = "\n".join([teacher_line, "", *candidates, "", *whole_store_table(rows)])
         if args.teacher == "real":

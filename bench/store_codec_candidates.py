@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xtcache import codecs
+from xtcache.store import codecs
 
 CHUNK_BYTES = 1 << 20
 

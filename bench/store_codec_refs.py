@@ -22,7 +22,7 @@ from bench.store_codec_candidates import (
     group_dictionary,
     kl_top_rest,
 )
-from xtcache import codecs
+from xtcache.store import codecs
 
 
 def previous_same(keys: np.ndarray) -> np.ndarray:

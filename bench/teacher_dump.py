@@ -19,7 +19,7 @@ get. The toy teacher's head costs 1.3x its transformer body (real teachers: 0.08
 teacher given with --teacher.
 
     .venv/bin/python bench/teacher_dump.py [--docs 256] [--top-k 64] [--max-seq-len 512] [--shapes toy,proportioned]
-        [--teacher real] [--write-docs]      # also writes the table into README.md's `teacher-dump` block (xtcache.docblock)
+        [--teacher real] [--write-docs]      # also writes the table into README.md's `teacher-dump` block (xtcache.app.docblock)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from xtcache.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
+from xtcache.app.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
 
 DOC_BLOCKS = {"teacher-dump": "README.md", "teacher-dump-real": "README.md"}  # --write-docs: block -> file
 
@@ -56,7 +56,7 @@ def corpus_windows(teacher: str, texts: list[str], max_len: int) -> list[np.ndar
 def bench_vllm_generate(teacher: str, windows, k: int, max_len: int, dtype: str) -> dict:
     from vllm import LLM, SamplingParams
 
-    from stage1_teacher.capture_vllm import VllmOptions
+    from stage1_teacher.capture.vllm_engine import VllmOptions
 
     opts = VllmOptions(model=teacher, dtype=dtype, max_model_len=max_len + 1,
                        max_num_batched_tokens=max(8192, max_len + 1))
@@ -83,7 +83,7 @@ def bench_vllm_generate(teacher: str, windows, k: int, max_len: int, dtype: str)
 def bench_hf(teacher: str, windows, k: int, dtype: str) -> dict:
     import torch
 
-    from stage1_teacher.capture_hf import HfEngine
+    from stage1_teacher.capture.hf_engine import HfEngine
 
     eng = HfEngine(teacher, dtype=dtype, batch_tokens=16384)
     n = sum(len(w) for w in windows)
@@ -108,7 +108,7 @@ def bench_dump(teacher: str, student: str, corpus: str, k: int, max_len: int, dt
 
 def measure(teacher: str, student: str, texts: list[str], args) -> dict:
     """All five paths on one teacher, back to back."""
-    from stage1_teacher.head import read_config
+    from stage1_teacher.capture.head import read_config
     from xtcache.testing.toy_teacher import head_share
 
     with tempfile.TemporaryDirectory() as tmp:

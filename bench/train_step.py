@@ -67,7 +67,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from xtcache.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
+from xtcache.app.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
 
 # --write-docs: block -> file; the default rows write train-step, TWO_TEACHER_ROWS write train-step-two-teachers
 DOC_BLOCKS = {"train-step": "README.md", "train-step-two-teachers": "README.md",

@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 
 def _teacher_tokenizer(reader, teacher_tokenizer: str | None):
     """The store's teacher tokenizer when it can be found (for byte checks): --teacher-tokenizer, the
-    copy the store carries (`xtcache.store_tokenizer`), or the store's recorded teacher path; None otherwise."""
+    copy the store carries (`xtcache.store.tokenizer`), or the store's recorded teacher path; None otherwise."""
     from xtcache.fingerprint import tokenizer_fingerprint
-    from xtcache.store_tokenizer import load_store_tokenizer
+    from xtcache.store.tokenizer import load_store_tokenizer
     from xtcache.tokenizer import load_tokenizer
 
     if not teacher_tokenizer:
@@ -51,7 +51,7 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
     """Write the alignment group of one student tokenizer for every committed part; returns stats."""
     from schemas.models import AlignGroupMeta
     from stage1_teacher.prep import _encode
-    from xtcache.align import identity_alignment, tokenizer_info
+    from xtcache.align.chunks import identity_alignment, tokenizer_info
     from xtcache.fingerprint import tokenizer_fingerprint
     from xtcache.store import AlignmentRecord, CacheReader, CacheWriter
     from xtcache.tokenizer import load_tokenizer
@@ -60,7 +60,7 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
     student_tok = student_tok or load_tokenizer(student_path, "student tokenizer")
     conversation = reader.manifest.settings.get("conversation") if reader.manifest.conversation else None
     if conversation is not None:
-        from xtcache.chat import chat_fingerprint, require_template
+        from xtcache.chat.render import chat_fingerprint, require_template
 
         require_template(student_tok, f"student tokenizer ({student_path})")
         fp = chat_fingerprint(student_tok)
@@ -119,8 +119,9 @@ def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conver
     located by rendering them again with `teacher_tok`'s template)."""
     import json
 
-    from xtcache.align import identity_alignment
-    from xtcache.chat import ConversationError, align_conversations, render, renderings
+    from xtcache.align.chunks import identity_alignment
+    from xtcache.chat.layout import align_conversations
+    from xtcache.chat.render import ConversationError, render, renderings
     from xtcache.store import AlignmentRecord
 
     if not docs:
@@ -148,7 +149,7 @@ def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conver
 
 def _align_docs(docs, s_ids, s_off, s_info, t_info, shard_id: str) -> list:
     """Alignments of a part's documents to stored teacher tokens; AlignmentError names the first failure."""
-    from xtcache.align import align_batch, align_offsets, batch_or_each
+    from xtcache.align.chunks import align_batch, align_offsets, batch_or_each
 
     t_ids = [d.teacher_ids for d in docs]
     t_off = [d.char_offsets for d in docs]

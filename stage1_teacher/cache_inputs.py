@@ -75,7 +75,7 @@ def read_records(out: str, writers: list[int], store_options: dict | None, plan_
 
     With `plan_fingerprint`, records made under another shard plan (another file list: the store is
     refused by its cache key or plan instead) are left out."""
-    from xtcache.store_io import Location
+    from xtcache.location import Location
 
     loc = Location(out, store_options)
     found: dict[int, list[tuple[int, FileDigest]]] = {}
@@ -144,7 +144,7 @@ def file_spans(corpus: Corpus, shard_plan, fi: int) -> dict[int, tuple[int, int]
 
 def record_digests(out: str, share: ShareDigests, plan_fingerprint: str, store_options: dict | None) -> None:
     """Store this writer's digests (replacing its earlier record: same content, maybe new validators)."""
-    from xtcache.store_io import Location, now_iso
+    from xtcache.location import Location, now_iso
 
     Location(out, store_options).write_json_atomic(record_path(share.job), {
         "writer_index": share.job, "shard_plan": plan_fingerprint, "created": now_iso(),

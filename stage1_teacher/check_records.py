@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from stage1_teacher.config import TeacherDumpConfig
-from stage1_teacher.dump_plan import Plan
+from stage1_teacher.plan import Plan
 from stage1_teacher.polling import poll_until
 from xtcache.errors import CaptureError, CorruptionError
 
@@ -31,8 +31,8 @@ class CheckRecords:
     """
 
     def __init__(self, cfg: TeacherDumpConfig, plan: Plan):
-        from stage1_teacher.capture import check_key
-        from xtcache.store_io import Location
+        from stage1_teacher.capture.run import check_key
+        from xtcache.location import Location
 
         t = cfg.teacher
         self.what = check_key(plan.fingerprints["teacher_model"], t)
@@ -52,12 +52,12 @@ class CheckRecords:
 
     def read(self):
         from schemas.models import CaptureCheck
-        from xtcache.store_io import read_model
+        from xtcache.location import read_model
 
         raw = self.loc.read_json(self.rel)
         rec = None if raw is None else read_model(CaptureCheck, raw, f"{self.loc.url}/{self.rel}")
         if rec is None and self.trust_from:
-            from xtcache.store_io import Location
+            from xtcache.location import Location
 
             other = Location(self.trust_from, self.storage_options)
             raw = other.read_json(self.rel)
@@ -89,7 +89,7 @@ class CheckRecords:
 
     def write(self, check: dict) -> None:
         from schemas.models import CaptureCheck
-        from xtcache.store_io import now_iso
+        from xtcache.location import now_iso
 
         rec = CaptureCheck(**self.what, **check, writer_index=self.writer, created=now_iso())
         if not self.loc.create_exclusive(self.rel, rec.model_dump(mode="json")):

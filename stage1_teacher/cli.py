@@ -15,8 +15,8 @@ from __future__ import annotations
 import typer
 
 from stage1_teacher.config import AlignConfig, TeacherDumpConfig
-from stage1_teacher.generate_config import GenerateConfig
-from stage1_teacher.policy_eval import policy_eval_command as policy_eval  # noqa: F401  (xtcache policy-eval)
+from stage1_teacher.onpolicy.generate_config import GenerateConfig
+from stage1_teacher.onpolicy.policy_eval import policy_eval_command as policy_eval  # noqa: F401  (xtcache policy-eval)
 from xtcache.cliconfig import command
 
 
@@ -65,7 +65,7 @@ align = command(AlignConfig, _align, name="align",
 def _generate(cfg: GenerateConfig) -> None:
     import logging
 
-    from stage1_teacher.generate import run_generate
+    from stage1_teacher.onpolicy.generate import run_generate
 
     logging.getLogger("vllm").setLevel(logging.WARNING)
     for line in run_generate(cfg).lines():

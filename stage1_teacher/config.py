@@ -179,7 +179,7 @@ def expand_globs(paths: list[str], storage_options: dict | None = None) -> list[
     out = []
     for p in paths:
         if any(ch in p for ch in "*?["):
-            from xtcache.store_io import file_system, is_local, local_path
+            from xtcache.location import file_system, is_local, local_path
 
             if is_local(p):
                 hits = sorted(glob.glob(local_path(p)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from stage1_teacher.config import TeacherDumpConfig
 from stage1_teacher.corpus import iter_corpus
-from stage1_teacher.dump_plan import Plan
+from stage1_teacher.plan import Plan
 from stage1_teacher.prep import Preparer, iter_parts
 
 
@@ -17,7 +17,7 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
     import numpy as np
 
     from schemas.arrays import entry_widths
-    from xtcache.codecs import codec_from_config, default_codecs, side_dtype
+    from xtcache.store.codecs import codec_from_config, default_codecs, side_dtype
 
     prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap,
                     conversation=plan.messages_field is not None)

@@ -17,15 +17,15 @@ from __future__ import annotations
 import logging
 import time
 
-from stage1_teacher import preflight
 from stage1_teacher.cache_inputs import record_digests
-from stage1_teacher.capture import needs_check
+from stage1_teacher.capture import preflight
+from stage1_teacher.capture.run import needs_check
 from stage1_teacher.check_records import DEFERRED, CheckRecords
 from stage1_teacher.config import TeacherDumpConfig
 from stage1_teacher.dry_run import dry_run
-from stage1_teacher.dump_plan import Plan, find_reusable, make_plan, manifest_for, store_plan
 from stage1_teacher.pipeline import run_pipeline
 from stage1_teacher.placement import place_job
+from stage1_teacher.plan import Plan, find_reusable, make_plan, manifest_for, store_plan
 from stage1_teacher.summary import Summary
 from xtcache.errors import ConfigError
 
@@ -39,7 +39,7 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
     (tests); without it the engines are started here and always shut down before returning.
     """
     from xtcache.store import CacheWriter
-    from xtcache.store_tokenizer import save_teacher_tokenizer
+    from xtcache.store.tokenizer import save_teacher_tokenizer
 
     t_start = time.perf_counter()
     place_job(cfg)

@@ -3,7 +3,7 @@
   prep thread     reads the corpus, tokenizes, aligns, plans windows, packs batches (bounded queue)
   main thread     runs the teacher on a batch ...
   post thread     ... while the windows the engine has finished (each forward or call, see
-                  `stage1_teacher.progress`) become top-k / full / sampled targets (lm_head on the
+                  `stage1_teacher.capture.progress`) become top-k / full / sampled targets (lm_head on the
                   device) and move the progress bar
   writer thread   and finished parts are encoded, compressed and committed to the store
 
@@ -26,12 +26,12 @@ import numpy as np
 
 from schemas.arrays import entry_widths
 from schemas.models import DRAWN_MODES
+from stage1_teacher.capture.progress import CaptureProgress
 from stage1_teacher.check_records import DEFERRED, CheckRecords
 from stage1_teacher.corpus import iter_corpus
-from stage1_teacher.dump_plan import Plan
 from stage1_teacher.placement import share_cpu_with_vllm
+from stage1_teacher.plan import Plan
 from stage1_teacher.prep import Part, Preparer, iter_parts, part_batches
-from stage1_teacher.progress import CaptureProgress
 from stage1_teacher.summary import Summary
 from stage1_teacher.windows import window_has_pred
 from xtcache.errors import CaptureError, StoreError
@@ -262,7 +262,7 @@ class _Pipeline:
 def _start_capture(cfg, plan: Plan, summary: Summary, first, engines, checks: CheckRecords | None):
     """Open the capture path on the first batch (checked, or trusting the store's record) and note in
     `summary` which path runs and where its first-batch check comes from."""
-    from stage1_teacher.capture import open_capture
+    from stage1_teacher.capture.run import open_capture
 
     trusted = None
     if checks is not None:

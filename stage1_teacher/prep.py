@@ -13,10 +13,10 @@ identity and the text is not tokenized again.
 
 Conversation corpora (`Preparer(conversation=True)`): each row is rendered with the teacher's chat
 template (that rendering is the stored document text) and with each student's template, tokenized
-without added special tokens (the templates write their own) and aligned by `xtcache.chat`; a row
+without added special tokens (the templates write their own) and aligned by `xtcache.chat.layout`; a row
 a template rejects is skipped with the reason "chat template rejected the row" and a warning
 naming the row. A rollout row of `xtcache generate` gets its sampling log-probs in the group of the
-student that sampled it (`stage1_teacher.sampled`).
+student that sampled it (`stage1_teacher.onpolicy.sampled`).
 
     python -c "import stage1_teacher.prep as p; help(p.Preparer)"
 """
@@ -90,7 +90,7 @@ class Preparer:
 
     def __init__(self, teacher_tok, students: list[StudentSide], *, window_len: int, overlap: int,
                  conversation: bool = False):
-        from xtcache.align import tokenizer_info
+        from xtcache.align.chunks import tokenizer_info
 
         self.teacher_tok = teacher_tok
         self.students = students
@@ -102,7 +102,7 @@ class Preparer:
         self.unmatched_rollouts = 0  # rollout rows whose sampling student is none of `students`
         self.conversation = conversation
         if conversation:
-            from xtcache.chat import turn_marker_ids
+            from xtcache.chat.render import turn_marker_ids
 
             self.teacher_markers = np.asarray(turn_marker_ids(teacher_tok), dtype=np.int64)
             for s in students:
@@ -116,7 +116,7 @@ class Preparer:
         """Tokenize (both sides, in Rust batches), align (one vectorized walk per student) and plan windows."""
         import time
 
-        from xtcache.align import identity_alignment
+        from xtcache.align.chunks import identity_alignment
         from xtcache.store import AlignmentRecord
 
         t0 = time.perf_counter()
@@ -162,12 +162,12 @@ class Preparer:
                            conversation=conversation)
 
     def _prepare_conversations(self, docs: list[Document]) -> list[PreparedDoc | Skipped]:
-        """Render each conversation in every model's template, tokenize, align (xtcache.chat)."""
+        """Render each conversation in every model's template, tokenize, align (xtcache.chat.layout)."""
         import json
 
-        from stage1_teacher.splice import splice_batch
-        from xtcache.align import identity_alignment
-        from xtcache.chat import ConversationError, render, renderings
+        from stage1_teacher.onpolicy.splice import splice_batch
+        from xtcache.align.chunks import identity_alignment
+        from xtcache.chat.render import ConversationError, render, renderings
         from xtcache.store import AlignmentRecord
 
         result: list = [None] * len(docs)
@@ -236,8 +236,8 @@ class Preparer:
 
     def _attach_sampled(self, docs: list[Document], aligns: dict[int, dict], spliced: dict[str, set[int]]) -> None:
         """Rollout rows: the sampled turn's ids checked and log-probs stored in the sampling student's group
-        (`stage1_teacher.sampled`); a row sampled by none of the --student-tokenizer's is counted and logged."""
-        from stage1_teacher.sampled import attach_sampled
+        (`stage1_teacher.onpolicy.sampled`); a row sampled by none of the --student-tokenizer's is counted and logged."""
+        from stage1_teacher.onpolicy.sampled import attach_sampled
 
         for i, by_fp in aligns.items():
             sampled = docs[i].sampled
@@ -256,8 +256,8 @@ class Preparer:
     def _align_convs(self, live, convs, docs, s_rend, t_rend, name) -> list:
         """ConversationAlignments of conversations `live` (their Renderings `s_rend`, `t_rend`, in that
         order; None where one fails: that row is skipped)."""
-        from xtcache.align import batch_or_each
-        from xtcache.chat import align_conversations
+        from xtcache.align.chunks import batch_or_each
+        from xtcache.chat.layout import align_conversations
 
         out = batch_or_each(len(live), lambda: align_conversations([convs[i] for i in live], s_rend, t_rend),
                             lambda k: align_conversations([convs[live[k]]], s_rend.take([k]), t_rend.take([k]))[0])
@@ -269,7 +269,7 @@ class Preparer:
 
     def _align(self, todo, docs, s, s_ids, s_off, t_ids, t_off, failed: set[int]) -> list:
         """Alignments of documents `todo` (None where it fails: those are added to `failed`)."""
-        from xtcache.align import align_batch, align_offsets, batch_or_each
+        from xtcache.align.chunks import align_batch, align_offsets, batch_or_each
 
         info = dict(student_info=s.info, teacher_info=self.teacher_info)
         out = batch_or_each(len(todo), lambda: align_batch(
@@ -292,9 +292,9 @@ class Preparer:
 def _encode(tok, texts: list[str], side: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per-document int32 ids and [N, 2] character offsets, encoded in one Rust batch.
 
-    Uses xtcache.align's encoder so offsets are untrimmed exactly as the aligner expects.
+    Uses xtcache.align.chunks's encoder so offsets are untrimmed exactly as the aligner expects.
     """
-    from xtcache.align import encode_flat
+    from xtcache.align.chunks import encode_flat
 
     if not texts:
         return [], []

@@ -117,7 +117,7 @@ class ShardPlan:
     @staticmethod
     def from_json(d: dict, where: str = PLAN_FILE) -> ShardPlan:
         from schemas.models import ShardPlanFile
-        from xtcache.store_io import read_model
+        from xtcache.location import read_model
 
         read_model(ShardPlanFile, d, where)
         plan = ShardPlan(num_jobs=int(d["num_jobs"]), files=[FileEntry.from_json(f) for f in d["files"]],
@@ -200,7 +200,7 @@ def obtain_plan(corpus: Corpus | list[str], text_field: str, *, num_jobs: int, j
     corpus = Corpus.of(corpus, text_field, storage_options)
     if num_jobs == 1 or not out:
         return build_plan(corpus, text_field, num_jobs)
-    from xtcache.store_io import Location
+    from xtcache.location import Location
 
     loc = Location(out, store_options)
     raw = loc.read_json(PLAN_FILE)

@@ -7,7 +7,7 @@ the valid chunks. Pure numpy: no store access, no torch.
 
 A chunk is valid when both sides are non-empty, its first student token has a predicting logit in
 the window and all its teacher rows have a prediction. Conversation caches: each student token has
-a stored role (`xtcache.chat`) and `train_on` (assistant, last-assistant or all) picks the tokens
+a stored role (`xtcache.chat.layout`) and `train_on` (assistant, last-assistant or all) picks the tokens
 trained (`ShardSource.trained`); a position whose predicted token is not one of them gets no CE
 label (-100), and a chunk is valid only when every student token in it is trained and both sides
 spell the same text (template-only and straddling chunks get no KD). Rollout caches that store the
@@ -180,7 +180,7 @@ def drawn_targets(ids: np.ndarray, head_logprobs: np.ndarray | None, counts: np.
     """The batch's teacher arrays of sampled or headtail rows, at the stored width k.
 
     ids [R, k]; counts [R, k_tail] of the last k_tail slots (the draws); head_logprobs [R, k - k_tail] of
-    the first slots (headtail's exact head, xtcache.headtail) or None (sampled). Returns `teacher_ids`
+    the first slots (headtail's exact head, xtcache.store.headtail) or None (sampled). Returns `teacher_ids`
     (-1 on padding), `teacher_counts` [R, k] (0 on the head) and, with a head, `teacher_logprobs` [R, k]
     (-inf on the draws): the layout `stage2_student.losses.teacher_logprobs` reads.
     """

@@ -58,7 +58,7 @@ def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, stu
     """The projection W as a sparse [V_model, V_t] tensor, checked against both tokenizer fingerprints.
 
     `path`: the --projection of the cache at `url`. Without one, W is built on the fly from the
-    student tokenizer and the teacher tokenizer the store carries (`xtcache.store_tokenizer`), or,
+    student tokenizer and the teacher tokenizer the store carries (`xtcache.store.tokenizer`), or,
     in a store without one, the tokenizer at the store's recorded teacher path (its fingerprint must
     match the cache); otherwise the run stops and says how to build one.
     """
@@ -66,7 +66,7 @@ def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, stu
 
     from xtcache import projection as xproj
     from xtcache.fingerprint import tokenizer_fingerprint
-    from xtcache.store_tokenizer import TOKENIZER_DIR, load_store_tokenizer
+    from xtcache.store.tokenizer import TOKENIZER_DIR, load_store_tokenizer
 
     teacher_fp = manifest.fingerprints.get("teacher_tokenizer")
     if path:

@@ -73,7 +73,7 @@ def student_fingerprint(tokenizer_or_path, *, chat: bool = False) -> str:
             ch in "0123456789abcdef" for ch in tokenizer_or_path):
         return tokenizer_or_path
     if chat:
-        from xtcache.chat import chat_fingerprint
+        from xtcache.chat.render import chat_fingerprint
         from xtcache.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tokenizer_or_path, "student tokenizer") if isinstance(tokenizer_or_path, str) \
@@ -192,7 +192,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
     def _resolve_student(self, readers, student, train_on: str | None) -> None:
         """`conversation` (all caches one kind), the student `fingerprint` that keys their alignment
         groups, and `train_on` (conversation caches: default assistant; plain text: None)."""
-        from xtcache.chat import TRAIN_ON
+        from xtcache.chat.render import TRAIN_ON
 
         kinds = {bool(r.manifest.conversation) for r in readers}
         if len(kinds) > 1:
@@ -298,7 +298,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
         al = reader.read_alignment(self.fingerprint, sid)
         trained = None
         if self.train_on is not None and al.student_role is not None:
-            from xtcache.chat import trained_roles
+            from xtcache.chat.render import trained_roles
 
             trained = trained_roles(al.student_role, self.train_on)
         c_off, s_off = al.doc_chunk_offsets, al.doc_student_offsets
@@ -335,7 +335,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
                       student_ids=a.student_ids, student_end=a.student_end, teacher_end=a.teacher_end, exact=a.exact,
                       sampled_logprobs=a.sampled_logprobs)
             if self.train_on is not None:
-                from xtcache.chat import trained_roles
+                from xtcache.chat.render import trained_roles
 
                 al["trained"] = trained_roles(a.student_role, self.train_on)
         src = ShardSource(doc_pos_offsets=sd.doc_pos_offsets, has_pred=sd.has_pred, topk_ids=sd.topk_ids,

@@ -1,7 +1,7 @@
 """How the tests run xtcache's commands without paying a new interpreter's imports each time.
 
 - `xtcache(*args)`: `xtcache ARGS` inside the test process, through the installed command's entry point
-  (`xtcache.cli.main`): its exit status, stdout and stderr as a shell would see them, without a new
+  (`xtcache.app.cli.main`): its exit status, stdout and stderr as a shell would see them, without a new
   interpreter importing torch and transformers again (about 5 s a command on 2 cores). For commands whose
   property is not about the process.
 - `WarmProcs`: commands as fresh processes forked from one process that imported the heavy modules
@@ -38,13 +38,13 @@ from pathlib import Path
 from tests.test_train_kd import REPO, cpu_env
 
 TIMEOUT_S = 600
-STAGES = ("deepspeed", "transformers", "stage2_student.__main__", "stage2_student.trainer", "xtcache.cli",
-          "stage1_teacher.cli", "stage1_teacher.dump", "stage1_teacher.capture_hf", "stage1_teacher.generate")
+STAGES = ("deepspeed", "transformers", "stage2_student.__main__", "stage2_student.trainer", "xtcache.app.cli",
+          "stage1_teacher.cli", "stage1_teacher.dump", "stage1_teacher.capture.hf_engine", "stage1_teacher.onpolicy.generate")
 
 
 def xtcache(*args) -> subprocess.CompletedProcess:
     """Run `xtcache ARGS` here; returns what `subprocess.run(..., capture_output=True, text=True)` would."""
-    from xtcache.cli import main
+    from xtcache.app.cli import main
 
     argv, out, err = [str(a) for a in args], io.StringIO(), io.StringIO()
     saved, sys.argv = sys.argv, ["xtcache", *argv]
@@ -71,7 +71,7 @@ def _child(entry: str, argv: list[str], env: dict, log: str) -> None:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.environ.update(env)
         if entry == "xtcache":
-            from xtcache.cli import main
+            from xtcache.app.cli import main
 
             sys.argv = ["xtcache", *argv]
             main()

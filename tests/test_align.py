@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xtcache.align import (
+from xtcache.align.chunks import (
     Alignment,
     align_batch,
     align_offsets,

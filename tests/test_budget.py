@@ -1,4 +1,4 @@
-"""The device memory budget of teacher-dump (stage1_teacher/budget.py) on realistic teachers and cards.
+"""The device memory budget of teacher-dump (stage1_teacher/capture/budget.py) on realistic teachers and cards.
 
 Every expected number is written out here from the teachers' published configs (a second
 construction), not taken from the function under test. No GPU: NVML and CUDA are faked.
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from stage1_teacher import budget as b
-from stage1_teacher.budget import Run, TeacherShape, device_budget, refusal
+from stage1_teacher.capture import budget as b
+from stage1_teacher.capture.budget import Run, TeacherShape, device_budget, refusal
 from xtcache.errors import CaptureError, ConfigError
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -208,7 +208,8 @@ def fake_gpu(monkeypatch):
 
 
 def test_preflight_refuses_before_any_engine_starts(tmp_path, fake_gpu, monkeypatch):
-    from stage1_teacher import capture, capture_vllm
+    from stage1_teacher.capture import run as capture
+    from stage1_teacher.capture import vllm_engine as capture_vllm
 
     def no_engine(*a, **k):
         raise AssertionError("an engine started")
@@ -228,8 +229,8 @@ def test_preflight_refuses_before_any_engine_starts(tmp_path, fake_gpu, monkeypa
 
 
 def test_preflight_accepts_a_budget_that_fits_and_skips_the_cpu(tmp_path, fake_gpu, monkeypatch):
-    from stage1_teacher import preflight
-    from stage1_teacher.capture_vllm import vllm_options
+    from stage1_teacher.capture import preflight
+    from stage1_teacher.capture.vllm_engine import vllm_options
 
     cfg = _cfg(_tiny_teacher(tmp_path / "t"), util=0.4)
     got = preflight.check_device_memory(cfg, vllm_options(cfg, 65), window_len=64, k=8, reference_check=True)

@@ -114,8 +114,8 @@ def test_full_cache_loss_and_gradient_equal_online_kd_within_stated_error(toy_se
 
     from stage2_student.loader import CacheDataset, to_tensors
     from stage2_student.student import model_inputs
-    from xtcache.codecs import codec_from_config
     from xtcache.store import CacheReader
+    from xtcache.store.codecs import codec_from_config
     from xtcache.testing import toy
     from xtcache.tokenizer import load_tokenizer
 

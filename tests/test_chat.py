@@ -19,16 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from schemas.roles import LAST_ASSISTANT, ROLE_ASSISTANT
 from tests.commands import xtcache
-from xtcache.chat import (
-    LAST_ASSISTANT,
-    ROLE_ASSISTANT,
-    align_conversations,
-    misaligned_chars,
-    render,
-    renderings,
-)
-from xtcache.chat_spans import shared_pieces
+from xtcache.chat.layout import align_conversations, misaligned_chars
+from xtcache.chat.render import render, renderings
+from xtcache.chat.spans import shared_pieces
 from xtcache.testing.chat import FAMILIES, chat_corpus, chat_tokenizer, write_chat_jsonl
 from xtcache.testing.suite import REPO
 
@@ -251,8 +246,8 @@ def chat_run(toy_setup, chat_toks, procs, tmp_path_factory):
 
 
 def test_chat_corpus_through_dump_and_align_has_no_misaligned_characters(chat_run):
-    from xtcache.chat import chat_fingerprint
-    from xtcache.commands_store import store_summary
+    from xtcache.app.store_commands import store_summary
+    from xtcache.chat.render import chat_fingerprint
     from xtcache.store import CacheReader
     from xtcache.tokenizer import load_tokenizer
 
@@ -293,7 +288,7 @@ def test_align_needs_the_teacher_template_to_locate_messages(chat_run):
 @pytest.mark.parametrize("train_on", ["assistant", "last-assistant", "all"])
 def test_loader_masks_keep_kd_and_ce_inside_the_trained_turns(chat_run, train_on):
     from stage2_student.loader import CacheDataset
-    from xtcache.chat import trained_roles
+    from xtcache.chat.render import trained_roles
     from xtcache.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(chat_run["third_tok"]))
@@ -366,7 +361,7 @@ def test_the_documented_example_is_what_the_code_renders(chat_toks):
 def test_same_tokenizer_and_template_is_the_identity_with_roles(chat_toks):
     from stage1_teacher.corpus import Document
     from stage1_teacher.prep import Preparer, StudentSide
-    from xtcache.chat import chat_fingerprint, conversation_json
+    from xtcache.chat.render import chat_fingerprint, conversation_json
 
     _, tok = chat_toks[("chatml-thinking", "teacher")]
     _, other = chat_toks[("chatml", "teacher")]  # the same tokenizer.json, another template: not the identity
@@ -391,7 +386,7 @@ def test_a_flipped_bit_in_a_conversation_array_is_named(chat_run, tmp_path, grou
     import shutil
 
     from stage2_student.loader import CacheDataset, student_fingerprint
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
     from xtcache.errors import XtcacheError
     from xtcache.tokenizer import load_tokenizer
 

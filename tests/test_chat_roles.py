@@ -1,6 +1,6 @@
 """Chat roles by construction: adversarial short messages in all five template families.
 
-The ground truth is built here, independently of `xtcache.chat_spans`: for each message text, the
+The ground truth is built here, independently of `xtcache.chat.spans`: for each message text, the
 conversation is rendered again with that one text's non-whitespace characters replaced by a
 character the rendering does not contain; the positions where the two renderings differ are that
 text's characters (a text whose rendering changes length or elsewhere is left out of the truth).
@@ -18,7 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xtcache.chat import ROLE_ASSISTANT, ConversationError, align_conversations, render, renderings
+from schemas.roles import ROLE_ASSISTANT
+from xtcache.chat.layout import align_conversations
+from xtcache.chat.render import ConversationError, render, renderings
 from xtcache.testing.chat import FAMILIES, chat_tokenizer
 
 _CODES = {"system": 1, "user": 2, "assistant": 3, "tool": 4}
@@ -201,7 +203,7 @@ def test_whitespace_only_and_dropped_texts_are_counted_unaligned(toks):
 
 
 # Templates that change a text (strip only newlines, escape, upper-case, write a text twice): the batch reading
-# of the marked renderings (`xtcache.chat_runs.read`) leaves such conversations to the general walk.
+# of the marked renderings (`xtcache.chat.runs.read`) leaves such conversations to the general walk.
 CHANGING = {
     "strip-newlines": (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>\n"
@@ -246,8 +248,8 @@ def test_batch_reading_agrees_with_the_general_walk(toks, changing, data):
     """One marked rendering read for a batch locates every text where the walk (marked and quiet
     renderings, run by run) does, with at least the whitespace the walk finds kept; a conversation
     it cannot read is the walk's; and the alignment of either has no error against the truth."""
-    from xtcache.chat_runs import locate_one, marked_conversations, plan, read
-    from xtcache.chat_spans import message_texts
+    from xtcache.chat.runs import locate_one, marked_conversations, plan, read
+    from xtcache.chat.spans import message_texts
 
     names = sorted(FAMILIES) + sorted(CHANGING)
     tok_of = lambda n: changing[n] if n in CHANGING else toks[(n, "student")]  # noqa: E731
@@ -293,8 +295,8 @@ def test_batch_reading_agrees_with_the_general_walk(toks, changing, data):
 def test_a_template_that_changes_texts_is_walked_and_locates_the_rest(changing, toks):
     """Texts a template strips of newlines or escapes: the batch reading leaves the conversation to
     the walk, which locates the texts the template wrote verbatim."""
-    from xtcache.chat_runs import marked_conversations, plan, read
-    from xtcache.chat_spans import message_texts
+    from xtcache.chat.runs import marked_conversations, plan, read
+    from xtcache.chat.spans import message_texts
 
     conv = {"messages": [{"role": "user", "content": "\nhello there\n"},
                          {"role": "assistant", "content": "ok", "reasoning_content": "\nthink first\n"},
@@ -313,7 +315,7 @@ def test_a_template_that_changes_texts_is_walked_and_locates_the_rest(changing, 
 
 
 def _positions_by_character(side, f) -> np.ndarray:
-    """`xtcache.chat_check.text_positions` read one conversation at a time, every character of its
+    """`xtcache.chat.check.text_positions` read one conversation at a time, every character of its
     marked rendering (the reference for the batch reading)."""
     out = np.full(int((f.lens + 1).sum()), -1, dtype=np.int64)
     text_base = 0
@@ -344,7 +346,8 @@ def test_self_check_reads_the_marked_renderings_under_a_wrong_layout(toks):
     not); a moved text is counted misaligned."""
     import dataclasses
 
-    from xtcache.chat_check import flat_side, text_positions
+    from xtcache.chat.check import text_positions
+    from xtcache.chat.render import flat_side
     from xtcache.testing.chat import chat_corpus
 
     s_tok, t_tok = toks[("chatml-thinking", "student")], toks[("llama3", "teacher")]
@@ -374,7 +377,7 @@ def test_wrong_role_count_sees_tokens_given_another_role(toks, monkeypatch):
     """The self-check's role count is 0 for the layout's roles and counts exactly the characters of
     the tokens whose role is changed (content given another message's role, template text given a
     role that is not its turn's tail)."""
-    import xtcache.chat as chat
+    import xtcache.chat.layout as chat
     from xtcache.testing.chat import chat_corpus
 
     seen = []

@@ -2,14 +2,14 @@
 
 `docs/cli-surface.json` lists every command's arguments and flags with type, default and whether
 they are required or repeatable; users' scripts depend on exactly this, so a change to it must be
-deliberate: regenerate with `python -m xtcache.clidoc --write` and review the diff.
+deliberate: regenerate with `python -m xtcache.app.clidoc --write` and review the diff.
 """
 
 import json
 
-from xtcache import clidoc
+from xtcache.app import clidoc
 
-REGENERATE = "run `python -m xtcache.clidoc --write` and review the diff (README.md, docs/cli-surface.json)"
+REGENERATE = "run `python -m xtcache.app.clidoc --write` and review the diff (README.md, docs/cli-surface.json)"
 
 
 def test_readme_cli_reference_matches_the_app():

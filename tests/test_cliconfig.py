@@ -166,7 +166,7 @@ def _write(path, text):
     ["train-student", "--cache", "C", "--student", "S", "--out", "O", "--storage-options", "[1]"],
 ])
 def test_every_storage_options_flag_fails_with_the_same_one_line_error(argv):
-    r = subprocess.run([sys.executable, "-m", "xtcache.cli", *argv], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "xtcache.app.cli", *argv], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: --storage-options: not a JSON object (") and r.stderr.count("\n") == 1, r.stderr
 

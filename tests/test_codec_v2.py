@@ -15,9 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.models import FORMAT_VERSION, Manifest
-from xtcache import codecs
 from xtcache.errors import CorruptionError, XtcacheError
-from xtcache.store import CacheReader, CacheWriter, DocRecord
+from xtcache.store import CacheReader, CacheWriter, DocRecord, codecs
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -136,7 +135,7 @@ def _store(tmp_path: Path, k: int = 16, V: int = 80_000) -> tuple[str, DocRecord
 
 
 def test_a_version_3_store_round_trips_within_the_stated_errors(tmp_path):
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
 
     url, doc = _store(tmp_path)
     r = CacheReader(url)
@@ -162,7 +161,7 @@ def test_a_version_3_store_round_trips_within_the_stated_errors(tmp_path):
 
 @pytest.mark.parametrize("array", ["topk_logprobs", "residual", "realized_logprob", "char_offsets"])
 def test_verify_names_a_damaged_codec_v2_array(tmp_path, array):
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
 
     url, _ = _store(tmp_path)
     (obj,) = [p for p in (Path(url) / "shards" / "w00000-p000000" / array / "c").rglob("*") if p.is_file()]

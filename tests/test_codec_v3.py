@@ -18,9 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.models import CodecConfig, Manifest
-from xtcache import codecs
 from xtcache.errors import CorruptionError, XtcacheError
-from xtcache.store import CacheReader, CacheWriter, DocRecord
+from xtcache.store import CacheReader, CacheWriter, DocRecord, codecs
 
 SETTINGS = settings(max_examples=60, deadline=None)
 PART = "w00000-p000000"
@@ -106,7 +105,7 @@ def _store(tmp_path: Path, k: int = 64, V: int = 49_152, T: int = 400) -> tuple[
 
 
 def test_a_version_4_store_round_trips_ids_exactly_and_values_within_the_stated_kl(tmp_path):
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
 
     url, doc = _store(tmp_path)
     r = CacheReader(url)
@@ -136,7 +135,7 @@ def test_a_version_4_store_round_trips_ids_exactly_and_values_within_the_stated_
 
 @pytest.mark.parametrize("array", ["topk_ids", "topk_id_dict"])
 def test_a_flipped_byte_in_the_ids_or_their_dictionary_is_named(tmp_path, array):
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
 
     url, _ = _store(tmp_path)
     (obj,) = [p for p in (Path(url) / "shards" / PART / array / "c").rglob("*") if p.is_file()]
@@ -156,8 +155,8 @@ def test_a_flipped_byte_in_the_ids_or_their_dictionary_is_named(tmp_path, array)
 ])
 def test_a_dictionary_that_does_not_fit_the_ids_is_refused(tmp_path, edit, message):
     """A dictionary rewritten with valid checksums (shorter, or with an id beyond V) is still damage."""
+    from xtcache.location import Location
     from xtcache.store.arrays import default_compression, write_array
-    from xtcache.store_io import Location
 
     url, _ = _store(tmp_path)
     codec = codecs.DictDeltaIds("uint16")

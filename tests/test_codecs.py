@@ -1,4 +1,4 @@
-"""Property tests of the top-k codecs (xtcache.codecs): exact id round trips, stated error bounds.
+"""Property tests of the top-k codecs (xtcache.store.codecs): exact id round trips, stated error bounds.
 
     .venv/bin/python -m pytest -q tests/test_codecs.py
 """
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xtcache import codecs
 from xtcache.errors import StoreError, XtcacheError
+from xtcache.store import codecs
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

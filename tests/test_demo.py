@@ -26,7 +26,7 @@ WORKDIR = TEST_CACHE / "demo-small"
 
 def run_small_demo(*flags: str) -> subprocess.CompletedProcess:
     """`xtcache demo --size small FLAGS` in a subprocess, as a user runs it; asserts it succeeded."""
-    proc = subprocess.run([sys.executable, "-m", "xtcache.cli", "demo", *flags, "--size", "small", "--workdir",
+    proc = subprocess.run([sys.executable, "-m", "xtcache.app.cli", "demo", *flags, "--size", "small", "--workdir",
                            str(WORKDIR)], capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

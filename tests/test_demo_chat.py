@@ -13,7 +13,7 @@ import json
 import pytest
 
 from tests.test_demo import WORKDIR, run_small_demo
-from xtcache.demo_setup import SIZES
+from xtcache.app.demo.setup import SIZES
 
 pytestmark = pytest.mark.slow
 

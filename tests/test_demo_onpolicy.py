@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from xtcache.demo_console import StageFailed, StageRunner, is_console_line
-from xtcache.demo_onpolicy import on_policy_table, write_prompts
+from xtcache.app.demo.console import StageFailed, StageRunner, is_console_line
+from xtcache.app.demo.onpolicy import on_policy_table, write_prompts
 
 DEEPSPEED_NOTICE = "[real_accelerator.py"
 

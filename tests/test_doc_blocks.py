@@ -3,7 +3,7 @@
 Every `<!-- NAME:start -->` block in README.md and docs/*.md opens with a stamp line
 (`_Written by `CMD` on DATE, MACHINE._`, or `_Pasted from `CMD` ..., not regenerated._` for figures
 no `--write-docs` run has rewritten yet), and CMD runs the writer that declares the block in its
-DOC_BLOCKS (bench/*.py, xtcache/demo.py). Fast: no bench runs here.
+DOC_BLOCKS (bench/*.py, xtcache/app/demo/offpolicy.py). Fast: no bench runs here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from xtcache.docblock import (
+from xtcache.app.docblock import (
     DocBlockError,
     invoked_command,
     marked_blocks,
@@ -29,7 +29,7 @@ from xtcache.docblock import (
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-WRITERS = [*sorted((REPO / "bench").glob("*.py")), REPO / "xtcache" / "demo.py"]
+WRITERS = [*sorted((REPO / "bench").glob("*.py")), REPO / "xtcache" / "app" / "demo" / "offpolicy.py"]
 
 
 def declared_blocks(path: Path) -> dict[str, str] | None:
@@ -42,7 +42,7 @@ def declared_blocks(path: Path) -> dict[str, str] | None:
 
 def writer_name(path: Path) -> str:
     """What a command running this writer contains: the script path, or `xtcache demo`."""
-    return "xtcache demo" if path.name == "demo.py" else path.relative_to(REPO).as_posix()
+    return "xtcache demo" if path.name == "offpolicy.py" else path.relative_to(REPO).as_posix()
 
 
 def writers() -> dict[str, tuple[str, str]]:
@@ -195,7 +195,7 @@ def test_gpu_check_writes_docs_only_for_a_cuda_run(tmp_path, monkeypatch, capsys
 
 
 def test_demo_inspect_example_keeps_the_header_and_the_array_table():
-    from xtcache.demo import abridged_inspect
+    from xtcache.app.demo.offpolicy import abridged_inspect
 
     printed = ("store           .xtcache_demo/caches/toy-k32\nformat version  1    mode topk\n"
                "documents       630    teacher positions 1\nmean top-k mass 0.9\ncache key       abc\n"
@@ -220,7 +220,7 @@ def test_require_blocks_exits_with_one_line_before_a_run(tmp_path):
 @pytest.mark.slow
 def test_demo_writes_its_output_and_inspect_blocks_from_its_own_store(toy_setup, tmp_path, monkeypatch):
     """The inspect example is `xtcache inspect` of the store the demo wrote (here one written the same way)."""
-    from xtcache import demo
+    from xtcache.app.demo import offpolicy as demo
     from xtcache.testing.caches import build_hf_cache
 
     store = build_hf_cache(tmp_path / "store", toy_setup.teacher_model, toy_setup.train_jsonl,

@@ -68,7 +68,7 @@ def xtcache_args(tokens: list[str]) -> list[str] | None:
     for i in range(1, len(tokens) - 1):
         if tokens[i] == module and tokens[i + 1] == "stage2_student":
             return ["train-student", *tokens[i + 2:]]
-        if tokens[i] == module and tokens[i + 1] == "xtcache.cli":
+        if tokens[i] == module and tokens[i + 1] == "xtcache.app.cli":
             return tokens[i + 2:]
     return None
 
@@ -177,7 +177,7 @@ COMMANDS = doc_commands()
 def _root():
     import typer.main
 
-    from xtcache.cli import app
+    from xtcache.app.cli import app
 
     return typer.main.get_command(app)
 
@@ -219,7 +219,7 @@ def check(cmd, path: list[str], args: list[str], *, partial: bool) -> None:
 
 @pytest.mark.parametrize("doc", COMMANDS, ids=[c.where for c in COMMANDS])
 def test_every_documented_command_is_a_command_of_the_app_with_its_flags(doc, monkeypatch):
-    for module in ("stage1_teacher.config", "stage1_teacher.generate_config"):  # the example's corpus is not here
+    for module in ("stage1_teacher.config", "stage1_teacher.onpolicy.generate_config"):  # the example's corpus is not here
         monkeypatch.setattr(f"{module}.expand_globs", lambda paths, storage_options=None: list(paths))
     args = list(doc.args)
     passed: list[str] = []

@@ -26,8 +26,8 @@ from tests.commands import WarmProcs, xtcache
 from xtcache.testing.suite import REPO
 
 MAX_NEW = "12"
-GENERATE_MODULES = ("torch", "transformers", "xtcache.cli", "stage1_teacher.cli", "stage1_teacher.generate",
-                    "stage1_teacher.samplers")
+GENERATE_MODULES = ("torch", "transformers", "xtcache.app.cli", "stage1_teacher.cli", "stage1_teacher.onpolicy.generate",
+                    "stage1_teacher.onpolicy.samplers")
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +132,8 @@ def test_same_seed_same_rollouts_other_seed_other(chat, whole, tmp_path):
 
 KILLER = r"""
 import os, signal, sys
-import stage1_teacher.generate as g
-from stage1_teacher.generate_config import build_generate_config
+import stage1_teacher.onpolicy.generate as g
+from stage1_teacher.onpolicy.generate_config import build_generate_config
 real, calls = g.write_part, [0]
 def write_part(loc, rel, rows):
     sha = real(loc, rel, rows)
@@ -181,8 +181,8 @@ def test_policy_fingerprint_follows_checkpoint_and_settings(chat, tmp_path):
     import shutil
     from dataclasses import replace
 
-    from stage1_teacher.generate_config import SamplingConfig
-    from stage1_teacher.rollouts import policy_fingerprint
+    from stage1_teacher.onpolicy.generate_config import SamplingConfig
+    from stage1_teacher.onpolicy.rollouts import policy_fingerprint
     from xtcache.tokenizer import load_tokenizer
 
     setup, _, _ = chat
@@ -209,7 +209,7 @@ def test_policy_fingerprint_follows_checkpoint_and_settings(chat, tmp_path):
 def test_processed_logprobs_top_p_keeps_the_nucleus():
     import torch
 
-    from stage1_teacher.samplers import processed_logprobs
+    from stage1_teacher.onpolicy.samplers import processed_logprobs
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     lp = processed_logprobs(logits, 1.0, 0.75)
@@ -281,9 +281,9 @@ def test_vllm_stream_keeps_the_next_part_queued_and_yields_parts_in_order():
     """The engine is handed the next part before the current one is returned (it never runs dry at a
     part's end or while the part is written), and each part's completions are its own prompts', in
     order, however the engine orders the finished requests."""
-    from stage1_teacher.generate_config import SamplingConfig
-    from stage1_teacher.rollouts import Prompt
-    from stage1_teacher.samplers import VllmSampler
+    from stage1_teacher.onpolicy.generate_config import SamplingConfig
+    from stage1_teacher.onpolicy.rollouts import Prompt
+    from stage1_teacher.onpolicy.samplers import VllmSampler
 
     sampler = VllmSampler.__new__(VllmSampler)
     sampler.llm, sampler.reproducible = _FakeEngine(), False
@@ -304,7 +304,7 @@ def test_vllm_stream_keeps_the_next_part_queued_and_yields_parts_in_order():
 def test_vllm_generate_on_cpu_structure(chat, tmp_path):
     setup, conv, _ = chat
     proc = subprocess.run(
-        [sys.executable, "-m", "xtcache.cli", "generate", "--student", str(setup.student_model), "--data", str(conv),
+        [sys.executable, "-m", "xtcache.app.cli", "generate", "--student", str(setup.student_model), "--data", str(conv),
          "--out", str(tmp_path / "r"), "--engine", "vllm", "--samples-per-prompt", "2", "--max-new-tokens", MAX_NEW,
          "--dtype", "float32", "--prompts-per-part", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

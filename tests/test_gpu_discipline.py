@@ -28,9 +28,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor  # noqa: PLC2701 (no public API)
 
-from stage1_teacher.capture import Capture, compare_with_reference, default_tolerance
-from stage1_teacher.capture_vllm import PromptLogprobs
-from stage1_teacher.head import TeacherHead
+from stage1_teacher.capture.head import TeacherHead
+from stage1_teacher.capture.run import Capture, compare_with_reference, default_tolerance
+from stage1_teacher.capture.vllm_engine import PromptLogprobs
 from xtcache.errors import CaptureError
 from xtcache.testing.devices import FAKE_ACCELERATOR, FakeTensorDeviceMismatchError, fake_accelerator, to_fake
 
@@ -209,8 +209,8 @@ def test_nothing_initialises_cuda_before_the_engine_starts(extra, cuda_machine, 
 # ----------------------------------------------------------------------------- check records
 
 def test_a_check_record_names_where_it_was_made(monkeypatch):
-    from stage1_teacher import capture_vllm
-    from stage1_teacher.capture import check_key
+    from stage1_teacher.capture import vllm_engine as capture_vllm
+    from stage1_teacher.capture.run import check_key
     from stage1_teacher.config import TeacherConfig
 
     t = TeacherConfig(teacher="t", dtype="bfloat16")
@@ -227,7 +227,7 @@ def test_a_check_record_names_where_it_was_made(monkeypatch):
 
 def test_a_record_whose_fields_differ_from_its_key_is_refused(tmp_path):
     from schemas.models import CaptureCheck
-    from stage1_teacher.capture import check_key
+    from stage1_teacher.capture.run import check_key
     from stage1_teacher.config import TeacherConfig
     from stage1_teacher.dump import CheckRecords
     from xtcache.errors import CorruptionError
@@ -239,7 +239,7 @@ def test_a_record_whose_fields_differ_from_its_key_is_refused(tmp_path):
     (tmp_path / "capture_checks" / f"{what['key']}.json").write_text(rec.model_dump_json())
     records = CheckRecords.__new__(CheckRecords)
     records.what, records.rel, records.trust_from = what, f"capture_checks/{what['key']}.json", None
-    from xtcache.store_io import Location
+    from xtcache.location import Location
 
     records.loc = Location(str(tmp_path), None)
     with pytest.raises(CorruptionError, match="another teacher, vLLM, platform"):
@@ -251,7 +251,7 @@ def test_a_record_whose_fields_differ_from_its_key_is_refused(tmp_path):
 def _scaled_case(logit_max: float, vocab: int = 8000, rows: int = 256, seed: int = 0):
     """Hidden states and an fp32 head whose largest logits reach `logit_max`, with the reference
     log-probs a bf16 engine reports (logits rounded to bf16, then log-softmax in fp32)."""
-    from stage1_teacher.capture_vllm import parse_flat
+    from stage1_teacher.capture.vllm_engine import parse_flat
     from tests.test_stage1_units import _flat_from_logits
 
     g = torch.Generator().manual_seed(seed)

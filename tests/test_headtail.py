@@ -34,7 +34,7 @@ def _reference(z: np.ndarray, V: int) -> np.ndarray:
 
 
 def _targets(z, V, seed, **kw):
-    from stage1_teacher.head import distill_targets
+    from stage1_teacher.capture.head import distill_targets
 
     return distill_targets(torch.from_numpy(z), np.zeros(len(z), dtype=np.int64), mode="headtail", k=K, vocab_size=V,
                            num_samples=N, generator=torch.Generator().manual_seed(seed), **kw)
@@ -133,7 +133,7 @@ def _store(path, rows_of_docs, damage=None):
 
 
 def test_a_store_reads_back_verifies_and_a_tail_id_in_the_head_fails_verify(tmp_path):
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
     from xtcache.store import CacheReader
 
     rng = np.random.default_rng(5)
@@ -170,7 +170,7 @@ def test_a_store_reads_back_verifies_and_a_tail_id_in_the_head_fails_verify(tmp_
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
 def test_the_id_transform_codes_head_and_tail_apart(dtype):
     """Each run sorted and delta coded on its own, decoded back in place or not; one run keeps its config."""
-    from xtcache import codecs
+    from xtcache.store import codecs
 
     rng = np.random.default_rng(1)
     ids = rng.integers(0, 5000, size=(40, K + N))
@@ -191,9 +191,8 @@ def test_ids_split_after_another_width_are_refused(tmp_path):
     import json
 
     from schemas.models import CodecConfig, Manifest
-    from xtcache import codecs
     from xtcache.errors import CorruptionError, XtcacheError
-    from xtcache.store import CacheReader, CacheWriter
+    from xtcache.store import CacheReader, CacheWriter, codecs
 
     bad = Manifest(cache_key="headtail-test", mode="headtail", k=K + N, top_k=K, num_samples=N, teacher_vocab_size=60,
                    codecs={k: CodecConfig(**v) for k, v in codecs.default_codecs("headtail", 60, k=K + N, top_k=K - 1).items()})
@@ -268,7 +267,7 @@ def test_stage2_trains_on_a_headtail_store(toy_setup, headtail_store, same):
     from stage2_student import loader as L
     from stage2_student.config import LossConfig
     from stage2_student.student import model_inputs
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
 
     assert verify_store(headtail_store) == []
     tok = toy_setup.teacher_tokenizer if same else toy_setup.student_tokenizer
@@ -309,7 +308,7 @@ def test_teacher_dump_headtail_end_to_end(tmp_path, toy_setup):
     proc = xtcache("teacher-dump", "--teacher", toy_setup.teacher_model, "--student-tokenizer", toy_setup.student_tokenizer,
                    "--data", data, "--out", out, "--mode", "headtail", "--top-k", K, "--num-samples", N, "--engine", "hf")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from xtcache.commands_store import store_summary, verify_store
+    from xtcache.app.store_commands import store_summary, verify_store
 
     assert verify_store(str(out)) == []
     m = store_summary(str(out))["manifest"]

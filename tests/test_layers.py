@@ -1,10 +1,11 @@
 """The layers are enforced by import-linter (contracts in pyproject.toml), and the contracts bite.
 
-    schemas <- xtcache core <- stage1_teacher | stage2_student <- app (xtcache.cli, xtcache.demo)
+    schemas <- xtcache core <- stage1_teacher | stage2_student <- xtcache.testing <- xtcache.app
 
-`make lint` runs `lint-imports` and `ruff check` before the tests; this test shows that a
-deliberate back-arrow (a stage importing the app) breaks a contract, so the tool cannot pass
-vacuously.
+`make lint` runs `lint-imports` and `ruff check` before the tests; this test shows that each kind of
+deliberate wrong arrow (a back-arrow between layers, a circle, a module placed in no layer, the
+scaffolding or pyarrow imported where they do not belong) breaks its contract, so the tool cannot
+pass vacuously.
 """
 
 from __future__ import annotations
@@ -43,21 +44,28 @@ def test_the_tree_keeps_every_contract(tree_copy):
     assert "broken" in proc.stdout and " 0 broken" in proc.stdout
 
 
+LAYERS = "the layers: the app on top"
+
+
 @pytest.mark.parametrize("module, back_arrow, contract", [
-    ("stage2_student/loader.py", "from xtcache import cli", "nothing below the app imports it"),
-    ("stage1_teacher/prep.py", "import stage2_student.objective", "the two stages never import each other"),
-    ("xtcache/align.py", "import stage1_teacher.corpus", "the xtcache core imports no stage"),
-    ("schemas/models.py", "import xtcache.errors", "schemas (the store contract) imports no other"),
-    ("stage1_teacher/dump.py", "from xtcache.testing import toy", "the product never imports the test scaffolding"),
-    ("xtcache/docblock.py", "from xtcache.testing import toy", "the product never imports the test scaffolding"),
+    ("stage2_student/loader.py", "from xtcache.app import cli", LAYERS),
+    ("stage1_teacher/prep.py", "import stage2_student.objective", LAYERS),
+    ("xtcache/align/chunks.py", "import stage1_teacher.corpus", LAYERS),
+    ("xtcache/errors.py", "import xtcache.store", LAYERS),
+    ("schemas/models.py", "import xtcache.errors", LAYERS),
+    ("xtcache/chat/spans.py", "import xtcache.chat.runs", "no import circle among the modules of any package"),
+    ("stage1_teacher/capture/head.py", "import stage1_teacher.capture.run", "no import circle"),
+    ("xtcache/extra.py", "import xtcache.errors", "every module of the xtcache package has its place"),
+    ("stage1_teacher/dump.py", "from xtcache.testing import toy", "the test scaffolding"),
+    ("xtcache/app/docblock.py", "from xtcache.testing import toy", "the test scaffolding"),
     ("stage1_teacher/shard_plan.py", "import pyarrow.parquet", "the corpus is read behind its owner"),
 ])
-def test_a_back_arrow_breaks_a_contract(tree_copy, tmp_path, module, back_arrow, contract):
+def test_a_wrong_arrow_breaks_a_contract(tree_copy, tmp_path, module, back_arrow, contract):
     root = tmp_path / "tree"
     shutil.copytree(tree_copy, root)
     path = root / module
-    path.write_text(path.read_text(encoding="utf-8") + f"\n{back_arrow}  # a deliberate back-arrow\n",
-                    encoding="utf-8")
+    before = path.read_text(encoding="utf-8") if path.exists() else ""
+    path.write_text(before + f"\n{back_arrow}  # a deliberate wrong arrow\n", encoding="utf-8")
     proc = lint_imports(root)
     assert proc.returncode != 0
     assert contract in proc.stdout and "BROKEN" in proc.stdout, proc.stdout[-3000:]

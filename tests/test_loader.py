@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from schemas.models import AlignGroupMeta, Manifest
 from stage2_student import loader as L
 from stage2_student.order import epoch_window_order, global_micro_batch, is_held_out
-from xtcache.align import align_text, encode_with_offsets
+from xtcache.align.chunks import align_text, encode_with_offsets
 from xtcache.errors import ConfigError
 from xtcache.fingerprint import tokenizer_fingerprint
 from xtcache.packing import pack_documents

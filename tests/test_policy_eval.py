@@ -1,4 +1,4 @@
-"""`xtcache policy-eval` (stage1_teacher/policy_eval.py): the on-policy measure.
+"""`xtcache policy-eval` (stage1_teacher/onpolicy/policy_eval.py): the on-policy measure.
 
 Checked against a second construction: the student's own forward on prompt ids + sampled ids (no
 rendering, no spans). Same model on both sides: every sample the teacher tokenizes as it was sampled
@@ -37,7 +37,7 @@ def chat(toy_setup, tmp_path_factory):
 
 
 def _run(student, teacher, prompts, **kw):
-    from stage1_teacher.policy_eval import policy_eval
+    from stage1_teacher.onpolicy.policy_eval import policy_eval
 
     return policy_eval(str(student), str(teacher), str(prompts), samples_per_prompt=SAMPLES,
                        max_new_tokens=NEW_TOKENS, seed=kw.pop("seed", 0), **kw)
@@ -53,7 +53,7 @@ def _expected_r(model_dir, prompts_path, scores, scale: float) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stage1_teacher.policy_eval import read_prompts
+    from stage1_teacher.onpolicy.policy_eval import read_prompts
     from xtcache.tokenizer import load_tokenizer
 
     prompts = {p.prompt_id: p for p in read_prompts(str(prompts_path), load_tokenizer(model_dir))}
@@ -104,7 +104,7 @@ def test_teacher_with_doubled_logits_gives_the_independent_value(chat, tmp_path)
 
 
 def test_cross_tokenizer_teacher_sums_exactly_the_completion_text(chat):
-    from stage1_teacher.policy_eval import read_prompts, sample_student
+    from stage1_teacher.onpolicy.policy_eval import read_prompts, sample_student
     from xtcache.tokenizer import load_tokenizer
 
     setup, prompts, _ = chat
@@ -126,7 +126,7 @@ def test_cross_tokenizer_teacher_sums_exactly_the_completion_text(chat):
 
 
 def test_summary_is_the_ratio_of_sums():
-    from stage1_teacher.policy_eval import SampleScore, summarize
+    from stage1_teacher.onpolicy.policy_eval import SampleScore, summarize
 
     scores = [SampleScore("a", 0, (1, 2), -3.0, -5.0, (1, 2), 4, True),
               SampleScore("a", 1, (1, 2, 3, 4), -6.0, -7.0, (1,), 6, False),
@@ -142,7 +142,7 @@ def test_summary_is_the_ratio_of_sums():
 
 
 def test_bad_prompts_are_refused_in_one_line(chat, tmp_path):
-    from stage1_teacher.policy_eval import read_prompts
+    from stage1_teacher.onpolicy.policy_eval import read_prompts
     from xtcache.tokenizer import load_tokenizer
 
     setup, _, _ = chat

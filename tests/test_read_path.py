@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from schemas.models import ArraySpec
-from xtcache import codecs
 from xtcache.errors import CorruptionError
+from xtcache.location import Location
+from xtcache.store import codecs
 from xtcache.store.arrays import CHUNK_BYTES, ShardLayout, array_sha256, read_arrays, write_array
-from xtcache.store_io import Location
 
 RNG = np.random.default_rng(0)
 ARRAYS = {

@@ -88,7 +88,7 @@ def rollouts(toy_setup, tmp_path_factory):
 def _group(store: Path, setup):
     """(reader, the sampling student's fingerprint, its groups' stats summed over parts, docs by (file, row)
     -> (student ids, roles, sampled log-probs or None))."""
-    from xtcache.chat import chat_fingerprint
+    from xtcache.chat.render import chat_fingerprint
     from xtcache.store import CacheReader
     from xtcache.tokenizer import load_tokenizer
 
@@ -108,7 +108,7 @@ def _group(store: Path, setup):
 
 
 def test_stored_sampling_log_probs_are_the_rollouts_on_the_generated_turn_nan_elsewhere(rollouts):
-    from xtcache.chat import LAST_ASSISTANT
+    from schemas.roles import LAST_ASSISTANT
 
     setup, _, _, parts, store = rollouts
     rows = _rows(parts)
@@ -172,7 +172,7 @@ def test_generated_turns_are_spliced_exactly_when_their_ids_spell_the_rendered_t
 
 
 def test_sampled_ids_that_spell_the_turn_are_spliced_others_counted(rollouts, tmp_path):
-    from xtcache.commands_store import store_summary
+    from xtcache.app.store_commands import store_summary
     from xtcache.tokenizer import load_tokenizer
 
     setup, _, _, parts, _ = rollouts
@@ -233,8 +233,8 @@ def test_non_canonical_sampled_ids_are_stored_aligned_and_trained_with_the_ratio
     """Every turn sampled as another tokenization of its text (a word in two tokens): the stored student
     ids are the sampled ids, with their log-probs on every one of them, the trained positions are
     exactly those tokens, the alignment is exact, and --loss rkl-pg --is-cap 2 trains on it."""
-    from xtcache.chat import trained_roles
-    from xtcache.commands_store import store_summary
+    from xtcache.app.store_commands import store_summary
+    from xtcache.chat.render import trained_roles
     from xtcache.tokenizer import load_tokenizer
 
     setup, _, _, parts, _ = rollouts
@@ -264,7 +264,7 @@ def test_a_same_tokenizer_rollout_cache_stores_and_trains_with_the_ratio(rollout
     """Rollouts of a student with the teacher's tokenizer and template (the teacher model trains as that
     student): its alignment group is the identity, holds the sampled log-probs on the sampled tokens, and
     train-student --loss rkl-pg --is-cap 2 reads them (not the teacher arrays' tokens without them)."""
-    from xtcache.chat import chat_fingerprint, trained_roles
+    from xtcache.chat.render import chat_fingerprint, trained_roles
     from xtcache.store import CacheReader
     from xtcache.tokenizer import load_tokenizer
 
@@ -329,7 +329,7 @@ def test_the_batch_lays_sampling_log_probs_out_like_labels():
 
 def test_offsets_of_sampled_ids_come_from_their_bytes():
     """A character split over byte tokens is covered by each of them, as a tokenizer's own offsets do."""
-    from stage1_teacher.splice import byte_offsets
+    from stage1_teacher.onpolicy.splice import byte_offsets
 
     text = "a\u00e9\u6771b"  # 1, 2 and 3 UTF-8 bytes, then 1
     got = byte_offsets(text, np.array([1, 1, 1, 2, 1, 1]))  # "a", e-acute in 1 + 1 bytes, the CJK in 2 + 1, "b"

@@ -48,7 +48,7 @@ def chat(toy_setup, tmp_path_factory):
 
 def _cmd(setup, prompts, workdir, *, engine: str = "hf", steps: int = STEPS, micro_batch: int = 2,
          dump_args: str = "") -> list[str]:
-    return [sys.executable, "-m", "xtcache.cli", "rounds", "--student", str(setup.student_model), "--teacher",
+    return [sys.executable, "-m", "xtcache.app.cli", "rounds", "--student", str(setup.student_model), "--teacher",
             str(setup.teacher_model), "--prompts", str(prompts), "--rounds", "2", "--workdir", str(workdir),
             "--engine", engine, *(["--dump-args", dump_args] if dump_args else []), "--samples-per-prompt", "2", "--max-new-tokens", "8", "--steps-per-round", str(steps),
             "--", "--seq-len", "64", "--micro-batch-size", str(micro_batch), "--zero-stage", "0", "--save-every", "1",
@@ -106,8 +106,8 @@ def test_vllm_rounds_are_aligned_and_train_exactly_the_generated_turn(vllm_run, 
 def _assert_rounds_aligned(workdir: Path, setup, *, rollouts: int) -> None:
     """Each round's cache: inspect reports 0 misaligned characters, and the trained positions of every
     conversation are one run, exactly its generated turn (its end-of-turn token trained or not)."""
-    from xtcache.chat import chat_fingerprint, trained_roles
-    from xtcache.commands_store import store_summary
+    from xtcache.app.store_commands import store_summary
+    from xtcache.chat.render import chat_fingerprint, trained_roles
     from xtcache.store import CacheReader
     from xtcache.tokenizer import load_tokenizer
 
@@ -191,14 +191,14 @@ def test_each_round_cache_of_the_killed_run_is_aligned_and_trains_exactly_the_ge
 
 
 def _cfg(tmp_path, **kw):
-    from xtcache.rounds import RoundsConfig
+    from xtcache.app.rounds import RoundsConfig
 
     return RoundsConfig(**{"student": "S", "teacher": "T", "prompts": ["p.jsonl"], "rounds": 2,
                            "workdir": str(tmp_path / "w"), "engine": "hf", **kw})
 
 
 def test_teacher_dump_flags_of_every_round_and_the_check_trusted_after_round_0(tmp_path):
-    from xtcache.rounds import stage_command
+    from xtcache.app.rounds import stage_command
 
     cfg = _cfg(tmp_path, engine="vllm", dump_args=["--top-k", "32"])
     first, later = stage_command(cfg, 0, "teacher-dump"), stage_command(cfg, 1, "teacher-dump")
@@ -213,8 +213,8 @@ def test_teacher_dump_flags_of_every_round_and_the_check_trusted_after_round_0(t
 def test_a_workdir_refuses_other_settings_changed_outputs_and_owned_flags(killed_run, chat, tmp_path):
     import shutil
 
+    from xtcache.app.rounds import check_settings, run_stage
     from xtcache.errors import ConfigError
-    from xtcache.rounds import check_settings, run_stage
 
     with pytest.raises(ValueError, match="--max-steps: set by xtcache rounds"):
         _cfg(tmp_path, train_args=["--max-steps", "9"])
@@ -231,7 +231,7 @@ def test_a_workdir_refuses_other_settings_changed_outputs_and_owned_flags(killed
 
 def _finish(cfg, r: int, stage: str) -> None:
     """A done record of round r's `stage` as run_stage writes it (its outputs' hashes are not read here)."""
-    from xtcache.rounds import round_dir, stage_command
+    from xtcache.app.rounds import round_dir, stage_command
 
     done = round_dir(cfg, r) / "done" / f"{stage}.json"
     done.parent.mkdir(parents=True, exist_ok=True)
@@ -242,8 +242,8 @@ def _finish(cfg, r: int, stage: str) -> None:
 def test_a_rerun_may_change_the_settings_of_unfinished_stages_and_a_refusal_names_the_setting_and_way_out(tmp_path):
     import shutil
 
+    from xtcache.app.rounds import check_settings
     from xtcache.errors import ConfigError
-    from xtcache.rounds import check_settings
 
     cfg = _cfg(tmp_path, max_new_tokens=8, train_args=["--lr", "-1"])
     check_settings(cfg)
@@ -272,7 +272,7 @@ def test_a_rerun_may_change_the_settings_of_unfinished_stages_and_a_refusal_name
 
 
 def test_a_stage_started_with_other_settings_starts_again_from_nothing(tmp_path):
-    from xtcache.rounds import restart_if_changed, round_dir, stage_command
+    from xtcache.app.rounds import restart_if_changed, round_dir, stage_command
 
     cfg, fixed = _cfg(tmp_path, train_args=["--lr", "-1"]), _cfg(tmp_path, train_args=["--lr", "1e-3"])
     train = round_dir(cfg, 0) / "train"
@@ -295,7 +295,7 @@ def test_a_run_failed_in_train_student_reruns_with_the_fixed_flag(chat, tmp_path
     workdir = tmp_path / "w"
 
     def rounds(lr: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "xtcache.cli", "rounds", "--student", str(setup.student_model), "--teacher",
+        cmd = [sys.executable, "-m", "xtcache.app.cli", "rounds", "--student", str(setup.student_model), "--teacher",
                str(setup.teacher_model), "--prompts", str(one), "--rounds", "1", "--workdir", str(workdir),
                "--engine", "hf", "--samples-per-prompt", "1", "--max-new-tokens", "4", "--steps-per-round", "1",
                "--", "--seq-len", "64", "--micro-batch-size", "1", "--zero-stage", "0", "--lr", lr]

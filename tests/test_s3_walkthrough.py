@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 BUCKET = "xtcache-walkthrough"
 
 
-DUMP_MODULES = ("torch", "transformers", "s3fs", "xtcache.cli", "xtcache.store", "xtcache.commands_store",
-                "stage1_teacher.cli", "stage1_teacher.dump", "stage1_teacher.capture_hf")
+DUMP_MODULES = ("torch", "transformers", "s3fs", "xtcache.app.cli", "xtcache.store", "xtcache.app.store_commands",
+                "stage1_teacher.cli", "stage1_teacher.dump", "stage1_teacher.capture.hf_engine")
 
 
 @pytest.fixture(scope="module")

@@ -328,7 +328,7 @@ def test_four_jobs_write_the_same_documents_as_one(teacher, toy_setup, mixed_cor
         _dump(teacher, mixed_corpus, many, students, num_shards=2, shard_index=0)
     # verify checks each writer's documents against its plan ranges: sound as written, and a plan
     # whose jobs were swapped around puts documents outside their writer's ranges
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
 
     assert verify_store(str(many), stop_first=False) == []
     plan_file = many / "shard_plan.json"
@@ -357,7 +357,7 @@ def test_kill_and_resume_of_one_job_gives_the_same_store(teacher, toy_setup, mix
             "--num-shards", "2"]
 
     def cli(*extra):
-        return subprocess.Popen([sys.executable, "-m", "xtcache.cli", "teacher-dump", *base, *extra], cwd=repo,
+        return subprocess.Popen([sys.executable, "-m", "xtcache.app.cli", "teacher-dump", *base, *extra], cwd=repo,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     _dump(teacher, mixed_corpus, out, [toy_setup.student_tokenizer], docs_per_part=1, num_shards=2, shard_index=0)

@@ -72,8 +72,8 @@ def read_all(url):
 
 def test_topk_cross_and_same_tokenizer_match_transformers(teacher, corpus, toy_setup, tmp_path, student_tokenizer,
                                                           teacher_tokenizer):
-    from xtcache.align import align_text
-    from xtcache.commands_store import verify_store
+    from xtcache.align.chunks import align_text
+    from xtcache.app.store_commands import verify_store
 
     s = dump(teacher, corpus, tmp_path / "s", [toy_setup.student_tokenizer, toy_setup.teacher_tokenizer],
              max_seq_len=1024, window_overlap=0)
@@ -124,7 +124,7 @@ def test_full_mode_windows_store_each_row_once(teacher, corpus, toy_setup, tmp_p
     assert d.has_pred[1:].all()  # overlap gives every later window's rows left context
     # rows inside the first window equal the whole-document forward (causal attention)
     lp = hf_logprobs(teacher, d.teacher_ids[:160])
-    # full mode keeps 8-bit log-probs (xtcache.codecs.default_codecs): half a step in log-prob
+    # full mode keeps 8-bit log-probs (xtcache.store.codecs.default_codecs): half a step in log-prob
     np.testing.assert_allclose(d.topk_logprobs[1:160], lp[:-1, :V], atol=24.0 / 255 / 2 + 1e-4)
     # residual = mass of the padded lm_head columns (tiny, but the model's own)
     np.testing.assert_allclose(d.residual[1:160], np.exp(lp[:-1, V:]).sum(1), atol=1e-5)
@@ -152,7 +152,7 @@ def test_same_request_twice_reuses_the_cache(teacher, corpus, toy_setup, tmp_pat
     first = run_teacher_dump(build_config(values), progress=False)
     assert not first.reused and first.documents == 24
 
-    import stage1_teacher.capture as capture
+    import stage1_teacher.capture.run as capture
 
     def no_teacher(*a, **k):
         raise AssertionError("the teacher must not run for a cached request")
@@ -293,8 +293,8 @@ def _index_hashes(url: Path) -> dict:
     return out
 
 
-DUMP_MODULES = ("torch", "transformers", "xtcache.cli", "xtcache.store", "stage1_teacher.cli", "stage1_teacher.dump",
-                "stage1_teacher.capture_hf")
+DUMP_MODULES = ("torch", "transformers", "xtcache.app.cli", "xtcache.store", "stage1_teacher.cli", "stage1_teacher.dump",
+                "stage1_teacher.capture.hf_engine")
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +372,7 @@ def test_teacher_with_bos_gets_a_bos_in_front_of_every_window(corpus, toy_setup,
 
 def test_two_jobs_fill_disjoint_shards_concurrently(teacher, corpus, toy_setup, procs, tmp_path):
     """Two `xtcache teacher-dump` processes at once (forked from the warm server), one per shard."""
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
 
     out = tmp_path / "conc"
     a, b = two_files(corpus, tmp_path / "data")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from schemas.models import Manifest
-from stage1_teacher import preflight
+from stage1_teacher.capture import preflight
 from tests.commands import xtcache
 from xtcache.errors import ConfigError
 from xtcache.store import CacheReader, CacheWriter

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stage1_teacher import progress
+from stage1_teacher.capture import progress
+from stage1_teacher.capture.progress import CallPacer, CaptureProgress
 from stage1_teacher.config import CaptureConfig, build_config
 from stage1_teacher.dump import run_teacher_dump
-from stage1_teacher.progress import CallPacer, CaptureProgress
 
 
 class FakeClock:

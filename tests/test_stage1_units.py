@@ -66,7 +66,7 @@ def _reference(z: np.ndarray, V: int):
 def test_distill_targets_match_numpy(mode):
     import torch
 
-    from stage1_teacher.head import distill_targets
+    from stage1_teacher.capture.head import distill_targets
 
     rng = np.random.default_rng(0)
     n, V, pad = 37, 50, 6
@@ -104,7 +104,7 @@ def test_distill_targets_match_numpy(mode):
 def test_sampled_frequencies_follow_the_teacher():
     import torch
 
-    from stage1_teacher.head import distill_targets
+    from stage1_teacher.capture.head import distill_targets
 
     z = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
     t = distill_targets(z, np.zeros(4000), mode="sampled", k=4, vocab_size=4, num_samples=8,
@@ -117,7 +117,7 @@ def test_sampled_frequencies_follow_the_teacher():
 def test_topk_larger_than_vocab_is_refused():
     import torch
 
-    from stage1_teacher.head import distill_targets
+    from stage1_teacher.capture.head import distill_targets
     from xtcache.errors import CaptureError
 
     with pytest.raises(CaptureError, match="--top-k"):
@@ -129,7 +129,7 @@ def test_teacher_head_reproduces_hf_logits(toy_setup, tied):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stage1_teacher.head import TeacherHead
+    from stage1_teacher.capture.head import TeacherHead
     from xtcache.testing.toy_teacher import build_vllm_teacher
 
     path = build_vllm_teacher(toy_setup.root, tied=tied, steps=0 if tied else 120)
@@ -142,7 +142,7 @@ def test_teacher_head_reproduces_hf_logits(toy_setup, tied):
 
 
 def test_teacher_without_weights_is_refused(tmp_path):
-    from stage1_teacher.head import weight_files
+    from stage1_teacher.capture.head import weight_files
     from xtcache.errors import CaptureError
 
     (tmp_path / "config.json").write_text("{}")
@@ -291,9 +291,9 @@ def _flat_from_logits(z: np.ndarray, tokens: np.ndarray, k: int):
 def test_prompt_logprob_fallback_decodes_exactly(mode):
     import torch
 
-    from stage1_teacher.capture import Capture, logprobs_to_targets
-    from stage1_teacher.capture_vllm import parse_flat
-    from stage1_teacher.head import distill_targets
+    from stage1_teacher.capture.head import distill_targets
+    from stage1_teacher.capture.run import Capture, logprobs_to_targets
+    from stage1_teacher.capture.vllm_engine import parse_flat
 
     rng = np.random.default_rng(3)
     L, V, pad = 12, 30, 4
@@ -322,9 +322,9 @@ def test_prompt_logprob_fallback_decodes_exactly(mode):
 def test_fast_path_check_refuses_a_wrong_head():
     import torch
 
-    from stage1_teacher.capture import compare_with_reference, default_tolerance
-    from stage1_teacher.capture_vllm import parse_flat
-    from stage1_teacher.head import TeacherHead
+    from stage1_teacher.capture.head import TeacherHead
+    from stage1_teacher.capture.run import compare_with_reference, default_tolerance
+    from stage1_teacher.capture.vllm_engine import parse_flat
     from xtcache.errors import CaptureError
 
     torch.manual_seed(0)

@@ -119,7 +119,7 @@ def _first_window_rows(d, n=256):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_vllm_store_verifies_and_matches_transformers(dumps, mode, teacher):
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
     from xtcache.store import CacheReader
 
     url, summary = str(dumps[0] / mode), dumped(dumps, mode)
@@ -209,7 +209,7 @@ def test_cli_killed_while_its_engine_runs_leaves_no_engine_then_resumes(teacher,
 
     env = {**os.environ, **VLLM_PROCESSES, "PYTHONPATH": str(REPO)}  # the engine in its own processes
     out = tmp_path / "cli"
-    args = [sys.executable, "-m", "xtcache.cli", "teacher-dump", "--teacher", teacher, "--student-tokenizer",
+    args = [sys.executable, "-m", "xtcache.app.cli", "teacher-dump", "--teacher", teacher, "--student-tokenizer",
             str(toy_setup.student_tokenizer), "--data", corpus, "--out", str(out), "--mode", "topk",
             "--top-k", "8", "--dtype", "float32", "--max-seq-len", "256", "--no-fast-path", "--resume"]
     p = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -228,7 +228,7 @@ def test_cli_killed_while_its_engine_runs_leaves_no_engine_then_resumes(teacher,
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "vLLM prompt log-probs" in done.stdout and "positions/s" in done.stdout
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
 
     assert verify_store(str(out)) == []
 

@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.models import FORMAT_VERSION, AlignGroupMeta, Manifest
-from xtcache.codecs import FloatLogProbs, QuantizedLogProbs, SortedDeltaIds, SqrtProbs
 from xtcache.errors import CorruptionError, FormatVersionError, StoreError, XtcacheError
 from xtcache.store import (
     AlignmentRecord,
@@ -28,10 +27,11 @@ from xtcache.store import (
     list_caches,
     shard_id,
 )
+from xtcache.store.codecs import FloatLogProbs, QuantizedLogProbs, SortedDeltaIds, SqrtProbs
 
 
 @dataclass(frozen=True)
-class _Align:  # the fields of xtcache.align.Alignment that the store reads
+class _Align:  # the fields of xtcache.align.chunks.Alignment that the store reads
     student_end: np.ndarray
     teacher_end: np.ndarray
     exact: np.ndarray
@@ -128,7 +128,7 @@ def test_round_trip_every_mode(tmp_path, mode, k, V, where):
     got = [reader.read_shard(s.shard_id, verify=True) for s in reader.shards]
     records = [g.doc(i) for g in got for i in range(g.num_docs)]
     for doc, rec in zip(docs, records, strict=True):
-        sqrt = mode == "topk"  # full mode keeps 8-bit log-probs (xtcache.codecs.default_codecs)
+        sqrt = mode == "topk"  # full mode keeps 8-bit log-probs (xtcache.store.codecs.default_codecs)
         check_same(doc, rec, mode, tol=SqrtProbs(127).max_sqrt_error + 1e-6 if sqrt else 24.0 / 255 / 2 + 1e-6, sqrt=sqrt)
     assert not reader.is_complete()
 
@@ -302,7 +302,7 @@ def test_corrupted_chunk_names_shard_and_array(tmp_path):
 
 
 def test_finished_store_missing_a_counted_part_is_incomplete_and_fails_verify(tmp_path):
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
 
     url = _two_one_doc_parts(tmp_path, 6, finish=True)
     assert CacheReader(url).is_complete() and verify_store(url) == []
@@ -352,7 +352,7 @@ def test_inspect_verify_and_cache_ls_commands(tmp_path):
                    "mean top-k mass", "student", "1:1", f"format version  {FORMAT_VERSION}", "corpus", "shards 2"):
         assert needle in out.stdout, (needle, out.stdout)
     # bytes/position (inspect's and the demo's): every byte of the store over its teacher positions
-    from xtcache.commands_store import store_summary
+    from xtcache.app.store_commands import store_summary
 
     on_disk = sum(f.stat().st_size for f in Path(url).rglob("*") if f.is_file())
     assert store_summary(url)["bytes_per_position"] == on_disk / 101
@@ -381,7 +381,7 @@ def test_inspect_verify_and_cache_ls_commands(tmp_path):
 
 
 def test_verify_reports_newer_shard_version(tmp_path):
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
 
     rng = np.random.default_rng(11)
     url = str(tmp_path / "cache")
@@ -436,7 +436,7 @@ def test_s3_round_trip_through_moto(monkeypatch):
         got = reader.read_shard(shard_id(0, 0), verify=True)
         for i, doc in enumerate(docs):
             check_same(doc, got.doc(i), "topk", tol=SqrtProbs(127).max_sqrt_error + 1e-6, sqrt=True)
-        from xtcache.commands_store import verify_store
+        from xtcache.app.store_commands import verify_store
 
         assert verify_store(url, options) == []
     finally:

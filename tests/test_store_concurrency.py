@@ -42,7 +42,7 @@ CLAIMER = textwrap.dedent("""
     from schemas.models import Manifest
     from xtcache.errors import StoreError
     from xtcache.store import CacheWriter
-    from xtcache.store_io import Location
+    from xtcache.location import Location
 
     url, options = sys.argv[1], json.loads(sys.argv[2])
     m = Manifest(cache_key="claims", mode="topk", k=4, teacher_vocab_size=100, num_writers=2)
@@ -62,7 +62,7 @@ CLAIMER = textwrap.dedent("""
 def test_two_processes_racing_for_one_shard_index_on_s3_exactly_one_wins(s3):
     import json
 
-    from xtcache.store_io import Location
+    from xtcache.location import Location
 
     for round_ in range(3):
         url = f"s3://{BUCKET}/race{round_}"
@@ -117,7 +117,7 @@ def test_align_and_a_writer_rewriting_a_part_never_lose_each_others_parts(tmp_pa
     reported is lost; once align is done the rewrite goes through and align completes the group."""
     from stage1_teacher.align_cmd import align_store
     from tests.test_loader import _write_store
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
     from xtcache.store import CacheReader
     from xtcache.store.writer import CacheWriter as Writer
 

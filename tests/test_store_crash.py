@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xtcache.commands_store import verify_store
+from xtcache.app.store_commands import verify_store
 from xtcache.errors import StoreError
 from xtcache.store import CacheReader, CacheWriter, shard_id
 

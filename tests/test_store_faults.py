@@ -100,14 +100,14 @@ def _works(consumer: str, damage: str) -> bool:
 def _run(consumer: str, url: str, fp: str, toy_setup, capsys) -> str:
     """Run one consumer; its report on success, raising XtcacheError with its message on refusal."""
     if consumer == "verify":
-        from xtcache.commands_store import verify_store
+        from xtcache.app.store_commands import verify_store
 
         problems = verify_store(url, stop_first=False) or CacheReader(url).incomplete()
         if problems:
             raise XtcacheError("; ".join(problems))
         return "OK"
     if consumer == "inspect":
-        from xtcache.commands_store import inspect
+        from xtcache.app.store_commands import inspect
 
         inspect(url, seq_len=None, storage_options=None)
         out = capsys.readouterr()
@@ -162,7 +162,7 @@ def test_damaged_store(tmp_path, template, toy_setup, damage, consumer, capsys):
     elif consumer == "inspect" and damage in ("delete-part-index", "delete-align-index"):
         assert "warning:" in report and all(w in report for w in words), report
     elif works and consumer == "align":
-        from xtcache.commands_store import verify_store
+        from xtcache.app.store_commands import verify_store
 
         assert verify_store(str(root), stop_first=False) == []  # the damaged alignment part was re-aligned
     else:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.test_loader import _write_store
 from tests.test_train_kd import run_stage2
-from xtcache import store_io
+from xtcache import location as store_io
 from xtcache.errors import CorruptionError, StoreError
 from xtcache.store import CacheReader
 from xtcache.testing import faults
@@ -56,7 +56,7 @@ def test_faulty_reads_give_the_same_arrays_and_a_deleted_object_is_still_refused
     import shutil
 
     want = CacheReader(str(store))
-    with caplog.at_level("WARNING", logger="xtcache.store_io"):
+    with caplog.at_level("WARNING", logger="xtcache.location"):
         got = CacheReader(f"faulty://{store}", {"rate": 0.3, "seed": 1})
         for m in want.shards:
             a, b = want.read_shard(m.shard_id), got.read_shard(m.shard_id, verify=True)

@@ -20,7 +20,7 @@ from tests.commands import xtcache
 
 def test_a_copied_store_trains_elsewhere_without_its_teacher(toy_setup, procs, tmp_path, monkeypatch):
     from xtcache.store import CacheReader
-    from xtcache.store_tokenizer import TOKENIZER_DIR
+    from xtcache.store.tokenizer import TOKENIZER_DIR
 
     origin = tmp_path / "origin"
     shutil.copytree(toy_setup.teacher_model, origin / "art" / "teacher")

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from schemas.models import FORMAT_VERSION, AlignGroupMeta
-from xtcache.align import identity_alignment
+from xtcache.align.chunks import identity_alignment
 from xtcache.errors import FormatVersionError
 from xtcache.store import AlignmentRecord, CacheReader, CacheWriter
 
@@ -41,7 +41,7 @@ V3 = Path(__file__).resolve().parent / "fixtures" / "store_v3"
 
 
 def test_a_version_1_store_reads_and_verifies():
-    from xtcache.commands_store import store_summary, verify_store
+    from xtcache.app.store_commands import store_summary, verify_store
 
     assert FORMAT_VERSION == 4
     r = CacheReader(str(V1))
@@ -78,8 +78,8 @@ def test_conversations_need_version_2(tmp_path):
 
 
 def test_a_version_2_store_reads_and_verifies_with_its_own_codecs():
-    from xtcache import codecs
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
+    from xtcache.store import codecs
 
     r = CacheReader(str(V2))
     assert r.manifest.format_version == 2 and r.is_complete()
@@ -113,8 +113,8 @@ def test_a_writer_resuming_a_version_2_store_writes_version_2_parts(tmp_path):
 
 
 def test_a_version_3_store_reads_and_verifies_with_ids_sorted_by_id():
-    from xtcache import codecs
-    from xtcache.commands_store import verify_store
+    from xtcache.app.store_commands import verify_store
+    from xtcache.store import codecs
 
     r = CacheReader(str(V3))
     assert r.manifest.format_version == 3 and r.is_complete()
@@ -152,9 +152,8 @@ def test_this_writer_writes_and_reads_every_version(tmp_path, version):
     """A store of each version this xtcache reads, written with that version's default codecs: its manifest,
     part index and done marker carry the version, its arrays are that version's, and it reads back exactly."""
     from schemas.models import Manifest
-    from xtcache import codecs
-    from xtcache.commands_store import verify_store
-    from xtcache.store import DocRecord
+    from xtcache.app.store_commands import verify_store
+    from xtcache.store import DocRecord, codecs
 
     rng = np.random.default_rng(version)
     T, k, V = 40, 8, 70_000

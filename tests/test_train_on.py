@@ -137,7 +137,8 @@ def _numbered(ds):
 
 @pytest.mark.parametrize("train_on", ["assistant", "last-assistant"])
 def test_every_trained_position_is_trained_once_per_epoch(chat_store, train_on):
-    from xtcache.chat import ROLE_USER, trained_roles
+    from schemas.roles import ROLE_USER
+    from xtcache.chat.render import trained_roles
     from xtcache.store import CacheReader
 
     ds = _dataset(chat_store, micro_batch_size=1, train_on=train_on)
@@ -232,7 +233,7 @@ def test_trained_windows_keep_order_workers_resume_and_world_size(chat_store):
 
 
 def test_inspect_reports_the_loaders_trained_positions_and_context(chat_store):
-    from xtcache.commands_store import window_summary
+    from xtcache.app.store_commands import window_summary
     from xtcache.store import CacheReader
 
     r = CacheReader(chat_store["store"])

@@ -4,7 +4,7 @@
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python -m tests.vllm_dump_jobs JOBS.json RESULTS.json
 
 JOBS.json is a list of {"name", "config" (the values of `build_config`), "head_architectures"
-(optional: the set `stage1_teacher.head` treats as supported, [] to force the fallback)}. The jobs
+(optional: the set `stage1_teacher.capture.head` treats as supported, [] to force the fallback)}. The jobs
 run in order through `run_teacher_dump` with one `EngineCache`, so each engine starts once.
 RESULTS.json maps each name to {"summary" (`Summary.as_dict()`, null on error), "error" ("Type:
 message", null on success), "engines" (the engine kinds the job asked the cache for, in order),
@@ -32,8 +32,8 @@ class _Warnings(logging.Handler):
 
 
 def run_jobs(jobs: list[dict]) -> dict:
-    import stage1_teacher.head as head
-    from stage1_teacher.capture import EngineCache
+    import stage1_teacher.capture.head as head
+    from stage1_teacher.capture.run import EngineCache
     from stage1_teacher.config import build_config
     from stage1_teacher.dump import run_teacher_dump
 

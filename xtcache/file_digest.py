@@ -145,7 +145,7 @@ class FileHasher:
                ) -> FileDigest:
         """The digest of the file (or of its bytes [lo, hi) with `span`); a recorded digest of the same
         span with the file's current validator is returned as is."""
-        from xtcache.store_io import file_system, is_local
+        from xtcache.location import file_system, is_local
 
         t0 = time.perf_counter()
         fs, path = file_system(url, self.storage_options)

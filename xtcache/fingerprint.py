@@ -99,7 +99,7 @@ def corpus_fingerprint(files: Iterable[str | os.PathLike], storage_options: dict
     (`xtcache.file_digest.FileHasher`: hash cache, validators, else one full read per file).
     """
     from xtcache.file_digest import FileHasher
-    from xtcache.store_io import file_system
+    from xtcache.location import file_system
 
     hasher = hasher or FileHasher(storage_options)
     digests = []

@@ -23,7 +23,7 @@ def load_tokenizer(path: str | os.PathLike, side: str = "tokenizer"):
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from xtcache.align import require_fast
+    from xtcache.align.chunks import require_fast
 
     path = str(path)
     try:

@@ -16,10 +16,10 @@ Files are local paths or fsspec URLs (s3://bucket/corpus.parquet, gs://..., with
 Conversation corpora: rows whose `--messages-field` (detected as `messages` when the text field
 is absent from the first row) holds a list of messages `{role, content, ...}`, with an optional
 per-row `tools` list (or its JSON text), in any format but .txt. Such a row becomes a Document
-with `conversation=True` whose text is the conversation's JSON (`xtcache.chat.conversation_json`); stage 1 renders it with
-each model's chat template (`xtcache.chat`). A JSONL rollout row of `xtcache generate` also carries its
+with `conversation=True` whose text is the conversation's JSON (`xtcache.chat.render.conversation_json`); stage 1 renders it with
+each model's chat template (`xtcache.chat.layout`). A JSONL rollout row of `xtcache generate` also carries its
 `sampled_ids`, `sampled_logprobs`, `chat_fingerprint` and `policy` (`Document.sampled`), which stage 1
-stores for the sampling student's alignment group (`stage1_teacher.sampled`).
+stores for the sampling student's alignment group (`stage1_teacher.onpolicy.sampled`).
 
 Formats by file suffix:
   .parquet                       pyarrow ParquetFile.iter_batches on the text column
@@ -47,7 +47,7 @@ class Sampled:
 
     ids: tuple[int, ...]  # the student token ids sampled, the stop token included
     logprobs: tuple[float, ...]  # their log-probs under the sampling policy
-    chat: str  # the sampling student's chat fingerprint (xtcache.chat.chat_fingerprint)
+    chat: str  # the sampling student's chat fingerprint (xtcache.chat.render.chat_fingerprint)
     policy: str = ""  # the policy fingerprint
 
 
@@ -59,7 +59,7 @@ class Document:
     row: int
     text: str
     content_hash: str = field(default="")
-    conversation: bool = False  # text is a conversation's JSON (xtcache.chat.conversation_json)
+    conversation: bool = False  # text is a conversation's JSON (xtcache.chat.render.conversation_json)
     sampled: Sampled | None = None  # rollout rows (JSONL): the sampled turn's ids and log-probs
 
     def __post_init__(self):
@@ -103,7 +103,7 @@ TOOLS_FIELD = "tools"
 
 
 def _conversation_of(source: str, row: int, messages, tools=None, sampled: Sampled | None = None) -> Document | Skipped:
-    from xtcache.chat import conversation_json, parse_conversation
+    from xtcache.chat.render import conversation_json, parse_conversation
 
     if messages is None:
         return Skipped(source, row, "missing messages field")
@@ -264,7 +264,7 @@ def iter_corpus(files: Corpus | list[str], text_field: str = "text", *, batch_ro
 def iter_file(corpus: Corpus, fi: int, batch_rows: int = 1024, groups: tuple[int, int] | None = None,
               planned: tuple | None = None) -> Iterator[Document | Skipped]:
     """The rows of file `fi` (Parquet: of row groups `groups`, planned as `planned`; None: all)."""
-    from xtcache.store_io import file_system, is_local
+    from xtcache.location import file_system, is_local
 
     url, source, fmt = corpus.files[fi].url, corpus.files[fi].name, corpus.files[fi].format
     text_field, messages_field = corpus.text_field, corpus.messages_field

@@ -9,7 +9,7 @@ every inner chunk present (`write_empty_chunks`), so that a read detects:
   `_ObjectsMustExist`, which turns an absent chunk object into an error (reported as "missing").
 
 Only wrong or missing bytes are damage. A read that gets no answer (a timeout, a dropped
-connection, throttling, a 5xx) is tried again with backoff (`xtcache.store_io.retry_async`) and,
+connection, throttling, a 5xx) is tried again with backoff (`xtcache.location.retry_async`) and,
 once the attempts are spent, raised as a `StoreError` saying the store did not answer; any other
 I/O error (a refused permission) is raised as what it is, never as "damaged".
 
@@ -36,9 +36,9 @@ import numpy as np
 
 from schemas.arrays import array_def
 from schemas.models import FORMAT_VERSION, ArraySpec, CodecConfig
-from xtcache import codecs
 from xtcache.errors import CorruptionError, StoreError
-from xtcache.store_io import Location, retry, retry_async
+from xtcache.location import Location, retry, retry_async
+from xtcache.store import codecs
 
 log = logging.getLogger(__name__)
 

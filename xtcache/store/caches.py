@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from xtcache.errors import StoreError, XtcacheError
+from xtcache.location import Location
 from xtcache.store.reader import CacheReader
-from xtcache.store_io import Location
 
 
 @dataclass

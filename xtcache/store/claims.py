@@ -23,7 +23,7 @@ import socket
 
 from schemas.models import WriterClaim
 from xtcache.errors import StoreError
-from xtcache.store_io import ONE_JOB_ENV, Location, now_iso
+from xtcache.location import ONE_JOB_ENV, Location, now_iso
 
 log = logging.getLogger(__name__)
 

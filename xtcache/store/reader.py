@@ -19,12 +19,12 @@ import numpy as np
 
 from schemas.arrays import ArrayDef, align_arrays, entry_widths, teacher_arrays
 from schemas.models import AlignGroupMeta, AlignPartMeta, ArraySpec, Manifest, ShardMeta, WriterDone
-from xtcache import codecs
 from xtcache.errors import CorruptionError, StoreError, XtcacheError
 from xtcache.fingerprint import content_hash
+from xtcache.location import Location, check_version, read_model
+from xtcache.store import codecs
 from xtcache.store.arrays import read_arrays
 from xtcache.store.records import AlignShardData, ShardData
-from xtcache.store_io import Location, check_version, read_model
 
 log = logging.getLogger(__name__)
 

@@ -43,12 +43,12 @@ class DocRecord:
 
 @dataclass
 class AlignmentRecord:
-    """One document's student tokens and its chunk alignment (an xtcache.align.Alignment)."""
+    """One document's student tokens and its chunk alignment (an xtcache.align.chunks.Alignment)."""
 
     student_ids: np.ndarray  # int32 [S]
     alignment: Any  # Alignment: student_end int32 [C], teacher_end int32 [C], exact bool [C]
-    student_role: np.ndarray | None = None  # uint8 [S] conversation stores: xtcache.chat role code per token
-    stats: dict | None = None  # conversation stores: content/unaligned character counts (xtcache.chat)
+    student_role: np.ndarray | None = None  # uint8 [S] conversation stores: xtcache.chat.layout role code per token
+    stats: dict | None = None  # conversation stores: content/unaligned character counts (xtcache.chat.layout)
     sampled_logprobs: np.ndarray | None = None  # float32 [S] rollouts: the sampling policy's log-prob, NaN: not sampled
 
 
@@ -107,7 +107,7 @@ class AlignShardData:
     sampled_logprobs: np.ndarray | None = None  # float32 [S] optional: the sampling policy's log-probs (NaN: none)
 
     def record(self, i: int) -> AlignmentRecord:
-        from xtcache.align import Alignment
+        from xtcache.align.chunks import Alignment
 
         a, b = int(self.doc_student_offsets[i]), int(self.doc_student_offsets[i + 1])
         c0, c1 = int(self.doc_chunk_offsets[i]), int(self.doc_chunk_offsets[i + 1])

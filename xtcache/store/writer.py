@@ -28,15 +28,16 @@ from schemas.models import (
     ShardMeta,
     WriterDone,
 )
-from xtcache import align, codecs
+from xtcache.align import chunks as align
 from xtcache.errors import FormatVersionError, StoreError, XtcacheError
+from xtcache.location import Location, check_version, now_iso, read_model
+from xtcache.store import codecs
 from xtcache.store.arrays import concat as _concat
 from xtcache.store.arrays import default_compression, read_arrays, write_array
 from xtcache.store.arrays import offsets as _offsets
 from xtcache.store.claims import Claim, acquire_align_lock, writer_claim_path
 from xtcache.store.reader import list_shards
 from xtcache.store.records import AlignmentRecord, DocRecord
-from xtcache.store_io import Location, check_version, now_iso, read_model
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +338,7 @@ class CacheWriter:
 
 def conversation_counts(records: list[AlignmentRecord], roles: np.ndarray) -> dict[str, int]:
     """Character counts of a conversation part's alignment and its student tokens by role."""
-    from xtcache.chat import LAST_ASSISTANT, ROLE_NAMES
+    from schemas.roles import LAST_ASSISTANT, ROLE_NAMES
 
     keys = ["content_chars", "shared_chars", "unaligned_chars", "unaligned_spans", "misaligned_chars"]
     if any("sampled_turns" in (r.stats or {}) for r in records):  # rollouts, the sampling student's group

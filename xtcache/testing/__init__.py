@@ -8,5 +8,5 @@
 - `rates`: a stage 2 loader's rate alone.
 - `devices`: fake CUDA / accelerator tensors that fail on any operation mixing devices.
 
-Only `tests/`, `bench/` and the demo (`xtcache.demo`, an app module) import this package.
+Only `tests/`, `bench/` and the demo (`xtcache.app.demo.offpolicy`, an app module) import this package.
 """

@@ -23,7 +23,7 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from schemas.models import DRAWN_MODES, AlignGroupMeta, Manifest, support_width
-    from xtcache.align import align_text, encode_with_offsets, identity_alignment
+    from xtcache.align.chunks import align_text, encode_with_offsets, identity_alignment
     from xtcache.fingerprint import cache_key, model_fingerprint, settings_fingerprint, tokenizer_fingerprint
     from xtcache.store import AlignmentRecord, CacheWriter, DocRecord
 

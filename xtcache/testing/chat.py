@@ -190,7 +190,9 @@ def write_prompts(src: str | Path | list[dict], out: str | Path, rows=None) -> P
 def doc_example(teacher_tok, student_tok) -> str:
     """The example of docs/conversations.md: DOC_CONVERSATION rendered in the ChatML-style template
     (teacher) and the Llama-3-style one (student), and how the two renderings are laid out."""
-    from xtcache.chat import LAST_ASSISTANT, ROLE_NAMES, render, renderings, segments
+    from schemas.roles import LAST_ASSISTANT, ROLE_NAMES
+    from xtcache.chat.layout import segments
+    from xtcache.chat.render import render, renderings
 
     t = renderings(teacher_tok, [render(teacher_tok, DOC_CONVERSATION)], [DOC_CONVERSATION])
     s = renderings(student_tok, [render(student_tok, DOC_CONVERSATION)], [DOC_CONVERSATION])
@@ -253,7 +255,7 @@ def build_chat_setup(base, root: str | Path, *, num_train: int, num_heldout: int
 
 def _build_chat_setup(base, setup, *, num_train: int, num_heldout: int, teacher_steps: int, teacher_hidden: int,
                       seed: int) -> str:
-    from xtcache.chat import render
+    from xtcache.chat.render import render
     from xtcache.testing.toy import build_tiny_model, train_tiny_lm
 
     root = setup.root

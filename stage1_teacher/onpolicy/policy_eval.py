@@ -1,0 +1,274 @@
+"""`xtcache policy-eval`: the on-policy measure. The student samples completions for held-out prompts,
+the live teacher scores them, and the report gives the per-token reverse KL and the teacher's NLL.
+
+1. Sampling: `stage1_teacher.onpolicy.samplers.HfSampler` (the sampler of `generate --engine hf`), temperature
+   1, top-p 1, one seeded `torch.Generator` per (prompt, sample), so a rerun draws the same samples.
+   A conversation prompt (last message the user's) is rendered with the student's own template and
+   its generation prompt.
+2. Scoring: the student's log-prob of a sample is the sum of its sampled tokens' log-probs (the stop
+   token included; at T = 1 and top-p 1 the sampler's log-probs are the student's). The teacher
+   (transformers, float32) reads the conversation rendered in its own template
+   (`xtcache.chat.render.render`) with the completion text as the assistant turn; the turn's text is
+   located by `xtcache.chat.render.renderings` (by construction, `xtcache.chat.spans`), and the teacher's
+   log-prob is the sum over its tokens covering that text plus, when the student stopped, the
+   teacher's tokens up to and including its end-of-turn marker (the teacher's probability of ending
+   the turn there). Text-prefix prompts are refused (not built: the measure is for chat students).
+3. Report, over the N samples i with student token count n_i (the stop token included):
+
+       r_i                    = log p_s(y_i) - log p_t(y_i)
+       reverse_kl_per_token   = sum_i r_i / sum_i n_i       (ratio estimator; se by the delta method)
+       teacher_nll_per_token  = sum_i -log p_t(y_i) / sum_i n_i
+       teacher_nll_per_byte   = sum_i -log p_t(y_i) / sum_i bytes_i   (UTF-8 bytes of the completion text)
+
+   `reverse_kl_per_token` is a Monte-Carlo estimate of KL(p_s || p_t) over whole completions divided
+   by the mean student length. The teacher side is the probability of the teacher's own
+   tokenization of the text, which is at most the teacher's probability of the text (other
+   tokenizations of it also have mass), and the student side is the probability of the ids it
+   sampled: with one tokenizer on both sides and sampled ids that re-tokenize to themselves it is the
+   sequence-level reverse KL; otherwise it estimates an upper bound of the reverse KL to the teacher's
+   text distribution. A sample whose text the teacher's template does not write whole (trimmed,
+   escaped, empty) is not scored: counted in `unscored` and logged.
+
+    xtcache policy-eval --student run/hf --teacher T --prompts heldout_prompts.jsonl --samples-per-prompt 4 \\
+        --max-new-tokens 128 --seed 0 --out report.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+from xtcache.cliconfig import command
+from xtcache.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class PolicyEvalConfig:
+    student: str
+    """Student model directory (Hugging Face layout with its tokenizer; train-student's export OUT/hf works)."""
+    teacher: str
+    """Teacher model directory (Hugging Face layout with safetensors weights, tokenizer and chat template)."""
+    prompts: str
+    """Held-out prompts (.jsonl/.parquet/.arrow): conversations ending with the user's message."""
+    samples_per_prompt: int = 4
+    """Completions sampled per prompt (temperature 1, top-p 1)."""
+    max_new_tokens: int = 128
+    """Most tokens sampled per completion."""
+    seed: int = 0
+    """Seed of the draws; each (prompt id, sample index) draws from its own seed derived from it."""
+    out: str | None = None
+    """Write the report here as JSON (default: print only)."""
+
+    def __post_init__(self):
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"--samples-per-prompt {self.samples_per_prompt}: must be at least 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
+
+
+@dataclass(frozen=True)
+class SampleScore:
+    """One sample: the student's and the teacher's log-probs of it and what they were summed over."""
+
+    prompt_id: str
+    sample: int
+    student_ids: tuple[int, ...]  # the sampled ids, the stop token included
+    student_logprob: float  # sum of their log-probs
+    teacher_logprob: float  # NaN: not scored
+    teacher_ids: tuple[int, ...]  # the teacher tokens summed (the text's, then up to the end-of-turn marker)
+    text_bytes: int
+    stopped: bool
+
+    @property
+    def student_tokens(self) -> int:
+        return len(self.student_ids)
+
+    @property
+    def scored(self) -> bool:
+        return not math.isnan(self.teacher_logprob)
+
+
+def read_prompts(path: str, tokenizer) -> list:
+    """The prompts of `path` (`stage1_teacher.onpolicy.rollouts.Prompt`), tokenized for the student; ConfigError
+    naming --prompts and the row for a missing file, a row that is no prompt, or no rows."""
+    from stage1_teacher.corpus import Corpus, Skipped, iter_corpus
+    from stage1_teacher.onpolicy.rollouts import prompt_of
+
+    if "://" not in path and not os.path.isfile(path):
+        raise ConfigError(f"--prompts {path}: no such file; give a JSONL/Parquet file of held-out prompts")
+    corpus = Corpus.resolve([path])
+    corpus.messages_field = corpus.detect_messages_field()
+    prompts = []
+    for item in iter_corpus(corpus):
+        if isinstance(item, Skipped):
+            raise ConfigError(f"--prompts {item.source} row {item.row}: {item.reason}; every row must be a prompt")
+        prompts.append(prompt_of(item, tokenizer, flag="--prompts"))
+    if not prompts:
+        raise ConfigError(f"--prompts {path}: no prompts; give at least one row")
+    return prompts
+
+
+def sample_student(student: str, tokenizer, prompts: list, *, samples_per_prompt: int, max_new_tokens: int,
+                   seed: int):
+    """(completions per prompt, completion texts per prompt, the sampler's stop ids), temperature 1."""
+    from stage1_teacher.onpolicy.generate_config import SamplingConfig
+    from stage1_teacher.onpolicy.rollouts import completion_text
+    from stage1_teacher.onpolicy.samplers import HfSampler
+
+    sampling = SamplingConfig(samples_per_prompt=samples_per_prompt, temperature=1.0, top_p=1.0,
+                              max_new_tokens=max_new_tokens, seed=seed)
+    sampler = HfSampler(student, tokenizer, dtype="float32")
+    try:
+        completions = sampler.sample(prompts, sampling)
+    finally:
+        sampler.close()
+    texts = [[completion_text(tokenizer, c, sampler.stop) for c in cs] for cs in completions]
+    return completions, texts
+
+
+class TeacherScorer:
+    """The live teacher (transformers, float32, no remote code): log-probs of completion texts."""
+
+    def __init__(self, teacher: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from xtcache.devices import compute_device
+        from xtcache.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(teacher, "teacher tokenizer")
+        self.device = compute_device()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            teacher, dtype=torch.float32, trust_remote_code=False, use_safetensors=True).to(self.device).eval()
+
+    def token_logprobs(self, ids: list[int]):
+        """log p_t(ids[j] | ids[:j]) for j >= 1 (index j - 1 of the result), float64 numpy [len(ids) - 1]."""
+        import torch
+
+        with torch.inference_mode():
+            x = torch.tensor([ids], device=self.device)
+            logp = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].double(), dim=-1)  # [L-1, V]
+            return logp.gather(1, x[0, 1:, None]).squeeze(1).cpu().numpy()
+
+    def score_turns(self, convs: list[dict], stopped: list[bool]) -> list[tuple[float, tuple[int, ...]] | None]:
+        """Per conversation (its last message the generated assistant turn): (teacher log-prob of the
+        turn's text, and of the end-of-turn marker when `stopped`; the teacher ids summed), or None
+        when the teacher's template does not write the text whole."""
+        from xtcache.chat.render import render, renderings
+        from xtcache.chat.spans import message_texts
+
+        texts = [render(self.tokenizer, c, where="a sampled conversation (the teacher's template)") for c in convs]
+        rs = renderings(self.tokenizer, texts, convs, side="teacher tokenizer")
+        out = []
+        for conv, r, stop in zip(convs, rs, stopped):
+            last = len(conv["messages"]) - 1
+            k = next((k for k, (m, f, _) in enumerate(message_texts(conv)) if m == last and f == 1), None)
+            turn = conv["messages"][last]["content"]
+            if k is None or r.located.at[k] < 0 or r.located.width[k] != len(turn):
+                out.append(None)
+                continue
+            a = r.located.at[k]
+            b = a + r.located.width[k]
+            cover = [j for j in range(len(r.ids)) if r.offsets[j, 0] < b and r.offsets[j, 1] > a]
+            last_tok = cover[-1]
+            if stop:
+                end = next((j for j in range(last_tok + 1, len(r.ids)) if r.markers[j]), None)
+                if end is None:
+                    out.append(None)
+                    continue
+                cover += list(range(last_tok + 1, end + 1))
+            lp = self.token_logprobs(r.ids.tolist())
+            out.append((float(sum(lp[j - 1] for j in cover)), tuple(int(r.ids[j]) for j in cover)))
+        return out
+
+    def close(self) -> None:
+        self.model = None
+
+
+def sample_conversations(prompts: list, texts: list[list[str]]) -> list[dict]:
+    """Each sample of conversation prompts as a conversation whose last message is its completion."""
+    return [{**p.conversation, "messages": [*p.conversation["messages"], {"role": "assistant", "content": t}]}
+            for p, ts in zip(prompts, texts) for t in ts]
+
+
+def summarize(scores: list[SampleScore]) -> dict:
+    """The report's measures over the scored samples (see the module docstring)."""
+    done = [s for s in scores if s.scored]
+    n = len(done)
+    tokens = sum(s.student_tokens for s in done)
+    out = {"samples": len(scores), "scored": n, "unscored": len(scores) - n,
+           "mean_student_tokens": tokens / n if n else float("nan"),
+           "stopped_fraction": sum(s.stopped for s in scores) / len(scores) if scores else float("nan")}
+    if n == 0 or tokens == 0:
+        return {**out, "reverse_kl_per_token": float("nan"), "reverse_kl_per_token_se": float("nan"),
+                "teacher_nll_per_token": float("nan"), "teacher_nll_per_byte": float("nan")}
+    r = [s.student_logprob - s.teacher_logprob for s in done]
+    ratio = sum(r) / tokens
+    mean_n = tokens / n
+    var = sum((ri - ratio * s.student_tokens) ** 2 for ri, s in zip(r, done)) / max(1, n - 1)
+    nll = -sum(s.teacher_logprob for s in done)
+    nbytes = sum(s.text_bytes for s in done)
+    return {**out, "reverse_kl_per_token": ratio, "reverse_kl_per_token_se": math.sqrt(var / n) / mean_n,
+            "teacher_nll_per_token": nll / tokens, "teacher_nll_per_byte": nll / nbytes if nbytes else float("nan")}
+
+
+def policy_eval(student: str, teacher: str, prompts_path: str, *, samples_per_prompt: int = 4,
+                max_new_tokens: int = 128, seed: int = 0) -> tuple[dict, list[SampleScore]]:
+    """The on-policy measure of `student` against `teacher` on the prompts of `prompts_path`:
+    (report, per-sample scores). The reusable entry point (bench/quality.py, the demo)."""
+    from xtcache.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(student, "student tokenizer")
+    prompts = read_prompts(prompts_path, tokenizer)
+    if any(p.conversation is None for p in prompts):
+        raise ConfigError(f"--prompts {prompts_path}: policy-eval scores conversations (the teacher renders the "
+                          "turn in its own template); text prefixes are not supported: give conversations whose "
+                          "last message is the user's")
+    completions, texts = sample_student(student, tokenizer, prompts, samples_per_prompt=samples_per_prompt,
+                                        max_new_tokens=max_new_tokens, seed=seed)
+    flat = [(p, i, c, t) for p, cs, ts in zip(prompts, completions, texts) for i, (c, t) in enumerate(zip(cs, ts))]
+    scorer = TeacherScorer(teacher)
+    try:
+        teacher_scores = scorer.score_turns(sample_conversations(prompts, texts), [c.stop_reason == "stop" for _, _, c, _ in flat])
+    finally:
+        scorer.close()
+    scores = [SampleScore(p.prompt_id, i, tuple(c.ids), float(sum(c.logprobs)),
+                          float("nan") if ts is None else ts[0], () if ts is None else ts[1],
+                          len(t.encode("utf-8")), c.stop_reason == "stop")
+              for (p, i, c, t), ts in zip(flat, teacher_scores)]
+    report = summarize(scores)
+    if report["unscored"]:
+        log.warning("policy-eval: %d of %d samples not scored (the teacher's template does not write the text whole, "
+                    "an empty completion, or no end-of-turn marker after it); the measures leave them out",
+                    report["unscored"], report["samples"])
+    report.update(prompts=len(prompts), samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
+                  seed=seed, student=student, teacher=teacher)
+    return report, scores
+
+
+def _run(cfg: PolicyEvalConfig) -> None:
+    import typer
+
+    report, _ = policy_eval(cfg.student, cfg.teacher, cfg.prompts, samples_per_prompt=cfg.samples_per_prompt,
+                            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    for key in ("prompts", "samples", "unscored", "mean_student_tokens", "stopped_fraction"):
+        typer.echo(f"{key:<26}{report[key]:.4g}" if isinstance(report[key], float) else f"{key:<26}{report[key]}")
+    typer.echo(f"{'reverse_kl_per_token':<26}{report['reverse_kl_per_token']:.4f} "
+               f"+- {report['reverse_kl_per_token_se']:.4f} (standard error)")
+    for key in ("teacher_nll_per_token", "teacher_nll_per_byte"):
+        typer.echo(f"{key:<26}{report[key]:.4f}")
+    if cfg.out:
+        with open(cfg.out, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+        typer.echo(f"{'report':<26}{cfg.out}")
+
+
+policy_eval_command = command(
+    PolicyEvalConfig, _run, name="policy_eval",
+    help="On-policy measure: the student samples held-out prompts, the live teacher scores them (reverse KL, NLL).",
+    paths={"student": "dir", "teacher": "dir"})

@@ -1,0 +1,51 @@
+"""The sampled turn of a rollout row in the alignment group of the student that sampled it.
+
+`xtcache generate` records, per rollout row, the student token ids it sampled for the generated
+(last assistant) turn and their log-probs under the sampling policy (`corpus.Sampled`).
+`teacher-dump` renders the conversation with the student's template (`xtcache.chat.layout`) and, in the
+alignment group whose chat fingerprint is the sampling student's, splices the sampled ids into that
+rendering where they spell the turn but re-tokenizing gives other ids (`stage1_teacher.onpolicy.splice`),
+before aligning it. `attach_sampled` then checks that the stored tokens of the turn are the sampled
+ones and stores their log-probs per student token (`AlignmentRecord.sampled_logprobs`, the store's
+optional `sampled_logprobs` array): NaN everywhere else, and on the whole turn when the ids differ.
+Counted, for `xtcache inspect`: `sampled_mismatch`, the turns whose sampled ids are not the
+re-tokenized ones, and of them `sampled_same_text`, those spliced (trained on the sampled ids);
+the others keep the re-tokenized ids and no log-probs.
+
+Tokens the template writes after the sampled ones (its end-of-turn marker after a turn cut by
+`--max-new-tokens`) were not written by the student: they get the template role (no training on
+them, for any loss), so a truncated turn does not teach the student to end there.
+
+    python -c "import stage1_teacher.onpolicy.sampled as s; help(s.attach_sampled)"
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from schemas.roles import LAST_ASSISTANT, ROLE_TEMPLATE
+from stage1_teacher.corpus.rows import Sampled
+from xtcache.store import AlignmentRecord
+
+
+def attach_sampled(record: AlignmentRecord, sampled: Sampled, spliced: bool = False) -> AlignmentRecord:
+    """The record with its sampling log-probs (float32 [S], NaN where not sampled), the roles of
+    template tokens after the sampled ones cleared, and stats `sampled_turns` 1, `sampled_mismatch`
+    1 when the turn's re-tokenized ids are not the sampled ids, and `sampled_same_text` 1 when, so,
+    the sampled ids were `spliced` into the record (`stage1_teacher.onpolicy.splice`)."""
+    ids, roles = np.asarray(record.student_ids), np.asarray(record.student_role)
+    turn = np.flatnonzero(roles & LAST_ASSISTANT)  # [t] the generated turn's student tokens
+    want = np.asarray(sampled.ids, dtype=np.int64)
+    n = len(want)
+    logprobs = np.full(len(ids), np.nan, dtype=np.float32)
+    contiguous = len(turn) > 0 and int(turn[-1] - turn[0]) + 1 == len(turn)
+    same = contiguous and n <= len(turn) and np.array_equal(ids[turn[:n]].astype(np.int64), want)
+    stats = {**(record.stats or {}), "sampled_turns": 1, "sampled_mismatch": int(spliced or not same),
+             "sampled_same_text": int(spliced and same)}
+    if same:
+        logprobs[turn[:n]] = np.asarray(sampled.logprobs, dtype=np.float32)
+        roles = roles.copy()
+        roles[turn[n:]] = ROLE_TEMPLATE  # written by the template after a length stop, not sampled
+    return replace(record, student_role=roles, stats=stats, sampled_logprobs=logprobs)

@@ -1,0 +1,132 @@
+"""The sampled ids of a rollout's generated turn, spliced into the sampling student's rendering.
+
+`teacher-dump` renders a rollout row with the student's chat template and tokenizes the rendering
+(`xtcache.chat.render.renderings`). The student sampled its turn token by token, so its ids can be another
+tokenization of the same text than the one re-tokenizing gives (a word in two tokens where the
+merges make one). On-policy training needs the sampled ids: those are the tokens whose sampling
+log-probs the importance ratio reads. Before alignment, `splice_rollouts` replaces the rendering's
+tokens of the generated turn's content by the sampled ids when they spell it:
+
+- the content is where the template wrote the last message's content (`Located`, by construction);
+  the rendering's tokens must cut cleanly at both ends of it (no token shared with template text);
+- the sampled ids, the stop token left out (a last id that is a special token), must stand for
+  exactly the content's UTF-8 bytes (`TokenizerInfo` pieces); their character offsets come from
+  those bytes (a character split over byte tokens: each of them covers it, as the tokenizer's own
+  offsets do);
+- a sampled stop token must be the token the template writes after the content (its end-of-turn).
+
+Otherwise nothing is spliced, and `stage1_teacher.onpolicy.sampled.attach_sampled` counts the turn as one
+whose ids do not spell its text: a template that trims the turn (the Llama-3 template strips a
+sampled leading space, which the rendered text then lacks), byte tokens that are no UTF-8 (decoded
+as U+FFFD), a stop token other than the template's marker. The rendered text is never changed, so
+the alignment (`xtcache.chat.layout.align_conversations`) runs on the spliced tokens as on any others.
+
+    python -c "import stage1_teacher.onpolicy.splice as s; help(s.splice_rollouts)"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from xtcache.align.bytes import text_bytes
+from xtcache.align.chunks import tokenizer_info
+from xtcache.chat.render import Rendering, Renderings
+
+
+@dataclass(frozen=True)
+class Splice:
+    """The rendering's tokens [lo, hi) (the generated turn's content) replaced by the sampled ids."""
+
+    lo: int
+    hi: int
+    ids: np.ndarray  # int64 [n] the sampled ids, stop token left out
+    offsets: np.ndarray  # int64 [n, 2] their character offsets in the rendering
+
+
+def piece_bytes(info, ids: np.ndarray) -> bytes:
+    """The UTF-8 bytes token ids `ids` stand for (`TokenizerInfo` pieces, concatenated)."""
+    start, end = info.piece_start[ids], info.piece_start[ids + 1]  # [n]
+    lens = end - start
+    at = np.repeat(start - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+    return info.piece_data[at].tobytes()
+
+
+def byte_offsets(text: str, lens: np.ndarray) -> np.ndarray:
+    """int64 [n, 2] character offsets in `text` of tokens of `lens` bytes each that spell it in order;
+    a token inside a multi-byte character covers that character."""
+    _, byte_of_char = text_bytes(text)  # [len + 1]
+    end = np.cumsum(lens)
+    start = end - lens
+    return np.stack([np.searchsorted(byte_of_char, start, side="right") - 1,
+                     np.searchsorted(byte_of_char, end, side="left")], axis=1).astype(np.int64)
+
+
+def turn_splice(r: Rendering, last_msg: int, sampled_ids, info) -> Splice | None:
+    """How the sampled ids of message `last_msg` (the generated turn) replace its content's tokens in
+    rendering `r`; None when they do not spell the content (see the module) or the content is empty."""
+    k = next((k for k, (m, field, _) in enumerate(r.located.texts) if m == last_msg and field == 1), None)
+    if k is None or r.located.at[k] < 0 or r.located.width[k] == 0:
+        return None
+    a = r.located.at[k]
+    b = a + r.located.width[k]  # the content's characters [a, b) in the rendering
+    ids = np.asarray(sampled_ids, dtype=np.int64)
+    if ids.shape[0] == 0 or np.any((ids < 0) | (ids >= info.vocab_size)):
+        return None
+    stop = ids[-1:] if info.special[ids[-1]] else ids[:0]
+    body = ids[:ids.shape[0] - stop.shape[0]]
+    if body.shape[0] == 0:
+        return None
+    touch = np.flatnonzero((r.offsets[:, 1] > a) & (r.offsets[:, 0] < b))  # tokens sharing a character with it
+    if touch.shape[0] == 0:
+        return None
+    lo, hi = int(touch[0]), int(touch[-1]) + 1
+    if r.offsets[lo, 0] != a or r.offsets[hi - 1, 1] != b:  # a token straddles template text and content
+        return None
+    if stop.shape[0] and (hi >= r.ids.shape[0] or r.ids[hi] != stop[0]):
+        return None  # stopped on a token that is not the one the template writes after the turn
+    content = r.text[a:b]
+    if piece_bytes(info, body) != content.encode("utf-8"):
+        return None
+    lens = np.diff(info.piece_start)[body]
+    return Splice(lo, hi, body, a + byte_offsets(content, lens))
+
+
+def splice_rollouts(side: Renderings, rows: list, tokenizer) -> tuple[Renderings, list[bool]]:
+    """`side` (one student's Renderings of a batch of conversations) with the generated turn of each
+    rollout row spliced in, and per conversation whether the sampled ids replaced other tokens there.
+    `rows[d]`: conversation d's (message count, sampled ids), None for a row that is no rollout of
+    this student. A turn they do not spell keeps the rendering's tokens (False)."""
+    info = tokenizer_info(tokenizer)
+    spliced = [False] * len(side)
+    starts = np.cumsum(side.counts) - side.counts
+    counts = side.counts.copy()
+    ids, offs, cut = [], [], 0
+    for d, row in enumerate(rows):
+        sp = None if row is None else turn_splice(side[d], row[0] - 1, row[1], info)
+        if sp is None or np.array_equal(side[d].ids[sp.lo:sp.hi], sp.ids):
+            continue
+        spliced[d] = True
+        at = int(starts[d])
+        ids += [side.ids[cut:at + sp.lo], sp.ids]
+        offs += [side.offsets[cut:at + sp.lo], sp.offsets]
+        cut = at + sp.hi
+        counts[d] += sp.ids.shape[0] - (sp.hi - sp.lo)
+    if not any(spliced):
+        return side, spliced
+    return Renderings(side.texts, np.concatenate([*ids, side.ids[cut:]]), np.concatenate([*offs, side.offsets[cut:]]),
+                      counts, side.located, side.marker_ids), spliced
+
+
+def splice_batch(side: Renderings, live: list[int], docs: list, convs: list[dict],
+                 student) -> tuple[Renderings, set[int]]:
+    """`splice_rollouts` for the conversations `live` of a prep batch (`side`: their renderings by
+    `student`, a `prep.StudentSide`, in that order): the rows `docs[i]` that `student` sampled, and
+    the set of those `i` spliced."""
+    rows = [(len(convs[i]["messages"]), docs[i].sampled.ids)
+            if docs[i].sampled is not None and docs[i].sampled.chat == student.fingerprint else None for i in live]
+    if not any(rows):
+        return side, set()
+    side, flags = splice_rollouts(side, rows, student.tokenizer)
+    return side, {i for i, f in zip(live, flags) if f}

@@ -1,0 +1,411 @@
+"""`xtcache rounds`: on-policy distillation in rounds, generate -> teacher-dump -> train-student.
+
+    xtcache rounds --student S --teacher T --prompts prompts.jsonl --rounds 3 --workdir W \\
+        --steps-per-round 200 --train-on last-assistant -- --lr 1e-5 --seq-len 1024
+
+Round r (r = 0, 1, ...) runs three `xtcache` commands as subprocesses, under W/round-RRR/:
+
+1. `generate --student S_r --out rollouts`: S_0 is --student, S_r is round r-1's export (train/hf);
+2. `teacher-dump --data 'rollouts/parts/*.jsonl' --out cache`: the teacher scores the rollouts in
+   its own template, aligned to the student's tokenizer (with vLLM, round r > 0 trusts round 0's
+   first-batch check of the same teacher: `--trust-check-from`, one engine start less);
+3. `train-student --cache cache --out train --max-steps (r+1) x --steps-per-round`, from round
+   r-1's last checkpoint (`--init-from`: weights, optimizer, LR schedule and step; the new cache's
+   data from its start), which exports train/hf.
+
+The stages share nothing but directories: every command is printed and appended to W/commands.sh,
+so each can instead run on its own cluster. A stage that finished writes W/round-RRR/done/STAGE.json
+last (atomically: temp file + rename) with its command and its outputs' fingerprints; a rerun skips
+it (refusing when its command or outputs changed) and continues an interrupted stage with that
+command's own resume (`generate --resume`, `teacher-dump --resume`, `train-student --resume CKPT`),
+so the driver killed with SIGKILL at any point resumes to the weights of an uninterrupted run.
+A rerun may change the settings of the stages that have not finished (a failed stage's fixed flag):
+a stage started with another command (W/round-RRR/started/STAGE.json) starts again from nothing. A
+change that reaches a finished stage is refused, naming the setting, that stage and what to remove
+to redo it.
+Per-round metrics go to W/metrics.jsonl (TensorBoard: each train/ writes its own), and a table is
+printed at the end. docs/on-policy.md, "Rounds".
+
+This module composes the stages' command lines only: it imports no stage (import-linter).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import typer
+
+from xtcache.errors import ConfigError
+from xtcache.fingerprint import sha256_file
+
+log = logging.getLogger(__name__)
+STAGES = ("generate", "teacher-dump", "train-student")
+ROLLOUT_CE_WEIGHT = 0.1  # train-student --ce-weight on a round's rollouts unless given after `--`
+SETTINGS_FILE = "rounds.json"
+
+
+@dataclass(kw_only=True)
+class RoundsConfig:
+    """The settings of one rounds work directory (recorded in WORKDIR/rounds.json)."""
+
+    student: str
+    teacher: str
+    prompts: list[str]
+    rounds: int
+    workdir: str
+    engine: str = "vllm"
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    seed: int = 0
+    steps_per_round: int = 100
+    loss: str = "auto"
+    train_on: str = "last-assistant"
+    projection: str | None = None
+    eval_cache: str | None = None
+    train_args: list[str] = field(default_factory=list)
+    dump_args: list[str] = field(default_factory=list)  # extra teacher-dump flags of every round
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError(f"--rounds {self.rounds}: must be at least 1")
+        if self.steps_per_round < 1:
+            raise ValueError(f"--steps-per-round {self.steps_per_round}: must be at least 1")
+        if self.engine not in ("vllm", "hf"):
+            raise ValueError(f"--engine {self.engine!r}: use vllm or hf")
+        if not self.prompts:
+            raise ValueError("--prompts: give at least one prompt file")
+        owned = {"--cache", "--student", "--out", "--max-steps", "--resume", "--init-from", "--loss", "--train-on",
+                 "--projection", "--eval-cache"}
+        clash = sorted({a.split("=")[0] for a in self.train_args} & owned)
+        if clash:
+            raise ValueError(f"extra train-student flags {', '.join(clash)}: set by xtcache rounds itself; use its "
+                             "own options (--loss, --train-on, --projection, --eval-cache, --steps-per-round)")
+        owned = {"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume"}
+        clash = sorted({a.split("=")[0] for a in self.dump_args} & owned)
+        if clash:
+            raise ValueError(f"--dump-args {' '.join(self.dump_args)!r}: {', '.join(clash)} set by xtcache rounds "
+                             "itself (--teacher, --student, the round's rollouts and cache, --engine)")
+
+
+def round_dir(cfg: RoundsConfig, r: int) -> Path:
+    return Path(cfg.workdir) / f"round-{r:03d}"
+
+
+def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
+    """The `xtcache` arguments of `stage` in round `r`, without its resume flag."""
+    d = round_dir(cfg, r)
+    if stage == "generate":
+        policy = cfg.student if r == 0 else str(round_dir(cfg, r - 1) / "train" / "hf")
+        return ["generate", "--student", policy, *[a for p in cfg.prompts for a in ("--data", p)],
+                "--out", str(d / "rollouts"), "--engine", cfg.engine, "--samples-per-prompt",
+                str(cfg.samples_per_prompt), "--max-new-tokens", str(cfg.max_new_tokens), "--temperature",
+                str(cfg.temperature), "--seed", str(cfg.seed + r)]
+    if stage == "teacher-dump":
+        args = ["teacher-dump", "--teacher", cfg.teacher, "--student-tokenizer", cfg.student, "--data",
+                str(d / "rollouts" / "parts" / "*.jsonl"), "--out", str(d / "cache"), "--engine", cfg.engine]
+        own = {a.split("=")[0] for a in cfg.dump_args}
+        if cfg.engine == "vllm" and r > 0 and not own & {"--no-fast-path", "--trust-check-from"}:
+            # the same teacher every round: round 0's first-batch check holds
+            args += ["--trust-check-from", str(round_dir(cfg, 0) / "cache")]
+        return [*args, *cfg.dump_args]
+    args = ["train-student", "--cache", str(d / "cache"), "--student", cfg.student, "--out", str(d / "train"),
+            "--max-steps", str((r + 1) * cfg.steps_per_round), "--loss", cfg.loss, "--train-on", cfg.train_on,
+            "--seed", str(cfg.seed)]
+    if r > 0:  # the checkpoint train-student saves at its last step
+        args += ["--init-from", str(round_dir(cfg, r - 1) / "train" / "checkpoints" / f"step{r * cfg.steps_per_round}")]
+    if cfg.projection:
+        args += ["--projection", cfg.projection]
+    if cfg.eval_cache:
+        args += ["--eval-cache", cfg.eval_cache]
+    if "--ce-weight" not in {a.split("=")[0] for a in cfg.train_args}:
+        # on the student's own fresh samples CE has no expected gradient: a small anchor, not train-student's
+        # cross-tokenizer corpus default of 1.0 (docs/on-policy.md)
+        args += ["--ce-weight", str(ROLLOUT_CE_WEIGHT)]
+    return [*args, *cfg.train_args]
+
+
+def resume_flags(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
+    """The flags that continue an interrupted `stage` from what it left on disk (none for a fresh start)."""
+    d = round_dir(cfg, r)
+    if stage == "generate":
+        return ["--resume"] if (d / "rollouts" / "manifest.json").exists() else []
+    if stage == "teacher-dump":
+        return ["--resume"] if (d / "cache").exists() and any((d / "cache").iterdir()) else []
+    ckpt = complete_checkpoint(d / "train")
+    if ckpt is not None:
+        return ["--resume", str(ckpt)]
+    if (d / "train").exists():  # killed before its first checkpoint: nothing of it is kept
+        log.info("round %d: train-student left no checkpoint; starting it again in %s", r, d / "train")
+        shutil.rmtree(d / "train")
+    return []
+
+
+def complete_checkpoint(train_dir: Path) -> Path | None:
+    """The newest checkpoint train-student finished writing: its train_config.json is written last
+    (after DeepSpeed's files, which update checkpoints/latest, and the trainer state and RNG), so a
+    driver killed while a checkpoint was being saved resumes from the one before."""
+    steps = [p for p in (train_dir / "checkpoints").glob("step*") if p.name[4:].isdigit()]
+    done = sorted((p for p in steps if (p / "train_config.json").is_file()), key=lambda p: int(p.name[4:]))
+    return done[-1] if done else None
+
+
+
+def stage_outputs(cfg: RoundsConfig, r: int, stage: str) -> dict[str, str]:
+    """sha256 of the files that make a stage's result (what the next stage reads; small files only for
+    the cache: its manifest and writers' done markers, which name and count every committed part)."""
+    d = round_dir(cfg, r)
+    if stage == "generate":
+        files = sorted((d / "rollouts" / "parts").glob("*.jsonl")) + [d / "rollouts" / "manifest.json"]
+    elif stage == "teacher-dump":
+        files = [d / "cache" / "manifest.json", *sorted((d / "cache" / "done").glob("*.json"))]
+    else:
+        files = sorted((d / "train" / "hf").glob("*.safetensors")) + [d / "train" / "summary.json"]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing or not files:
+        raise ConfigError(f"round {r} {stage}: exited 0 but {missing or d} is missing; rerun xtcache rounds")
+    return {str(f.relative_to(d)): sha256_file(f) for f in files}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _die_with_parent() -> None:
+    """In the child: receive SIGKILL when the driver dies, so a killed driver leaves no stage running."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
+def run_xtcache(cfg: RoundsConfig, args: list[str]) -> None:
+    """Print `xtcache ARGS`, append it to WORKDIR/commands.sh, run it; raise on a failed exit."""
+    line = "xtcache " + shlex.join(args)
+    typer.echo(f"$ {line}", err=True)
+    with open(Path(cfg.workdir) / "commands.sh", "a") as f:
+        f.write(line + "\n")
+    linux = sys.platform.startswith("linux")
+    if not linux:
+        log.warning("not Linux: a stage keeps running if this driver is killed; stop it before rerunning")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    rc = subprocess.run([sys.executable, "-m", "xtcache.app.cli", *args], env=env,
+                        preexec_fn=_die_with_parent if linux else None).returncode
+    if rc != 0:
+        raise ConfigError(f"{line}: exit {rc}; fix the cause and rerun xtcache rounds (finished stages are kept; "
+                          "flags that change only unfinished stages may change)")
+
+
+def run_stage(cfg: RoundsConfig, r: int, stage: str) -> dict:
+    """Run (or skip, when done) one stage of round r; returns its done record."""
+    done_path = round_dir(cfg, r) / "done" / f"{stage}.json"
+    command = stage_command(cfg, r, stage)
+    if done_path.exists():
+        done = json.loads(done_path.read_text())
+        if done["command"] != command:
+            raise ConfigError(f"{done_path}: round {r} {stage} was run as `xtcache {shlex.join(done['command'])}`, "
+                              f"not as these settings give; to redo it: rm -r {shlex.join(redo_paths(cfg, r, stage))}"
+                              "; or use another --workdir")
+        if stage_outputs(cfg, r, stage) != done["outputs"]:
+            raise ConfigError(f"{done_path}: the outputs of round {r} {stage} changed since it finished; "
+                              f"delete {done_path.parent} and rerun to redo the round")
+        log.info("round %d %s: done, skipped", r, stage)
+        return done
+    restart_if_changed(cfg, r, stage, command)
+    run_xtcache(cfg, [*command, *resume_flags(cfg, r, stage)])
+    done = {"stage": stage, "round": r, "command": command, "outputs": stage_outputs(cfg, r, stage)}
+    _write_atomic(done_path, json.dumps(done, indent=1))
+    return done
+
+
+def round_metrics(cfg: RoundsConfig, r: int) -> dict:
+    """What round r produced, read from its stages' outputs."""
+    from xtcache.store import CacheReader
+
+    d = round_dir(cfg, r)
+    rows = [json.loads(line) for p in sorted((d / "rollouts" / "parts").glob("*.jsonl"))
+            for line in p.read_text().splitlines() if line.strip()]
+    dump = [w.summary for w in CacheReader(str(d / "cache")).writer_summaries().values()]
+    summary = json.loads((d / "train" / "summary.json").read_text())
+    start = r * cfg.steps_per_round
+    train = [json.loads(line) for line in (d / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    kd = [t["kd"] for t in train if t.get("kind") == "train" and t["step"] > start and t.get("kd") is not None]
+    return {
+        "round": r, "policy": rows[0]["policy"] if rows else None, "rollouts": len(rows),
+        "generated_tokens": sum(len(x["sampled_ids"]) for x in rows),
+        "stopped": sum(x["stop_reason"] == "stop" for x in rows),
+        "teacher_positions": sum(int(s.get("positions") or 0) for s in dump),
+        "train_steps": summary["steps"] - start, "step": summary["steps"], "loss": summary["kd_loss"],
+        "final_eval_kl": summary.get("final_eval_kl"),
+        "mean_train_kd": sum(kd) / len(kd) if kd else None,
+        "hf_dir": str(d / "train" / "hf"),
+    }
+
+
+COLUMNS = (("round", "round", "d"), ("rollouts", "rollouts", "d"), ("generated_tokens", "tokens scored", "d"),
+           ("teacher_positions", "teacher positions", "d"), ("train_steps", "train steps", "d"),
+           ("final_eval_kl", "final eval KL", ".4f"), ("mean_train_kd", "mean train KD", ".4f"))
+
+
+def summary_table(metrics: list[dict]) -> str:
+    """The per-round table; 'mean train KD' is the mean reverse-KL signal under --loss rkl-pg."""
+    lines = [" | ".join(title for _, title, _ in COLUMNS), " | ".join("---" for _ in COLUMNS)]
+    for m in metrics:
+        lines.append(" | ".join("-" if m.get(k) is None else format(m[k], spec) for k, _, spec in COLUMNS))
+    return "\n".join(lines)
+
+
+OUTPUT_DIRS = {"generate": "rollouts", "teacher-dump": "cache", "train-student": "train"}
+
+
+def restart_if_changed(cfg: RoundsConfig, r: int, stage: str, command: list[str]) -> None:
+    """Record the command an unfinished stage starts with (W/round-RRR/started/STAGE.json); when it was
+    started before with another one, remove what it left: resuming would mix two settings in one output,
+    which its done record's command would no longer describe."""
+    started = round_dir(cfg, r) / "started" / f"{stage}.json"
+    output = round_dir(cfg, r) / OUTPUT_DIRS[stage]
+    if started.exists() and json.loads(started.read_text())["command"] != command and output.exists():
+        log.warning("round %d %s: started as `xtcache %s`, now `xtcache %s`; starting it again (%s removed)", r,
+                    stage, shlex.join(json.loads(started.read_text())["command"]), shlex.join(command), output)
+        shutil.rmtree(output)
+    _write_atomic(started, json.dumps({"stage": stage, "round": r, "command": command}, indent=1))
+
+
+def redo_paths(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
+    """What to remove so that a rerun redoes round r's `stage` and every stage after it: their outputs and
+    records in round r, and the later rounds' directories (those that exist)."""
+    d = round_dir(cfg, r)
+    later = STAGES[STAGES.index(stage):]
+    paths = [p for s in later for p in (d / OUTPUT_DIRS[s], d / "done" / f"{s}.json", d / "started" / f"{s}.json")]
+    paths += sorted(p for p in Path(cfg.workdir).glob("round-*") if p.name > d.name)
+    return [str(p) for p in paths if p.exists()]
+
+
+def _flags(key: str, value) -> str:
+    """A setting as the command line gives it: `--max-new-tokens 8`, `-- --lr 1e-3`, `--dump-args '...'`."""
+    if key == "train_args":
+        return shlex.join(["--", *value]) if value else "no flags after --"
+    flag = "--rounds" if key == "rounds" else "--" + key.replace("_", "-")
+    if value is None or value == [] and key != "prompts":
+        return f"no {flag}"
+    if key == "dump_args":
+        return f"{flag} {shlex.quote(shlex.join(value))}"
+    return " ".join(f"{flag} {shlex.quote(str(v))}" for v in (value if isinstance(value, list) else [value]))
+
+
+def finished_stages_changed(was: RoundsConfig, cfg: RoundsConfig, changed: list[str]) -> list[tuple[int, str, list[str]]]:
+    """(round, stage, settings) of each finished stage of the rounds `cfg` runs whose command the new
+    settings change, with the changed settings that change it (all of them when none alone does)."""
+    out, mine = [], asdict(cfg)
+    for r in range(cfg.rounds):
+        for stage in STAGES:
+            done_path = round_dir(cfg, r) / "done" / f"{stage}.json"
+            if not done_path.exists():
+                continue
+            if json.loads(done_path.read_text())["command"] == stage_command(cfg, r, stage):
+                continue
+            keys = [k for k in changed if stage_command(replace(was, **{k: mine[k]}), r, stage)
+                    != stage_command(was, r, stage)]
+            out.append((r, stage, keys or changed))
+    return out
+
+
+def check_settings(cfg: RoundsConfig) -> None:
+    """Record the settings in WORKDIR/rounds.json. A rerun may change them where they change only stages
+    that have not finished (--rounds may grow or shrink); one that changes a finished stage is refused,
+    naming the setting, the stage, and the ways out."""
+    path = Path(cfg.workdir) / SETTINGS_FILE
+    if path.exists():
+        recorded = json.loads(path.read_text())
+        recorded.setdefault("dump_args", [])  # work directories of the version before --dump-args
+        mine = asdict(cfg)
+        changed = sorted(k for k in set(recorded) | set(mine) if k != "rounds" and recorded.get(k) != mine.get(k))
+        if changed:
+            try:
+                was = RoundsConfig(**recorded)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"--workdir {cfg.workdir}: {path} is not a rounds.json this xtcache reads ({e}); "
+                                  "use another --workdir") from None
+            blocked = finished_stages_changed(was, cfg, changed)
+            if blocked:
+                r, stage, keys = blocked[0]
+                now = "; ".join(f"{_flags(k, recorded.get(k))} -> {_flags(k, mine.get(k))}" for k in keys)
+                back = " ".join(_flags(k, recorded.get(k)) for k in keys)
+                raise ConfigError(
+                    f"--workdir {cfg.workdir}: {now} changes round {r} {stage}, which has finished "
+                    f"({round_dir(cfg, r) / 'done' / (stage + '.json')}). Settings of stages that have not "
+                    f"finished may change on a rerun; this one may not. Rerun with {back} to go on; or, to redo "
+                    f"round {r} {stage} and everything after it with the new settings: "
+                    f"rm -r {shlex.join(redo_paths(cfg, r, stage))}; or use another --workdir")
+            log.info("--workdir %s: settings changed since its last run (%s); no finished stage depends on them",
+                     cfg.workdir, ", ".join(changed))
+    _write_atomic(path, json.dumps(asdict(cfg), indent=1))
+
+
+def run_rounds(cfg: RoundsConfig) -> list[dict]:
+    """All rounds, skipping finished stages; returns the per-round metrics (also WORKDIR/metrics.jsonl)."""
+    Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
+    check_settings(cfg)
+    metrics = []
+    for r in range(cfg.rounds):
+        for stage in STAGES:
+            run_stage(cfg, r, stage)
+        metrics.append(round_metrics(cfg, r))
+        _write_atomic(Path(cfg.workdir) / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics))
+        log.info("round %d done: %s", r, json.dumps(metrics[-1]))
+    return metrics
+
+
+def rounds(
+    ctx: typer.Context,
+    student: str = typer.Option(..., help="Student model directory (Hugging Face layout with its tokenizer): "
+                                "round 0's policy and the architecture every round trains."),
+    teacher: str = typer.Option(..., help="Teacher model directory (scores every round's rollouts)."),
+    prompts: list[str] = typer.Option(..., help="Prompt files for generate's --data (repeatable): conversations "
+                                      "ending with the user's message, or text prefixes."),
+    num_rounds: int = typer.Option(2, "--rounds", help="Rounds of generate -> teacher-dump -> train-student."),
+    workdir: str = typer.Option(..., help="Work directory: round-RRR/{rollouts,cache,train,done}, commands.sh, "
+                                "metrics.jsonl, rounds.json. Rerun the same command to resume."),
+    engine: str = typer.Option("vllm", help="Engine of generate and teacher-dump: vllm or hf (reproducible)."),
+    samples_per_prompt: int = typer.Option(4, help="generate --samples-per-prompt."),
+    max_new_tokens: int = typer.Option(256, help="generate --max-new-tokens."),
+    temperature: float = typer.Option(1.0, help="generate --temperature (sampling)."),
+    seed: int = typer.Option(0, help="train-student --seed; round r generates with --seed SEED + r."),
+    steps_per_round: int = typer.Option(100, help="Optimizer steps per round (round r trains to (r+1) x this)."),
+    loss: str = typer.Option("auto", help="train-student --loss; default auto: forward KL / P-KL on the stored "
+                             "support; rkl-pg: the reverse-KL signal (docs/on-policy.md)."),
+    train_on: str = typer.Option("last-assistant", help="train-student --train-on: the generated turn."),
+    projection: str | None = typer.Option(None, help="train-student --projection (cross-tokenizer)."),
+    eval_cache: str | None = typer.Option(None, help="train-student --eval-cache: a held-out store, for the "
+                                          "table's final eval KL."),
+    dump_args: str = typer.Option("", help="Extra teacher-dump flags of every round, one shell-quoted string "
+                                  "(e.g. '--top-k 32 --dtype bfloat16 --mode sampled')."),
+) -> None:
+    """On-policy distillation in rounds: generate -> teacher-dump -> train-student, resumable.
+
+    Arguments after `--` go to every train-student command (e.g. -- --lr 1e-5 --seq-len 1024)."""
+    try:
+        cfg = RoundsConfig(student=student, teacher=teacher, prompts=list(prompts), rounds=num_rounds,
+                           workdir=workdir, engine=engine, samples_per_prompt=samples_per_prompt,
+                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                           steps_per_round=steps_per_round, loss=loss, train_on=train_on, projection=projection,
+                           eval_cache=eval_cache, train_args=list(ctx.args),
+                           dump_args=shlex.split(dump_args))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    metrics = run_rounds(cfg)
+    typer.echo(summary_table(metrics))
+    typer.echo(f"final student: {metrics[-1]['hf_dir']}")
