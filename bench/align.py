@@ -20,7 +20,7 @@ the plain-text byte-BPE row (target: at most 2x); the rendering (jinja) is timed
 
     python bench/align.py [--docs 400] [--doc-chars 2000] [--chats 400] [--repeat 7] [--teacher real] [--write-docs]
 
-`--write-docs` writes the plain-text rows into README.md's `align` block and the conversation rows
+`--write-docs` writes the plain-text rows into docs/benchmarks.md's `align` block and the conversation rows
 into docs/conversations.md's `align-chat` block (xtcache.app.docblock), stamped with this command.
 """
 
@@ -33,12 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-from xtcache.align.chunks import align_flat, align_offsets, alignment_stats, encode_flat, tokenizer_info
+from xtcache.align.chunks import align_flat, align_offsets, alignment_stats
+from xtcache.align.tokenizer import encode_flat, tokenizer_info
 from xtcache.testing import toy
 
 REPO = Path(__file__).resolve().parents[1]
-DOC_BLOCKS = {"align": "README.md", "align-chat": "docs/conversations.md",
-              "align-real": "README.md"}  # --write-docs: block -> file
+DOC_BLOCKS = {"align": "docs/benchmarks.md", "align-chat": "docs/conversations.md",
+              "align-real": "docs/benchmarks.md"}  # --write-docs: block -> file
 
 
 def timed(fn):
@@ -130,11 +131,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--work", default=None, help="directory for the trained tokenizers (default: a temp dir)")
     ap.add_argument("--write-docs", action="store_true",
-                    help="also write the tables into README.md (align) and docs/conversations.md (align-chat)")
+                    help="also write the tables into docs/benchmarks.md (align) and docs/conversations.md (align-chat)")
     ap.add_argument("--teacher", choices=("toy", "real"), default="toy",
                     help="real: SmolLM2-135M-Instruct's tokenizer (49,152 ids, ChatML) as the teacher, the Llama-3 "
                          "(128,256) and Qwen3 (151,669) vocabularies as students, on documentation text "
-                         "(xtcache.testing.real); --write-docs then writes README.md's align-real block")
+                         "(xtcache.testing.real); --write-docs then writes docs/benchmarks.md's align-real block")
     args = ap.parse_args()
     if args.write_docs:
         from xtcache.app.docblock import require_blocks
@@ -180,7 +181,7 @@ def main() -> None:
     if args.write_docs:
         from xtcache.app.docblock import write_block
 
-        write_block(REPO / "README.md", "align", "\n".join([head + ":", "", *table(rows[:2])]))
+        write_block(REPO / DOC_BLOCKS["align"], "align", "\n".join([head + ":", "", *table(rows[:2])]))
         write_block(REPO / "docs" / "conversations.md", "align-chat",
                     "\n".join([head + " (plain text), " + f"{args.chats} conversations per row:", "",
                                *table(rows[:1] + rows[2:]), "", *notes]))

@@ -11,7 +11,7 @@ On any machine with one CUDA GPU (`make gpu-check`), in a few minutes:
   4. `train-student` (DeepSpeed ZeRO-2, bf16 on CUDA, projected KL across the two tokenizers):
      step time and the peak device memory of the training process;
 
-and prints the table that README.md's "GPU" block and docs/gpu.md quote. `--device cpu` runs the
+and prints the table that docs/gpu.md quotes. `--device cpu` runs the
 same steps on the CPU in float32 (tests/test_gpu_check.py runs it in the suite); the table says
 which device produced it.
 

@@ -1,6 +1,6 @@
 """Does a cached teacher train a student as well as the teacher in the loop? Quality against bytes.
 
-    python bench/quality.py                          # the full table (README), about 15 min on 2 CPU cores
+    python bench/quality.py                          # the full table (docs/benchmarks.md), about 15 min on 2 CPU cores
     python bench/quality.py --quick                  # a smoke run: few documents and steps, one seed
     python bench/quality.py --section on-policy      # only the on-policy rows (bench/quality_onpolicy.py), ~28 min
     python bench/quality.py --teacher real           # the real tier's rows (bench/quality_real.py), about 1 h
@@ -54,7 +54,7 @@ head 4 + tail 12, head 4 + tail 16) run on 3 seeds (seed s: the
 student initialised with seed 1 + s and data order s); the table gives mean +- standard
 deviation and says which differences are within that spread. Writes `quality.md`, `quality.json`
 and `quality.png` (held-out KL against bytes/position) under --out; `--write-docs` also writes
-quality.md into README.md's `quality-table` block, stamped with the command (xtcache.app.docblock).
+quality.md into docs/benchmarks.md's `quality-table` block, stamped with the command (xtcache.app.docblock).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-DOC_BLOCKS = {"quality-table": "README.md", "quality-on-policy": "docs/on-policy.md",
+DOC_BLOCKS = {"quality-table": "docs/benchmarks.md", "quality-on-policy": "docs/on-policy.md",
               "quality-real": "README.md"}  # --write-docs: block -> file
 
 log = logging.getLogger("bench.quality")
@@ -705,9 +705,9 @@ def main(argv=None) -> None:
                         "its own and on the Llama-3 vocabulary (bench/quality_real.py; --write-docs writes README.md's "
                         "quality-real block)")
     p.add_argument("--write-docs", action="store_true",
-                   help="also write quality.md into README.md's quality-table block (xtcache.app.docblock)")
+                   help="also write quality.md into docs/benchmarks.md's quality-table block (xtcache.app.docblock)")
     p.add_argument("--section", choices=("table", "on-policy"), default="table",
-                   help="table: the full table (README); on-policy: on-policy rounds against off-policy KD "
+                   help="table: the full table (docs/benchmarks.md); on-policy: on-policy rounds against off-policy KD "
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block)")
     p.add_argument("--from-report", help="with --section on-policy: render the table of this quality-on-policy.json "
                                          "(an earlier run's) instead of running")
@@ -720,7 +720,7 @@ def main(argv=None) -> None:
     if args.teacher == "real":
         return real_section(args)
     if args.write_docs and args.quick:
-        p.error("--write-docs: README.md's quality table is the toy teacher's full run; drop --quick")
+        p.error("--write-docs: docs/benchmarks.md's quality table is the toy teacher's full run; drop --quick")
     if args.write_docs:
         from xtcache.app.docblock import require_blocks
 
@@ -739,7 +739,7 @@ def main(argv=None) -> None:
     if args.write_docs:
         from xtcache.app.docblock import write_block
 
-        write_block(REPO / "README.md", "quality-table", md)
+        write_block(REPO / DOC_BLOCKS["quality-table"], "quality-table", md)
 
 
 def _bench_logging() -> None:

@@ -21,7 +21,7 @@ Both teachers: the candidates for each piece of a position at k=64 (`bench/store
 `bench/store_codec_refs.py`), then the whole store written and read through `CacheWriter` and
 `CacheReader` with each codec version (v1: format 2, v2: format 3, v3: format 4) side by side, in the same run.
 
-`--write-docs` also writes, for the toy teacher, README.md's `store-codec` block (the default codecs' row
+`--write-docs` also writes, for the toy teacher, docs/benchmarks.md's `store-codec` block (the default codecs' row
 per k) and `checked-reads` block (the checked-read table) and docs/store.md's `store-codec-toy` block (the
 candidates and the whole store per codec version), and for the real teacher docs/store.md's
 `store-codec-real` block, stamped with the command (xtcache.app.docblock).
@@ -47,8 +47,8 @@ from bench.store_codec_teachers import build_teacher, real_teacher, teacher_docu
 from xtcache.store import codecs  # noqa: E402
 from xtcache.store.arrays import default_compression  # noqa: E402
 
-DOC_BLOCKS = {"store-codec": "README.md", "checked-reads": "README.md", "store-codec-toy": "docs/store.md",
-              "store-codec-real": "docs/store.md"}  # --write-docs: block -> file
+DOC_BLOCKS = {"store-codec": "docs/benchmarks.md", "checked-reads": "docs/benchmarks.md",
+              "store-codec-toy": "docs/store.md", "store-codec-real": "docs/store.md"}  # --write-docs: block -> file
 TEACHER_BLOCKS = {"toy": ("store-codec", "checked-reads", "store-codec-toy"), "real": ("store-codec-real",)}
 DEFAULT_VARIANTS = {8: "v3 sqrt127", 64: "v3 sqrt127", 256: "v3 sqrt255"}  # the store's codecs per k (format 4)
 VERSIONS = {2: "v1 (format 2)", 3: "v2 (format 3)", 4: "v3 (format 4)"}  # store format version -> codec name
@@ -205,7 +205,7 @@ def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 
         with CacheWriter(f"{tmp}/sizes", manifest) as w:
             w.write_part(0, _records(docs, k))
         summary = store_summary(f"{tmp}/sizes")
-        sid = summary["shards"][0].shard_id
+        sid = summary.shards[0].shard_id
         kl = _stored_kl(CacheReader(f"{tmp}/sizes").read_shard(sid), docs, k)
         bytes_unchecked = _without_crc32c(f"{tmp}/sizes", f"{tmp}/sizes-unchecked", sid)
         records = _records((docs * (1 + docs_per_part // len(docs)))[:docs_per_part], k)
@@ -222,10 +222,10 @@ def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 
             "read_shard": _best_rate(lambda: reader.read_shard(meta.shard_id), n),
             "read_shard verify": _best_rate(lambda: reader.read_shard(meta.shard_id, verify=True), n),
         }
-    P = summary["positions"]
+    P = summary.positions
     return {"part_positions": n, "write": n / write_s, "reads": reads, "kl": kl,
-            "bytes": {name: b / P for name, b in summary["bytes_by_array"].items()},
-            "total": summary["total_array_bytes"] / P, "total_unchecked": bytes_unchecked / P}
+            "bytes": {name: b / P for name, b in summary.bytes_by_array.items()},
+            "total": summary.total_array_bytes / P, "total_unchecked": bytes_unchecked / P}
 
 
 def main() -> None:
@@ -235,7 +235,7 @@ def main() -> None:
     ap.add_argument("--teacher-steps", type=int, default=240, help="toy teacher training steps (first run; cached)")
     ap.add_argument("--positions", type=int, default=20_000, help="held-out teacher positions to encode")
     ap.add_argument("--write-docs", action="store_true",
-                    help="also write the teacher's doc blocks (toy: README.md's store-codec and checked-reads, "
+                    help="also write the teacher's doc blocks (toy: docs/benchmarks.md's store-codec, checked-reads, "
                          "docs/store.md's store-codec-toy; real: docs/store.md's store-codec-real)")
     ap.add_argument("--reads", action="store_true",
                     help="quick: only the whole store at k=64 (every codec version) and its checked reads; writes no docs")
@@ -290,8 +290,9 @@ def main() -> None:
         if args.teacher == "real":
             write_block(REPO / "docs/store.md", "store-codec-real", store_block)
             return
-        write_block(REPO / "README.md", "store-codec", "\n".join([teacher_line, "", *codec_table(default_rows)]))
-        write_block(REPO / "README.md", "checked-reads", "\n".join(checked_reads_table(rows)))
+        write_block(REPO / DOC_BLOCKS["store-codec"], "store-codec",
+                    "\n".join([teacher_line, "", *codec_table(default_rows)]))
+        write_block(REPO / DOC_BLOCKS["checked-reads"], "checked-reads", "\n".join(checked_reads_table(rows)))
         write_block(REPO / "docs/store.md", "store-codec-toy", store_block)
 
 
@@ -418,7 +419,7 @@ def whole_store_table(rows) -> list[str]:
 
 
 def codec_table(rows) -> list[str]:
-    """README's codec table: the store's own value code (DEFAULT_VARIANTS) per k."""
+    """The store-codec table: the store's own value code (DEFAULT_VARIANTS) per k."""
     lines = ["| k | ids B/pos | values B/pos | total B/pos | vs raw | mean KL error (nats) | decode pos/s (1 core) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for k, r, total, raw in rows:
@@ -428,7 +429,7 @@ def codec_table(rows) -> list[str]:
 
 
 def checked_reads_table(rows) -> list[str]:
-    """README's checked-reads table: read + decode positions/s of one part, four ways, per k."""
+    """The checked-reads table: read + decode positions/s of one part, four ways, per k."""
     lines = ["| k | codec | B/pos without crc32c | B/pos with crc32c | Zarr, no checks | Zarr + crc32c | read_shard (trainer) "
              "| read_shard verify | trainer read / unchecked |", "| --- " * 9 + "|"]
     for k, r in rows:

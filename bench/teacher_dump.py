@@ -19,7 +19,7 @@ get. The toy teacher's head costs 1.3x its transformer body (real teachers: 0.08
 teacher given with --teacher.
 
     .venv/bin/python bench/teacher_dump.py [--docs 256] [--top-k 64] [--max-seq-len 512] [--shapes toy,proportioned]
-        [--teacher real] [--write-docs]      # also writes the table into README.md's `teacher-dump` block (xtcache.app.docblock)
+        [--teacher real] [--write-docs]      # also writes the table into docs/benchmarks.md (xtcache.app.docblock)
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 
 from xtcache.app.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
 
-DOC_BLOCKS = {"teacher-dump": "README.md", "teacher-dump-real": "README.md"}  # --write-docs: block -> file
+# --write-docs: block -> file
+DOC_BLOCKS = {"teacher-dump": "docs/benchmarks.md", "teacher-dump-real": "docs/benchmarks.md"}
 
 
 def corpus_windows(teacher: str, texts: list[str], max_len: int) -> list[np.ndarray]:
@@ -147,7 +148,9 @@ def main() -> None:
                    help="'real' (SmolLM2-135M-Instruct with the Llama-3 student tokenizer over documentation text, "
                         "xtcache.testing.real), or a teacher directory, instead of the toy shapes")
     p.add_argument("--student-tokenizer", default=None)
-    p.add_argument("--write-docs", action="store_true", help="also write the table into README.md (teacher-dump)")
+    p.add_argument("--write-docs", action="store_true",
+                   help="also write the table into docs/benchmarks.md (block teacher-dump, or teacher-dump-real "
+                        "with --teacher real)")
     args = p.parse_args()
     block = "teacher-dump-real" if args.teacher == "real" else "teacher-dump"
     if args.write_docs:

@@ -45,7 +45,7 @@ transformers from the tier's documents, or `--real-cache` for a store at hand); 
     python bench/train_step.py --teacher real                                   # the real pair's two rows
     python bench/train_step.py --teacher real --real-cache /path/to/top64-store   # a store aligned for Llama-3
 
-`--write-docs` also writes the printed table: README.md's `train-step` block (all rows) or, with
+`--write-docs` also writes the printed table: docs/benchmarks.md's `train-step` block (all rows) or, with
 `--rows cross/ce,cross/pkl,cross/2-teachers`, its `train-step-two-teachers` block; with the
 proportioned rows above, docs/losses.md's `train-step-proportioned` block; with `--teacher real`,
 docs/losses.md's `train-step-real` block.
@@ -70,7 +70,7 @@ sys.path.insert(0, str(REPO))
 from xtcache.app.docblock import require_blocks, tee_stdout, write_block  # noqa: E402
 
 # --write-docs: block -> file; the default rows write train-step, TWO_TEACHER_ROWS write train-step-two-teachers
-DOC_BLOCKS = {"train-step": "README.md", "train-step-two-teachers": "README.md",
+DOC_BLOCKS = {"train-step": "docs/benchmarks.md", "train-step-two-teachers": "docs/benchmarks.md",
               "train-step-proportioned": "docs/losses.md", "train-step-real": "docs/losses.md"}
 TWO_TEACHER_ROWS = "cross/ce,cross/pkl,cross/2-teachers"
 PROPORTIONED_ROWS = "cross-1b/ce,cross-1b/pkl,same-1b/ce,same-1b/kl,same-1b/kl full"
@@ -160,7 +160,9 @@ def worker(spec: dict) -> dict:
     import torch
 
     from stage2_student.config import TrainConfig
-    from stage2_student.trainer import Trainer, load_tokenizer, open_stage_data, setup_distributed, teardown_distributed
+    from stage2_student.data import open_stage_data
+    from stage2_student.student import load_tokenizer, setup_distributed, teardown_distributed
+    from stage2_student.trainer import Trainer
     from xtcache.testing.rates import measure_rate
 
     if not torch.cuda.is_available():
@@ -306,7 +308,7 @@ def main() -> None:
                                          "(default: build one from the real tier's documents)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--write-docs", action="store_true",
-                    help="also write the table into README.md (train-step, or train-step-two-teachers with "
+                    help="also write the table into docs/benchmarks.md (train-step, or train-step-two-teachers with "
                          f"--rows {TWO_TEACHER_ROWS}) or docs/losses.md (train-step-proportioned with "
                          f"--rows '{PROPORTIONED_ROWS}')")
     args = ap.parse_args()
@@ -349,12 +351,13 @@ def main() -> None:
         print_table(results, args)
     if block:
         if len(results) != len(runs):
-            raise SystemExit(f"--write-docs: {len(runs) - len(results)} rows FAILED above; README.md not written")
+            raise SystemExit(f"--write-docs: {len(runs) - len(results)} rows FAILED above; "
+                             f"{DOC_BLOCKS[block]} not written")
         write_block(REPO / DOC_BLOCKS[block], block, "```text\n" + printed.text().strip("\n") + "\n```")
 
 
 def doc_block(args) -> str | None:
-    """The README block --write-docs writes for these --rows (None without --write-docs); refuses other row sets."""
+    """The doc block --write-docs writes for these --rows (None without --write-docs); refuses other row sets."""
     if not args.write_docs:
         return None
     if args.rows is None:

@@ -16,7 +16,17 @@ import os
 
 import numpy as np
 
+from schemas.models import AlignGroupMeta
+from stage1_teacher.prep import _encode
+from xtcache.align.chunks import align_batch, align_offsets, batch_or_each, identity_alignment
+from xtcache.align.tokenizer import tokenizer_info
+from xtcache.chat.layout import align_conversations
+from xtcache.chat.render import ConversationError, chat_fingerprint, render, renderings, require_template
 from xtcache.errors import AlignmentError, CorruptionError, StoreError
+from xtcache.fingerprint import tokenizer_fingerprint
+from xtcache.store import AlignmentRecord, CacheReader, CacheWriter
+from xtcache.store.tokenizer import load_store_tokenizer
+from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +34,6 @@ log = logging.getLogger(__name__)
 def _teacher_tokenizer(reader, teacher_tokenizer: str | None):
     """The store's teacher tokenizer when it can be found (for byte checks): --teacher-tokenizer, the
     copy the store carries (`xtcache.store.tokenizer`), or the store's recorded teacher path; None otherwise."""
-    from xtcache.fingerprint import tokenizer_fingerprint
-    from xtcache.store.tokenizer import load_store_tokenizer
-    from xtcache.tokenizer import load_tokenizer
-
     if not teacher_tokenizer:
         stored = load_store_tokenizer(reader.url, reader.manifest, reader.loc.storage_options)
         if stored is not None:
@@ -49,19 +55,10 @@ def _teacher_tokenizer(reader, teacher_tokenizer: str | None):
 def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=None,
                 storage_options: dict | None = None, reader=None) -> dict:
     """Write the alignment group of one student tokenizer for every committed part; returns stats."""
-    from schemas.models import AlignGroupMeta
-    from stage1_teacher.prep import _encode
-    from xtcache.align.chunks import identity_alignment, tokenizer_info
-    from xtcache.fingerprint import tokenizer_fingerprint
-    from xtcache.store import AlignmentRecord, CacheReader, CacheWriter
-    from xtcache.tokenizer import load_tokenizer
-
     reader = reader or CacheReader(url, storage_options)
     student_tok = student_tok or load_tokenizer(student_path, "student tokenizer")
     conversation = reader.manifest.settings.get("conversation") if reader.manifest.conversation else None
     if conversation is not None:
-        from xtcache.chat.render import chat_fingerprint, require_template
-
         require_template(student_tok, f"student tokenizer ({student_path})")
         fp = chat_fingerprint(student_tok)
         identity = fp == conversation.get("teacher_chat")
@@ -119,11 +116,6 @@ def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conver
     located by rendering them again with `teacher_tok`'s template)."""
     import json
 
-    from xtcache.align.chunks import identity_alignment
-    from xtcache.chat.layout import align_conversations
-    from xtcache.chat.render import ConversationError, render, renderings
-    from xtcache.store import AlignmentRecord
-
     if not docs:
         return []
     markers = np.asarray(conversation.get("teacher_turn_markers", []), dtype=np.int64)
@@ -149,8 +141,6 @@ def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conver
 
 def _align_docs(docs, s_ids, s_off, s_info, t_info, shard_id: str) -> list:
     """Alignments of a part's documents to stored teacher tokens; AlignmentError names the first failure."""
-    from xtcache.align.chunks import align_batch, align_offsets, batch_or_each
-
     t_ids = [d.teacher_ids for d in docs]
     t_off = [d.char_offsets for d in docs]
     info = dict(student_info=s_info, teacher_info=t_info)
@@ -164,8 +154,6 @@ def _align_docs(docs, s_ids, s_off, s_info, t_info, shard_id: str) -> list:
 
 def ensure_groups(url: str, students, teacher_tok, storage_options: dict | None = None) -> list[str]:
     """Add missing alignment groups for `students` (prep.StudentSide) to a complete store; their names."""
-    from xtcache.store import CacheReader
-
     reader = CacheReader(url, storage_options)
     have = reader.alignment_groups()
     added = []
@@ -182,8 +170,6 @@ def ensure_groups(url: str, students, teacher_tok, storage_options: dict | None 
 def run_align(store: str, student_tokenizer: str, *, teacher_tokenizer: str | None = None,
               storage_options: dict | None = None, allow_incomplete: bool = False) -> dict:
     """The `xtcache align` command body: refuses an incomplete store unless `allow_incomplete`."""
-    from xtcache.store import CacheReader
-
     reader = CacheReader(store, storage_options)
     reader.usable_parts(None, allow_incomplete=allow_incomplete)  # refuses, or logs "N of M parts"
     teacher_tok = _teacher_tokenizer(reader, teacher_tokenizer)

@@ -37,8 +37,10 @@ import sys
 from dataclasses import dataclass
 
 from stage1_teacher.corpus import Corpus
+from stage1_teacher.shard_plan import plan_from_args
 from xtcache.errors import StoreError
 from xtcache.file_digest import DigestStats, FileDigest, FileHasher
+from xtcache.location import Location, now_iso
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +77,6 @@ def read_records(out: str, writers: list[int], store_options: dict | None, plan_
 
     With `plan_fingerprint`, records made under another shard plan (another file list: the store is
     refused by its cache key or plan instead) are left out."""
-    from xtcache.location import Location
-
     loc = Location(out, store_options)
     found: dict[int, list[tuple[int, FileDigest]]] = {}
     for w in writers:
@@ -144,8 +144,6 @@ def file_spans(corpus: Corpus, shard_plan, fi: int) -> dict[int, tuple[int, int]
 
 def record_digests(out: str, share: ShareDigests, plan_fingerprint: str, store_options: dict | None) -> None:
     """Store this writer's digests (replacing its earlier record: same content, maybe new validators)."""
-    from xtcache.location import Location, now_iso
-
     Location(out, store_options).write_json_atomic(record_path(share.job), {
         "writer_index": share.job, "shard_plan": plan_fingerprint, "created": now_iso(),
         "files": {str(fi): d.as_json() for fi, d in share.files.items()}})
@@ -164,8 +162,6 @@ def capture_identity(teacher) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    from stage1_teacher.shard_plan import plan_from_args
-
     corpus, plan = plan_from_args(argv, __doc__.splitlines()[0])
     for job in range(plan.num_jobs):
         share = share_digests(corpus, plan, job, None, storage_options=None, store_options=None,

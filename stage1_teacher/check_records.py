@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 
+from schemas.models import CaptureCheck
+from stage1_teacher.capture.run import check_key
 from stage1_teacher.config import TeacherDumpConfig
 from stage1_teacher.plan import Plan
 from stage1_teacher.polling import poll_until
 from xtcache.errors import CaptureError, CorruptionError
+from xtcache.location import Location, now_iso, read_model
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +34,6 @@ class CheckRecords:
     """
 
     def __init__(self, cfg: TeacherDumpConfig, plan: Plan):
-        from stage1_teacher.capture.run import check_key
-        from xtcache.location import Location
-
         t = cfg.teacher
         self.what = check_key(plan.fingerprints["teacher_model"], t)
         self.loc = Location(plan.out, cfg.store.storage_options)
@@ -51,14 +51,9 @@ class CheckRecords:
         return self.checker or any(n.endswith(".json") for n in self.loc.listdir("capture_checks"))
 
     def read(self):
-        from schemas.models import CaptureCheck
-        from xtcache.location import read_model
-
         raw = self.loc.read_json(self.rel)
         rec = None if raw is None else read_model(CaptureCheck, raw, f"{self.loc.url}/{self.rel}")
         if rec is None and self.trust_from:
-            from xtcache.location import Location
-
             other = Location(self.trust_from, self.storage_options)
             raw = other.read_json(self.rel)
             if raw is None:
@@ -88,9 +83,6 @@ class CheckRecords:
             self.loc.create_exclusive(self.rel, copy.model_dump(mode="json"))
 
     def write(self, check: dict) -> None:
-        from schemas.models import CaptureCheck
-        from xtcache.location import now_iso
-
         rec = CaptureCheck(**self.what, **check, writer_index=self.writer, created=now_iso())
         if not self.loc.create_exclusive(self.rel, rec.model_dump(mode="json")):
             log.info("a first-batch check record already exists at %s/%s", self.loc.url, self.rel)

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import typer
 
+from stage1_teacher.align_cmd import run_align
 from stage1_teacher.config import AlignConfig, TeacherDumpConfig
+from stage1_teacher.dump import run_teacher_dump
+from stage1_teacher.onpolicy.generate import run_generate
 from stage1_teacher.onpolicy.generate_config import GenerateConfig
 from stage1_teacher.onpolicy.policy_eval import policy_eval_command as policy_eval  # noqa: F401  (xtcache policy-eval)
 from xtcache.cliconfig import command
@@ -23,22 +26,9 @@ from xtcache.cliconfig import command
 def _dump(cfg: TeacherDumpConfig) -> None:
     import logging
 
-    from stage1_teacher.dump import Summary, run_teacher_dump
-
     logging.getLogger("vllm").setLevel(logging.WARNING)
-    result = run_teacher_dump(cfg)
-    if isinstance(result, Summary):
-        for line in result.lines():
-            typer.echo(line)
-    else:
-        typer.echo(f"documents           {result['documents']}")
-        typer.echo(f"positions           {result['positions']} in {result['windows']} teacher windows")
-        typer.echo(f"student tokens      {result['student_tokens']} ({result['chunks']} chunks)")
-        typer.echo(f"estimated size      {result['estimated_bytes_before_compression'] / 1e6:.2f} MB before "
-                   f"compression ({result['bytes_per_position_before_compression']} B/position)")
-        typer.echo("skipped documents   " + (", ".join(f"{k}: {v}" for k, v in sorted(result["skipped"].items()))
-                                             or "none"))
-        typer.echo(f"store               {result['store']} (dry run: nothing written)")
+    for line in run_teacher_dump(cfg).lines():
+        typer.echo(line)
 
 
 teacher_dump = command(
@@ -49,8 +39,6 @@ teacher_dump = command(
 
 
 def _align(cfg: AlignConfig) -> None:
-    from stage1_teacher.align_cmd import run_align
-
     stats = run_align(cfg.store, cfg.student_tokenizer, teacher_tokenizer=cfg.teacher_tokenizer,
                       allow_incomplete=cfg.allow_incomplete, storage_options=cfg.storage_options)
     typer.echo(f"alignment group {stats['fingerprint'][:16]}..: {stats['parts_aligned']} parts aligned "
@@ -64,8 +52,6 @@ align = command(AlignConfig, _align, name="align",
 
 def _generate(cfg: GenerateConfig) -> None:
     import logging
-
-    from stage1_teacher.onpolicy.generate import run_generate
 
     logging.getLogger("vllm").setLevel(logging.WARNING)
     for line in run_generate(cfg).lines():

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.models import DRAWN_MODES
+from stage1_teacher.shard_plan import launcher_index
 from xtcache.cliconfig import from_flat
+from xtcache.location import file_system, is_local, local_path
 
 MODES = ("topk", "full", "sampled", "headtail")
 ENGINES = ("vllm", "hf")
@@ -150,8 +152,6 @@ class TeacherDumpConfig:
         if s.num_shards is not None and s.num_shards < 1:
             raise ValueError(f"--num-shards {s.num_shards}: must be at least 1")
         if not s.shard_source:
-            from stage1_teacher.shard_plan import launcher_index
-
             s.shard_index, s.num_shards, s.shard_source = launcher_index(s.shard_index, s.num_shards)
         if s.num_shards < 1 or not 0 <= s.shard_index < s.num_shards:
             raise ValueError(f"--shard-index {s.shard_index}: must be in [0, --num-shards {s.num_shards})")
@@ -179,8 +179,6 @@ def expand_globs(paths: list[str], storage_options: dict | None = None) -> list[
     out = []
     for p in paths:
         if any(ch in p for ch in "*?["):
-            from xtcache.location import file_system, is_local, local_path
-
             if is_local(p):
                 hits = sorted(glob.glob(local_path(p)))
             else:

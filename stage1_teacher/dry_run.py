@@ -6,18 +6,47 @@ job's share of the corpus, from tokenizing and aligning it, without the teacher.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from schemas.arrays import entry_widths
 from stage1_teacher.config import TeacherDumpConfig
 from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.plan import Plan
 from stage1_teacher.prep import Preparer, iter_parts
+from xtcache.store.codecs import codec_from_config, default_codecs, side_dtype
 
 
-def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
+@dataclass
+class DryRun:
+    """This job's share of the corpus as the teacher would see it, and the store it would write."""
+
+    store: str
+    cache_key: str
+    documents: int = 0
+    positions: int = 0  # teacher positions
+    windows: int = 0  # teacher windows
+    student_tokens: int = 0
+    chunks: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # documents skipped, by reason
+    bytes_per_position_before_compression: int = 0
+    estimated_bytes_before_compression: int = 0
+
+    def lines(self) -> list[str]:
+        skipped = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"
+        return [
+            f"documents           {self.documents}",
+            f"positions           {self.positions} in {self.windows} teacher windows",
+            f"student tokens      {self.student_tokens} ({self.chunks} chunks)",
+            f"estimated size      {self.estimated_bytes_before_compression / 1e6:.2f} MB before compression "
+            f"({self.bytes_per_position_before_compression} B/position)",
+            f"skipped documents   {skipped}",
+            f"store               {self.store} (dry run: nothing written)",
+        ]
+
+
+def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> DryRun:
     """Documents, positions and an estimated store size, without the teacher."""
     import numpy as np
-
-    from schemas.arrays import entry_widths
-    from xtcache.store.codecs import codec_from_config, default_codecs, side_dtype
 
     prep = Preparer(plan.teacher_tok, plan.students, window_len=plan.window_len, overlap=cfg.capture.window_overlap,
                     conversation=plan.messages_field is not None)
@@ -45,6 +74,6 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> dict:
     per_position = (plan.k * id_bytes + widths["k_head"] * lp_bytes + widths["k_tail"] * 2
                     + 4 + 8 + 1 + 2 * np.dtype(side_dtype()).itemsize)
     raw = positions * per_position + student_tokens * 4 + chunks * 9
-    return {"documents": docs, "positions": positions, "windows": windows, "skipped": skipped,
-            "student_tokens": student_tokens, "chunks": chunks, "estimated_bytes_before_compression": raw,
-            "bytes_per_position_before_compression": per_position, "store": plan.out, "cache_key": plan.cache_key}
+    return DryRun(store=plan.out, cache_key=plan.cache_key, documents=docs, positions=positions, windows=windows,
+                  student_tokens=student_tokens, chunks=chunks, skipped=skipped,
+                  bytes_per_position_before_compression=int(per_position), estimated_bytes_before_compression=int(raw))

@@ -17,30 +17,30 @@ from __future__ import annotations
 import logging
 import time
 
+from stage1_teacher.align_cmd import ensure_groups
 from stage1_teacher.cache_inputs import record_digests
 from stage1_teacher.capture import preflight
 from stage1_teacher.capture.run import needs_check
 from stage1_teacher.check_records import DEFERRED, CheckRecords
 from stage1_teacher.config import TeacherDumpConfig
-from stage1_teacher.dry_run import dry_run
+from stage1_teacher.dry_run import DryRun, dry_run
 from stage1_teacher.pipeline import run_pipeline
 from stage1_teacher.placement import place_job
-from stage1_teacher.plan import Plan, find_reusable, make_plan, manifest_for, store_plan
+from stage1_teacher.plan import find_reusable, make_plan, manifest_for, store_plan
 from stage1_teacher.summary import Summary
 from xtcache.errors import ConfigError
+from xtcache.store import CacheWriter
+from xtcache.store.tokenizer import save_teacher_tokenizer
 
 log = logging.getLogger(__name__)
 
 
-def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = True) -> Summary | dict:
+def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = True) -> Summary | DryRun:
     """Run `xtcache teacher-dump`; returns the Summary (or the dry-run counts with --dry-run).
 
     `engines`: an optional `capture.EngineCache` shared between several dumps in one process
     (tests); without it the engines are started here and always shut down before returning.
     """
-    from xtcache.store import CacheWriter
-    from xtcache.store.tokenizer import save_teacher_tokenizer
-
     t_start = time.perf_counter()
     place_job(cfg)
     corpus = preflight.check_inputs(cfg)  # corpus rows and output location, before the teacher is hashed or loaded
@@ -50,8 +50,6 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
     summary = Summary(store=plan.out)
     reusable = find_reusable(cfg, plan)
     if reusable is not None:
-        from stage1_teacher.align_cmd import ensure_groups
-
         summary.store, summary.reused = reusable, True
         if reusable != plan.out:
             summary.notes.append(f"--out {plan.out} was not written: the cache for this request is {reusable}")
@@ -95,7 +93,3 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
     finally:
         writer.close()
     return summary
-
-
-
-__all__ = ["Summary", "Plan", "CheckRecords", "run_teacher_dump", "make_plan", "manifest_for", "find_reusable", "dry_run"]

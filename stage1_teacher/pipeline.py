@@ -27,6 +27,7 @@ import numpy as np
 from schemas.arrays import entry_widths
 from schemas.models import DRAWN_MODES
 from stage1_teacher.capture.progress import CaptureProgress
+from stage1_teacher.capture.run import open_capture
 from stage1_teacher.check_records import DEFERRED, CheckRecords
 from stage1_teacher.corpus import iter_corpus
 from stage1_teacher.placement import share_cpu_with_vllm
@@ -35,6 +36,7 @@ from stage1_teacher.prep import Part, Preparer, iter_parts, part_batches
 from stage1_teacher.summary import Summary
 from stage1_teacher.windows import window_has_pred
 from xtcache.errors import CaptureError, StoreError
+from xtcache.store import DocRecord
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +57,6 @@ class _PartState:
                 "residual": np.zeros(T, dtype=np.float32), "realized": np.full(T, np.nan, dtype=np.float32)})
 
     def records(self):
-        from xtcache.store import DocRecord
-
         docs, aligns = [], {}
         for pd, a in zip(self.part.docs, self.arrays):
             docs.append(DocRecord(source=pd.doc.source, row=pd.doc.row, text=pd.doc.text, teacher_ids=pd.teacher_ids,
@@ -262,8 +262,6 @@ class _Pipeline:
 def _start_capture(cfg, plan: Plan, summary: Summary, first, engines, checks: CheckRecords | None):
     """Open the capture path on the first batch (checked, or trusting the store's record) and note in
     `summary` which path runs and where its first-batch check comes from."""
-    from stage1_teacher.capture.run import open_capture
-
     trusted = None
     if checks is not None:
         rec = checks.read()

@@ -9,21 +9,22 @@ from __future__ import annotations
 import logging
 import os
 
+from xtcache import devices
+from xtcache.devices import job_devices
+
 log = logging.getLogger(__name__)
 
 
 def place_job(cfg) -> None:
     """Under a launcher that starts several jobs per node, give this job its own GPUs (before
     anything asks CUDA a question: the engine's workers inherit CUDA_VISIBLE_DEVICES)."""
-    from xtcache.devices import cuda_present, job_devices
-
-    if not cuda_present():
+    if not devices.cuda_present():
         return
-    devices = job_devices(cfg.teacher.tensor_parallel_size)
-    if devices is not None:
+    visible = job_devices(cfg.teacher.tensor_parallel_size)
+    if visible is not None:
         log.info("job with LOCAL_RANK %s of %s on this node: CUDA_VISIBLE_DEVICES=%s", os.environ["LOCAL_RANK"],
-                 os.environ["LOCAL_WORLD_SIZE"], devices)
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+                 os.environ["LOCAL_WORLD_SIZE"], visible)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
 def share_cpu_with_vllm(cfg):
@@ -35,9 +36,7 @@ def share_cpu_with_vllm(cfg):
     """
     import torch
 
-    from xtcache.devices import cuda_present
-
-    if cfg.teacher.engine != "vllm" or cuda_present():
+    if cfg.teacher.engine != "vllm" or devices.cuda_present():
         return lambda: None
     before = torch.get_num_threads()
     reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)

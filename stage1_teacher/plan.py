@@ -14,14 +14,21 @@ import logging
 import os
 from dataclasses import dataclass
 
-from schemas.models import DRAWN_MODES, support_width
+import xtcache
+from schemas.models import DRAWN_MODES, AlignGroupMeta, Manifest, support_width
 from stage1_teacher.cache_inputs import capture_identity, share_digests
 from stage1_teacher.capture import preflight
+from stage1_teacher.capture.head import read_config, weight_files
 from stage1_teacher.config import DEFAULT_MAX_SEQ_LEN, TeacherDumpConfig, settings_for_fingerprint
 from stage1_teacher.corpus import Corpus
 from stage1_teacher.prep import StudentSide
 from stage1_teacher.shard_plan import PLAN_FILE, obtain_plan
+from xtcache import fingerprint as fpr
+from xtcache.chat.render import chat_fingerprint, require_template, turn_marker_ids
+from xtcache.cliconfig import leaf_fields
 from xtcache.errors import ConfigError, StoreError
+from xtcache.location import Location
+from xtcache.store import CacheReader, cache_path_for, find_cache
 from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -50,10 +57,6 @@ class Plan:
 def make_plan(cfg: TeacherDumpConfig, corpus: Corpus | None = None) -> Plan:
     """Resolve everything before the teacher runs; `corpus`: --data already resolved (by
     `preflight.check_inputs`), else resolved here."""
-    from stage1_teacher.capture.head import read_config, weight_files
-    from xtcache import fingerprint as fpr
-    from xtcache.store import cache_path_for
-
     t, c = cfg.teacher, cfg.capture
     if not os.path.isdir(t.teacher):
         raise ConfigError(f"--teacher {t.teacher}: no such directory")
@@ -66,7 +69,6 @@ def make_plan(cfg: TeacherDumpConfig, corpus: Corpus | None = None) -> Plan:
     messages_field = corpus.messages_field
     conversation = None
     if messages_field:  # every model renders with its own template: refuse one without, before the teacher loads
-        from xtcache.chat.render import chat_fingerprint, require_template, turn_marker_ids
 
         require_template(teacher_tok, f"teacher tokenizer ({t.teacher})")
         conversation = {"messages_field": messages_field, "teacher_chat": chat_fingerprint(teacher_tok),
@@ -131,9 +133,6 @@ def make_plan(cfg: TeacherDumpConfig, corpus: Corpus | None = None) -> Plan:
 
 
 def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
-    import xtcache
-    from schemas.models import AlignGroupMeta, Manifest
-
     groups = [AlignGroupMeta(fingerprint=s.fingerprint, tokenizer_name=s.name, vocab_size=len(s.tokenizer),
                              identity=s.identity) for s in plan.students]
     return Manifest(cache_key=plan.cache_key, mode=cfg.capture.mode, k=plan.k, teacher_vocab_size=plan.vocab_size,
@@ -148,8 +147,6 @@ def manifest_for(cfg: TeacherDumpConfig, plan: Plan):
 
 def find_reusable(cfg: TeacherDumpConfig, plan: Plan) -> str | None:
     """URL of a complete store for this cache key (at --out or under --cache-dir), else None."""
-    from xtcache.store import CacheReader, find_cache
-
     try:
         r = CacheReader(plan.out, cfg.store.storage_options)
     except StoreError:
@@ -176,8 +173,6 @@ def find_reusable(cfg: TeacherDumpConfig, plan: Plan) -> str | None:
 def key_differences(stored, plan: Plan) -> list[str]:
     """What makes a store's cache key (manifest `stored`) differ from this run's: each differing
     component fingerprint, and each capture setting by its flag, "in the store" vs "now"."""
-    from xtcache.cliconfig import leaf_fields
-
     names = {"teacher_model": "--teacher (the model's weights or config)", "teacher_tokenizer": "the teacher tokenizer",
              "corpus": "--data (the corpus files' names, sizes or bytes)"}
     out = [f"{what}: {str(stored.fingerprints.get(c))[:12]}.. in the store, {str(plan.fingerprints.get(c))[:12]}.. now"
@@ -203,8 +198,6 @@ def _brief(value) -> str:
 
 def store_plan(plan: Plan, storage_options: dict) -> None:
     """The store keeps the plan its writers read by (written here when no writer 0 stored it first)."""
-    from xtcache.location import Location
-
     loc = Location(plan.out, storage_options)
     if loc.read_json(PLAN_FILE) is None:
         loc.create_exclusive(PLAN_FILE, plan.shard_plan.as_json())

@@ -30,9 +30,16 @@ from typing import Iterator
 import numpy as np
 
 from stage1_teacher.corpus import Document, Skipped
+from stage1_teacher.onpolicy.sampled import attach_sampled
+from stage1_teacher.onpolicy.splice import splice_batch
 from stage1_teacher.windows import Window, plan_windows, window_tokens
+from xtcache.align.chunks import align_batch, align_offsets, batch_or_each, identity_alignment
+from xtcache.align.tokenizer import encode_flat, tokenizer_info
+from xtcache.chat.layout import align_conversations
+from xtcache.chat.render import ConversationError, render, renderings, turn_marker_ids
 from xtcache.errors import AlignmentError
 from xtcache.packing import common_boundaries
+from xtcache.store import AlignmentRecord
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +97,6 @@ class Preparer:
 
     def __init__(self, teacher_tok, students: list[StudentSide], *, window_len: int, overlap: int,
                  conversation: bool = False):
-        from xtcache.align.chunks import tokenizer_info
-
         self.teacher_tok = teacher_tok
         self.students = students
         self.window_len = window_len
@@ -102,8 +107,6 @@ class Preparer:
         self.unmatched_rollouts = 0  # rollout rows whose sampling student is none of `students`
         self.conversation = conversation
         if conversation:
-            from xtcache.chat.render import turn_marker_ids
-
             self.teacher_markers = np.asarray(turn_marker_ids(teacher_tok), dtype=np.int64)
             for s in students:
                 s.markers = np.asarray(turn_marker_ids(s.tokenizer), dtype=np.int64)
@@ -115,9 +118,6 @@ class Preparer:
     def prepare(self, docs: list[Document]) -> list[PreparedDoc | Skipped]:
         """Tokenize (both sides, in Rust batches), align (one vectorized walk per student) and plan windows."""
         import time
-
-        from xtcache.align.chunks import identity_alignment
-        from xtcache.store import AlignmentRecord
 
         t0 = time.perf_counter()
         if self.conversation:
@@ -164,11 +164,6 @@ class Preparer:
     def _prepare_conversations(self, docs: list[Document]) -> list[PreparedDoc | Skipped]:
         """Render each conversation in every model's template, tokenize, align (xtcache.chat.layout)."""
         import json
-
-        from stage1_teacher.onpolicy.splice import splice_batch
-        from xtcache.align.chunks import identity_alignment
-        from xtcache.chat.render import ConversationError, render, renderings
-        from xtcache.store import AlignmentRecord
 
         result: list = [None] * len(docs)
         convs = [json.loads(d.text) for d in docs]
@@ -237,8 +232,6 @@ class Preparer:
     def _attach_sampled(self, docs: list[Document], aligns: dict[int, dict], spliced: dict[str, set[int]]) -> None:
         """Rollout rows: the sampled turn's ids checked and log-probs stored in the sampling student's group
         (`stage1_teacher.onpolicy.sampled`); a row sampled by none of the --student-tokenizer's is counted and logged."""
-        from stage1_teacher.onpolicy.sampled import attach_sampled
-
         for i, by_fp in aligns.items():
             sampled = docs[i].sampled
             if sampled is None:
@@ -256,9 +249,6 @@ class Preparer:
     def _align_convs(self, live, convs, docs, s_rend, t_rend, name) -> list:
         """ConversationAlignments of conversations `live` (their Renderings `s_rend`, `t_rend`, in that
         order; None where one fails: that row is skipped)."""
-        from xtcache.align.chunks import batch_or_each
-        from xtcache.chat.layout import align_conversations
-
         out = batch_or_each(len(live), lambda: align_conversations([convs[i] for i in live], s_rend, t_rend),
                             lambda k: align_conversations([convs[live[k]]], s_rend.take([k]), t_rend.take([k]))[0])
         for k, i in enumerate(live):
@@ -269,8 +259,6 @@ class Preparer:
 
     def _align(self, todo, docs, s, s_ids, s_off, t_ids, t_off, failed: set[int]) -> list:
         """Alignments of documents `todo` (None where it fails: those are added to `failed`)."""
-        from xtcache.align.chunks import align_batch, align_offsets, batch_or_each
-
         info = dict(student_info=s.info, teacher_info=self.teacher_info)
         out = batch_or_each(len(todo), lambda: align_batch(
             [docs[i].text for i in todo], [s_ids[i] for i in todo], [s_off[i] for i in todo],
@@ -294,8 +282,6 @@ def _encode(tok, texts: list[str], side: str) -> tuple[list[np.ndarray], list[np
 
     Uses xtcache.align.chunks's encoder so offsets are untrimmed exactly as the aligner expects.
     """
-    from xtcache.align.chunks import encode_flat
-
     if not texts:
         return [], []
     ids, offsets, counts = encode_flat(tok, texts, add_special_tokens=True, side=side)

@@ -33,10 +33,12 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from schemas.models import FORMAT_VERSION, ShardPlanFile, ShardPlanMeta
 from stage1_teacher.corpus import Corpus
 from stage1_teacher.polling import poll_until
 from xtcache.errors import ConfigError, StoreError
-from xtcache.fingerprint import canonical_sha256
+from xtcache.fingerprint import canonical_sha256, listing_fingerprint
+from xtcache.location import Location, read_model
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +110,12 @@ class ShardPlan:
         return sum(f.size if f.row_groups is None else sum(b for _, b in f.row_groups) for f in self.files)
 
     def as_json(self) -> dict:
-        from schemas.models import FORMAT_VERSION
-
         return {"format_version": FORMAT_VERSION, "num_jobs": self.num_jobs, "fingerprint": self.fingerprint,
                 "corpus_fingerprint": self.corpus_fingerprint, "files": [f.as_json() for f in self.files],
                 "jobs": [[[r.file, r.start, r.stop] for r in j] for j in self.jobs]}
 
     @staticmethod
     def from_json(d: dict, where: str = PLAN_FILE) -> ShardPlan:
-        from schemas.models import ShardPlanFile
-        from xtcache.location import read_model
-
         read_model(ShardPlanFile, d, where)
         plan = ShardPlan(num_jobs=int(d["num_jobs"]), files=[FileEntry.from_json(f) for f in d["files"]],
                          jobs=[[Range(*map(int, r)) for r in j] for j in d["jobs"]],
@@ -129,8 +126,6 @@ class ShardPlan:
 
     def meta(self):
         """The manifest's summary of this plan (schemas.models.ShardPlanMeta)."""
-        from schemas.models import ShardPlanMeta
-
         jb = self.job_bytes()
         return ShardPlanMeta(fingerprint=self.fingerprint, num_jobs=self.num_jobs, num_files=len(self.files),
                              corpus_bytes=self.corpus_bytes(), max_job_bytes=max(jb, default=0))
@@ -186,8 +181,6 @@ def build_plan(corpus: Corpus | list[str], text_field: str, num_jobs: int, stora
     """List the corpus and plan it (what writer 0, or a single job, does). The plan carries the
     listing's fingerprint (names and sizes): no content is read here; each job digests its own
     files (`stage1_teacher.cache_inputs`)."""
-    from xtcache.fingerprint import listing_fingerprint
-
     listing = list_corpus(corpus, text_field, storage_options)
     return plan_shards(listing, num_jobs, listing_fingerprint((f.name, f.size) for f in listing))
 
@@ -200,7 +193,6 @@ def obtain_plan(corpus: Corpus | list[str], text_field: str, *, num_jobs: int, j
     corpus = Corpus.of(corpus, text_field, storage_options)
     if num_jobs == 1 or not out:
         return build_plan(corpus, text_field, num_jobs)
-    from xtcache.location import Location
 
     loc = Location(out, store_options)
     raw = loc.read_json(PLAN_FILE)

@@ -18,11 +18,10 @@ import click
 import typer
 
 from stage2_student.cli import train_student
+from xtcache.errors import XtcacheError
 
 
 def main(argv: list[str] | None = None) -> None:
-    from xtcache.errors import XtcacheError
-
     args = list(sys.argv[1:] if argv is None else argv)
     args = [a for i, a in enumerate(args)
             if not re.fullmatch(r"--local[_-]rank(=\d+)?", a)

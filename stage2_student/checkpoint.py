@@ -75,7 +75,7 @@ def resume_point(out: Path, where: str, *, rank: int, world: int, grad_accum: in
                  fresh_data: bool = False) -> ResumePoint:
     """The checkpoint `where` names, this rank's trainer state in it (rank 0's when the checkpoint
     had fewer ranks) and the loader state for this rank layout (none with `fresh_data`: --init-from)."""
-    from stage2_student.loader import reshard_state
+    from stage2_student.loader import reshard_state  # lazy: loads torch only when called
 
     ckpt = checkpoint_dir(out, where)
     for name in (f"trainer_state_rank{rank}.json", "trainer_state_rank0.json"):

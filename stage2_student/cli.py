@@ -23,7 +23,7 @@ def _train(cfg: TrainConfig) -> None:
     import json
     import os
 
-    from stage2_student.trainer import train
+    from stage2_student.trainer import train  # lazy: loads torch only when called
 
     summary = train(cfg)
     if summary is not None and os.environ.get("RANK", "0") == "0":

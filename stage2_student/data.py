@@ -17,10 +17,17 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from stage2_student.config import TrainConfig
+from stage2_student.loader import CacheDataset, CacheLoader, student_fingerprint
+from stage2_student.losses import ProjectionOperator
 from stage2_student.mix import TeacherMix
 from stage2_student.objective import Capabilities, Objective, measure_definition, resolve_kind
+from stage2_student.rollout_mix import MixedLoader
 from stage2_student.student import load_tokenizer
+from xtcache import projection as xproj
 from xtcache.errors import ConfigError
+from xtcache.fingerprint import tokenizer_fingerprint
+from xtcache.store import CacheReader
+from xtcache.store.tokenizer import TOKENIZER_DIR, load_store_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +71,6 @@ def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, stu
     """
     import torch
 
-    from xtcache import projection as xproj
-    from xtcache.fingerprint import tokenizer_fingerprint
-    from xtcache.store.tokenizer import TOKENIZER_DIR, load_store_tokenizer
-
     teacher_fp = manifest.fingerprints.get("teacher_tokenizer")
     if path:
         pm = xproj.ProjectionMap.load(path, expect_student=student_fp, expect_teacher=teacher_fp)
@@ -95,9 +98,6 @@ def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, stu
 
 def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> StageData:
     """Open the caches (and the held-out set), pick each teacher's KD kind, load W, build this rank's loaders."""
-    from xtcache.fingerprint import tokenizer_fingerprint
-    from xtcache.store import CacheReader
-
     manifests = [CacheReader(c, storage_options=cfg.loader.storage_options).manifest for c in cfg.cache]
     student_fp = tokenizer_fingerprint(tokenizer)
     if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
@@ -150,9 +150,6 @@ def check_eval_caches(cfg: TrainConfig, manifests, tokenizer) -> None:
     alignment group for this student. One line naming --eval-cache and what differs, before any
     model loads.
     """
-    from stage2_student.loader import student_fingerprint
-    from xtcache.store import CacheReader
-
     for url, train_url, train in zip(cfg.eval.eval_cache, cfg.cache, manifests):
         reader = CacheReader(url, storage_options=cfg.loader.storage_options)
         held = reader.manifest
@@ -190,8 +187,6 @@ def _kinds_and_projections(cfg: TrainConfig, manifests, caps: list[Capabilities]
     and for cross-tokenizer ones without a map when the loss does not need one: logged)."""
     import deepspeed
     from transformers import AutoConfig
-
-    from stage2_student.losses import ProjectionOperator
 
     cross = [i for i, c in enumerate(caps) if not c.same_tokenizer]
     paths = list(cfg.loss.projection)
@@ -252,8 +247,6 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
     planning reads (unless --allow-incomplete)."""
     from transformers import AutoConfig
 
-    from stage2_student.loader import CacheDataset, CacheLoader
-
     limit = getattr(AutoConfig.from_pretrained(cfg.student), "max_position_embeddings", None)
     if limit is not None and cfg.loader.seq_len > limit:
         raise ConfigError(f"--seq-len {cfg.loader.seq_len} is above the student's max_position_embeddings {limit} "
@@ -268,7 +261,6 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
                             holdout_fraction=fraction, **common)
     train = CacheLoader(train_ds, num_workers=cfg.loader.num_workers)
     if cfg.loader.corpus_cache:  # GKD's lambda: each micro-batch from the rollouts or the corpus
-        from stage2_student.rollout_mix import MixedLoader
 
         corpus_ds = CacheDataset([cfg.loader.corpus_cache], tokenizer, grad_accum=cfg.optim.grad_accum,
                                  split="train", holdout_fraction=fraction, **common)
@@ -285,8 +277,6 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
 
 def _check_corpus(cfg: TrainConfig, rollouts, kind: str, student_fp: str) -> None:
     """--corpus-cache trains under the rollouts' objective: same teacher tokenizer, same KD kind."""
-    from xtcache.store import CacheReader
-
     corpus = CacheReader(cfg.loader.corpus_cache, storage_options=cfg.loader.storage_options).manifest
     fp = corpus.fingerprints.get("teacher_tokenizer")
     if fp != rollouts.fingerprints.get("teacher_tokenizer"):

@@ -38,9 +38,12 @@ import torch
 from stage2_student.batches import ShardSource
 from stage2_student.join import build_joined_batch, chunk_group_lengths, join_counts, join_segment
 from stage2_student.order import epoch_window_order, global_micro_batch, is_held_out
+from xtcache.chat.render import TRAIN_ON, chat_fingerprint, trained_roles
 from xtcache.errors import ConfigError, XtcacheError
-from xtcache.fingerprint import doc_id
+from xtcache.fingerprint import doc_id, tokenizer_fingerprint
 from xtcache.packing import pack
+from xtcache.store import CacheReader
+from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +76,9 @@ def student_fingerprint(tokenizer_or_path, *, chat: bool = False) -> str:
             ch in "0123456789abcdef" for ch in tokenizer_or_path):
         return tokenizer_or_path
     if chat:
-        from xtcache.chat.render import chat_fingerprint
-        from xtcache.tokenizer import load_tokenizer
-
         tok = load_tokenizer(tokenizer_or_path, "student tokenizer") if isinstance(tokenizer_or_path, str) \
             else tokenizer_or_path
         return chat_fingerprint(tok)
-    from xtcache.fingerprint import tokenizer_fingerprint
 
     return tokenizer_fingerprint(tokenizer_or_path)
 
@@ -132,8 +131,6 @@ class CacheDataset(torch.utils.data.IterableDataset):
                  split: str = "train", holdout_fraction: float = 0.0, epochs: int | None = None,
                  shuffle: bool | None = None, storage_options: dict | None = None, shard_cache: int = 2,
                  allow_incomplete: bool = False, missing: str = "drop", train_on: str | None = None):
-        from xtcache.store import CacheReader
-
         _check_settings(seq_len=seq_len, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size,
                         grad_accum=grad_accum, split=split, holdout_fraction=holdout_fraction, missing=missing)
         urls = [url] if isinstance(url, str) else list(url)
@@ -192,8 +189,6 @@ class CacheDataset(torch.utils.data.IterableDataset):
     def _resolve_student(self, readers, student, train_on: str | None) -> None:
         """`conversation` (all caches one kind), the student `fingerprint` that keys their alignment
         groups, and `train_on` (conversation caches: default assistant; plain text: None)."""
-        from xtcache.chat.render import TRAIN_ON
-
         kinds = {bool(r.manifest.conversation) for r in readers}
         if len(kinds) > 1:
             raise ConfigError(f"the caches {', '.join(self.urls)} mix conversation and plain-text caches: "
@@ -298,8 +293,6 @@ class CacheDataset(torch.utils.data.IterableDataset):
         al = reader.read_alignment(self.fingerprint, sid)
         trained = None
         if self.train_on is not None and al.student_role is not None:
-            from xtcache.chat.render import trained_roles
-
             trained = trained_roles(al.student_role, self.train_on)
         c_off, s_off = al.doc_chunk_offsets, al.doc_student_offsets
         return [(al.student_end[c_off[d]:c_off[d + 1]].astype(np.int64),
@@ -313,7 +306,6 @@ class CacheDataset(torch.utils.data.IterableDataset):
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        from xtcache.store import CacheReader
 
         cache = self.caches[cache_index]
         if cache_index not in self._readers:
@@ -335,8 +327,6 @@ class CacheDataset(torch.utils.data.IterableDataset):
                       student_ids=a.student_ids, student_end=a.student_end, teacher_end=a.teacher_end, exact=a.exact,
                       sampled_logprobs=a.sampled_logprobs)
             if self.train_on is not None:
-                from xtcache.chat.render import trained_roles
-
                 al["trained"] = trained_roles(a.student_role, self.train_on)
         src = ShardSource(doc_pos_offsets=sd.doc_pos_offsets, has_pred=sd.has_pred, topk_ids=sd.topk_ids,
                           topk_logprobs=sd.topk_logprobs, topk_counts=sd.topk_counts, residual=sd.residual,

@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor
 
+from xtcache.errors import ConfigError, XtcacheError
+
 
 def truncated_ratio(log_ps: Tensor, log_pb: Tensor, cap: float) -> Tensor:
     """w = min(exp(log p_s - log p_b), cap), computed in log space (no overflow), no gradient, [C].
@@ -59,7 +61,6 @@ def behaviour_rows(batch: dict, rows, is_cap: float) -> Tensor | None:
     sampling log-probs, or none at a trained row (a token the student did not sample)."""
     if is_cap <= 0:
         return None
-    from xtcache.errors import ConfigError, XtcacheError
 
     if SAMPLED_KEY not in batch:
         raise ConfigError(f"--loss rkl-pg with --is-cap {is_cap:g}: the micro-batch carries no sampling log-probs "

@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 from xtcache.errors import ConfigError
+from xtcache.tokenizer import load_tokenizer as load
 
 
 def setup_distributed() -> tuple[int, int, int]:
@@ -86,8 +87,6 @@ def teardown_distributed() -> None:
 
 def load_tokenizer(path: str | Path):
     """The student tokenizer exactly as stage 1 loaded it (see `xtcache.tokenizer`)."""
-    from xtcache.tokenizer import load_tokenizer as load
-
     return load(path, "student tokenizer")
 
 

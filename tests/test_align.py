@@ -23,10 +23,9 @@ from xtcache.align.chunks import (
     align_text,
     align_texts,
     alignment_stats,
-    encode_with_offsets,
     identity_alignment,
-    tokenizer_info,
 )
+from xtcache.align.tokenizer import encode_with_offsets, tokenizer_info
 from xtcache.errors import AlignmentError, XtcacheError
 
 PIECES = ["a", "Z", "é", "ß", "ñ", "ж", "Ω", "ا", "ب", "中", "文", "字", "日本", "😀", "👍🏽", "🇫🇷", "\u0301",

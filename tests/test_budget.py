@@ -209,13 +209,12 @@ def fake_gpu(monkeypatch):
 
 def test_preflight_refuses_before_any_engine_starts(tmp_path, fake_gpu, monkeypatch):
     from stage1_teacher.capture import run as capture
-    from stage1_teacher.capture import vllm_engine as capture_vllm
 
     def no_engine(*a, **k):
         raise AssertionError("an engine started")
 
-    monkeypatch.setattr(capture_vllm, "VllmPromptLogprobEngine", no_engine)
-    monkeypatch.setattr(capture_vllm, "VllmHiddenEngine", no_engine)
+    monkeypatch.setattr(capture, "VllmPromptLogprobEngine", no_engine)
+    monkeypatch.setattr(capture, "VllmHiddenEngine", no_engine)
     cfg = _cfg(_tiny_teacher(tmp_path / "t"))
     with pytest.raises(ConfigError, match=r"^--gpu-memory-utilization 0.8 leaves 0.4 GiB on cuda:0 outside vLLM; "
                                           r".*need 1.0 GiB: lower --gpu-memory-utilization to 0.49 "

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from schemas.roles import LAST_ASSISTANT, ROLE_ASSISTANT
 from tests.commands import xtcache
-from xtcache.chat.layout import align_conversations, misaligned_chars
+from xtcache.chat.check import misaligned_chars
+from xtcache.chat.layout import align_conversations
 from xtcache.chat.render import render, renderings
 from xtcache.chat.spans import shared_pieces
 from xtcache.testing.chat import FAMILIES, chat_corpus, chat_tokenizer, write_chat_jsonl
@@ -258,8 +259,8 @@ def test_chat_corpus_through_dump_and_align_has_no_misaligned_characters(chat_ru
     assert r.manifest.conversation and r.manifest.format_version == FORMAT_VERSION and r.is_complete()
     summary = store_summary(str(chat_run["store"]))
     third = chat_fingerprint(load_tokenizer(str(chat_run["third_tok"])))
-    assert set(summary["conversation"]) == {chat_fingerprint(load_tokenizer(str(chat_run["student_tok"]))), third}
-    for c in summary["conversation"].values():
+    assert set(summary.conversation) == {chat_fingerprint(load_tokenizer(str(chat_run["student_tok"]))), third}
+    for c in summary.conversation.values():
         assert c["misaligned_chars"] == 0 and c["content_chars"] > 0
         assert c["role_assistant"] > 0 and c["role_template"] > 0
         assert 0 < c["trained_share"]["last-assistant"] < c["trained_share"]["assistant"] < 1

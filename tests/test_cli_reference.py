@@ -1,4 +1,4 @@
-"""The README's CLI reference and the frozen CLI surface are the ones the typer app generates.
+"""The CLI reference (docs/cli.md) and the frozen CLI surface are the ones the typer app generates.
 
 `docs/cli-surface.json` lists every command's arguments and flags with type, default and whether
 they are required or repeatable; users' scripts depend on exactly this, so a change to it must be
@@ -9,12 +9,12 @@ import json
 
 from xtcache.app import clidoc
 
-REGENERATE = "run `python -m xtcache.app.clidoc --write` and review the diff (README.md, docs/cli-surface.json)"
+REGENERATE = "run `python -m xtcache.app.clidoc --write` and review the diff (docs/cli.md, docs/cli-surface.json)"
 
 
-def test_readme_cli_reference_matches_the_app():
-    text = clidoc.README.read_text(encoding="utf-8")
-    assert clidoc.readme_section(text) == clidoc.cli_reference_markdown(), f"README.md's CLI reference is stale: {REGENERATE}"
+def test_cli_reference_matches_the_app():
+    text = clidoc.REFERENCE.read_text(encoding="utf-8")
+    assert clidoc.reference_section(text) == clidoc.cli_reference_markdown(), f"docs/cli.md's CLI reference is stale: {REGENERATE}"
 
 
 def test_cli_surface_is_frozen():

@@ -255,7 +255,7 @@ def test_cache_key_names_the_capture_engine_its_version_and_tensor_parallel_size
     one is not another's."""
     import vllm
 
-    from stage1_teacher.dump import make_plan
+    from stage1_teacher.plan import make_plan
 
     data = two_jsonl(toy_setup, tmp_path / "data")
     base = {"teacher": teacher, "student_tokenizer": [str(toy_setup.student_tokenizer)], "data": [str(data[0])],

@@ -245,8 +245,8 @@ def test_the_extraction_finds_the_documented_commands():
     found = {c.where: c for c in COMMANDS}
     heads = {(c.where.split(":")[0], c.args[0]) for c in COMMANDS}
     walkthrough = [c for c in COMMANDS if c.where.startswith("README.md:") and not c.inline]
-    assert [c.args[0] for c in walkthrough][:7] == ["teacher-dump", "inspect", "verify", "projection",
-                                                    "train-student", "train-student", "generate"]
+    assert [c.args[0] for c in walkthrough][:8] == ["teacher-dump", "inspect", "verify", "projection",
+                                                    "train-student", "train-student", "align", "generate"]
     assert "--student" in walkthrough[5].args  # the two-teacher run, joined over its continuation lines
     assert ("docs/scaling.md", "teacher-dump") in heads and ("docs/scaling.md", "train-student") in heads  # YAML, torchrun
     assert ("docs/on-policy.md", "rounds") in heads and ("docs/store.md", "align") in heads  # indented, `$ ` prompt

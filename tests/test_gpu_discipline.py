@@ -228,8 +228,8 @@ def test_a_check_record_names_where_it_was_made(monkeypatch):
 def test_a_record_whose_fields_differ_from_its_key_is_refused(tmp_path):
     from schemas.models import CaptureCheck
     from stage1_teacher.capture.run import check_key
+    from stage1_teacher.check_records import CheckRecords
     from stage1_teacher.config import TeacherConfig
-    from stage1_teacher.dump import CheckRecords
     from xtcache.errors import CorruptionError
 
     what = check_key("w", TeacherConfig(teacher="t", dtype="float32"))

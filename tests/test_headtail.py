@@ -311,5 +311,5 @@ def test_teacher_dump_headtail_end_to_end(tmp_path, toy_setup):
     from xtcache.app.store_commands import store_summary, verify_store
 
     assert verify_store(str(out)) == []
-    m = store_summary(str(out))["manifest"]
+    m = store_summary(str(out)).manifest
     assert (m.mode, m.top_k, m.num_samples, m.settings["seed"]) == ("headtail", K, N, 0)

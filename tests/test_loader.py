@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from schemas.models import AlignGroupMeta, Manifest
 from stage2_student import loader as L
 from stage2_student.order import epoch_window_order, global_micro_batch, is_held_out
-from xtcache.align.chunks import align_text, encode_with_offsets
+from xtcache.align.chunks import align_text
+from xtcache.align.tokenizer import encode_with_offsets
 from xtcache.errors import ConfigError
 from xtcache.fingerprint import tokenizer_fingerprint
 from xtcache.packing import pack_documents
@@ -358,7 +359,7 @@ def test_packed_documents_do_not_see_each_other(store, toy_setup):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stage2_student.trainer import model_inputs
+    from stage2_student.student import model_inputs
 
     url, fp = store
     batches = _all_batches(L.CacheLoader(_dataset(url, fp, epochs=1)))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.commands import xtcache
-from xtcache.align.chunks import tokenizer_info
+from xtcache.align.tokenizer import tokenizer_info
 from xtcache.errors import ProjectionError
 from xtcache.projection import ProjectionMap, build_projection, coverage, format_report, import_nemo
 

@@ -193,7 +193,7 @@ def test_sampled_ids_that_spell_the_turn_are_spliced_others_counted(rollouts, tm
     stored, _, lp = docs[other]
     assert stored[np.isfinite(lp)].tolist() == ids and np.all(lp[np.isfinite(lp)] == -0.5)
     assert sum(int(np.isfinite(lp).sum()) > 0 for _, _, lp in docs.values()) == 7
-    assert store_summary(str(store))["conversation"][fp]["misaligned_chars"] == 0
+    assert store_summary(str(store)).conversation[fp]["misaligned_chars"] == 0
     assert ("not the re-tokenized ids 2 (spliced, trained on the sampled ids: 1; not spelling the turn's text, "
             "no sampling log-probs: 1)") in _cli("inspect", store).stdout
 
@@ -252,7 +252,7 @@ def test_non_canonical_sampled_ids_are_stored_aligned_and_trained_with_the_ratio
         sampled = np.flatnonzero(np.isfinite(lp))
         assert ids[sampled].tolist() == row["sampled_ids"] and np.all(np.diff(sampled) == 1)
         assert np.array_equal(np.flatnonzero(trained_roles(roles, "last-assistant")), sampled)
-    assert store_summary(str(store))["conversation"][fp]["misaligned_chars"] == 0
+    assert store_summary(str(store)).conversation[fp]["misaligned_chars"] == 0
     assert _cli("verify", store).returncode == 0
     _train(procs, setup, store, tmp_path / "run", "--is-cap", "2")
     train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())

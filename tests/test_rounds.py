@@ -117,7 +117,7 @@ def _assert_rounds_aligned(workdir: Path, setup, *, rollouts: int) -> None:
         cache = workdir / f"round-{r:03d}" / "cache"
         inspect = xtcache("inspect", cache)
         assert inspect.returncode == 0 and "misaligned chars" in inspect.stdout, inspect.stderr[-2000:]
-        assert store_summary(str(cache))["conversation"][fp]["misaligned_chars"] == 0
+        assert store_summary(str(cache)).conversation[fp]["misaligned_chars"] == 0
         reader = CacheReader(str(cache))
         seen = 0
         for shard in reader.shards:
@@ -200,14 +200,14 @@ def _cfg(tmp_path, **kw):
 def test_teacher_dump_flags_of_every_round_and_the_check_trusted_after_round_0(tmp_path):
     from xtcache.app.rounds import stage_command
 
-    cfg = _cfg(tmp_path, engine="vllm", dump_args=["--top-k", "32"])
+    cfg = _cfg(tmp_path, engine="vllm", dump_args="--top-k 32")
     first, later = stage_command(cfg, 0, "teacher-dump"), stage_command(cfg, 1, "teacher-dump")
     assert first[-2:] == later[-2:] == ["--top-k", "32"] and "--trust-check-from" not in first
     assert later[later.index("--trust-check-from") + 1] == str(tmp_path / "w" / "round-000" / "cache")
-    no_check = stage_command(_cfg(tmp_path, engine="vllm", dump_args=["--no-fast-path"]), 1, "teacher-dump")
+    no_check = stage_command(_cfg(tmp_path, engine="vllm", dump_args="--no-fast-path"), 1, "teacher-dump")
     assert "--trust-check-from" not in no_check  # no fast path: no first-batch check to trust
     with pytest.raises(ValueError, match="--out set by xtcache rounds"):
-        _cfg(tmp_path, dump_args=["--out", "elsewhere"])
+        _cfg(tmp_path, dump_args="--out elsewhere")
 
 
 def test_a_workdir_refuses_other_settings_changed_outputs_and_owned_flags(killed_run, chat, tmp_path):
@@ -268,7 +268,7 @@ def test_a_rerun_may_change_the_settings_of_unfinished_stages_and_a_refusal_name
         _finish(_cfg(tmp_path, max_new_tokens=9), 0, stage)
     with pytest.raises(ConfigError, match=r"^--workdir \S+: no --dump-args -> --dump-args '--top-k 8' changes round 0 "
                                           r"teacher-dump, which has finished"):
-        check_settings(_cfg(tmp_path, max_new_tokens=9, train_args=["--lr", "1e-3"], dump_args=["--top-k", "8"]))
+        check_settings(_cfg(tmp_path, max_new_tokens=9, train_args=["--lr", "1e-3"], dump_args="--top-k 8"))
 
 
 def test_a_stage_started_with_other_settings_starts_again_from_nothing(tmp_path):

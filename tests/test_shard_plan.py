@@ -236,7 +236,7 @@ def test_a_run_fetches_each_parquet_footer_once(teacher, toy_setup, parquet_corp
     fs_cls.reads.clear()
     counts = _dump(teacher, urls, tmp_path / "store", [toy_setup.student_tokenizer], num_shards=2, shard_index=0,
                    dry_run=True)
-    assert counts["documents"] > 0
+    assert counts.documents > 0
     size = {p: os.path.getsize(p) for p in parquet_corpus}
     footers = Counter(p for p, start, end in fs_cls.reads if end == size[p] and start > 0)
     assert footers == Counter(parquet_corpus)  # every file once (each file's first rows are checked)
@@ -385,7 +385,7 @@ def test_each_job_checks_the_first_rows_of_its_own_files_only(teacher, toy_setup
     assert [{r.file for r in job} for job in plan.jobs] == [{0}, {1}]
     counts = _dump(teacher, [str(good), str(bad)], tmp_path / "s", [toy_setup.student_tokenizer], num_shards=2,
                    shard_index=0, dry_run=True)
-    assert counts["documents"] == 8
+    assert counts.documents == 8
     with pytest.raises(ConfigError, match=r"--data .*b\.jsonl: none of its first 8 rows is a usable document"):
         _dump(teacher, [str(good), str(bad)], tmp_path / "s", [toy_setup.student_tokenizer], num_shards=2,
               shard_index=1, dry_run=True)

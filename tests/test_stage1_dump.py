@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from stage1_teacher.config import build_config
-from stage1_teacher.dump import Summary, run_teacher_dump
+from stage1_teacher.dump import run_teacher_dump
+from stage1_teacher.summary import Summary
 from tests.commands import WarmProcs, xtcache
 from xtcache.errors import CaptureError, ConfigError, StoreError
 
@@ -152,12 +153,12 @@ def test_same_request_twice_reuses_the_cache(teacher, corpus, toy_setup, tmp_pat
     first = run_teacher_dump(build_config(values), progress=False)
     assert not first.reused and first.documents == 24
 
-    import stage1_teacher.capture.run as capture
+    import stage1_teacher.pipeline as pipeline
 
     def no_teacher(*a, **k):
         raise AssertionError("the teacher must not run for a cached request")
 
-    monkeypatch.setattr(capture, "open_capture", no_teacher)
+    monkeypatch.setattr(pipeline, "open_capture", no_teacher)
     again = run_teacher_dump(build_config(values), progress=False)
     assert again.reused and again.store == first.store
     assert any("no teacher work" in line for line in again.lines())

@@ -241,7 +241,8 @@ def test_config_file_flat_or_sectioned(tmp_path, suffix, text):
         read_config_file(config.TeacherDumpConfig, str(p))
 
 
-def test_cli_flags_win_over_config_file(tmp_path):
+def test_cli_flags_win_over_config_file(tmp_path, monkeypatch):
+    from stage1_teacher.dry_run import DryRun
     from tests.commands import xtcache
 
     p = tmp_path / "c.yaml"
@@ -254,18 +255,12 @@ def test_cli_flags_win_over_config_file(tmp_path):
 
     def fake_run(cfg, **_):
         seen["cfg"] = cfg
-        return {"documents": 0, "positions": 0, "windows": 0, "student_tokens": 0, "chunks": 0,
-                "estimated_bytes_before_compression": 0, "bytes_per_position_before_compression": 0,
-                "skipped": {}, "store": "o"}
+        return DryRun(store="o", cache_key="k")
 
-    import stage1_teacher.dump as dump
+    import stage1_teacher.cli
 
-    orig = dump.run_teacher_dump
-    dump.run_teacher_dump = fake_run
-    try:
-        r = xtcache("teacher-dump", "--config", p, "--top-k", "4")
-    finally:
-        dump.run_teacher_dump = orig
+    monkeypatch.setattr(stage1_teacher.cli, "run_teacher_dump", fake_run)
+    r = xtcache("teacher-dump", "--config", p, "--top-k", "4")
     assert r.returncode == 0, r.stdout + r.stderr
     assert seen["cfg"].capture.top_k == 4 and seen["cfg"].capture.mode == "full"
 

@@ -355,7 +355,7 @@ def test_inspect_verify_and_cache_ls_commands(tmp_path):
     from xtcache.app.store_commands import store_summary
 
     on_disk = sum(f.stat().st_size for f in Path(url).rglob("*") if f.is_file())
-    assert store_summary(url)["bytes_per_position"] == on_disk / 101
+    assert store_summary(url).bytes_per_position == on_disk / 101
     assert f"{on_disk / 101:.1f} B/position (every file of the store" in out.stdout, out.stdout
 
     ok = xtcache("verify", url)

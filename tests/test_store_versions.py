@@ -51,7 +51,7 @@ def test_a_version_1_store_reads_and_verifies():
     al = r.read_alignment("a" * 64, r.shards[0].shard_id, verify=True)
     assert al.student_role is None and al.student_ids.shape[0] == 5
     assert verify_store(str(V1)) == []
-    assert store_summary(str(V1))["conversation"] == {}
+    assert store_summary(str(V1)).conversation == {}
 
 
 def test_a_group_added_to_a_version_1_store_keeps_version_1(tmp_path):

@@ -10,7 +10,8 @@ command line, then the `--config` file (YAML, TOML or JSON), then the dataclass 
     train_student = command(TrainConfig, run, name="train_student", help="Train a student ...")
 
 A leaf whose field carries `metadata={"positional": True}` is a command-line argument instead of
-a flag (`xtcache align STORE`). Leaf types and their flags: `int`, `float`, `str` (`X | None` for
+a flag (`xtcache align STORE`); one with `metadata={"after_dashes": True}` (a `list[str]`) takes the
+arguments after `--`, which the command passes on to another one (`xtcache rounds ... -- --lr 1e-4`). Leaf types and their flags: `int`, `float`, `str` (`X | None` for
 optional ones), `bool` and `bool | None` (`--x/--no-x`), `list[str]` (repeatable), `dict` (a JSON
 object on the command line, read by `parse_storage_options`, a mapping in a config file). A leaf
 without a default is required: given as a flag or in the file. Bad values raise ConfigError naming the flag (one line,
@@ -65,6 +66,7 @@ class Leaf:
     default: Any  # dataclasses.MISSING when required
     help: str
     positional: bool = False  # a command-line argument (field metadata {"positional": True}), not a flag
+    after_dashes: bool = False  # takes the arguments after `--` (field metadata {"after_dashes": True})
 
     @property
     def flag(self) -> str:
@@ -125,7 +127,8 @@ def leaf_fields(cls: type) -> dict[str, Leaf]:
             if f.name not in docs:
                 raise TypeError(f"{owner.__name__}.{f.name}: give the field a docstring (it is the flag's help)")
             out[f.name] = Leaf(f.name, section, hints[f.name], _default(f), docs[f.name],
-                               positional=bool(f.metadata.get("positional")))
+                               positional=bool(f.metadata.get("positional")),
+                               after_dashes=bool(f.metadata.get("after_dashes")))
     return out
 
 
@@ -323,6 +326,8 @@ def command(cls: type, run: Callable[[Any], None], *, name: str, help: str,
                                                      help="YAML/TOML/JSON file of settings (keys as the flags, "
                                                           "flat or by section); flags given here win."))]
     for leaf in leaves.values():
+        if leaf.after_dashes:
+            continue
         annotation, option = _option(leaf, panels.get(leaf.section))
         params.append(inspect.Parameter(leaf.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                         annotation=annotation, default=option))
@@ -333,6 +338,7 @@ def command(cls: type, run: Callable[[Any], None], *, name: str, help: str,
             source = getattr(ctx.get_parameter_source(key), "name", "")  # typer may ship its own click enum
             if source in _EXPLICIT_SOURCES:
                 values[key] = value
+        values.update({leaf.name: list(ctx.args) for leaf in leaves.values() if leaf.after_dashes and ctx.args})
         try:
             cfg = from_flat(cls, values)
         except (ValueError, TypeError, *on_error) as err:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from xtcache.errors import ConfigError
+
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
@@ -45,8 +47,6 @@ def job_devices(tensor_parallel_size: int, env=None, device_count=None) -> str |
     existing CUDA_VISIBLE_DEVICES list is sliced). One job per node, or no launcher: None (the
     job keeps every visible device). Too few devices for the node's jobs: ConfigError.
     """
-    from xtcache.errors import ConfigError
-
     env = os.environ if env is None else env
     local_world = int(env.get("LOCAL_WORLD_SIZE") or 1)
     if "LOCAL_RANK" not in env or local_world <= 1:

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from xtcache.errors import ConfigError
+from xtcache.location import file_system, is_local
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +146,6 @@ class FileHasher:
                ) -> FileDigest:
         """The digest of the file (or of its bytes [lo, hi) with `span`); a recorded digest of the same
         span with the file's current validator is returned as is."""
-        from xtcache.location import file_system, is_local
-
         t0 = time.perf_counter()
         fs, path = file_system(url, self.storage_options)
         local = is_local(url)

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from xtcache.errors import XtcacheError
+from xtcache.file_digest import FileHasher
+from xtcache.location import file_system
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -98,9 +100,6 @@ def corpus_fingerprint(files: Iterable[str | os.PathLike], storage_options: dict
     base name give the same fingerprint wherever they live. Digests come from `hasher`
     (`xtcache.file_digest.FileHasher`: hash cache, validators, else one full read per file).
     """
-    from xtcache.file_digest import FileHasher
-    from xtcache.location import file_system
-
     hasher = hasher or FileHasher(storage_options)
     digests = []
     for f in files:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xtcache.align.chunks import ROLE_BOS, ROLE_EOS, ROLE_PAD, ROLE_UNK, TokenizerInfo, tokenizer_info
+from xtcache.align.tokenizer import ROLE_BOS, ROLE_EOS, ROLE_PAD, ROLE_UNK, TokenizerInfo, tokenizer_info
 from xtcache.errors import ProjectionError
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from xtcache.align.tokenizer import require_fast
 from xtcache.errors import ConfigError
 
 
@@ -22,8 +23,6 @@ def load_tokenizer(path: str | os.PathLike, side: str = "tokenizer"):
     `side` names it in error messages ("teacher tokenizer", "student tokenizer", ...).
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    from xtcache.align.chunks import require_fast
 
     path = str(path)
     try:

@@ -29,7 +29,8 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from stage1_teacher.capture.head import block_rows
+from stage1_teacher.capture.head import block_rows, read_config, weight_files
+from xtcache import devices
 from xtcache.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,6 @@ class TeacherShape:
     @classmethod
     def read(cls, model_dir: str) -> "TeacherShape":
         """From a Hugging Face model directory, reading only config.json and the safetensors headers."""
-        from stage1_teacher.capture.head import read_config, weight_files
-
         cfg = read_config(model_dir)
         text = cfg.get("text_config", cfg)
         float_params, other = 0, 0
@@ -286,9 +285,7 @@ class _nvml_session:
 
 def device_memory_used(count: int) -> list[int] | None:
     """Used bytes of the first `count` visible CUDA devices (NVML); None off CUDA or without NVML (logged)."""
-    from xtcache.devices import cuda_present
-
-    if not cuda_present():
+    if not devices.cuda_present():
         return None
     try:
         return [used for _, used in nvml_memory(physical_indices(count))]

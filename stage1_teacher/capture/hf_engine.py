@@ -18,6 +18,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from stage1_teacher.capture.head import weight_files
+from xtcache.devices import compute_device
 from xtcache.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -42,12 +44,9 @@ class HfEngine:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from stage1_teacher.capture.head import weight_files
-
         weight_files(model_dir)  # refuse teachers without safetensors before loading anything
         if dtype not in DTYPES:
             raise CaptureError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
-        from xtcache.devices import compute_device
 
         self.device = compute_device()
         torch_dtype = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else torch.float32

@@ -20,8 +20,12 @@ import os
 import tempfile
 from collections import Counter
 
+from stage1_teacher.capture import budget as b
+from stage1_teacher.capture.head import HEAD_ARCHITECTURES, read_config
 from stage1_teacher.corpus import Corpus, Skipped, iter_file
+from xtcache import devices
 from xtcache.errors import ConfigError
+from xtcache.location import is_local, local_path
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +105,6 @@ def writable_location(flag: str, url: str, storage_options: dict | None) -> None
     Probes with a temporary file in the nearest existing directory and removes it: nothing stays
     behind. Remote URLs are checked when first written (their permissions cannot be probed for free).
     """
-    from xtcache.location import is_local, local_path
-
     if not is_local(url):
         return
     path = local_path(url)
@@ -138,12 +140,8 @@ def check_device_memory(cfg, opts, *, window_len: int, k: int, reference_check: 
     """On CUDA with --engine vllm: refuse (ConfigError, one line with the numbers and the flag to
     change) a configuration whose memory budget does not fit cuda:0; returns the Budget (None when
     not checked). `opts`: the engines' `capture_vllm.VllmOptions`. Device memory comes from NVML, so CUDA stays uninitialised for vLLM's fork."""
-    from stage1_teacher.capture import budget as b
-    from stage1_teacher.capture.head import HEAD_ARCHITECTURES, read_config
-    from xtcache.devices import cuda_present
-
     t, c = cfg.teacher, cfg.capture
-    if t.engine != "vllm" or not cuda_present():
+    if t.engine != "vllm" or not devices.cuda_present():
         return None  # on a CPU host vLLM's share is host memory: nothing to budget on a device
     if not t.memory_check:
         log.warning("--no-memory-check: device memory not budgeted; an over-budget configuration fails when vLLM "

@@ -28,9 +28,27 @@ import numpy as np
 
 from schemas.models import DRAWN_MODES
 from stage1_teacher.capture import budget, preflight
-from stage1_teacher.capture.head import Targets, TeacherHead, UnsupportedHead, block_rows, distill_targets, sample_seed
+from stage1_teacher.capture.head import (
+    Targets,
+    TeacherHead,
+    UnsupportedHead,
+    block_rows,
+    distill_targets,
+    read_config,
+    sample_seed,
+)
+from stage1_teacher.capture.hf_engine import FORWARD_TOKENS, HfEngine
+from stage1_teacher.capture.vllm_engine import (
+    VllmHiddenEngine,
+    VllmPromptLogprobEngine,
+    platform_name,
+    requested_model_runner,
+    resolved_eager,
+    vllm_options,
+)
 from xtcache.devices import compute_device
 from xtcache.errors import CaptureError
+from xtcache.fingerprint import canonical_sha256
 
 log = logging.getLogger(__name__)
 
@@ -266,9 +284,6 @@ def check_key(teacher_model: str, teacher) -> dict:
     """
     import vllm
 
-    from stage1_teacher.capture.vllm_engine import platform_name, requested_model_runner, resolved_eager
-    from xtcache.fingerprint import canonical_sha256
-
     d = {"teacher_model": teacher_model, "vllm_version": vllm.__version__, "platform": platform_name(),
          "model_runner_requested": requested_model_runner(), "enforce_eager": resolved_eager(teacher.enforce_eager),
          "dtype": teacher.dtype, "tensor_parallel_size": teacher.tensor_parallel_size}
@@ -298,15 +313,11 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
         return engines.get(key, factory) if engines is not None else factory()
 
     if t.engine == "hf":
-        from stage1_teacher.capture.hf_engine import FORWARD_TOKENS, HfEngine
-
         eng = make(("hf", t.teacher, t.dtype), lambda: HfEngine(t.teacher, dtype=t.dtype,
                                                                 batch_tokens=min(c.batch_tokens, FORWARD_TOKENS)))
         cap = Capture(engine=eng, kind="logits", path="transformers forward + torch top-k", **common)
         cap.start_seconds = time.perf_counter() - t0
         return cap
-
-    from stage1_teacher.capture.vllm_engine import VllmHiddenEngine, VllmPromptLogprobEngine, vllm_options
 
     opts = vllm_options(cfg, max_model_len)
     preflight.check_device_memory(cfg, opts, window_len=window_len, k=k, reference_check=trusted is None)
@@ -345,8 +356,6 @@ def _checked_fast_path(cfg, head: TeacherHead, sample: list, make, *, model_voca
     """The vLLM fast path, checked on `sample` against a prompt-log-probs reference engine that is
     started (and, when `owned`, closed and its memory released) before the hidden-state engine;
     the head moves to the device only once that engine has started."""
-    from stage1_teacher.capture.vllm_engine import VllmHiddenEngine, VllmPromptLogprobEngine
-
     t = cfg.teacher
     before = budget.device_memory_used(t.tensor_parallel_size)  # None off CUDA
     ref_engine = make(("vllm-plp", opts, CHECK_K), lambda: VllmPromptLogprobEngine(opts, min(CHECK_K, model_vocab)))
@@ -396,7 +405,5 @@ def _torch_dtype(name: str):
 
 
 def _model_vocab(model_dir: str, default: int) -> int:
-    from stage1_teacher.capture.head import read_config
-
     cfg = read_config(model_dir)
     return int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or default)

@@ -35,16 +35,19 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from stage1_teacher.capture.head import TeacherHead
 from stage1_teacher.capture.progress import CallPacer
+from xtcache import devices
+from xtcache.devices import compute_device
+from xtcache.errors import CaptureError
+from xtcache.reaper import guard_children
 
 log = logging.getLogger(__name__)
 
 
 def on_cuda() -> bool:
     """A CUDA device is there (asked through NVML: nothing is initialised before the engine forks)."""
-    from xtcache.devices import cuda_present
-
-    return cuda_present()
+    return devices.cuda_present()
 
 
 def resolved_eager(enforce_eager: bool | None) -> bool:
@@ -117,8 +120,6 @@ class _VllmEngine:
     def __init__(self, options: VllmOptions, **extra):
         from vllm import LLM
 
-        from xtcache.reaper import guard_children
-
         kw = options.llm_kwargs()
         kw.update(extra)
         log.info("starting vLLM (%s) for %s", self.name, options.model)
@@ -181,8 +182,6 @@ class VllmHiddenEngine(_VllmEngine):
         for w, o in zip(windows, outs):
             data = o.outputs.data
             if data.shape[0] != len(w):
-                from xtcache.errors import CaptureError
-
                 raise CaptureError(f"vLLM pooling returned {data.shape[0]} hidden states for a window of "
                                    f"{len(w)} tokens; the pooling runner must return every position")
             result.append(data)
@@ -223,8 +222,6 @@ def parse_flat(flat, n_tokens: int) -> PromptLogprobs:
     starts = np.asarray(flat.start_indices[1:], dtype=np.int64)
     ends = np.asarray(flat.end_indices[1:], dtype=np.int64)
     if len(starts) != n_tokens - 1:
-        from xtcache.errors import CaptureError
-
         raise CaptureError(f"vLLM returned prompt log-probs for {len(starts) + 1} positions of a "
                            f"{n_tokens}-token window")
     width = int(ends[0] - starts[0]) if len(starts) else 1
@@ -244,8 +241,6 @@ def main(argv: list[str]) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from stage1_teacher.capture.head import TeacherHead
-
     logging.basicConfig(level=logging.INFO)
     model = argv[0]
     tok = AutoTokenizer.from_pretrained(model)
@@ -261,7 +256,6 @@ def main(argv: list[str]) -> None:
         hidden = fast.run(windows)
     finally:
         fast.close()
-    from xtcache.devices import compute_device
 
     head = TeacherHead.load(model, "cpu").to(compute_device())
     for w, h, r in zip(windows, hidden, want):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xtcache.errors import ConfigError, StoreError
-from xtcache.location import file_system, is_local
+from xtcache.location import file_system, is_local, local_path
 
 PARQUET = (".parquet",)
 ARROW = (".arrow", ".feather", ".ipc")
@@ -181,8 +181,6 @@ class Corpus:
     def count_lines(self, fi: int) -> int | None:
         """Newlines of local file `fi` (a read of the file: for a progress bar's ETA); None when it is
         remote or cannot be read."""
-        from xtcache.location import local_path
-
         url = self.files[fi].url
         if not is_local(url):
             return None

@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from stage1_teacher.corpus.files import Corpus, read_lines
-from xtcache.errors import ConfigError
+from xtcache.chat.render import conversation_json, parse_conversation
+from xtcache.errors import ConfigError, StoreError
 from xtcache.fingerprint import content_hash, doc_id
+from xtcache.location import file_system, is_local
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,6 @@ TOOLS_FIELD = "tools"
 
 
 def _conversation_of(source: str, row: int, messages, tools=None, sampled: Sampled | None = None) -> Document | Skipped:
-    from xtcache.chat.render import conversation_json, parse_conversation
-
     if messages is None:
         return Skipped(source, row, "missing messages field")
     conv = parse_conversation(messages, tools)
@@ -142,8 +142,6 @@ def _iter_parquet(f, path: str, source: str, text_field: str, batch_rows: int, g
     `metadata`: the file's footer (pyarrow FileMetaData) when the corpus has read it already.
     """
     import pyarrow.parquet as pq
-
-    from xtcache.errors import StoreError
 
     pf = pq.ParquetFile(f, metadata=metadata)
     column = messages_field or text_field
@@ -264,8 +262,6 @@ def iter_corpus(files: Corpus | list[str], text_field: str = "text", *, batch_ro
 def iter_file(corpus: Corpus, fi: int, batch_rows: int = 1024, groups: tuple[int, int] | None = None,
               planned: tuple | None = None) -> Iterator[Document | Skipped]:
     """The rows of file `fi` (Parquet: of row groups `groups`, planned as `planned`; None: all)."""
-    from xtcache.location import file_system, is_local
-
     url, source, fmt = corpus.files[fi].url, corpus.files[fi].name, corpus.files[fi].format
     text_field, messages_field = corpus.text_field, corpus.messages_field
     if fmt == "arrow" and is_local(url):

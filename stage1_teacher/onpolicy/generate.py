@@ -19,6 +19,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from stage1_teacher.capture.preflight import open_corpus
+from stage1_teacher.corpus import Skipped, iter_corpus
 from stage1_teacher.onpolicy.generate_config import GenerateConfig
 from stage1_teacher.onpolicy.rollouts import (
     ROLLOUT_FORMAT,
@@ -34,7 +36,13 @@ from stage1_teacher.onpolicy.rollouts import (
     rollout_row,
     write_part,
 )
+from stage1_teacher.onpolicy.samplers import HfSampler, VllmSampler
+from stage1_teacher.shard_plan import obtain_plan
 from xtcache.errors import ConfigError, StoreError
+from xtcache.fingerprint import listing_fingerprint
+from xtcache.location import Location
+from xtcache.store.claims import Claim, writer_claim_path
+from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +74,6 @@ class GenerateSummary:
 
 def prompt_parts(items, size: int) -> Iterator[tuple[int, list]]:
     """(part index, documents) of a job's stream; a row that is not a usable prompt is refused."""
-    from stage1_teacher.corpus import Skipped
-
     part, docs = 0, []
     for item in items:
         if isinstance(item, Skipped):
@@ -82,8 +88,6 @@ def prompt_parts(items, size: int) -> Iterator[tuple[int, list]]:
 
 
 def _manifest(cfg: GenerateConfig, policy: dict, corpus) -> dict:
-    from xtcache.fingerprint import listing_fingerprint
-
     return {"kind": "xtcache-rollouts", "format_version": ROLLOUT_FORMAT, "policy": policy["policy"],
             "model_fingerprint": policy["model"], "chat_fingerprint": policy["chat"],
             "sampling": policy_settings(cfg.sampling), "student": str(cfg.student), "engine": cfg.engine,
@@ -93,8 +97,6 @@ def _manifest(cfg: GenerateConfig, policy: dict, corpus) -> dict:
 
 
 def _sampler(cfg: GenerateConfig, tokenizer):
-    from stage1_teacher.onpolicy.samplers import HfSampler, VllmSampler
-
     if cfg.engine == "hf":
         return HfSampler(cfg.student, tokenizer, dtype=cfg.dtype)
     return VllmSampler(cfg.student, tokenizer, dtype=cfg.dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -104,8 +106,6 @@ def _sampler(cfg: GenerateConfig, tokenizer):
 def _open_writer(cfg: GenerateConfig, loc, writer: int):
     """This writer's claim, taken (or taken over with --resume), and its committed parts; None when
     the writer is done already and --resume was given."""
-    from xtcache.store.claims import Claim, writer_claim_path
-
     o = cfg.output
     if loc.exists(done_name(writer)):
         if o.resume:
@@ -123,12 +123,6 @@ def _open_writer(cfg: GenerateConfig, loc, writer: int):
 
 def run_generate(cfg: GenerateConfig) -> GenerateSummary:
     """Generate this job's parts of the rollouts (see the module docstring)."""
-    from stage1_teacher.capture.preflight import open_corpus
-    from stage1_teacher.corpus import iter_corpus
-    from stage1_teacher.shard_plan import obtain_plan
-    from xtcache.location import Location
-    from xtcache.tokenizer import load_tokenizer
-
     o, w = cfg.output, cfg.output.shard_index
     corpus = open_corpus(cfg)
     for f in corpus.files:  # before the student is loaded: refused in a second

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stage1_teacher.config import InputConfig, data_options, expand_globs
+from stage1_teacher.shard_plan import launcher_index
 from xtcache.cliconfig import from_flat
 
 GEN_ENGINES = ("vllm", "hf")
@@ -87,8 +88,6 @@ class GenerateConfig:
         if o.num_shards is not None and o.num_shards < 1:
             raise ValueError(f"--num-shards {o.num_shards}: must be at least 1")
         if not o.shard_source:
-            from stage1_teacher.shard_plan import launcher_index
-
             o.shard_index, o.num_shards, o.shard_source = launcher_index(o.shard_index, o.num_shards)
         if not 0 <= o.shard_index < o.num_shards:
             raise ValueError(f"--shard-index {o.shard_index}: must be in [0, --num-shards {o.num_shards})")

@@ -41,8 +41,16 @@ import math
 import os
 from dataclasses import dataclass
 
+from stage1_teacher.corpus import Corpus, Skipped, iter_corpus
+from stage1_teacher.onpolicy.generate_config import SamplingConfig
+from stage1_teacher.onpolicy.rollouts import completion_text, prompt_of
+from stage1_teacher.onpolicy.samplers import HfSampler
+from xtcache.chat.render import render, renderings
+from xtcache.chat.spans import message_texts
 from xtcache.cliconfig import command
+from xtcache.devices import compute_device
 from xtcache.errors import ConfigError
+from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +104,6 @@ class SampleScore:
 def read_prompts(path: str, tokenizer) -> list:
     """The prompts of `path` (`stage1_teacher.onpolicy.rollouts.Prompt`), tokenized for the student; ConfigError
     naming --prompts and the row for a missing file, a row that is no prompt, or no rows."""
-    from stage1_teacher.corpus import Corpus, Skipped, iter_corpus
-    from stage1_teacher.onpolicy.rollouts import prompt_of
-
     if "://" not in path and not os.path.isfile(path):
         raise ConfigError(f"--prompts {path}: no such file; give a JSONL/Parquet file of held-out prompts")
     corpus = Corpus.resolve([path])
@@ -116,10 +121,6 @@ def read_prompts(path: str, tokenizer) -> list:
 def sample_student(student: str, tokenizer, prompts: list, *, samples_per_prompt: int, max_new_tokens: int,
                    seed: int):
     """(completions per prompt, completion texts per prompt, the sampler's stop ids), temperature 1."""
-    from stage1_teacher.onpolicy.generate_config import SamplingConfig
-    from stage1_teacher.onpolicy.rollouts import completion_text
-    from stage1_teacher.onpolicy.samplers import HfSampler
-
     sampling = SamplingConfig(samples_per_prompt=samples_per_prompt, temperature=1.0, top_p=1.0,
                               max_new_tokens=max_new_tokens, seed=seed)
     sampler = HfSampler(student, tokenizer, dtype="float32")
@@ -137,9 +138,6 @@ class TeacherScorer:
     def __init__(self, teacher: str):
         import torch
         from transformers import AutoModelForCausalLM
-
-        from xtcache.devices import compute_device
-        from xtcache.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(teacher, "teacher tokenizer")
         self.device = compute_device()
@@ -159,9 +157,6 @@ class TeacherScorer:
         """Per conversation (its last message the generated assistant turn): (teacher log-prob of the
         turn's text, and of the end-of-turn marker when `stopped`; the teacher ids summed), or None
         when the teacher's template does not write the text whole."""
-        from xtcache.chat.render import render, renderings
-        from xtcache.chat.spans import message_texts
-
         texts = [render(self.tokenizer, c, where="a sampled conversation (the teacher's template)") for c in convs]
         rs = renderings(self.tokenizer, texts, convs, side="teacher tokenizer")
         out = []
@@ -221,8 +216,6 @@ def policy_eval(student: str, teacher: str, prompts_path: str, *, samples_per_pr
                 max_new_tokens: int = 128, seed: int = 0) -> tuple[dict, list[SampleScore]]:
     """The on-policy measure of `student` against `teacher` on the prompts of `prompts_path`:
     (report, per-sample scores). The reusable entry point (bench/quality.py, the demo)."""
-    from xtcache.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(student, "student tokenizer")
     prompts = read_prompts(prompts_path, tokenizer)
     if any(p.conversation is None for p in prompts):

@@ -26,8 +26,9 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from xtcache.chat.render import ConversationError, chat_fingerprint, render, require_template
 from xtcache.errors import ConfigError, StoreError
-from xtcache.fingerprint import canonical_sha256
+from xtcache.fingerprint import canonical_sha256, model_fingerprint
 
 ROLLOUT_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -65,7 +66,6 @@ def prompt_of(doc, tokenizer, flag: str = "--data") -> Prompt:
     if last not in ("user", "human"):
         raise ConfigError(f"{flag} {where}: the last message is the {last!r}'s; a prompt conversation ends with "
                           "the user's message (the student writes the next assistant turn)")
-    from xtcache.chat.render import ConversationError, render, require_template
 
     require_template(tokenizer, "student")
     try:
@@ -112,9 +112,6 @@ def policy_fingerprint(student: str, tokenizer, sampling) -> dict:
     """The policy that writes the rollouts: sha256 over the checkpoint's model fingerprint, its
     tokenizer + chat template fingerprint (`xtcache.chat.render.chat_fingerprint`) and the sampling
     settings. Returns {"policy", "model", "chat", "sampling"}."""
-    from xtcache.chat.render import chat_fingerprint
-    from xtcache.fingerprint import model_fingerprint
-
     parts = {"model": model_fingerprint(student), "chat": chat_fingerprint(tokenizer),
              "sampling": policy_settings(sampling)}
     return {"policy": canonical_sha256(parts), **parts}

@@ -25,7 +25,11 @@ import itertools
 import logging
 from collections import deque
 
+from stage1_teacher.capture.hf_engine import DTYPES
+from stage1_teacher.capture.vllm_engine import VllmOptions, on_cuda
 from stage1_teacher.onpolicy.rollouts import Completion, Prompt, sample_seed
+from xtcache.devices import compute_device
+from xtcache.reaper import guard_children
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +70,6 @@ class HfSampler:
     def __init__(self, student: str, tokenizer, *, dtype: str = "auto"):
         import torch
         from transformers import AutoModelForCausalLM
-
-        from stage1_teacher.capture.hf_engine import DTYPES
-        from xtcache.devices import compute_device
 
         if dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
@@ -127,9 +128,6 @@ class VllmSampler:
     def __init__(self, student: str, tokenizer, *, dtype: str = "auto", gpu_memory_utilization: float | None = None,
                  seed: int = 0):
         from vllm import LLM
-
-        from stage1_teacher.capture.vllm_engine import VllmOptions, on_cuda
-        from xtcache.reaper import guard_children
 
         self.reproducible = on_cuda()
         if not self.reproducible:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xtcache.align.bytes import text_bytes
-from xtcache.align.chunks import tokenizer_info
+from xtcache.align.tokenizer import tokenizer_info
 from xtcache.chat.render import Rendering, Renderings
 
 

@@ -34,27 +34,11 @@ import numpy as np
 from xtcache.align.bytes import check_pieces, text_bytes
 from xtcache.align.sides import Side, flat_documents, prepare_side
 from xtcache.align.tokenizer import (
-    ROLE_BOS,
-    ROLE_CLS,
-    ROLE_EOS,
-    ROLE_OTHER,
-    ROLE_PAD,
-    ROLE_SEP,
-    ROLE_UNK,
     TokenizerInfo,
     encode_flat,
-    encode_with_offsets,
-    require_fast,
     tokenizer_info,
 )
 from xtcache.errors import AlignmentError
-
-__all__ = [
-    "ROLE_BOS", "ROLE_CLS", "ROLE_EOS", "ROLE_OTHER", "ROLE_PAD", "ROLE_SEP", "ROLE_UNK", "Alignment", "TokenizerInfo",
-    "align_batch", "align_flat", "align_offsets", "align_text", "align_texts", "alignment_stats", "batch_or_each",
-    "chunk_shape_counts", "encode_flat", "encode_with_offsets", "identity_alignment", "require_fast",
-    "tokenizer_info",
-]
 
 
 @dataclass(frozen=True, eq=False)

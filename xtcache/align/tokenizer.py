@@ -19,6 +19,7 @@ from itertools import chain
 import numpy as np
 
 from xtcache.errors import AlignmentError
+from xtcache.fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +126,6 @@ def tokenizer_info(tokenizer) -> TokenizerInfo:
 
 
 def _build_info(tokenizer) -> TokenizerInfo:
-    from xtcache.fingerprint import tokenizer_fingerprint
-
     backend = require_fast(tokenizer)
     spec = json.loads(backend.to_str())
     kinds = _decoder_kinds(spec.get("decoder"))

@@ -15,6 +15,10 @@ from pathlib import Path
 
 import typer
 
+from xtcache.errors import ConfigError, ProjectionError
+from xtcache.projection import ProjectionMap, build_projection, format_report, import_nemo
+from xtcache.tokenizer import load_tokenizer as load
+
 app = typer.Typer(help="Student->teacher projection maps for cross-tokenizer distillation.", no_args_is_help=True)
 
 
@@ -50,9 +54,6 @@ class ProjectionBuildConfig:
 
 def load_tokenizer(name: str, side: str):
     """A fast tokenizer from a local directory, loaded as stage 1 and stage 2 load it."""
-    from xtcache.errors import ConfigError, ProjectionError
-    from xtcache.tokenizer import load_tokenizer as load
-
     try:
         return load(name, f"{side} tokenizer")
     except ConfigError as e:
@@ -71,8 +72,6 @@ def build(
                                              "teacher token of its text) or all (weighted by --decay)."),
 ) -> None:
     """Build the student->teacher map from the two tokenizers and print its coverage."""
-    from xtcache.projection import build_projection, format_report
-
     try:
         cfg = ProjectionBuildConfig(student_tokenizer=student_tokenizer, teacher_tokenizer=teacher_tokenizer,
                                     out=out, top_k=top_k, decay=decay, reverse_scale=reverse_scale, pieces=pieces)
@@ -98,8 +97,6 @@ def import_(
     out: Path = typer.Option(..., help="Output safetensors file."),
 ) -> None:
     """Convert a NeMo-RL projection map (.pt) into an xtcache map, checking shapes and ids."""
-    from xtcache.projection import format_report, import_nemo
-
     s_tok = load_tokenizer(student_tokenizer, "student")
     t_tok = load_tokenizer(teacher_tokenizer, "teacher")
     pm, changes = import_nemo(source, s_tok, t_tok)
@@ -118,8 +115,6 @@ def inspect(
     teacher_tokenizer: str = typer.Option(None, help="Teacher tokenizer, to show rows as token strings."),
 ) -> None:
     """Print coverage: exact-match share, rows with a mapping, entries per row, example rows."""
-    from xtcache.projection import ProjectionMap, format_report
-
     pm = ProjectionMap.load(path)
     s_tok = load_tokenizer(student_tokenizer, "student") if student_tokenizer else None
     t_tok = load_tokenizer(teacher_tokenizer, "teacher") if teacher_tokenizer else None

@@ -43,8 +43,10 @@ from pathlib import Path
 
 import typer
 
+from xtcache.cliconfig import command
 from xtcache.errors import ConfigError
 from xtcache.fingerprint import sha256_file
+from xtcache.store import CacheReader
 
 log = logging.getLogger(__name__)
 STAGES = ("generate", "teacher-dump", "train-student")
@@ -57,22 +59,43 @@ class RoundsConfig:
     """The settings of one rounds work directory (recorded in WORKDIR/rounds.json)."""
 
     student: str
+    """Student model directory (Hugging Face layout with its tokenizer): round 0's policy and the architecture every round trains."""
     teacher: str
+    """Teacher model directory (scores every round's rollouts)."""
     prompts: list[str]
-    rounds: int
+    """Prompt files for generate's --data (repeatable): conversations ending with the user's message, or text prefixes."""
+    rounds: int = 2
+    """Rounds of generate -> teacher-dump -> train-student."""
     workdir: str
+    """Work directory: round-RRR/{rollouts,cache,train,done}, commands.sh, metrics.jsonl, rounds.json. Rerun the same command to resume."""
     engine: str = "vllm"
+    """Engine of generate and teacher-dump: vllm or hf (reproducible)."""
     samples_per_prompt: int = 4
+    """generate --samples-per-prompt."""
     max_new_tokens: int = 256
+    """generate --max-new-tokens."""
     temperature: float = 1.0
+    """generate --temperature (sampling)."""
     seed: int = 0
+    """train-student --seed; round r generates with --seed SEED + r."""
     steps_per_round: int = 100
+    """Optimizer steps per round (round r trains to (r+1) x this)."""
     loss: str = "auto"
+    """train-student --loss; default auto: forward KL / P-KL on the stored support; rkl-pg: the reverse-KL signal (docs/on-policy.md)."""
     train_on: str = "last-assistant"
+    """train-student --train-on: the generated turn."""
     projection: str | None = None
+    """train-student --projection (cross-tokenizer)."""
     eval_cache: str | None = None
-    train_args: list[str] = field(default_factory=list)
-    dump_args: list[str] = field(default_factory=list)  # extra teacher-dump flags of every round
+    """train-student --eval-cache: a held-out store, for the table's final eval KL."""
+    dump_args: str = ""
+    """Extra teacher-dump flags of every round, one shell-quoted string (e.g. '--top-k 32 --dtype bfloat16 --mode sampled')."""
+    train_args: list[str] = field(default_factory=list, metadata={"after_dashes": True})
+    """Flags after `--`: passed to every train-student command (e.g. -- --lr 1e-5 --seq-len 1024)."""
+
+    @property
+    def dump_flags(self) -> list[str]:
+        return shlex.split(self.dump_args)
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -90,9 +113,9 @@ class RoundsConfig:
             raise ValueError(f"extra train-student flags {', '.join(clash)}: set by xtcache rounds itself; use its "
                              "own options (--loss, --train-on, --projection, --eval-cache, --steps-per-round)")
         owned = {"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume"}
-        clash = sorted({a.split("=")[0] for a in self.dump_args} & owned)
+        clash = sorted({a.split("=")[0] for a in self.dump_flags} & owned)
         if clash:
-            raise ValueError(f"--dump-args {' '.join(self.dump_args)!r}: {', '.join(clash)} set by xtcache rounds "
+            raise ValueError(f"--dump-args {self.dump_args!r}: {', '.join(clash)} set by xtcache rounds "
                              "itself (--teacher, --student, the round's rollouts and cache, --engine)")
 
 
@@ -112,11 +135,11 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
     if stage == "teacher-dump":
         args = ["teacher-dump", "--teacher", cfg.teacher, "--student-tokenizer", cfg.student, "--data",
                 str(d / "rollouts" / "parts" / "*.jsonl"), "--out", str(d / "cache"), "--engine", cfg.engine]
-        own = {a.split("=")[0] for a in cfg.dump_args}
+        own = {a.split("=")[0] for a in cfg.dump_flags}
         if cfg.engine == "vllm" and r > 0 and not own & {"--no-fast-path", "--trust-check-from"}:
             # the same teacher every round: round 0's first-batch check holds
             args += ["--trust-check-from", str(round_dir(cfg, 0) / "cache")]
-        return [*args, *cfg.dump_args]
+        return [*args, *cfg.dump_flags]
     args = ["train-student", "--cache", str(d / "cache"), "--student", cfg.student, "--out", str(d / "train"),
             "--max-steps", str((r + 1) * cfg.steps_per_round), "--loss", cfg.loss, "--train-on", cfg.train_on,
             "--seed", str(cfg.seed)]
@@ -233,8 +256,6 @@ def run_stage(cfg: RoundsConfig, r: int, stage: str) -> dict:
 
 def round_metrics(cfg: RoundsConfig, r: int) -> dict:
     """What round r produced, read from its stages' outputs."""
-    from xtcache.store import CacheReader
-
     d = round_dir(cfg, r)
     rows = [json.loads(line) for p in sorted((d / "rollouts" / "parts").glob("*.jsonl"))
             for line in p.read_text().splitlines() if line.strip()]
@@ -302,7 +323,7 @@ def _flags(key: str, value) -> str:
     if value is None or value == [] and key != "prompts":
         return f"no {flag}"
     if key == "dump_args":
-        return f"{flag} {shlex.quote(shlex.join(value))}"
+        return f"{flag} {shlex.quote(value)}" if value else f"no {flag}"
     return " ".join(f"{flag} {shlex.quote(str(v))}" for v in (value if isinstance(value, list) else [value]))
 
 
@@ -330,7 +351,8 @@ def check_settings(cfg: RoundsConfig) -> None:
     path = Path(cfg.workdir) / SETTINGS_FILE
     if path.exists():
         recorded = json.loads(path.read_text())
-        recorded.setdefault("dump_args", [])  # work directories of the version before --dump-args
+        dump_args = recorded.get("dump_args") or ""  # a work directory without extra teacher-dump flags has none
+        recorded["dump_args"] = shlex.join(dump_args) if isinstance(dump_args, list) else dump_args
         mine = asdict(cfg)
         changed = sorted(k for k in set(recorded) | set(mine) if k != "rounds" and recorded.get(k) != mine.get(k))
         if changed:
@@ -369,43 +391,14 @@ def run_rounds(cfg: RoundsConfig) -> list[dict]:
     return metrics
 
 
-def rounds(
-    ctx: typer.Context,
-    student: str = typer.Option(..., help="Student model directory (Hugging Face layout with its tokenizer): "
-                                "round 0's policy and the architecture every round trains."),
-    teacher: str = typer.Option(..., help="Teacher model directory (scores every round's rollouts)."),
-    prompts: list[str] = typer.Option(..., help="Prompt files for generate's --data (repeatable): conversations "
-                                      "ending with the user's message, or text prefixes."),
-    num_rounds: int = typer.Option(2, "--rounds", help="Rounds of generate -> teacher-dump -> train-student."),
-    workdir: str = typer.Option(..., help="Work directory: round-RRR/{rollouts,cache,train,done}, commands.sh, "
-                                "metrics.jsonl, rounds.json. Rerun the same command to resume."),
-    engine: str = typer.Option("vllm", help="Engine of generate and teacher-dump: vllm or hf (reproducible)."),
-    samples_per_prompt: int = typer.Option(4, help="generate --samples-per-prompt."),
-    max_new_tokens: int = typer.Option(256, help="generate --max-new-tokens."),
-    temperature: float = typer.Option(1.0, help="generate --temperature (sampling)."),
-    seed: int = typer.Option(0, help="train-student --seed; round r generates with --seed SEED + r."),
-    steps_per_round: int = typer.Option(100, help="Optimizer steps per round (round r trains to (r+1) x this)."),
-    loss: str = typer.Option("auto", help="train-student --loss; default auto: forward KL / P-KL on the stored "
-                             "support; rkl-pg: the reverse-KL signal (docs/on-policy.md)."),
-    train_on: str = typer.Option("last-assistant", help="train-student --train-on: the generated turn."),
-    projection: str | None = typer.Option(None, help="train-student --projection (cross-tokenizer)."),
-    eval_cache: str | None = typer.Option(None, help="train-student --eval-cache: a held-out store, for the "
-                                          "table's final eval KL."),
-    dump_args: str = typer.Option("", help="Extra teacher-dump flags of every round, one shell-quoted string "
-                                  "(e.g. '--top-k 32 --dtype bfloat16 --mode sampled')."),
-) -> None:
-    """On-policy distillation in rounds: generate -> teacher-dump -> train-student, resumable.
-
-    Arguments after `--` go to every train-student command (e.g. -- --lr 1e-5 --seq-len 1024)."""
-    try:
-        cfg = RoundsConfig(student=student, teacher=teacher, prompts=list(prompts), rounds=num_rounds,
-                           workdir=workdir, engine=engine, samples_per_prompt=samples_per_prompt,
-                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                           steps_per_round=steps_per_round, loss=loss, train_on=train_on, projection=projection,
-                           eval_cache=eval_cache, train_args=list(ctx.args),
-                           dump_args=shlex.split(dump_args))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+def _rounds(cfg: RoundsConfig) -> None:
     metrics = run_rounds(cfg)
     typer.echo(summary_table(metrics))
     typer.echo(f"final student: {metrics[-1]['hf_dir']}")
+
+
+rounds = command(
+    RoundsConfig, _rounds, name="rounds",
+    help="On-policy distillation in rounds: generate -> teacher-dump -> train-student, resumable.\n\n"
+         "Arguments after `--` go to every train-student command (e.g. -- --lr 1e-5 --seq-len 1024).",
+    paths={"student": "dir", "teacher": "dir", "projection": "file", "eval_cache": "dir"})

@@ -12,11 +12,19 @@ The heavy imports (zarr) happen inside the functions so `xtcache --help` stays f
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import typer
 
+from schemas.models import Manifest, ShardPlanFile
+from schemas.roles import ROLE_NAMES
+from xtcache.chat.render import trained_roles
 from xtcache.cliconfig import STORAGE_OPTIONS_HELP, parse_storage_options, require_path
+from xtcache.errors import StoreError, XtcacheError
+from xtcache.packing import common_boundaries, group_trained, pack
+from xtcache.store import CacheReader, list_caches
+from xtcache.store.headtail import check_rows
 
 
 def _human(n: float) -> str:
@@ -36,15 +44,37 @@ def _table(rows: list[tuple], header: tuple) -> str:
     return "\n".join(lines)
 
 
-def store_summary(url: str, storage_options: dict | None = None) -> dict[str, Any]:
-    """Numbers `xtcache inspect` prints, as a dict (also used by tests and the demo).
+@dataclass
+class StoreSummary:
+    """What `xtcache inspect` prints about a store (the demo and tests read it too)."""
+
+    url: str
+    manifest: Manifest
+    shards: list  # the committed parts' records
+    complete: bool
+    writers_done: int
+    documents: int
+    positions: int  # teacher positions
+    predicted: int  # positions with a stored prediction
+    store_bytes: int  # every file of the store
+    bytes_per_position: float | None
+    bytes_by_array: dict[str, int]  # teacher parts' arrays, summed over parts
+    total_array_bytes: int
+    topk_bytes: int
+    ratio_topk_vs_raw: float  # raw fp32 values + int32 ids over the stored top-k arrays
+    mean_topk_mass: float
+    groups: dict  # alignment groups by fingerprint
+    warnings: list[str]
+    conversation: dict[str, dict]  # conversation stores: `conversation_summary` per alignment group
+
+
+def store_summary(url: str, storage_options: dict | None = None) -> StoreSummary:
+    """Numbers `xtcache inspect` prints.
 
     `bytes_per_position` is the one definition of a store's bytes per position that inspect and the
     demo print: every byte of the store (teacher and alignment parts, metadata) over its teacher
     positions; `total_array_bytes` holds the teacher parts' arrays only (inspect's table).
     """
-    from xtcache.store import CacheReader
-
     r = CacheReader(url, storage_options)
     r.check_indexes()  # indexes against the manifest and the array table; arrays are read by verify
     m = r.manifest
@@ -64,16 +94,14 @@ def store_summary(url: str, storage_options: dict | None = None) -> dict[str, An
     topk_bytes = sum(per_array.get(n, 0) for n in ("topk_ids", "topk_id_dict", "topk_logprobs", "topk_counts"))
     raw_topk = m.k * 8 * positions
     store_bytes = r.total_bytes()
-    return {
-        "store_bytes": store_bytes, "bytes_per_position": store_bytes / positions if positions else None,
-        "url": url, "manifest": m, "shards": r.shards, "complete": r.is_complete(),
-        "writers_done": len(r.writer_summaries()), "documents": sum(s.num_docs for s in r.shards),
-        "positions": positions, "predicted": predicted, "bytes_by_array": per_array,
-        "total_array_bytes": sum(per_array.values()), "topk_bytes": topk_bytes,
-        "ratio_topk_vs_raw": raw_topk / topk_bytes if topk_bytes else float("nan"),
-        "mean_topk_mass": mean_mass, "groups": groups, "warnings": warnings,
-        "conversation": {fp: conversation_summary(r, fp) for fp in groups} if m.conversation else {},
-    }
+    return StoreSummary(
+        url=url, manifest=m, shards=r.shards, complete=r.is_complete(), writers_done=len(r.writer_summaries()),
+        documents=sum(s.num_docs for s in r.shards), positions=positions, predicted=predicted,
+        store_bytes=store_bytes, bytes_per_position=store_bytes / positions if positions else None,
+        bytes_by_array=per_array, total_array_bytes=sum(per_array.values()), topk_bytes=topk_bytes,
+        ratio_topk_vs_raw=raw_topk / topk_bytes if topk_bytes else float("nan"), mean_topk_mass=mean_mass,
+        groups=groups, warnings=warnings,
+        conversation={fp: conversation_summary(r, fp) for fp in groups} if m.conversation else {})
 
 
 def conversation_summary(reader, fp: str) -> dict[str, Any]:
@@ -95,9 +123,6 @@ def window_summary(reader, fp: str, seq_len: int, train_on: str) -> dict[str, in
     windows, trained positions, context tokens read for them, trained chunks longer than a window."""
     import numpy as np
 
-    from xtcache.chat.render import trained_roles
-    from xtcache.packing import common_boundaries, group_trained, pack
-
     out = {"windows": 0, "trained": 0, "context": 0, "skipped_chunks": 0}
     for sid in reader.alignment_parts(fp):
         al = reader.read_alignment(fp, sid)
@@ -116,8 +141,6 @@ def window_summary(reader, fp: str, seq_len: int, train_on: str) -> dict[str, in
 
 
 def _print_windows(url: str, storage_options: dict | None, groups, seq_len: int) -> None:
-    from xtcache.store import CacheReader
-
     reader = CacheReader(url, storage_options)
     rows = []
     for fp in groups:
@@ -145,38 +168,38 @@ def inspect(
     options = parse_storage_options(storage_options)
     require_path("STORE", store)
     s = store_summary(store, options)
-    m = s["manifest"]
-    P = max(1, s["positions"])
+    m = s.manifest
+    P = max(1, s.positions)
     print(f"store           {store}")
     print(f"format version  {m.format_version}    mode {m.mode}    k {m.k}    teacher vocab {m.teacher_vocab_size}"
           + (f"    head {m.top_k}" if m.top_k else "") + (f"    samples {m.num_samples}" if m.num_samples else ""))
     print(f"teacher         {m.teacher_name or '-'}")
-    print(f"created         {m.created}    complete: {'yes' if s['complete'] else 'no'} "
-          f"({s['writers_done']}/{m.num_writers} writers done)    shards {len(s['shards'])}")
-    print(f"documents       {s['documents']:,}    teacher positions {s['positions']:,}    "
-          f"with prediction {s['predicted']:,}")
+    print(f"created         {m.created}    complete: {'yes' if s.complete else 'no'} "
+          f"({s.writers_done}/{m.num_writers} writers done)    shards {len(s.shards)}")
+    print(f"documents       {s.documents:,}    teacher positions {s.positions:,}    "
+          f"with prediction {s.predicted:,}")
     if m.mode != "sampled":
-        print(f"mean top-k mass {s['mean_topk_mass']:.4f}")
-    print(f"store size      {_human(s['store_bytes'])}, {s['bytes_per_position'] or 0:.1f} B/position (every file of "
+        print(f"mean top-k mass {s.mean_topk_mass:.4f}")
+    print(f"store size      {_human(s.store_bytes)}, {s.bytes_per_position or 0:.1f} B/position (every file of "
           "the store; the teacher arrays alone: the table's total)")
     print(f"cache key       {m.cache_key}")
     for name, fp in sorted(m.fingerprints.items()):
         print(f"  {name:<18} {fp}")
-    rows = [(name, _human(b), f"{b / P:.2f}", f"{100 * b / max(1, s['total_array_bytes']):.1f}%")
-            for name, b in sorted(s["bytes_by_array"].items(), key=lambda kv: -kv[1])]
-    rows.append(("total", _human(s["total_array_bytes"]), f"{s['total_array_bytes'] / P:.2f}", "100%"))
+    rows = [(name, _human(b), f"{b / P:.2f}", f"{100 * b / max(1, s.total_array_bytes):.1f}%")
+            for name, b in sorted(s.bytes_by_array.items(), key=lambda kv: -kv[1])]
+    rows.append(("total", _human(s.total_array_bytes), f"{s.total_array_bytes / P:.2f}", "100%"))
     print()
     print(_table(rows, ("array", "bytes", "B/position", "share")))
-    print(f"top-k arrays: {s['topk_bytes'] / P:.1f} B/position vs raw fp32 values + int32 ids {m.k * 8} B/position "
-          f"= {s['ratio_topk_vs_raw']:.1f}x smaller")
-    for w in s["warnings"]:
+    print(f"top-k arrays: {s.topk_bytes / P:.1f} B/position vs raw fp32 values + int32 ids {m.k * 8} B/position "
+          f"= {s.ratio_topk_vs_raw:.1f}x smaller")
+    for w in s.warnings:
         typer.echo(f"warning: {w}", err=True)
     print("checked         indexes against the manifest; array bytes are checked on every read and by "
           "`xtcache verify`")
     codec_rows = [(n, c.name, json.dumps(c.configuration, sort_keys=True)) for n, c in sorted(m.codecs.items())]
     print()
     print(_table(codec_rows, ("array", "transform", "configuration")))
-    groups = s["groups"]
+    groups = s.groups
     print()
     if not groups:
         print("alignment groups: none")
@@ -192,11 +215,9 @@ def inspect(
                        f"{100 * st.get('exact_chunks', 0) / chunks:.1f}%", shapes or "-"))
     print(_table(g_rows, ("alignment group", "tokenizer", "vocab", "identity", "documents", "student tokens",
                           "chunks", "exact", "chunk shapes")))
-    if s["conversation"]:
-        from schemas.roles import ROLE_NAMES
-
+    if s.conversation:
         c_rows = []
-        for fp, c in s["conversation"].items():
+        for fp, c in s.conversation.items():
             n = max(1, c["student_tokens"])
             mix = ", ".join(f"{name} {100 * c.get(f'role_{name}', 0) / n:.1f}%" for name in ROLE_NAMES.values()
                             if c.get(f"role_{name}", 0))
@@ -209,11 +230,11 @@ def inspect(
               "characters; spans / characters a template changed (no KD); characters aligned to other text")
         print(_table(c_rows, ("alignment group", "role mix", "trained share", "content chars",
                               "unaligned spans / chars", "misaligned chars")))
-        for fp, c in s["conversation"].items():
+        for fp, c in s.conversation.items():
             if "sampled_turns" in c:  # rollouts (stage1_teacher.onpolicy.sampled)
                 print(_rollout_line(fp, c))
         if seq_len is not None:
-            _print_windows(store, options, s["conversation"], seq_len)
+            _print_windows(store, options, s.conversation, seq_len)
 
 
 def _rollout_line(fp: str, c: dict) -> str:
@@ -234,9 +255,6 @@ def verify_store(url: str, storage_options: dict | None = None, *, stop_first: b
     With `stop_first`, returns as soon as one problem is found. Uncommitted leftovers are not problems,
     and neither is a store whose writers are still running (`CacheReader.incomplete` says that).
     """
-    from xtcache.errors import XtcacheError
-    from xtcache.store import CacheReader
-
     problems: list[str] = []
     try:
         reader = CacheReader(url, storage_options, problems=problems)
@@ -279,7 +297,6 @@ def headtail_problems(data, manifest, url: str) -> list[str]:
     """A headtail part's slots and masses against its manifest (`xtcache.store.headtail.check_rows`); [] in other modes."""
     if manifest.mode != "headtail":
         return []
-    from xtcache.store.headtail import check_rows
 
     problem = check_rows(data.topk_ids, data.topk_counts, data.topk_logprobs, data.residual, data.has_pred,
                          top_k=manifest.top_k, num_samples=manifest.num_samples)
@@ -291,8 +308,6 @@ def rows_owned_by_writer(plan: dict | None, url: str) -> dict[int, dict[str, tup
     rows its plan gave it, as {file base name: (first row, end row or None for the whole file)}."""
     if plan is None:
         return None
-    from schemas.models import ShardPlanFile
-    from xtcache.errors import StoreError
 
     try:
         p = ShardPlanFile.model_validate(plan)
@@ -348,7 +363,6 @@ def verify(
         typer.echo(f"{store}: {len(problems)} problem(s)" + ("" if all_problems else " (stopped at the first; "
                                                                    "--all lists every one)"), err=True)
         raise SystemExit(1)  # not typer.Exit: xtcache.app.cli.main runs click with standalone_mode=False
-    from xtcache.store import CacheReader
 
     r = CacheReader(store, options)
     reasons = r.incomplete()
@@ -372,8 +386,6 @@ def cache_ls(
 ) -> None:
     """List the teacher caches under a cache directory (a --cache-dir that does not exist: exit 2)."""
     import os
-
-    from xtcache.store import list_caches
 
     given, options = cache_dir, parse_storage_options(storage_options)
     if "://" not in cache_dir:

@@ -122,8 +122,33 @@ def _coverage_stats(n_docs: int, doc: np.ndarray, length: np.ndarray, paired: np
             for c, s, n in zip(content_chars.tolist(), shared_chars.tolist(), unaligned_spans.tolist())]
 
 
-def _layout(convs: list[dict], students: Renderings, teachers: Renderings, fs: Flat,
-            ft: Flat) -> tuple:
+@dataclass
+class SharedText:
+    """The message characters both sides render, for the self-check: where each shared span starts on
+    the student side (batch coordinates), its width, its message, each message's text length and role."""
+
+    start: np.ndarray  # int64 [P] student-side start of each shared span
+    width: np.ndarray  # int64 [P]
+    msg: np.ndarray  # int64 [P] the span's message (batch-global index)
+    length: np.ndarray  # int64 [M] characters of each message text
+    roles: np.ndarray  # int64 [M] each message's role code
+
+
+@dataclass
+class Layout:
+    """A batch laid out in one virtual text: each side's region table (rows of start, end, virtual
+    start, virtual length, is-piece, role), each conversation's virtual start and length, its
+    coverage stats and the shared text the self-check reads."""
+
+    student_regions: np.ndarray  # int64 [Rs, 6]
+    teacher_regions: np.ndarray  # int64 [Rt, 6]
+    v_base: np.ndarray  # int64 [D]
+    vlens: np.ndarray  # int64 [D]
+    stats: list[dict]
+    shared: SharedText
+
+
+def _layout(convs: list[dict], students: Renderings, teachers: Renderings, fs: Flat, ft: Flat) -> Layout:
     """Region tables of a batch of conversations, one walk in numpy over all their gaps.
 
     A conversation with n shared pieces has n + 1 gaps (before each piece, and after the last);
@@ -198,8 +223,8 @@ def _layout(convs: list[dict], students: Renderings, teachers: Renderings, fs: F
     v_base = slot_vstart[doc_first_gap, 0]  # [D]
     vlens = slot_vstart[doc_last_gap, 5] - v_base  # [D]
     stats = _coverage_stats(n_docs, doc, length, paired, text_width)
-    shared = (s_text_start[paired] + fs.base[paired_doc], text_width[paired], msg, length, roles)  # for the self-check
-    return tables[0], tables[1], v_base, vlens, stats, shared
+    shared = SharedText(s_text_start[paired] + fs.base[paired_doc], text_width[paired], msg, length, roles)
+    return Layout(tables[0], tables[1], v_base, vlens, stats, shared)
 
 
 def segments(s: Renderings, t: Renderings, conv: dict) -> list[tuple[str, str, str, int]]:
@@ -208,7 +233,8 @@ def segments(s: Renderings, t: Renderings, conv: dict) -> list[tuple[str, str, s
     'template' (one side only: no KD), 'content' (the same message text on both sides: exact chunks)
     or 'turn end' (the two end-of-turn markers, paired). For documentation and debugging;
     `align_conversations` does the same work for a batch."""
-    tab_s, tab_t, *_ = _layout([conv], s, t, flat_side(s), flat_side(t))
+    lay = _layout([conv], s, t, flat_side(s), flat_side(t))
+    tab_s, tab_t = lay.student_regions, lay.teacher_regions
     by_v: dict[int, list] = {}
     for k, tab in enumerate((tab_s, tab_t)):
         for a, b, v, _, piece, role in tab.tolist():
@@ -228,27 +254,27 @@ def align_conversations(convs: list[dict], students: Renderings, teachers: Rende
     if not convs:
         return []
     fs, ft = flat_side(students), flat_side(teachers)
-    *tables, v_base, vlens, stats, shared = _layout(convs, students, teachers, fs, ft)
+    lay = _layout(convs, students, teachers, fs, ft)
     mapped = []
-    for f, tab in zip((fs, ft), tables):
+    for f, tab in zip((fs, ft), (lay.student_regions, lay.teacher_regions)):
         voffs, straddle, region = _map_tokens(f.offs, tab)
-        voffs = voffs - np.repeat(v_base, f.counts)[:, None]
+        voffs = voffs - np.repeat(lay.v_base, f.counts)[:, None]
         mapped.append((voffs, straddle, tab[region, 5]))
-    texts = [" " * n for n in vlens.tolist()]  # only the lengths matter: the offsets are trusted, not byte-checked
+    texts = [" " * n for n in lay.vlens.tolist()]  # only the lengths matter: the offsets are trusted, not byte-checked
     (s_v, s_flag, s_role), (t_v, t_flag, _) = mapped
     aligns = align_flat(texts, (fs.ids, s_v, fs.counts, s_flag), (ft.ids, t_v, ft.counts, t_flag), None, None)
-    _self_check(aligns, students, teachers, fs, ft, s_role, shared, stats)
+    _self_check(aligns, students, teachers, fs, ft, s_role, lay.shared, lay.stats)
     roles = np.split(s_role.astype(np.uint8), np.cumsum(fs.counts)[:-1])
-    return [ConversationAlignment(a, r, st) for a, r, st in zip(aligns, roles, stats)]
+    return [ConversationAlignment(a, r, st) for a, r, st in zip(aligns, roles, lay.stats)]
 
 
 def _self_check(aligns, students: Renderings, teachers: Renderings, fs: Flat, ft: Flat, s_role: np.ndarray,
-                shared: tuple, stats: list[dict]) -> None:
+                shared: SharedText, stats: list[dict]) -> None:
     """Fill each conversation's `misaligned_chars`: the characters that the checks of
     `xtcache.chat.check` find paired with other text (`text_mismatch_chars`), paired with another
     place of the message texts (`misplaced_chars`) or in a student token of the wrong role
     (`wrong_role_chars`); each count is kept in the stats as well."""
-    start, width, msg, length, roles = shared
+    start, width, msg, length, roles = shared.start, shared.width, shared.msg, shared.length, shared.roles
     # the message of each student character, read from the marked rendering, on the shared spans only
     # (a text located on one side is template text to the layout)
     pos = text_positions(students, fs)

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from schemas.roles import LAST_ASSISTANT, ROLE_ASSISTANT, ROLE_CODES, ROLE_OTHER
+from xtcache.align.tokenizer import encode_flat
 from xtcache.chat import runs as chat_runs
 from xtcache.chat.spans import Located
 from xtcache.errors import ConfigError
+from xtcache.fingerprint import tokenizer_fingerprint
 
 TRAIN_ON = ("assistant", "all", "last-assistant")
 
@@ -132,8 +134,6 @@ def require_template(tokenizer, side: str) -> str:
 def chat_fingerprint(tokenizer) -> str:
     """Fingerprint of a tokenizer together with its chat template: what keys conversation caches
     and their alignment groups (a changed template is another tokenizer)."""
-    from xtcache.fingerprint import tokenizer_fingerprint
-
     body = json.dumps({"chat_template": chat_template(tokenizer), "tokenizer": tokenizer_fingerprint(tokenizer)},
                       sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(body.encode("utf-8")).hexdigest()
@@ -229,8 +229,6 @@ def renderings(tokenizer, texts: list[str], convs: list[dict], *, markers=None, 
     (default: the tokenizer's special added tokens); `texts_of`: Renderings of the same
     conversations by another template, whose collected message texts are reused."""
     if encoded is None:
-        from xtcache.align.chunks import encode_flat
-
         encoded = encode_flat(tokenizer, texts, add_special_tokens=False, side=side) if texts else \
             (np.zeros(0, np.int64), np.zeros((0, 2), np.int64), np.zeros(0, np.int64))
     ids, offs, counts = encoded

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from schemas.models import DocId
+from xtcache.align.chunks import Alignment
 from xtcache.fingerprint import content_hash, doc_id
 
 
@@ -107,8 +108,6 @@ class AlignShardData:
     sampled_logprobs: np.ndarray | None = None  # float32 [S] optional: the sampling policy's log-probs (NaN: none)
 
     def record(self, i: int) -> AlignmentRecord:
-        from xtcache.align.chunks import Alignment
-
         a, b = int(self.doc_student_offsets[i]), int(self.doc_student_offsets[i + 1])
         c0, c1 = int(self.doc_chunk_offsets[i]), int(self.doc_chunk_offsets[i + 1])
         return AlignmentRecord(

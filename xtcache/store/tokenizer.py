@@ -16,6 +16,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from xtcache.errors import CorruptionError
+from xtcache.fingerprint import tokenizer_fingerprint
+from xtcache.location import Location, retry
+from xtcache.tokenizer import load_tokenizer
+
 TOKENIZER_DIR = "teacher_tokenizer"
 """The directory of a store that holds its teacher's tokenizer files."""
 
@@ -27,8 +32,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def save_teacher_tokenizer(url: str, teacher_dir: str | os.PathLike, storage_options: dict | None = None) -> list[str]:
     """Copy the tokenizer files of `teacher_dir` into the store at `url` (each one absent there: several
     writers of one store write the same bytes); returns the names written."""
-    from xtcache.location import Location
-
     loc = Location(url, storage_options)
     written = []
     for name in TOKENIZER_FILES:
@@ -44,11 +47,6 @@ def load_store_tokenizer(url: str, manifest, storage_options: dict | None = None
     """The teacher tokenizer stored in the store at `url`, or None when the store holds none (stores
     written before teacher-dump stored it). A copy whose fingerprint is not the manifest's
     `teacher_tokenizer` is damage: CorruptionError naming the store."""
-    from xtcache.errors import CorruptionError
-    from xtcache.fingerprint import tokenizer_fingerprint
-    from xtcache.location import Location, retry
-    from xtcache.tokenizer import load_tokenizer
-
     loc = Location(url, storage_options)
     names = [n for n in loc.listdir(TOKENIZER_DIR) if n in TOKENIZER_FILES]
     if "tokenizer.json" not in names:

@@ -28,6 +28,7 @@ from schemas.models import (
     ShardMeta,
     WriterDone,
 )
+from schemas.roles import LAST_ASSISTANT, ROLE_NAMES
 from xtcache.align import chunks as align
 from xtcache.errors import FormatVersionError, StoreError, XtcacheError
 from xtcache.location import Location, check_version, now_iso, read_model
@@ -338,8 +339,6 @@ class CacheWriter:
 
 def conversation_counts(records: list[AlignmentRecord], roles: np.ndarray) -> dict[str, int]:
     """Character counts of a conversation part's alignment and its student tokens by role."""
-    from schemas.roles import LAST_ASSISTANT, ROLE_NAMES
-
     keys = ["content_chars", "shared_chars", "unaligned_chars", "unaligned_spans", "misaligned_chars"]
     if any("sampled_turns" in (r.stats or {}) for r in records):  # rollouts, the sampling student's group
         keys += ["sampled_turns", "sampled_mismatch", "sampled_same_text"]

@@ -12,6 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
+from schemas.models import DRAWN_MODES, AlignGroupMeta, Manifest, support_width
+from xtcache.align.chunks import align_text, identity_alignment
+from xtcache.align.tokenizer import encode_with_offsets
+from xtcache.fingerprint import cache_key, model_fingerprint, settings_fingerprint, tokenizer_fingerprint
+from xtcache.store import AlignmentRecord, CacheWriter, DocRecord
+
 
 def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, students: list[str | Path], *,
                    k: int = 16, max_docs: int = 40, docs_per_part: int = 16, mode: str = "topk",
@@ -21,11 +27,6 @@ def build_hf_cache(url: str | Path, teacher_dir: str | Path, jsonl: str | Path, 
     `students` (identity for the teacher's own)."""
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    from schemas.models import DRAWN_MODES, AlignGroupMeta, Manifest, support_width
-    from xtcache.align.chunks import align_text, encode_with_offsets, identity_alignment
-    from xtcache.fingerprint import cache_key, model_fingerprint, settings_fingerprint, tokenizer_fingerprint
-    from xtcache.store import AlignmentRecord, CacheWriter, DocRecord
 
     teacher_tok = PreTrainedTokenizerFast.from_pretrained(str(teacher_dir))  # as stage 1: tokenizer.json as is
     model = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()

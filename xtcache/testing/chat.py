@@ -15,6 +15,13 @@ import json
 import random
 from pathlib import Path
 
+from schemas.roles import LAST_ASSISTANT, ROLE_NAMES
+from xtcache.chat.layout import segments
+from xtcache.chat.render import render, renderings
+from xtcache.testing import toy
+from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
+from xtcache.testing.toy import build_tiny_model, train_tiny_lm
+
 # HF compiles templates with trim_blocks and lstrip_blocks: a newline right after a block tag is
 # dropped, so newlines that follow a tag are written as {{ "\n" }}
 NL = '{{ "\\n" }}'
@@ -190,10 +197,6 @@ def write_prompts(src: str | Path | list[dict], out: str | Path, rows=None) -> P
 def doc_example(teacher_tok, student_tok) -> str:
     """The example of docs/conversations.md: DOC_CONVERSATION rendered in the ChatML-style template
     (teacher) and the Llama-3-style one (student), and how the two renderings are laid out."""
-    from schemas.roles import LAST_ASSISTANT, ROLE_NAMES
-    from xtcache.chat.layout import segments
-    from xtcache.chat.render import render, renderings
-
     t = renderings(teacher_tok, [render(teacher_tok, DOC_CONVERSATION)], [DOC_CONVERSATION])
     s = renderings(student_tok, [render(student_tok, DOC_CONVERSATION)], [DOC_CONVERSATION])
 
@@ -220,9 +223,6 @@ def main() -> None:
     """Print the example of docs/conversations.md (built on the test suite's toy tokenizers)."""
     import tempfile
 
-    from xtcache.testing import toy
-    from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
-
     setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
     with tempfile.TemporaryDirectory() as tmp:
         teacher = chat_tokenizer(setup.teacher_tokenizer, "chatml-thinking", Path(tmp) / "t")
@@ -240,8 +240,6 @@ def build_chat_setup(base, root: str | Path, *, num_train: int, num_heldout: int
     template, the student's with a Llama-3-style one, a tiny Qwen2 teacher pre-trained on
     conversations rendered in its template, a fresh tiny Llama student, and train / held-out chat
     JSONL files. Built once under `root` (a DONE marker is written last), reused afterwards."""
-    from xtcache.testing import toy
-
     root = Path(root)
     setup = toy.ToySetup(root=root, train_jsonl=root / "corpus" / "train.jsonl",
                          heldout_jsonl=root / "corpus" / "heldout.jsonl", teacher_tokenizer=root / "teacher_tokenizer",
@@ -255,9 +253,6 @@ def build_chat_setup(base, root: str | Path, *, num_train: int, num_heldout: int
 
 def _build_chat_setup(base, setup, *, num_train: int, num_heldout: int, teacher_steps: int, teacher_hidden: int,
                       seed: int) -> str:
-    from xtcache.chat.render import render
-    from xtcache.testing.toy import build_tiny_model, train_tiny_lm
-
     root = setup.root
     (root / "corpus").mkdir(parents=True, exist_ok=True)
     train = chat_corpus(num_train, seed=seed, max_turns=4)

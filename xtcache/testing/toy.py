@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from xtcache.tokenizer import load_tokenizer
+
 log = logging.getLogger(__name__)
 
 TEACHER_SPECIALS = ["<|endoftext|>", "<|pad|>"]
@@ -120,8 +122,6 @@ def build_tiny_model(arch: str, tokenizer_dir: str | Path, out_dir: str | Path, 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from xtcache.tokenizer import load_tokenizer
-
     tok = load_tokenizer(tokenizer_dir)
     heads = heads or max(1, hidden // 32)
     kv_heads = kv_heads or max(1, heads // 2)
@@ -152,8 +152,6 @@ def train_tiny_lm(model_dir: str | Path, texts: list[str], *, steps: int, seq_le
     """
     import torch
     from transformers import AutoModelForCausalLM
-
-    from xtcache.tokenizer import load_tokenizer
 
     torch.manual_seed(seed)
     tok = load_tokenizer(model_dir)  # as stage 1 will tokenize for this teacher

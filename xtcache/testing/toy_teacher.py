@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from xtcache.testing import toy
+
 VOCAB_PAD = 16
 SHAPES = {
     "toy": dict(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=192),
@@ -45,8 +47,6 @@ def head_share(config: dict) -> float:
 def build_vllm_teacher(toy_root: str | Path, *, tied: bool = False, steps: int = 120, seed: int = 0,
                        shape: str = "toy") -> Path:
     """Directory of a vLLM-servable teacher next to the toy setup at `toy_root` (built once)."""
-    from xtcache.testing import toy
-
     if shape not in SHAPES:
         raise ValueError(f"unknown toy teacher shape {shape!r}: use one of {', '.join(SHAPES)}")
     root = Path(toy_root)
@@ -56,8 +56,6 @@ def build_vllm_teacher(toy_root: str | Path, *, tied: bool = False, steps: int =
 
 
 def _build(root: Path, out: Path, *, tied: bool, steps: int, seed: int, shape: str) -> str:
-    from xtcache.testing import toy
-
     arch = "llama" if tied else "qwen2"
     model = toy.build_tiny_model(arch, root / "teacher_tokenizer", out, **SHAPES[shape], seed=seed,
                                  vocab_pad=VOCAB_PAD)

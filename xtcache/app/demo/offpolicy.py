@@ -52,10 +52,11 @@ import typer
 from xtcache.app.demo.console import StageRunner
 from xtcache.app.demo.setup import SIZES, build_setup
 from xtcache.app.demo.steps import build_projection, dump_caches, engine_log, fmt, plot, train
+from xtcache.app.docblock import write_block
 
 log = logging.getLogger(__name__)
 DOC_BLOCKS = {"demo-output": "README.md", "demo-inspect": "README.md"}  # --write-docs: block -> file
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 
 
 def run_demo(workdir: Path, size_name: str, *, chat: bool = False, engine: str = "vllm") -> dict:
@@ -149,8 +150,6 @@ def _table(r: dict) -> str:
 def write_readme_blocks(result: dict) -> None:
     """README.md's demo-output block (the table) and demo-inspect block (`xtcache inspect` of the top-k
     cache, run as a user would, abridged to the header and the array table)."""
-    from xtcache.app.docblock import write_block
-
     cache = Path(result["cache"])
     shown = os.path.relpath(cache) if not os.path.relpath(cache).startswith("..") else str(cache)
     out = subprocess.run([sys.executable, "-m", "xtcache.app.cli", "inspect", shown], capture_output=True, text=True)

@@ -38,6 +38,7 @@ import typer
 from xtcache.app.demo.console import StageRunner
 from xtcache.app.demo.setup import SIZES, DemoSize, build_setup
 from xtcache.app.demo.steps import build_projection, dump_caches, engine_log, fmt, metrics, train
+from xtcache.testing.chat import write_prompts as cut
 
 log = logging.getLogger(__name__)
 ROUNDS = 2
@@ -65,8 +66,6 @@ ON_POLICY_SIZES = {
 
 def write_prompts(conversations: Path, out: Path, limit: int) -> Path:
     """The first `limit` conversations of a chat JSONL, each cut after its last user message."""
-    from xtcache.testing.chat import write_prompts as cut
-
     rows = [json.loads(line) for line in conversations.read_text(encoding="utf-8").splitlines()[:limit]]
     return cut(rows, out)
 

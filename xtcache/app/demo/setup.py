@@ -16,6 +16,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from xtcache.testing import toy
+from xtcache.testing.chat import build_chat_setup
+
 log = logging.getLogger("xtcache.app.demo.setup")  # also when run as __main__: the demo shows its lines
 
 
@@ -53,8 +56,6 @@ SIZES = {
 
 
 def toy_spec(size: DemoSize):
-    from xtcache.testing import toy
-
     return toy.ToySpec(num_docs=size.num_docs, doc_chars=1500, teacher_vocab=2048, student_vocab=1536,
                        teacher_hidden=size.teacher_hidden, teacher_layers=2, student_hidden=64, student_layers=2,
                        teacher_steps=size.teacher_steps, teacher_seq_len=128, heldout_fraction=0.1)
@@ -83,13 +84,10 @@ def build_setup(run, workdir: Path, size_name: str, *, chat: bool) -> DemoSetup:
 
 def _setup(workdir: Path, size: DemoSize, *, chat: bool) -> DemoSetup:
     """Build (or find, when built) the toy artifacts of `size`."""
-    from xtcache.testing import toy
-
     spec = toy_spec(size)
     setup = toy.build_toy_setup(workdir / "artifacts", spec, train_teacher=not chat)
     if not chat:
         return DemoSetup(setup=setup, spec_key=f"toy-{spec.key()}", workdir=workdir, train_on=())
-    from xtcache.testing.chat import build_chat_setup
 
     setup = build_chat_setup(setup, workdir / "artifacts" / f"chat-{spec.key()}", num_train=size.num_docs,
                              num_heldout=max(20, size.num_docs // 8), teacher_steps=size.teacher_steps,

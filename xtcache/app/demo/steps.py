@@ -42,7 +42,7 @@ def dump_cache(run: StageRunner, setup, data: list[Path], out: Path, capture: li
     summaries = [s.model_dump() if hasattr(s, "model_dump") else dict(s) for s in reader.writer_summaries().values()]
     summary = dict(summaries[0].get("summary", summaries[0])) if summaries else {}
     stored = store_summary(str(out))  # the sizes `xtcache inspect` prints, by its definition
-    summary["bytes"], summary["bytes_per_position"] = stored["store_bytes"], stored["bytes_per_position"]
+    summary["bytes"], summary["bytes_per_position"] = stored.store_bytes, stored.bytes_per_position
     positions = summary.get("positions") or 0
     summary["positions_per_s"] = positions / summary["capture_s"] if summary.get("capture_s") else None
     summary["reused"] = reused_before
