@@ -15,8 +15,8 @@ byte offsets (`file_spans`), so the jobs' spans cover each of its bytes once.
   a changed file is refused with its name. A job checks the other writers' spans of its files
   too, by a read only when the file's validator changed since their record, so a job that runs
   after an edit of a file shared with a finished job refuses as well. On a cold machine each job
-  reads its own share once more, nothing else: writer 0 no longer samples every file to plan
-  (`bench/shard_plan.py` shows the cost).
+  reads its own share once more, nothing else: no job samples every file to
+  plan (`bench/shard_plan.py` shows the cost).
 * A recorded digest whose validator (object-store ETag / generation / checksum, or local size,
   mtime, ctime and inode) equals the file's current one is trusted without a read; a machine's
   hash cache serves the rest; only what neither knows is read in full, and counted.
