@@ -377,9 +377,10 @@ def train_row(row: Row, store: str, student: Path, out: Path, s: Settings, seed:
 
 def batches(store: str, tokenizer: Path, s: Settings, n: int) -> list[dict]:
     """The first `n` micro-batches of a store's documents, in stored order (the held-out reading)."""
+    from stage2_student.config import LoaderConfig
     from stage2_student.loader import CacheDataset, to_tensors
 
-    ds = CacheDataset(store, str(tokenizer), seq_len=s.seq_len, micro_batch_size=s.micro_batch_size, split="all",
+    ds = CacheDataset(store, str(tokenizer), LoaderConfig(seq_len=s.seq_len, micro_batch_size=s.micro_batch_size), split="all",
                       epochs=1, shuffle=False)
     out = []
     for b in ds:

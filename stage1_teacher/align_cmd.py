@@ -21,7 +21,8 @@ from stage1_teacher.prep import _encode
 from xtcache.align.chunks import align_batch, align_offsets, batch_or_each, identity_alignment
 from xtcache.align.tokenizer import tokenizer_info
 from xtcache.chat.layout import align_conversations
-from xtcache.chat.render import ConversationError, chat_fingerprint, render, renderings, require_template
+from xtcache.chat.render import ConversationError, chat_fingerprint, render, renderings
+from xtcache.chat.side import tokenizer_side
 from xtcache.errors import AlignmentError, CorruptionError, StoreError
 from xtcache.fingerprint import tokenizer_fingerprint
 from xtcache.store import AlignmentRecord, CacheReader, CacheWriter
@@ -56,11 +57,11 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
                 storage_options: dict | None = None, reader=None) -> dict:
     """Write the alignment group of one student tokenizer for every committed part; returns stats."""
     reader = reader or CacheReader(url, storage_options)
-    student_tok = student_tok or load_tokenizer(student_path, "student tokenizer")
     conversation = reader.manifest.settings.get("conversation") if reader.manifest.conversation else None
+    side = tokenizer_side(student_tok if student_tok is not None else student_path, "student tokenizer",
+                          conversation=conversation is not None)
+    student_tok, fp = side.tokenizer, side.fingerprint
     if conversation is not None:
-        require_template(student_tok, f"student tokenizer ({student_path})")
-        fp = chat_fingerprint(student_tok)
         identity = fp == conversation.get("teacher_chat")
         if identity:
             teacher_tok = student_tok
@@ -70,7 +71,6 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
                              "teacher's chat template, to locate its messages by construction: pass "
                              f"--teacher-tokenizer with the tokenizer the store was written with ({why})")
     else:
-        fp = tokenizer_fingerprint(student_tok)
         identity = fp == reader.manifest.fingerprints.get("teacher_tokenizer")
     s_info = None if identity else tokenizer_info(student_tok)
     t_info = None if identity or teacher_tok is None else tokenizer_info(teacher_tok)

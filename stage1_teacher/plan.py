@@ -24,12 +24,11 @@ from stage1_teacher.corpus import Corpus
 from stage1_teacher.prep import StudentSide
 from stage1_teacher.shard_plan import PLAN_FILE, obtain_plan
 from xtcache import fingerprint as fpr
-from xtcache.chat.render import chat_fingerprint, require_template, turn_marker_ids
+from xtcache.chat.side import tokenizer_side
 from xtcache.cliconfig import leaf_fields
 from xtcache.errors import ConfigError, StoreError
 from xtcache.location import Location
 from xtcache.store import CacheReader, cache_path_for, find_cache
-from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -62,27 +61,23 @@ def make_plan(cfg: TeacherDumpConfig, corpus: Corpus | None = None) -> Plan:
         raise ConfigError(f"--teacher {t.teacher}: no such directory")
     model_cfg = read_config(t.teacher)
     weight_files(t.teacher)
-    teacher_tok = load_tokenizer(t.teacher, "teacher tokenizer")
-    vocab_size = len(teacher_tok)
-    t_fp = fpr.tokenizer_fingerprint(teacher_tok)
     corpus = corpus or preflight.open_corpus(cfg)
     messages_field = corpus.messages_field
+    # every model renders a conversation with its own template: one without is refused before the teacher loads
+    teacher = tokenizer_side(t.teacher, "teacher tokenizer", conversation=bool(messages_field))
+    teacher_tok, t_fp = teacher.tokenizer, teacher.tokenizer_fp
+    vocab_size = len(teacher_tok)
     conversation = None
-    if messages_field:  # every model renders with its own template: refuse one without, before the teacher loads
-
-        require_template(teacher_tok, f"teacher tokenizer ({t.teacher})")
-        conversation = {"messages_field": messages_field, "teacher_chat": chat_fingerprint(teacher_tok),
-                        "teacher_turn_markers": turn_marker_ids(teacher_tok)}
+    if messages_field:
+        conversation = {"messages_field": messages_field, "teacher_chat": teacher.fingerprint,
+                        "teacher_turn_markers": list(teacher.turn_markers)}
     students = []
-    own_fp = conversation["teacher_chat"] if conversation else t_fp
     for path in cfg.student_tokenizer:
-        tok = load_tokenizer(path, "student tokenizer")
-        if conversation:
-            require_template(tok, f"student tokenizer ({path})")
-        fp = chat_fingerprint(tok) if conversation else fpr.tokenizer_fingerprint(tok)
-        if any(s.fingerprint == fp for s in students):
+        side = tokenizer_side(path, "student tokenizer", conversation=bool(messages_field))
+        if any(s.fingerprint == side.fingerprint for s in students):
             continue
-        students.append(StudentSide(name=path, tokenizer=tok, fingerprint=fp, identity=fp == own_fp))
+        students.append(StudentSide(name=path, tokenizer=side.tokenizer, fingerprint=side.fingerprint,
+                                    identity=side.fingerprint == teacher.fingerprint))
 
     try:
         k = support_width(c.mode, c.top_k, c.num_samples, vocab_size)

@@ -50,6 +50,16 @@ class LoaderConfig:
     rollout_fraction: float = 1.0
     """With --corpus-cache: the probability lambda that a micro-batch is drawn from --cache (the rollouts), fixed by --seed and the micro-batch index."""
 
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise ValueError(f"--seq-len {self.seq_len}: a window needs at least 2 tokens")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size {self.micro_batch_size}: must be at least 1")
+        if self.num_workers < 0:
+            raise ValueError(f"--num-workers {self.num_workers}: must not be negative")
+        if self.teachers_missing not in ("drop", "partial"):
+            raise ValueError(f"--teachers-missing {self.teachers_missing!r}: choose drop or partial")
+
 
 @dataclass(kw_only=True)
 class LossConfig:
@@ -170,14 +180,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         o, lo, loss, d, c, e = self.optim, self.loader, self.loss, self.deepspeed, self.checkpoint, self.eval
-        positive = {"--seq-len": lo.seq_len, "--micro-batch-size": lo.micro_batch_size,
-                    "--grad-accum": o.grad_accum, "--max-steps": o.max_steps}
+        positive = {"--grad-accum": o.grad_accum, "--max-steps": o.max_steps}
         for flag, value in positive.items():
             if value < 1:
                 raise ValueError(f"{flag} {value}: must be at least 1")
-        if lo.seq_len < 2:
-            raise ValueError(f"--seq-len {lo.seq_len}: a window needs at least 2 tokens")
-        non_negative = {"--num-workers": lo.num_workers, "--warmup-steps": o.warmup_steps,
+        non_negative = {"--warmup-steps": o.warmup_steps,
                         "--save-every": c.save_every, "--eval-every": e.eval_every,
                         "--export-every": c.export_every, "--keep-checkpoints": c.keep_checkpoints,
                         "--eval-batches": e.eval_batches, "--grad-clip": o.grad_clip,
@@ -226,8 +233,6 @@ class TrainConfig:
                                  "sampled; mix with a distribution loss (kl, jsd, pkl, auto)")
         elif lo.rollout_fraction != 1.0:
             raise ValueError(f"--rollout-fraction {lo.rollout_fraction} needs --corpus-cache (the corpus to mix in)")
-        if lo.teachers_missing not in ("drop", "partial"):
-            raise ValueError(f"--teachers-missing {lo.teachers_missing!r}: choose drop or partial")
         if loss.teacher_combine not in ("sum", "dynamic", "select", "mean-probs"):
             raise ValueError(f"--teacher-combine {loss.teacher_combine!r}: choose sum, dynamic, select or mean-probs")
         if loss.teacher_score not in ("likelihood", "entropy", "max-prob"):

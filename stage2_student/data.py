@@ -251,25 +251,22 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
     if limit is not None and cfg.loader.seq_len > limit:
         raise ConfigError(f"--seq-len {cfg.loader.seq_len} is above the student's max_position_embeddings {limit} "
                           f"({cfg.student}/config.json); use --seq-len {limit} or less")
-    common = dict(seq_len=cfg.loader.seq_len, micro_batch_size=cfg.loader.micro_batch_size, rank=rank,
-                  world_size=world, seed=cfg.seed, storage_options=cfg.loader.storage_options,
-                  pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-                  allow_incomplete=cfg.loader.allow_incomplete, train_on=cfg.loader.train_on,
-                  missing=cfg.loader.teachers_missing)
+    common = dict(rank=rank, world_size=world, seed=cfg.seed,
+                  pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     fraction = cfg.eval.eval_fraction
-    train_ds = CacheDataset(cfg.cache, tokenizer, grad_accum=cfg.optim.grad_accum, split="train",
+    train_ds = CacheDataset(cfg.cache, tokenizer, cfg.loader, grad_accum=cfg.optim.grad_accum, split="train",
                             holdout_fraction=fraction, **common)
     train = CacheLoader(train_ds, num_workers=cfg.loader.num_workers)
     if cfg.loader.corpus_cache:  # GKD's lambda: each micro-batch from the rollouts or the corpus
 
-        corpus_ds = CacheDataset([cfg.loader.corpus_cache], tokenizer, grad_accum=cfg.optim.grad_accum,
+        corpus_ds = CacheDataset([cfg.loader.corpus_cache], tokenizer, cfg.loader, grad_accum=cfg.optim.grad_accum,
                                  split="train", holdout_fraction=fraction, **common)
         train = MixedLoader(train, CacheLoader(corpus_ds, num_workers=cfg.loader.num_workers),
                             fraction=cfg.loader.rollout_fraction, seed=cfg.seed)
     if fraction > 0:
-        eval_ds = CacheDataset(cfg.cache, tokenizer, split="eval", holdout_fraction=fraction, **common)
+        eval_ds = CacheDataset(cfg.cache, tokenizer, cfg.loader, split="eval", holdout_fraction=fraction, **common)
     elif cfg.eval.eval_cache:
-        eval_ds = CacheDataset(cfg.eval.eval_cache, tokenizer, split="all", epochs=1, shuffle=False, **common)
+        eval_ds = CacheDataset(cfg.eval.eval_cache, tokenizer, cfg.loader, split="all", epochs=1, shuffle=False, **common)
     else:
         return train, None
     return train, lambda: CacheLoader(eval_ds, num_workers=0)

@@ -21,7 +21,7 @@ g = s*W*A + r*A + a. Worker w of n builds the rank's micro-batches j with j % n 
 DataLoader returns them in order, so the sequence depends on neither the number of workers nor
 prefetching, and `state_dict()` (micro-batches consumed) resumes exactly.
 
-    ds = CacheDataset(url, student_fingerprint, seq_len=512, micro_batch_size=4, rank=0, world_size=1)
+    ds = CacheDataset(url, student_fingerprint, LoaderConfig(seq_len=512, micro_batch_size=4), rank=0, world_size=1)
     for batch in CacheLoader(ds, num_workers=2): ...
 """
 
@@ -36,14 +36,15 @@ import numpy as np
 import torch
 
 from stage2_student.batches import ShardSource
+from stage2_student.config import LoaderConfig
 from stage2_student.join import build_joined_batch, chunk_group_lengths, join_counts, join_segment
 from stage2_student.order import epoch_window_order, global_micro_batch, is_held_out
-from xtcache.chat.render import TRAIN_ON, chat_fingerprint, trained_roles
+from xtcache.chat.render import TRAIN_ON, trained_roles
+from xtcache.chat.side import tokenizer_side
 from xtcache.errors import ConfigError, XtcacheError
-from xtcache.fingerprint import doc_id, tokenizer_fingerprint
+from xtcache.fingerprint import doc_id
 from xtcache.packing import pack
 from xtcache.store import CacheReader
-from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -75,27 +76,17 @@ def student_fingerprint(tokenizer_or_path, *, chat: bool = False) -> str:
     if isinstance(tokenizer_or_path, str) and len(tokenizer_or_path) == 64 and all(
             ch in "0123456789abcdef" for ch in tokenizer_or_path):
         return tokenizer_or_path
-    if chat:
-        tok = load_tokenizer(tokenizer_or_path, "student tokenizer") if isinstance(tokenizer_or_path, str) \
-            else tokenizer_or_path
-        return chat_fingerprint(tok)
-
-    return tokenizer_fingerprint(tokenizer_or_path)
+    return tokenizer_side(tokenizer_or_path, "student tokenizer", conversation=chat).fingerprint
 
 
-def _check_settings(*, seq_len: int, micro_batch_size: int, rank: int, world_size: int, grad_accum: int, split: str,
-                    holdout_fraction: float, missing: str) -> None:
-    """Refuse loader settings that cannot work, naming the flag."""
-    if seq_len < 2 or micro_batch_size < 1:
-        raise ConfigError(f"--seq-len {seq_len} / --micro-batch-size {micro_batch_size}: need at least 2 / 1")
+def _check_settings(*, rank: int, world_size: int, grad_accum: int, split: str, holdout_fraction: float) -> None:
+    """Refuse a rank or split that cannot work (the LoaderConfig checked its own settings)."""
     if not 0 <= rank < world_size or grad_accum < 1:
         raise ConfigError(f"rank {rank} of world size {world_size} with grad accumulation {grad_accum}: invalid")
     if split not in ("train", "eval", "all"):
         raise ValueError(f"split {split!r}: use train, eval or all")
     if split == "eval" and holdout_fraction <= 0:
         raise ConfigError("an eval split needs --holdout-fraction > 0 (or pass a second cache with split='all')")
-    if missing not in ("drop", "partial"):
-        raise ConfigError(f"--teachers-missing {missing!r}: choose drop or partial")
 
 
 @dataclass
@@ -126,13 +117,14 @@ class CacheDataset(torch.utils.data.IterableDataset):
     carries each teacher's view (`teacher_view`); with one cache it is that cache's batch.
     """
 
-    def __init__(self, url: str | list[str], student: str, *, seq_len: int, micro_batch_size: int,
-                 pad_id: int = 0, rank: int = 0, world_size: int = 1, grad_accum: int = 1, seed: int = 0,
-                 split: str = "train", holdout_fraction: float = 0.0, epochs: int | None = None,
-                 shuffle: bool | None = None, storage_options: dict | None = None, shard_cache: int = 2,
-                 allow_incomplete: bool = False, missing: str = "drop", train_on: str | None = None):
-        _check_settings(seq_len=seq_len, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size,
-                        grad_accum=grad_accum, split=split, holdout_fraction=holdout_fraction, missing=missing)
+    def __init__(self, url: str | list[str], student: str, loader: LoaderConfig, *, pad_id: int = 0, rank: int = 0,
+                 world_size: int = 1, grad_accum: int = 1, seed: int = 0, split: str = "train",
+                 holdout_fraction: float = 0.0, epochs: int | None = None, shuffle: bool | None = None,
+                 shard_cache: int = 2):
+        _check_settings(rank=rank, world_size=world_size, grad_accum=grad_accum, split=split,
+                        holdout_fraction=holdout_fraction)
+        seq_len, micro_batch_size, storage_options = loader.seq_len, loader.micro_batch_size, loader.storage_options
+        allow_incomplete, missing, train_on = loader.allow_incomplete, loader.teachers_missing, loader.train_on
         urls = [url] if isinstance(url, str) else list(url)
         if not urls:
             raise ConfigError("--cache: give at least one teacher cache")

@@ -112,6 +112,7 @@ def test_full_cache_loss_and_gradient_equal_online_kd_within_stated_error(toy_se
     import torch
     from transformers import AutoModelForCausalLM
 
+    from stage2_student.config import LoaderConfig
     from stage2_student.loader import CacheDataset, to_tensors
     from stage2_student.student import model_inputs
     from xtcache.store import CacheReader
@@ -130,7 +131,7 @@ def test_full_cache_loss_and_gradient_equal_online_kd_within_stated_error(toy_se
     toy.build_tiny_model("llama", toy_setup.teacher_tokenizer, student_dir, hidden=64, layers=2, seed=3)
     student = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(str(toy_setup.teacher_model), dtype=torch.float32).eval()
-    ds = CacheDataset(full_store, str(toy_setup.teacher_tokenizer), seq_len=1024, micro_batch_size=1, split="all",
+    ds = CacheDataset(full_store, str(toy_setup.teacher_tokenizer), LoaderConfig(seq_len=1024, micro_batch_size=1), split="all",
                       epochs=1, shuffle=False)
     cached = to_tensors(next(iter(ds)))
     assert cached["teacher_ids"].shape[1] == vocab  # every id of the tokenizer is stored

@@ -288,12 +288,13 @@ def test_align_needs_the_teacher_template_to_locate_messages(chat_run):
 
 @pytest.mark.parametrize("train_on", ["assistant", "last-assistant", "all"])
 def test_loader_masks_keep_kd_and_ce_inside_the_trained_turns(chat_run, train_on):
+    from stage2_student.config import LoaderConfig
     from stage2_student.loader import CacheDataset
     from xtcache.chat.render import trained_roles
     from xtcache.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(chat_run["third_tok"]))
-    ds = CacheDataset(str(chat_run["store"]), tok, seq_len=96, micro_batch_size=2, train_on=train_on,
+    ds = CacheDataset(str(chat_run["store"]), tok, LoaderConfig(seq_len=96, micro_batch_size=2, train_on=train_on),
                       shard_cache=1000)
     seen_ce = seen_kd = 0
     shard_ids = ds.caches[0].shard_ids
@@ -322,6 +323,7 @@ def test_train_student_on_assistant_turns(chat_run, procs, tmp_path):
 
 
 def test_plain_text_cache_refuses_train_on_assistant(toy_setup, tmp_path):
+    from stage2_student.config import LoaderConfig
     from stage2_student.loader import CacheDataset
     from xtcache.errors import ConfigError
     from xtcache.testing.caches import build_hf_cache
@@ -329,7 +331,7 @@ def test_plain_text_cache_refuses_train_on_assistant(toy_setup, tmp_path):
     url = build_hf_cache(tmp_path / "plain", toy_setup.teacher_model, toy_setup.train_jsonl,
                          [toy_setup.student_tokenizer], max_docs=4)
     with pytest.raises(ConfigError, match="--train-on assistant: the cache .* holds plain text"):
-        CacheDataset(url, str(toy_setup.student_tokenizer), seq_len=64, micro_batch_size=1, train_on="assistant")
+        CacheDataset(url, str(toy_setup.student_tokenizer), LoaderConfig(seq_len=64, micro_batch_size=1, train_on="assistant"))
 
 
 def test_tokenizer_without_template_and_rejected_rows(chat_run, chat_toks, toy_setup, procs, tmp_path):
@@ -386,6 +388,7 @@ def test_a_flipped_bit_in_a_conversation_array_is_named(chat_run, tmp_path, grou
     """The conversation arrays are checked like every other array: verify and the trainer's loader name them."""
     import shutil
 
+    from stage2_student.config import LoaderConfig
     from stage2_student.loader import CacheDataset, student_fingerprint
     from xtcache.app.store_commands import verify_store
     from xtcache.errors import XtcacheError
@@ -402,7 +405,7 @@ def test_a_flipped_bit_in_a_conversation_array_is_named(chat_run, tmp_path, grou
     problems = verify_store(str(root), stop_first=False)
     assert any(repr(array) in p and "damaged" in p for p in problems), problems
     with pytest.raises(XtcacheError, match=f"'{array}'.*damaged|damaged.*'{array}'"):
-        ds = CacheDataset(str(root), tok, seq_len=96, micro_batch_size=2, shard_cache=1000)
+        ds = CacheDataset(str(root), tok, LoaderConfig(seq_len=96, micro_batch_size=2), shard_cache=1000)
         for ci, cache in enumerate(ds.caches):
             for i in range(len(cache.shard_ids)):
                 ds.source(ci, i)

@@ -265,13 +265,13 @@ def test_stage2_trains_on_a_headtail_store(toy_setup, headtail_store, same):
     from transformers import AutoModelForCausalLM
 
     from stage2_student import loader as L
-    from stage2_student.config import LossConfig
+    from stage2_student.config import LoaderConfig, LossConfig
     from stage2_student.student import model_inputs
     from xtcache.app.store_commands import verify_store
 
     assert verify_store(headtail_store) == []
     tok = toy_setup.teacher_tokenizer if same else toy_setup.student_tokenizer
-    ds = L.CacheDataset(headtail_store, str(tok), seq_len=48, micro_batch_size=2, seed=0)
+    ds = L.CacheDataset(headtail_store, str(tok), LoaderConfig(seq_len=48, micro_batch_size=2), seed=0)
     batch = next(iter(L.CacheLoader(ds, num_workers=0)))
     assert "teacher_counts" in batch and "teacher_logprobs" in batch and (batch["teacher_ids"] >= 0).any()
     projection = None

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from schemas.models import AlignGroupMeta, Manifest
 from stage2_student import loader as L
 from stage2_student.order import epoch_window_order, global_micro_batch, is_held_out
+from tests.loader_settings import loader_settings
 from xtcache.align.chunks import align_text
 from xtcache.align.tokenizer import encode_with_offsets
 from xtcache.errors import ConfigError
@@ -161,7 +162,7 @@ def _valid_chunks(batch):
 def _dataset(url, fp, **kw):
     args = dict(seq_len=SEQ, micro_batch_size=2, pad_id=2, seed=3)
     args.update(kw)
-    return L.CacheDataset(url, fp, **args)
+    return L.CacheDataset(url, fp, *loader_settings(args), **args)
 
 
 def _all_batches(loader):

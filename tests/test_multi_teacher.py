@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from stage2_student import loader as L
+from stage2_student.config import LoaderConfig
 from stage2_student.join import num_teachers, teacher_view
 from stage2_student.losses import ProjectionOperator
 from stage2_student.mix import TeacherMix, mix_views
 from stage2_student.objective import Objective
+from tests.loader_settings import loader_settings
 from xtcache.errors import ConfigError
 
 
@@ -57,7 +59,7 @@ def caches(toy_setup, second_teachers, tmp_path_factory):
 def dataset(urls, toy_setup, **kw) -> L.CacheDataset:
     args = dict(seq_len=64, micro_batch_size=2, seed=1)
     args.update(kw)
-    return L.CacheDataset(urls, str(toy_setup.student_tokenizer), **args)
+    return L.CacheDataset(urls, str(toy_setup.student_tokenizer), *loader_settings(args), **args)
 
 
 def batches(ds, n, num_workers=0) -> list[dict]:
@@ -132,7 +134,7 @@ def test_joined_batches_share_the_student_side_and_resume_exactly(toy_setup, cac
 
 def test_missing_documents_drop_or_partial_and_no_overlap_is_refused(toy_setup, caches):
     drop = dataset([caches["A"], caches["B16"]], toy_setup)
-    partial = dataset([caches["A"], caches["B16"]], toy_setup, missing="partial")
+    partial = dataset([caches["A"], caches["B16"]], toy_setup, teachers_missing="partial")
     assert (drop.documents, partial.documents) == (16, 24)
     only_a = 0
     for batch in batches(partial, partial.batches_per_epoch):
@@ -150,7 +152,7 @@ def test_a_cache_without_the_students_alignment_is_named(toy_setup, caches, teac
 
     fp = tokenizer_fingerprint(teacher_tokenizer)  # a "student" sharing A's tokenizer, that B was not aligned for
     with pytest.raises(ConfigError, match=f"cache {caches['B']} has no alignment.*xtcache align {caches['B']}"):
-        L.CacheDataset([caches["A"], caches["B"]], fp, seq_len=64, micro_batch_size=2)
+        L.CacheDataset([caches["A"], caches["B"]], fp, LoaderConfig(seq_len=64, micro_batch_size=2))
 
 
 # --------------------------------------------------------------------------------------------

@@ -109,6 +109,7 @@ def heldout_kls(model_dir: Path, toy_setup, caches, fraction: float) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from stage2_student.config import LoaderConfig
     from stage2_student.join import teacher_view
     from stage2_student.loader import CacheDataset, CacheLoader
     from stage2_student.losses import ProjectionOperator
@@ -123,7 +124,7 @@ def heldout_kls(model_dir: Path, toy_setup, caches, fraction: float) -> dict:
     w = pm.to_torch_sparse(len(teacher_tok)).coalesce()
     w = torch.sparse_coo_tensor(w.indices(), w.values(), (model.config.vocab_size, w.shape[1])).coalesce()
     measure = Objective("pkl", ce_weight=0.0, projection=ProjectionOperator(w), with_ce=False)
-    ds = CacheDataset(list(caches), str(toy_setup.student_tokenizer), seq_len=64, micro_batch_size=4, split="eval",
+    ds = CacheDataset(list(caches), str(toy_setup.student_tokenizer), LoaderConfig(seq_len=64, micro_batch_size=4), split="eval",
                       holdout_fraction=fraction)
     sums = {"teacher A": [0.0, 0], "teacher A2": [0.0, 0], "mixture": [0.0, 0]}
     with torch.no_grad():

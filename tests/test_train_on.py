@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from stage2_student import loader as L
 from stage2_student.batches import IGNORE
 from tests.commands import xtcache
+from tests.loader_settings import loader_settings
 from xtcache.packing import CONTEXT_SHARE, common_boundaries, group_trained, pack_documents, pack_trained
 from xtcache.testing.chat import WORDS, chat_tokenizer, write_chat_jsonl
 
@@ -121,7 +122,7 @@ def chat_store(toy_setup, procs, tmp_path_factory):
 def _dataset(chat_store, **kw):
     args = dict(seq_len=SEQ, micro_batch_size=2, pad_id=0, seed=3, train_on="assistant", shard_cache=100)
     args.update(kw)
-    return L.CacheDataset(chat_store["store"], chat_store["tok"], **args)
+    return L.CacheDataset(chat_store["store"], chat_store["tok"], *loader_settings(args), **args)
 
 
 def _numbered(ds):
