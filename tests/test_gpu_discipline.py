@@ -308,3 +308,39 @@ def test_too_few_gpus_for_a_node_s_jobs_is_refused():
 
     with pytest.raises(ConfigError, match="8 jobs on this node .* need 16 GPUs, and 8 are visible"):
         job_devices(2, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}, device_count=lambda: 8)
+
+
+# ----------------------------------------------------------------------------- one dtype, one runner
+
+def test_dtype_auto_resolves_once_to_the_dtype_every_engine_and_the_head_run(tmp_path, monkeypatch):
+    import json
+
+    import xtcache.devices
+    from stage1_teacher.capture.head import resolved_dtype
+
+    def teacher(name, stored):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "torch_dtype": stored}))
+        return str(d)
+
+    fp32, bf16, fp16 = teacher("fp32", "float32"), teacher("bf16", "bfloat16"), teacher("fp16", "float16")
+    monkeypatch.setattr(xtcache.devices, "cuda_present", lambda: False)
+    assert [resolved_dtype(d, "auto") for d in (fp32, bf16, fp16)] == ["float32", "bfloat16", "float16"]
+    monkeypatch.setattr(xtcache.devices, "cuda_present", lambda: True)
+    assert [resolved_dtype(d, "auto") for d in (fp32, bf16, fp16)] == ["bfloat16", "bfloat16", "float16"]
+    assert resolved_dtype(fp32, "float32") == "float32" and resolved_dtype(bf16, "float16") == "float16"
+
+
+def test_the_engines_pin_the_model_runner_they_are_proven_on(monkeypatch):
+    import os
+
+    from stage1_teacher.capture.vllm_engine import VllmOptions, requested_model_runner
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert requested_model_runner() == "v1"
+    VllmOptions(model="m").llm_kwargs()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the user's own choice stays, and the check names it
+    VllmOptions(model="m").llm_kwargs()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1" and requested_model_runner() == "v2"

@@ -35,6 +35,7 @@ import numpy as np
 
 from schemas.arrays import entry_widths
 from schemas.models import DRAWN_MODES, support_width
+from xtcache import devices
 from xtcache.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,23 @@ def _find_tensor(model_dir: str, name: str):
             if name in set(f.keys()):
                 return f.get_tensor(name)
     return None
+
+
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def resolved_dtype(model_dir: str, requested: str) -> str:
+    """`--dtype` as the engines and the head run it. `auto`: the checkpoint's own half dtype; for a
+    float32 checkpoint bfloat16 on CUDA (the head's matmul at tensor-core speed; the first-batch check
+    derives its tolerance from it) and float32 on the CPU. Any other value is used as given, so
+    `--dtype float32` is exact fp32 everywhere (no TF32)."""
+    if requested != "auto":
+        return requested
+    cfg = read_config(model_dir)
+    stored = str(cfg.get("torch_dtype") or cfg.get("dtype") or cfg.get("text_config", {}).get("torch_dtype") or "")
+    if stored in HALF_DTYPES:
+        return stored
+    return "bfloat16" if devices.cuda_present() else "float32"
 
 
 def read_config(model_dir: str) -> dict:

@@ -153,7 +153,7 @@ def check_device_memory(cfg, opts, *, window_len: int, k: int, reference_check: 
         log.warning("FALLBACK: device memory budget not checked, NVML unavailable (%s)", e)
         return None
     arch = (read_config(t.teacher).get("architectures") or ["?"])[0]
-    run = b.Run(dtype=t.dtype, tensor_parallel_size=t.tensor_parallel_size,
+    run = b.Run(dtype=opts.dtype, tensor_parallel_size=t.tensor_parallel_size,
                 gpu_memory_utilization=opts.llm_kwargs()["gpu_memory_utilization"], max_model_len=opts.max_model_len,
                 window_len=window_len, batched_tokens=opts.max_num_batched_tokens, mode=c.mode, k=k,
                 fast_path=t.fast_path and arch in HEAD_ARCHITECTURES, reference_check=reference_check)

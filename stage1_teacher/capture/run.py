@@ -35,6 +35,7 @@ from stage1_teacher.capture.head import (
     block_rows,
     distill_targets,
     read_config,
+    resolved_dtype,
     sample_seed,
 )
 from stage1_teacher.capture.hf_engine import FORWARD_TOKENS, HfEngine
@@ -286,7 +287,7 @@ def check_key(teacher_model: str, teacher) -> dict:
 
     d = {"teacher_model": teacher_model, "vllm_version": vllm.__version__, "platform": platform_name(),
          "model_runner_requested": requested_model_runner(), "enforce_eager": resolved_eager(teacher.enforce_eager),
-         "dtype": teacher.dtype, "tensor_parallel_size": teacher.tensor_parallel_size}
+         "dtype": resolved_dtype(teacher.teacher, teacher.dtype), "tensor_parallel_size": teacher.tensor_parallel_size}
     return {**d, "key": canonical_sha256(d)}
 
 
@@ -305,6 +306,7 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
     CaptureError carries it as `.check`) for the caller to record."""
     t = cfg.teacher
     c = cfg.capture
+    dtype = resolved_dtype(t.teacher, t.dtype)  # one dtype for the engines, the head and the check's tolerance
     t0 = time.perf_counter()
     common = dict(mode=c.mode, k=k, vocab_size=vocab_size, num_samples=c.num_samples, seed=c.seed,
                   top_k=c.top_k if c.mode == "headtail" else 0, owned=engines is None)
@@ -313,7 +315,7 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
         return engines.get(key, factory) if engines is not None else factory()
 
     if t.engine == "hf":
-        eng = make(("hf", t.teacher, t.dtype), lambda: HfEngine(t.teacher, dtype=t.dtype,
+        eng = make(("hf", t.teacher, dtype), lambda: HfEngine(t.teacher, dtype=dtype,
                                                                 batch_tokens=min(c.batch_tokens, FORWARD_TOKENS)))
         cap = Capture(engine=eng, kind="logits", path="transformers forward + torch top-k", **common)
         cap.start_seconds = time.perf_counter() - t0
@@ -325,8 +327,7 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
     notes = []
     if t.fast_path:  # read into host memory; it moves to the device once the engine has started
         try:
-            head = TeacherHead.load(t.teacher, "cpu", dtype=None if t.dtype in ("auto", "float32")
-                                    else _torch_dtype(t.dtype))
+            head = TeacherHead.load(t.teacher, "cpu", dtype=_torch_dtype(dtype))
         except UnsupportedHead as e:
             msg = f"FALLBACK to vLLM prompt log-probs (slower): {e}"
             log.warning(msg)
@@ -372,7 +373,7 @@ def _checked_fast_path(cfg, head: TeacherHead, sample: list, make, *, model_voca
              "model_runner": eng.model_runner()}
     try:
         head = head.to(compute_device())
-        measured = compare_with_reference(eng.run(sample), reference, head, t.dtype, t.check_tolerance)
+        measured = compare_with_reference(eng.run(sample), reference, head, opts.dtype, t.check_tolerance)
     except BaseException as e:
         if owned:
             eng.close()

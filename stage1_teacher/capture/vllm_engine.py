@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from stage1_teacher.capture.head import TeacherHead
+from stage1_teacher.capture.head import TeacherHead, resolved_dtype
 from stage1_teacher.capture.progress import CallPacer
 from xtcache import devices
 from xtcache.devices import compute_device
@@ -66,8 +66,12 @@ def platform_name() -> str:
 
 
 def requested_model_runner() -> str:
-    """The model runner asked for through VLLM_USE_V2_MODEL_RUNNER: 'v1', 'v2' or 'auto' (vLLM picks)."""
-    value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    """The model runner the engines run: 'v1' unless VLLM_USE_V2_MODEL_RUNNER asks for 'v2' ('auto': empty).
+
+    xtcache pins vLLM's V1 model runner (`VllmOptions.llm_kwargs` sets VLLM_USE_V2_MODEL_RUNNER=0 where
+    it is unset): the capture, its first-batch check and generate are proven on it; on the CPU build V2
+    cannot start (it requires Triton), and on CUDA vLLM would otherwise pick V2 by itself."""
+    value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower()
     if value in ("1", "true"):
         return "v2"
     return "v1" if value in ("0", "false") else "auto"
@@ -90,6 +94,7 @@ class VllmOptions:
         cuda = on_cuda()
         if not cuda:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner xtcache is proven on (requested_model_runner)
         util = self.gpu_memory_utilization
         if util is None:
             util = 0.8 if cuda else 0.3
@@ -106,7 +111,8 @@ class VllmOptions:
 def vllm_options(cfg, max_model_len: int) -> VllmOptions:
     """The engine options of a `teacher-dump` config (its teacher and capture settings)."""
     t = cfg.teacher
-    return VllmOptions(model=t.teacher, tensor_parallel_size=t.tensor_parallel_size, dtype=t.dtype,
+    return VllmOptions(model=t.teacher, tensor_parallel_size=t.tensor_parallel_size,
+                       dtype=resolved_dtype(t.teacher, t.dtype),
                        gpu_memory_utilization=t.gpu_memory_utilization, max_model_len=max_model_len,
                        max_num_batched_tokens=t.max_num_batched_tokens or max(8192, max_model_len),
                        enforce_eager=t.enforce_eager, seed=cfg.capture.seed)

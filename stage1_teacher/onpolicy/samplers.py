@@ -14,7 +14,8 @@ reason.
   requests queued in the engine while a part finishes and is written. On CUDA each sample is one
   request with its own seed `sample_seed(...)`; on the CPU build a per-request seed kills the engine
   ("CPU Generator does not use offset"), so there only the engine seed is set and two runs differ:
-  that is logged, and the manifest records `reproducible: false`.
+  that is logged, and the manifest records `reproducible: false`. On CUDA the rollouts are recorded as
+  reproducible only with `VLLM_BATCH_INVARIANT=1` (without it a request's logits depend on its batch).
 
     python -c "import stage1_teacher.onpolicy.samplers as s; help(s.processed_logprobs)"
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections import deque
 
 from stage1_teacher.capture.hf_engine import DTYPES
@@ -129,8 +131,14 @@ class VllmSampler:
                  seed: int = 0):
         from vllm import LLM
 
-        self.reproducible = on_cuda()
-        if not self.reproducible:
+        self.seeded = on_cuda()  # one seed per (prompt, sample) request
+        # the same draws run to run also need batch-invariant kernels: a request's logits otherwise depend on
+        # which other requests share its batch (vLLM's VLLM_BATCH_INVARIANT=1)
+        self.reproducible = self.seeded and os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
+        if self.seeded and not self.reproducible:
+            log.info("vLLM on CUDA: each sample has its own seed, but without VLLM_BATCH_INVARIANT=1 its logits may "
+                     "change with the batch it runs in, so the rollouts are recorded as not reproducible")
+        if not self.seeded:
             log.warning("vLLM on CPU: a per-request seed stops the CPU engine ('CPU Generator does not use offset'), "
                         "so only the engine seed is set and two runs draw different rollouts; --engine hf samples "
                         "reproducibly")
@@ -151,7 +159,7 @@ class VllmSampler:
                       flat_logprobs=True, detokenize=False)
         reqs, params = [], []
         for p in prompts:
-            if self.reproducible:
+            if self.seeded:
                 for i in range(s.samples_per_prompt):
                     reqs.append(TokensPrompt(prompt_token_ids=p.token_ids))
                     params.append(SamplingParams(n=1, seed=sample_seed(s.seed, p.prompt_id, i), **common))
