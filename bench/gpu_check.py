@@ -67,12 +67,16 @@ def device_setup(device: str) -> tuple[str, str]:
 def capture(setup, teacher: str, args, dtype: str, work: Path) -> dict:
     """vLLM forward only, then teacher-dump on the same documents; both rates and the check record."""
     from bench.teacher_dump import bench_dump, bench_vllm_generate, corpus_windows
+    from stage1_teacher.capture.budget import device_memory_used, wait_for_release
 
     texts = [json.loads(line)["text"] for line in Path(setup.heldout_jsonl).read_text().splitlines()][:args.docs]
     corpus = work / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     windows = corpus_windows(teacher, texts, args.max_seq_len)
+    before = device_memory_used(1)  # None off CUDA
     forward = bench_vllm_generate(teacher, windows, args.top_k, args.max_seq_len, dtype)
+    # the forward-only engine's memory must be back before teacher-dump's preflight reads what is free
+    wait_for_release(before, lambda: device_memory_used(1))
     store = work / "store"
     if store.exists():
         import shutil
