@@ -31,6 +31,7 @@ class TermSpec:
     tail: str
     projection: ProjectionOperator | None = None
     is_cap: float = 0.0  # rkl-pg: cap of the truncated importance ratio (0: no ratio)
+    divergence: str = "forward"  # pkl: forward, reverse, jsd or forward-reverse (projected._kl_terms)
 
 
 @dataclass
@@ -242,7 +243,8 @@ def _block_terms(spec: TermSpec, z_rows: Tensor, blk: Block, teacher: dict) -> t
     if spec.kind == "pkl":
         kd = losses.projected_kl(zt, lse, ids, log_p, p_rest, spec.projection, num_chunks=blk.num_chunks,
                                  student_chunk=blk.student_chunk, teacher_chunk=blk.teacher_chunk,
-                                 inv_student_rows=blk.inv_student_rows, teacher_row_weight=blk.teacher_row_weight)
+                                 inv_student_rows=blk.inv_student_rows, teacher_row_weight=blk.teacher_row_weight,
+                                 pkl_divergence=spec.divergence, beta=spec.beta)
     else:
         vocab = zt.shape[1]
         log_q = (zt.gather(1, ids.clamp(min=0)) - lse[:, None]).masked_fill(~valid, -math.inf)  # [m, k]

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 from xtcache.cliconfig import flatten, from_flat
 
+PKL_DIVERGENCES = ("forward", "reverse", "jsd", "forward-reverse")
+"""`--pkl-divergence` choices (stage2_student.projected)."""
 LOSSES = ("auto", "pkl", "kl", "rkl", "jsd", "sampled", "alm", "rkl-pg", "ce")
 """`--loss` choices. auto: pkl for cross-tokenizer caches (sampled ones too), sampled for same-tokenizer sampled and headtail caches, kl otherwise;
 rkl-pg: the reverse-KL policy gradient on rollouts (docs/on-policy.md); ce: next-token cross entropy only (no teacher term)."""
@@ -81,6 +83,8 @@ class LossConfig:
     """Temperature tau of the ALM chunk-likelihood loss."""
     chunk_rows: str = "first"
     """--loss pkl: which rows of a chunk are compared: first (its first student position and first teacher row: the distributions of the first teacher token of the text that follows, read through a `projection build --pieces first` map) or mean (the mean of all its student rows against the mean of all its teacher rows)."""
+    pkl_divergence: str = "forward"
+    """--loss pkl: the divergence between the teacher's and the projected student's distributions over the stored support and the rest: forward (KL(teacher || student), mass covering), reverse (KL(student || teacher), mode seeking: on-policy rollouts), jsd (generalized JSD with --jsd-beta) or forward-reverse (their mean); docs/on-policy.md."""
     is_cap: float = 2.0
     """--loss rkl-pg: cap C of the truncated importance ratio min(p_student / p_sampler, C) per chunk (>= 1; 0: no ratio, for rollouts sampled by the weights being trained)."""
     projection: list[str] = field(default_factory=list)
@@ -203,6 +207,8 @@ class TrainConfig:
             raise ValueError(f"--loss {loss.loss!r}: choose one of {', '.join(LOSSES)}")
         if loss.temperature <= 0:
             raise ValueError(f"--temperature {loss.temperature}: must be positive")
+        if loss.pkl_divergence not in PKL_DIVERGENCES:
+            raise ValueError(f"--pkl-divergence {loss.pkl_divergence!r}: use {', '.join(PKL_DIVERGENCES)}")
         if not 0.0 < loss.jsd_beta < 1.0:
             raise ValueError(f"--jsd-beta {loss.jsd_beta}: must lie strictly between 0 and 1")
         if loss.is_cap != 0 and not loss.is_cap >= 1:

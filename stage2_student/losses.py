@@ -286,7 +286,7 @@ def _augmented_csr(s: Tensor, t: Tensor, val: Tensor, v_s: int, v_t: int, t_coun
 
 def projected_kl(zt: Tensor, lse: Tensor, ids: Tensor, log_p: Tensor, p_rest: Tensor, projection: ProjectionOperator,
                  *, num_chunks: int, student_chunk: Tensor, teacher_chunk: Tensor, inv_student_rows: Tensor,
-                 teacher_row_weight: Tensor) -> Tensor:
+                 teacher_row_weight: Tensor, pkl_divergence: str = "forward", beta: float = 0.5) -> Tensor:
     """Projected KL of whole chunks [C] (docs/losses.md), with sparse matmuls by W and an exact rest.
 
     zt, lse: the chunks' student rows at temperature [P, V_s] and their log-sum-exp [P];
@@ -300,6 +300,9 @@ def projected_kl(zt: Tensor, lse: Tensor, ids: Tensor, log_p: Tensor, p_rest: Te
     q_c(rest) = sum_s pbar_c(s) w_out_c(s), w_out_c = W (1 - 1_{K_c}) + 1_unmapped: a sum of
     non-negative terms (the share of each student token's mass that falls outside K_c), never
     1 - sum(q_c), so it keeps its digits at any outside mass.
+
+    `pkl_divergence`: forward (KL(p_c || q_c), the default), reverse (KL(q_c || p_c)), jsd (generalized
+    JSD(beta)) or forward-reverse (the mean of forward and reverse), over the same buckets.
     """
     n_c = num_chunks
     dev = zt.device
@@ -333,4 +336,16 @@ def projected_kl(zt: Tensor, lse: Tensor, ids: Tensor, log_p: Tensor, p_rest: Te
     q_at = q_c[teacher_chunk[:, None], ids.clamp(min=0)]  # [M, k]
     cross_rows = (p_rows * q_at.clamp(min=PROB_FLOOR).log()).sum(dim=-1) * t_w * scale[teacher_chunk]  # [M]
     cross = torch.zeros(n_c, dtype=cross_rows.dtype, device=dev).index_add(0, teacher_chunk, cross_rows)  # [C]
-    return entropy - cross + divergence("kl", safe_log(p_rest_c)[:, None], safe_log(q_rest_c)[:, None])  # [C]
+    forward = entropy - cross + divergence("kl", safe_log(p_rest_c)[:, None], safe_log(q_rest_c)[:, None])  # [C]
+    if pkl_divergence == "forward":
+        return forward
+    # the other divergences over the buckets K_c and the rest, dense over [C, V_t + 1]
+    log_p_all = torch.cat([safe_log(p_c * scale[:, None]), safe_log(p_rest_c)[:, None]], dim=-1)
+    log_q_all = torch.cat([safe_log(torch.where(in_k, q_c, 0.0)), safe_log(q_rest_c)[:, None]], dim=-1)
+    if pkl_divergence == "reverse":
+        return divergence("rkl", log_p_all, log_q_all)
+    if pkl_divergence == "jsd":
+        return divergence("jsd", log_p_all, log_q_all, beta=beta)
+    if pkl_divergence == "forward-reverse":
+        return 0.5 * (forward + divergence("rkl", log_p_all, log_q_all))
+    raise ValueError(f"--pkl-divergence {pkl_divergence!r}: use forward, reverse, jsd or forward-reverse")

@@ -143,7 +143,7 @@ class Objective:
                  dynamic_scaling: bool = False, temperature: float = 1.0, jsd_beta: float = 0.5,
                  alm_tau: float = 100.0, projection: ProjectionOperator | None = None, teacher_tail: str = "ghost",
                  measure_agreement: bool = True, row_chunk: int = ROW_CHUNK, with_ce: bool = True,
-                 is_cap: float = 0.0, chunk_rows: str = "first"):
+                 is_cap: float = 0.0, chunk_rows: str = "first", pkl_divergence: str = "forward"):
         if kind is not None and kind not in KINDS:
             raise ValueError(f"--loss {kind!r}: use {', '.join(KINDS)}")
         if teacher_tail not in ("ghost", "uniform"):
@@ -156,6 +156,9 @@ class Objective:
                               "student's own T=1 policy against the teacher's stored T=1 log-probs; use --temperature 1")
         if chunk_rows not in CHUNK_ROWS:
             raise ValueError(f"--chunk-rows {chunk_rows!r}: use {' or '.join(CHUNK_ROWS)}")
+        if pkl_divergence != "forward" and kind != "pkl":
+            raise ConfigError(f"--pkl-divergence {pkl_divergence}: applies to --loss pkl (across tokenizers); with one "
+                              "tokenizer use --loss rkl or --loss jsd")
         if kind == "pkl" and projection is None:
             raise ProjectionError("--loss pkl needs a projection map (--projection, or built from both tokenizers)")
         self.kind, self.projection = kind, projection
@@ -163,7 +166,8 @@ class Objective:
         self.row_chunk = int(row_chunk)
         self.with_ce = with_ce  # False: this teacher's pass skips CE (another teacher's pass computes it)
         self.chunk_rows = chunk_rows  # pkl: "first" compares each chunk's first student and teacher rows only
-        self.spec = TermSpec(kind, float(temperature), jsd_beta, alm_tau, teacher_tail, projection, float(is_cap))
+        self.spec = TermSpec(kind, float(temperature), jsd_beta, alm_tau, teacher_tail, projection, float(is_cap),
+                             pkl_divergence)
         cross = kind in ("pkl", "alm")
         self.measure_agreement = measure_agreement and kind is not None and (not cross or projection is not None)
 
@@ -180,6 +184,7 @@ class Objective:
                   dynamic_scaling=loss_cfg.dynamic_scaling, temperature=loss_cfg.temperature,
                   jsd_beta=loss_cfg.jsd_beta, alm_tau=loss_cfg.alm_tau, projection=projection,
                   is_cap=loss_cfg.is_cap if kind == "rkl-pg" else 0.0, chunk_rows=loss_cfg.chunk_rows,
+                  pkl_divergence=loss_cfg.pkl_divergence,
                   measure_agreement=kind != "rkl-pg" or caps.same_tokenizer or projection is not None)
         kw.update(overrides)
         return cls(kind, **kw)

@@ -147,14 +147,17 @@ def _teacher(spec, blk, teacher: dict, v_t: int, cdt) -> tuple[Tensor, Tensor, T
 
 
 def _kl_terms(blk, q_at: Tensor, q_rest: Tensor, p_at: Tensor, w_e: Tensor, p_rest_c: Tensor,
-              no_rest: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(KL of each chunk [C] unscaled by T^2, dKL/dq at the stored entries [M, k], dKL/dq outside K_c [C],
-    <pbar_c, G_c> [C]) from q_c and p_c at each entry's (chunk, id) [M, k], q_r [C], w_e [M, k], p_r [C] and
-    the chunks whose K_c holds every column with entries [C]."""
+              no_rest: Tensor, divergence: str = "forward", beta: float = 0.5) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(divergence of each chunk [C] unscaled by T^2, its derivative by q at the stored entries [M, k] and
+    outside K_c [C], <pbar_c, G_c> [C]) from q_c and p_c at each entry's (chunk, id) [M, k], q_r [C], w_e
+    [M, k], p_r [C] and the chunks whose K_c holds every column with entries [C]. `divergence`: forward
+    (KL(p || q), P-KL), reverse (KL(q || p)), jsd (generalized JSD(beta)) or forward-reverse (their mean)."""
     cdt, dev = q_at.dtype, q_at.device
     drop = no_rest & (p_rest_c > 0)  # as losses.drop_unreachable_rest
     scale = torch.where(drop, 1.0 / (1.0 - p_rest_c.clamp(max=1.0 - 1e-7)), torch.ones_like(p_rest_c))  # [C]
     p_rest_c = torch.where(drop, torch.zeros_like(p_rest_c), p_rest_c)
+    if divergence != "forward":
+        return _other_terms(blk, q_at, q_rest, p_at, w_e, p_rest_c, scale, divergence, beta)
     # the teacher's entropy on K_c: sum over distinct ids of p_c log p_c = sum_e w_e log p_c(t_e)
     ent_e = torch.xlogy(w_e, p_at)  # [M, k]
     log_q = q_at.clamp(min=losses.PROB_FLOOR).log()  # [M, k]
@@ -168,6 +171,59 @@ def _kl_terms(blk, q_at: Tensor, q_rest: Tensor, p_at: Tensor, w_e: Tensor, p_re
     kl = kl + losses.divergence("kl", losses.safe_log(p_rest_c)[:, None], losses.safe_log(q_rest)[:, None])  # [C]
     d_rest = torch.where((p_rest_c > 0) & (q_rest > 0), -p_rest_c / q_rest, zero)  # [C]
     return kl, d_e.mul_(scale[blk.teacher_chunk][:, None]), d_rest, scale * dot + d_rest * q_rest
+
+
+def _other_terms(blk, q_at: Tensor, q_rest: Tensor, p_at: Tensor, w_e: Tensor, p_rest_c: Tensor, scale: Tensor,
+                 divergence: str, beta: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`_kl_terms` for the reverse, jsd and forward-reverse divergences, over the same buckets (K_c and the
+    rest). A bucket's value and derivative are functions of its (p, q); the entries of one (chunk, id)
+    carry them in proportion to their share f_e = w_e / p_c of its teacher probability:
+
+        reverse: q log(q / p),                                  d/dq = log(q / p) + 1
+        jsd:     beta p log(p / m) + (1 - beta) q log(q / m),   d/dq = (1 - beta) log(q / m),  m = beta p + (1 - beta) q
+    """
+    cdt, dev = q_at.dtype, q_at.device
+    zero = torch.zeros((), dtype=cdt, device=dev)
+    pt = p_at * scale[blk.teacher_chunk][:, None]  # [M, k] the teacher's bucket, renormalised where its rest drops
+    f_e = torch.where(p_at > 0, w_e / torch.where(p_at > 0, p_at, 1.0), zero)  # [M, k]; padding 0
+    log_q, log_p = q_at.clamp(min=losses.PROB_FLOOR).log(), losses.safe_log(pt).clamp(min=losses.LOG_FLOOR)
+    has_r = q_rest > 0
+    log_qr = q_rest.clamp(min=losses.PROB_FLOOR).log()
+    log_pr = losses.safe_log(p_rest_c).clamp(min=losses.LOG_FLOOR)
+
+    def reverse():
+        return (torch.xlogy(q_at, q_at) - q_at * log_p, log_q - log_p + 1.0,
+                torch.xlogy(q_rest, q_rest) - q_rest * log_pr, torch.where(has_r, log_qr - log_pr + 1.0, zero))
+
+    def jsd():
+        log_m = torch.log(beta * pt + (1.0 - beta) * q_at).clamp(min=losses.LOG_FLOOR)
+        m_r = beta * p_rest_c + (1.0 - beta) * q_rest
+        log_mr = losses.safe_log(m_r).clamp(min=losses.LOG_FLOOR)
+        val = beta * (torch.xlogy(pt, pt) - pt * log_m) + (1.0 - beta) * (torch.xlogy(q_at, q_at) - q_at * log_m)
+        val_r = beta * (torch.xlogy(p_rest_c, p_rest_c) - p_rest_c * log_mr) + (1.0 - beta) * (
+            torch.xlogy(q_rest, q_rest) - q_rest * log_mr)
+        return val, (1.0 - beta) * (log_q - log_m), torch.where(m_r > 0, val_r, zero), \
+            torch.where(has_r, (1.0 - beta) * (log_qr - log_mr), zero)
+
+    def forward():
+        d = torch.where(q_at >= losses.PROB_FLOOR, -pt / q_at.clamp(min=losses.PROB_FLOOR), zero)
+        val = torch.xlogy(pt, pt) - pt * log_q
+        val_r = losses.divergence("kl", losses.safe_log(p_rest_c)[:, None], losses.safe_log(q_rest)[:, None])
+        return val, d, val_r, torch.where((p_rest_c > 0) & has_r, -p_rest_c / q_rest.clamp(min=losses.PROB_FLOOR), zero)
+
+    if divergence == "reverse":
+        val, g, val_r, g_r = reverse()
+    elif divergence == "jsd":
+        val, g, val_r, g_r = jsd()
+    elif divergence == "forward-reverse":
+        val, g, val_r, g_r = (0.5 * (a + b) for a, b in zip(forward(), reverse()))
+    else:
+        raise ValueError(f"divergence {divergence!r}: use forward, reverse, jsd or forward-reverse")
+    d_e = torch.where(f_e > 0, f_e * g, zero)  # [M, k]
+    per_row = torch.stack([torch.where(f_e > 0, f_e * val, zero).sum(dim=-1), (d_e * q_at).sum(dim=-1)], dim=1)
+    value, dot = torch.zeros((blk.num_chunks, 2), dtype=cdt, device=dev).index_add_(
+        0, blk.teacher_chunk, per_row).unbind(1)  # [C] each
+    return value + val_r, d_e, g_r, dot + g_r * q_rest
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,7 +310,8 @@ def _support_forward(spec, z: Tensor, blk, teacher: dict, mats, union: Tensor, s
     q_at = _by_chunk(q_rows, blk).view(-1)[sup.cell]  # [M, k] q_c at each entry's id
     p_at = torch.zeros(n_k * n_c, dtype=z.dtype, device=z.device).index_add_(0, flat, w_e.view(-1))[sup.cell]
     no_rest = _support_no_rest(in_k, sup, mats)
-    kl, d_e, d_rest, _ = _kl_terms(blk, q_at, _by_chunk(q_rest_rows, blk), p_at, w_e, p_rest_c, no_rest)
+    kl, d_e, d_rest, _ = _kl_terms(blk, q_at, _by_chunk(q_rest_rows, blk), p_at, w_e, p_rest_c, no_rest,
+                                   spec.divergence, spec.beta)
     h = torch.zeros(n_k * n_c, dtype=z.dtype, device=z.device).index_add_(0, flat, d_e.view(-1)).view(n_k, n_c)
     dot = (h[:, sc] * q_rows).sum(dim=0) + d_rest[sc] * q_rest_rows  # [m] <softmax(u_i), G_c>
     ce = -(label_logit - lse1[blk.ce_rows]).sum() if has_ce else z.new_zeros(())
@@ -277,7 +334,7 @@ def _support_gradient(spec, z: Tensor, blk, teacher: dict, saved: Saved, grad_kd
     n_k = sup.w_kt.shape[0]
     # H_c on K: the entries' sum on K_c, the rest's elsewhere; outside K it is the rest's, times w_out below
     flat = sup.cell.reshape(-1)
-    h = d_rest[None, :].expand(n_k, n_c).contiguous().view(-1).index_fill_(0, flat, 0.0)
+    h = d_rest.repeat(n_k, 1).view(-1).index_fill_(0, flat, 0.0)  # a copy: d_rest stays as saved
     h = h.index_add_(0, flat, d_e.reshape(-1)).view(n_k, n_c)
     alpha = (grad_kd.to(cdt) * blk.inv_student_rows.to(cdt)).index_select(0, sc) * t  # [m]
     beta = -alpha * dot + (c[:m] if t == 1.0 else 0.0)  # [m] (at T = 1 CE's softmax is the KD rows' softmax)
@@ -353,7 +410,7 @@ def _dense_parts(spec, p_bar: Tensor, blk, teacher: dict, mats) -> tuple[Tensor,
     no_rest = _no_rest(ids, at, blk, has, n_cols, unmapped, q.shape)
     p_at = q.index_put_(at, w_e, accumulate=True)[at]  # [M, k] p_c at each entry's id (q is 0 on K_c)
     del q
-    kl, d_e, d_rest, dot = _kl_terms(blk, q_at, q_rest, p_at, w_e, p_rest_c, no_rest)
+    kl, d_e, d_rest, dot = _kl_terms(blk, q_at, q_rest, p_at, w_e, p_rest_c, no_rest, spec.divergence, spec.beta)
     return kl, (at, d_e, d_rest, dot)
 
 

@@ -86,7 +86,7 @@ def test_closed_form_equals_the_autograd_recompute(case, monkeypatch):
 # projected KL (stage2_student/projected.py)
 
 
-def _pkl_case(case: str, gen, chunk_rows: str = "mean"):
+def _pkl_case(case: str, gen, chunk_rows: str = "mean", pkl_divergence: str = "forward"):
     """(objective, batch, logits) of a cross-tokenizer micro-batch: chunks of 1, 2 and 3 student rows and of
     1 and 2 teacher rows over two sequences, CE-only and unlabelled positions, stored-id padding, a teacher row
     with no stored id, a stored id no student token maps to, an unmapped student token; "no rest": W maps every
@@ -133,7 +133,8 @@ def _pkl_case(case: str, gen, chunk_rows: str = "mean"):
     temperature = 2.0 if "T=2" in case else 1.0
     obj = Objective("pkl", projection=losses.ProjectionOperator(w.to_sparse()), temperature=temperature,
                     teacher_tail="uniform" if "uniform" in case else "ghost", row_chunk=5,
-                    chunk_rows=chunk_rows)  # mean: every row of chunks of 1-3 student and 1-2 teacher rows
+                    chunk_rows=chunk_rows, pkl_divergence=pkl_divergence)  # mean: every row of chunks of 1-3 student
+    # and 1-2 teacher rows
     logits = torch.randn(2, 12, v_s, generator=gen, dtype=torch.float64) * 3
     if case != "no rest":  # teacher id 5, stored by row 2: every student token onto it at e^-30, q below the floor
         batch["teacher_ids"][2, 0] = 5
@@ -178,6 +179,36 @@ def test_projected_kl_closed_form_equals_the_autograd_recompute(case, path, monk
     assert calls == [path] * sum(b.num_kd_rows > 0 for b in prep.blocks)
     _assert_equals_autograd(obj, prep, logits, weights, kd, ce, g)
     assert torch.isfinite(g).all() and g.abs().sum() > 0 and (kd > 0).all()
+
+
+@pytest.mark.parametrize("path", list(PKL_PATHS))
+@pytest.mark.parametrize("divergence", ["forward", "reverse", "jsd", "forward-reverse"])
+@pytest.mark.parametrize("case", ["topk", "topk T=2", "no rest", "full"])
+def test_projected_reverse_kl_and_jsd_closed_form_equal_the_autograd_recompute(case, divergence, path, monkeypatch):
+    """Every --pkl-divergence (forward, and the on-policy reverse, jsd, forward-reverse): values and gradient of
+    the closed form equal `losses.projected_kl` under autograd on each path, first rows and chunk means alike
+    (first rows give a block whose only teacher row stores no id: a support of one column, whose rest
+    derivative the support path once overwrote); the others are other numbers than the forward KL's."""
+    from stage2_student import projected
+
+    devices, save_below = PKL_PATHS[path]
+    monkeypatch.setattr(projected, "SUPPORT_DEVICES", devices)
+    monkeypatch.setattr(projected, "SAVE_ENTRIES_BELOW", save_below)
+    monkeypatch.setattr(projected, "SUPPORT_BELOW", 1.0)
+    for chunk_rows in ("mean", "first"):
+        gen = torch.Generator().manual_seed(47)
+        obj, batch, logits = _pkl_case(case, gen, chunk_rows=chunk_rows, pkl_divergence=divergence)
+        prep = obj.prepare(batch, vocab=logits.shape[-1])
+        weights = torch.rand(prep.chunks, generator=gen, dtype=torch.float64)
+        z = logits.clone().requires_grad_(True)
+        kd, ce = obj.terms(z, prep)
+        (g,) = torch.autograd.grad((kd * weights).sum() + 0.7 * ce, z)
+        _assert_equals_autograd(obj, prep, logits, weights, kd, ce, g)
+        assert torch.isfinite(g).all() and g.abs().sum() > 0 and (kd > -1e-12).all() and (kd > 0).any()
+        if divergence != "forward":
+            forward, _, _ = _pkl_case(case, torch.Generator().manual_seed(47), chunk_rows=chunk_rows)
+            kd_forward, _ = forward.terms(logits.clone(), forward.prepare(batch, vocab=logits.shape[-1]))
+            assert not torch.allclose(kd.detach(), kd_forward)
 
 
 def _wide_pkl_case(gen, dtype, chunk_rows: str):
@@ -285,3 +316,15 @@ def test_projected_kl_of_first_rows_equals_the_autograd_recompute(case):
     (g,) = torch.autograd.grad((kd * weights).sum() + 0.7 * ce, z)
     _assert_equals_autograd(obj, prep, logits, weights, kd, ce, g)
     assert torch.isfinite(g).all() and g.abs().sum() > 0 and (kd > -1e-12).all()  # a KL: 0 where both sides agree
+
+
+def test_pkl_divergence_applies_to_projected_kl_only():
+    from stage2_student.config import LossConfig
+    from stage2_student.objective import Capabilities, Objective
+    from xtcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--pkl-divergence reverse: applies to --loss pkl .*--loss rkl or --loss jsd$"):
+        Objective("kl", pkl_divergence="reverse")
+    same = Capabilities(mode="topk", same_tokenizer=True)
+    with pytest.raises(ConfigError, match="--pkl-divergence jsd"):
+        Objective.from_config(LossConfig(pkl_divergence="jsd"), same)
