@@ -194,7 +194,7 @@ def _cfg(tmp_path, **kw):
     from xtcache.app.rounds import RoundsConfig
 
     return RoundsConfig(**{"student": "S", "teacher": "T", "prompts": ["p.jsonl"], "rounds": 2,
-                           "workdir": str(tmp_path / "w"), "engine": "hf", **kw})
+                           "workdir": str(tmp_path / "w"), "engine": "hf", "train_on": "last-assistant", **kw})
 
 
 def test_teacher_dump_flags_of_every_round_and_the_check_trusted_after_round_0(tmp_path):
@@ -310,3 +310,27 @@ def test_a_run_failed_in_train_student_reruns_with_the_fixed_flag(chat, tmp_path
     assert stages == ["generate", "teacher-dump", "train-student", "train-student"]  # finished stages kept
     done = json.loads((workdir / "round-000" / "done" / "train-student.json").read_text())
     assert done["command"][done["command"].index("--lr") + 1] == "1e-3"
+
+
+def test_train_on_is_picked_from_the_prompts_before_round_0_runs(tmp_path, caplog):
+    """Conversation prompts train the generated turn; text prefixes (whose rollouts keep no roles) train every
+    position, said in the log; a text prompt file with --train-on last-assistant, or prompt files of both kinds,
+    are refused before any stage runs."""
+    import json
+
+    from xtcache.app.rounds import resolve_train_on, run_rounds
+    from xtcache.errors import ConfigError
+
+    chats, texts = tmp_path / "chats.jsonl", tmp_path / "texts.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    texts.write_text(json.dumps({"text": "def f(x):"}) + "\n")
+    assert resolve_train_on(_cfg(tmp_path, prompts=[str(chats)], train_on=None)).train_on == "last-assistant"
+    assert resolve_train_on(_cfg(tmp_path, prompts=[str(chats)], train_on="all")).train_on == "all"
+    with caplog.at_level("WARNING", logger="xtcache.app.rounds"):
+        assert resolve_train_on(_cfg(tmp_path, prompts=[str(texts)], train_on=None)).train_on == "all"
+    assert "trains the prefix positions" in caplog.text
+    with pytest.raises(ConfigError, match=r"^--train-on last-assistant with text prefixes .*pass --train-on all"):
+        run_rounds(_cfg(tmp_path, prompts=[str(texts)]))
+    with pytest.raises(ConfigError, match=r"one run samples either conversations or text prefixes"):
+        run_rounds(_cfg(tmp_path, prompts=[str(chats), str(texts)], train_on=None))
+    assert not (tmp_path / "w").exists()  # refused before the work directory, let alone a stage
