@@ -237,7 +237,9 @@ class Preparer:
             if sampled is None:
                 continue
             if sampled.chat in by_fp:
-                by_fp[sampled.chat] = attach_sampled(by_fp[sampled.chat], sampled, i in spliced.get(sampled.chat, ()))
+                side = next(s for s in self.students if s.fingerprint == sampled.chat)
+                by_fp[sampled.chat] = attach_sampled(by_fp[sampled.chat], sampled, i in spliced.get(sampled.chat, ()),
+                                                     markers=side.markers)
             elif sampled.chat not in {s.fingerprint for s in self.students}:
                 if not self.unmatched_rollouts:
                     log.warning("row %d of %s is a rollout of a student (chat fingerprint %s..) that is none of the "

@@ -334,3 +334,30 @@ def test_offsets_of_sampled_ids_come_from_their_bytes():
     text = "a\u00e9\u6771b"  # 1, 2 and 3 UTF-8 bytes, then 1
     got = byte_offsets(text, np.array([1, 1, 1, 2, 1, 1]))  # "a", e-acute in 1 + 1 bytes, the CJK in 2 + 1, "b"
     assert got.tolist() == [[0, 1], [1, 2], [1, 2], [2, 3], [2, 3], [3, 4]]
+
+
+def test_a_turn_cut_by_max_new_tokens_does_not_train_its_end_marker_when_its_ids_were_retokenized():
+    """A re-tokenized turn (its sampled ids spell it otherwise) keeps its content roles; its end-of-turn marker
+    (a special added token) is trained after a `stop` and not after a `length` stop, which the student never
+    wrote; sampled ids that are the stored ones keep their own rule (template tokens after them untrained)."""
+    from schemas.roles import LAST_ASSISTANT, ROLE_ASSISTANT, ROLE_TEMPLATE, ROLE_USER
+    from stage1_teacher.corpus.rows import Sampled
+    from stage1_teacher.onpolicy.sampled import attach_sampled
+    from xtcache.align.chunks import identity_alignment
+    from xtcache.store import AlignmentRecord
+
+    turn_role = ROLE_ASSISTANT | LAST_ASSISTANT
+    ids = np.array([5, 6, 7, 20, 21, 22, 99, 8])  # 99: the end-of-turn marker, 8: template text after it
+    roles = np.array([ROLE_USER, ROLE_USER, ROLE_TEMPLATE, turn_role, turn_role, turn_role, turn_role, ROLE_TEMPLATE],
+                     dtype=np.uint8)
+    record = AlignmentRecord(student_ids=ids, alignment=identity_alignment(len(ids)), student_role=roles)
+    markers = np.array([99, 100])
+    other = (30, 31)  # sampled ids that spell the turn another way: re-tokenized
+    stop = attach_sampled(record, Sampled(other, (-1.0, -2.0), "fp", stop_reason="stop"), markers=markers)
+    cut = attach_sampled(record, Sampled(other, (-1.0, -2.0), "fp", stop_reason="length"), markers=markers)
+    assert stop.student_role.tolist() == roles.tolist()
+    assert cut.student_role.tolist() == [*roles[:6].tolist(), ROLE_TEMPLATE, ROLE_TEMPLATE]
+    assert np.isnan(cut.sampled_logprobs).all() and cut.stats["sampled_mismatch"] == 1
+    same = attach_sampled(record, Sampled((20, 21, 22), (-1.0, -2.0, -3.0), "fp", stop_reason="length"),
+                          markers=markers)
+    assert same.student_role[6] == ROLE_TEMPLATE and same.sampled_logprobs[3:6].tolist() == [-1.0, -2.0, -3.0]

@@ -51,6 +51,7 @@ class Sampled:
     logprobs: tuple[float, ...]  # their log-probs under the sampling policy
     chat: str  # the sampling student's chat fingerprint (xtcache.chat.render.chat_fingerprint)
     policy: str = ""  # the policy fingerprint
+    stop_reason: str = ""  # "stop" (the student ended the turn) or "length" (cut by --max-new-tokens)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ def _sampled_of(obj: dict) -> Sampled | None | str:
     if (not isinstance(ids, list) or not isinstance(lps, list) or len(ids) != len(lps) or not isinstance(chat, str)
             or not all(isinstance(i, int) for i in ids) or not all(isinstance(x, (int, float)) for x in lps)):
         return "rollout row without matching sampled_ids, sampled_logprobs and chat_fingerprint"
-    return Sampled(tuple(ids), tuple(float(x) for x in lps), chat, str(obj.get("policy", "")))
+    return Sampled(tuple(ids), tuple(float(x) for x in lps), chat, str(obj.get("policy", "")),
+                   str(obj.get("stop_reason") or ""))
 
 
 def _iter_conversations(table_columns, names, source: str, row0: int, messages_field: str):

@@ -14,7 +14,9 @@ the others keep the re-tokenized ids and no log-probs.
 
 Tokens the template writes after the sampled ones (its end-of-turn marker after a turn cut by
 `--max-new-tokens`) were not written by the student: they get the template role (no training on
-them, for any loss), so a truncated turn does not teach the student to end there.
+them, for any loss), so a truncated turn does not teach the student to end there. A turn cut by
+`--max-new-tokens` (`stop_reason` "length") whose ids were re-tokenized loses the role of its
+end-of-turn markers (the student tokenizer's special added tokens in the turn) the same way.
 
     python -c "import stage1_teacher.onpolicy.sampled as s; help(s.attach_sampled)"
 """
@@ -30,11 +32,13 @@ from stage1_teacher.corpus.rows import Sampled
 from xtcache.store import AlignmentRecord
 
 
-def attach_sampled(record: AlignmentRecord, sampled: Sampled, spliced: bool = False) -> AlignmentRecord:
+def attach_sampled(record: AlignmentRecord, sampled: Sampled, spliced: bool = False,
+                   markers: np.ndarray | None = None) -> AlignmentRecord:
     """The record with its sampling log-probs (float32 [S], NaN where not sampled), the roles of
     template tokens after the sampled ones cleared, and stats `sampled_turns` 1, `sampled_mismatch`
     1 when the turn's re-tokenized ids are not the sampled ids, and `sampled_same_text` 1 when, so,
-    the sampled ids were `spliced` into the record (`stage1_teacher.onpolicy.splice`)."""
+    the sampled ids were `spliced` into the record (`stage1_teacher.onpolicy.splice`). `markers`: the
+    student's end-of-turn candidates, untrained in a turn cut by --max-new-tokens."""
     ids, roles = np.asarray(record.student_ids), np.asarray(record.student_role)
     turn = np.flatnonzero(roles & LAST_ASSISTANT)  # [t] the generated turn's student tokens
     want = np.asarray(sampled.ids, dtype=np.int64)
@@ -44,8 +48,10 @@ def attach_sampled(record: AlignmentRecord, sampled: Sampled, spliced: bool = Fa
     same = contiguous and n <= len(turn) and np.array_equal(ids[turn[:n]].astype(np.int64), want)
     stats = {**(record.stats or {}), "sampled_turns": 1, "sampled_mismatch": int(spliced or not same),
              "sampled_same_text": int(spliced and same)}
+    roles = roles.copy()
     if same:
         logprobs[turn[:n]] = np.asarray(sampled.logprobs, dtype=np.float32)
-        roles = roles.copy()
         roles[turn[n:]] = ROLE_TEMPLATE  # written by the template after a length stop, not sampled
+    elif sampled.stop_reason == "length" and markers is not None:  # re-tokenized: the template's end marker
+        roles[turn[np.isin(ids[turn], markers)]] = ROLE_TEMPLATE
     return replace(record, student_role=roles, stats=stats, sampled_logprobs=logprobs)
