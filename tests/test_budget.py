@@ -41,10 +41,10 @@ def test_llama3_70b_on_8x80gb_fits_at_the_default():
     act = 8192 * (2 * 8192 + (64 + 16) * 128 // 8 + 2 * 28672 // 8) * 2 + 8192 * 8192 * 4
     assert got.share == share
     assert [t.bytes for t in got.inside] == [weights, act, kv]
-    head = 128256 * 8192 * 4  # fp32 lm_head under --dtype auto: 3.9 GiB
-    blocks = 3 * 1024 * 128256 * 4 + 1024 * 8192 * 4  # 1024 rows (2^27 // 128256 = 1046, capped)
+    head = 128256 * 8192 * 2  # --dtype auto on CUDA: a bf16 lm_head, 2.0 GiB
+    blocks = 3 * 1024 * 128256 * 4 + 1024 * 8192 * 2  # 1024 rows (2^27 // 128256 = 1046, capped)
     assert got.need_outside() == CTX + CTX + head + blocks
-    assert got.need_outside() < 7 * GiB < got.rest == H100 - share
+    assert got.need_outside() < 5 * GiB < got.rest == H100 - share
     assert refusal(LLAMA3_70B, run, got) is None
 
 
@@ -66,54 +66,62 @@ def test_llama3_8b_on_a_24gb_card_fits_topk_at_the_default():
     got = device_budget(LLAMA3_8B, run, RTX4090)
     inside = 8_030_261_248 * 2 + 8192 * (8192 + 48 * 128 + 2 * 14336) * 2 + 256 * 128256 * 8 + 2 * 32 * 8 * 128 * 2 * 2064
     assert got.need_inside() == inside  # 16.1 GiB of a 19.2 GiB share
-    assert got.need_outside() == _llama8b_outside(3, 4) == 4_767_875_072  # 4.44 GiB of 4.80
+    assert got.need_outside() == _llama8b_outside(3, 2) == 3_708_813_312  # 3.45 GiB of 4.80
     assert got.rest == RTX4090 - math.ceil(0.8 * RTX4090)
     assert refusal(LLAMA3_8B, run, got) is None
 
 
-def test_llama3_8b_sampled_on_a_24gb_card_is_refused_with_the_numbers_and_two_fixes():
+def test_llama3_8b_sampled_on_a_24gb_card_fits_with_the_half_head_and_is_refused_above_its_utilization():
     run = Run(mode="sampled")
     got = device_budget(LLAMA3_8B, run, RTX4090)
-    need = _llama8b_outside(5, 4)  # multinomial's three [rows, V] copies on top of real and exp
+    need = _llama8b_outside(5, 2)  # multinomial's three [rows, V] copies on top of real and exp
+    assert got.need_outside() == need <= got.rest  # 4.43 GiB of 4.80
+    assert refusal(LLAMA3_8B, run, got) is None
+    high = Run(mode="sampled", gpu_memory_utilization=0.82)
+    msg = refusal(LLAMA3_8B, high, device_budget(LLAMA3_8B, high, RTX4090))
+    assert msg.startswith("--gpu-memory-utilization 0.82 leaves 4.3 GiB on cuda:0 outside vLLM; the ")
+    assert "half lm_head (1.0 GiB)" in msg and f"need {need / GiB:.1f} GiB" in msg
+    assert msg.endswith(f"lower --gpu-memory-utilization to {math.floor((1 - need / RTX4090) * 100) / 100:.2f}")
+
+
+def test_a_float32_head_is_refused_with_the_numbers_and_two_fixes():
+    run = Run(dtype="float32", gpu_memory_utilization=0.95)
+    got = device_budget(LLAMA3_8B, run, H100)
+    need = _llama8b_outside(3, 4)
     assert got.need_outside() == need > got.rest
-    highest = math.floor((1 - need / RTX4090) * 100) / 100
-    assert highest == 0.77
     msg = refusal(LLAMA3_8B, run, got)
-    assert msg.startswith("--gpu-memory-utilization 0.8 leaves 4.8 GiB on cuda:0 outside vLLM; the ")
-    assert "float32 lm_head (2.0 GiB)" in msg and f"need {need / GiB:.1f} GiB" in msg
-    assert msg.endswith("lower --gpu-memory-utilization to 0.77 or pass --dtype bfloat16 (a half-precision lm_head)")
-    assert _llama8b_outside(5, 2) <= got.rest  # the bf16 fix is offered because it fits
-    fixed = Run(mode="sampled", gpu_memory_utilization=0.77)
-    assert refusal(LLAMA3_8B, fixed, device_budget(LLAMA3_8B, fixed, RTX4090)) is None
-    half = Run(mode="sampled", dtype="bfloat16")
-    assert refusal(LLAMA3_8B, half, device_budget(LLAMA3_8B, half, RTX4090)) is None
+    assert msg.startswith("--gpu-memory-utilization 0.95 leaves 4.0 GiB on cuda:0 outside vLLM; the ")
+    assert "float32 lm_head (2.0 GiB)" in msg
+    assert msg.endswith("lower --gpu-memory-utilization to 0.94 or pass --dtype bfloat16 (a half-precision lm_head)")
+    half = Run(dtype="bfloat16", gpu_memory_utilization=0.95)
+    assert refusal(LLAMA3_8B, half, device_budget(LLAMA3_8B, half, H100)) is None
 
 
 def test_llama3_8b_at_util_0_9_on_a_24gb_card_is_refused():
     run = Run(gpu_memory_utilization=0.9)
     msg = refusal(LLAMA3_8B, run, device_budget(LLAMA3_8B, run, RTX4090))
     assert msg.startswith("--gpu-memory-utilization 0.9 leaves 2.4 GiB on cuda:0 outside vLLM")
-    assert "lower --gpu-memory-utilization to 0.81" in msg  # 1 - 4.44 / 23.99 = 0.815
+    assert "lower --gpu-memory-utilization to 0.85" in msg  # 1 - 3.45 / 23.99 = 0.856
 
 
 def test_other_processes_on_the_device_count_against_the_rest():
     run = Run()
     assert refusal(LLAMA3_8B, run, device_budget(LLAMA3_8B, run, RTX4090, in_use=0)) is None
-    msg = refusal(LLAMA3_8B, run, device_budget(LLAMA3_8B, run, RTX4090, in_use=GiB))
-    assert "in use by other processes (1.0 GiB)" in msg
+    msg = refusal(LLAMA3_8B, run, device_budget(LLAMA3_8B, run, RTX4090, in_use=2 * GiB))
+    assert "in use by other processes (2.0 GiB)" in msg
 
 
 def test_qwen_152k_vocabulary_blocks_and_head():
     run = Run()
     got = device_budget(QWEN25_7B, run, RTX4090)
     rows = 882  # 2^27 // 152064
-    head = 152064 * 3584 * 4
-    blocks = 3 * rows * 152064 * 4 + rows * 3584 * 4
-    assert got.need_outside() == CTX + CTX + head + blocks  # 4.54 GiB of 4.80
+    head = 152064 * 3584 * 2
+    blocks = 3 * rows * 152064 * 4 + rows * 3584 * 2
+    assert got.need_outside() == CTX + CTX + head + blocks  # 3.52 GiB of 4.80
     assert refusal(QWEN25_7B, run, got) is None
-    sampled = Run(mode="sampled")
+    sampled = Run(mode="sampled", gpu_memory_utilization=0.82)
     msg = refusal(QWEN25_7B, sampled, device_budget(QWEN25_7B, sampled, RTX4090))
-    need = CTX + CTX + head + 5 * rows * 152064 * 4 + rows * 3584 * 4
+    need = CTX + CTX + head + 5 * rows * 152064 * 4 + rows * 3584 * 2
     assert f"lower --gpu-memory-utilization to {math.floor((1 - need / RTX4090) * 100) / 100:.2f}" in msg
 
 

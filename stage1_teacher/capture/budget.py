@@ -6,7 +6,7 @@ tensor parallelism), its activations and its KV cache, which must hold at least 
 `max_model_len` sequence. Everything else lives in the rest of the device, and on cuda:0 that
 is a lot: the CUDA contexts of xtcache's process and of vLLM's worker (vLLM measures its free
 memory after its own context exists, so the context is outside its share), the teacher's lm_head
-(V x H, float32 unless --dtype names a half type), the row blocks of [rows, V] float32 logits of
+(V x H in the compute dtype: 16 bits unless --dtype float32), the row blocks of [rows, V] float32 logits of
 `head.distill_targets`, and, while the reference engine of the first-batch check runs, vLLM's own
 prompt log-prob logits (its memory profile never runs prompt log-probs, so they are not in its
 share). `device_budget` is the arithmetic (pure, no device needed); `stage1_teacher.capture.preflight.
@@ -117,8 +117,9 @@ class Run:
         return min(2, BYTES.get(shape.config_dtype, 2))
 
     def head_bytes(self) -> int:
-        """Bytes per lm_head element: float32 unless --dtype names a half type (capture.open_capture)."""
-        return 4 if self.dtype in ("auto", "float32", "fp32") else 2
+        """Bytes per lm_head element: the compute dtype's (`head.resolved_dtype`: --dtype auto is a half type on
+        CUDA), float32 only under --dtype float32."""
+        return 4 if self.dtype in ("float32", "fp32", "float") else 2
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,7 @@ def refusal(shape: TeacherShape, run: Run, budget: Budget) -> str | None:
     peak = budget.peak_phase()
     parts = " + ".join(f"{t.name} ({_gib(t.bytes)})" for t in budget.fixed + (budget.phases[peak] if peak else []))
     fixes = [f"lower --gpu-memory-utilization to {highest:.2f}"] if lowest <= highest else []
-    if run.fast_path and run.head_bytes() == 4 and run.compute_bytes(shape) == 2:
+    if run.fast_path and run.head_bytes() == 4:  # --dtype float32: the engine and the head in 16 bits
         half = device_budget(shape, replace(run, dtype="bfloat16"), budget.total, in_use=_in_use(budget))
         if half.need_outside() <= half.rest:
             fixes.append("pass --dtype bfloat16 (a half-precision lm_head)")
