@@ -170,3 +170,57 @@ def test_cli_writes_the_report_and_refuses_a_missing_file(chat, tmp_path):
     proc = xtcache(*base, "--prompts", str(tmp_path / "none.jsonl"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --prompts ")
+
+
+@pytest.fixture(scope="module")
+def prefixes(toy_setup, tmp_path_factory):
+    """Text prefixes: six held-out documents of the plain-text toy corpus cut after a line (within their first
+    200 characters), so that most completions start a token of their own."""
+    from pathlib import Path
+
+    path = tmp_path_factory.mktemp("prefixes") / "prefixes.jsonl"
+    rows = [json.loads(line)["text"] for line in Path(toy_setup.heldout_jsonl).read_text().splitlines()[:6]]
+    path.write_text("".join(json.dumps({"text": r[:r.rfind("\n", 0, 200) + 1] or r[:120]}) + "\n" for r in rows))
+    return path
+
+
+def test_text_prefixes_same_model_gives_zero_and_the_per_sequence_mean(toy_setup, prefixes):
+    report, scores = _run(toy_setup.teacher_model, toy_setup.teacher_model, prefixes)
+    same = _sampled_as_tokenized(scores)
+    assert len(same) >= 4
+    for s in same:
+        assert s.student_logprob - s.teacher_logprob == pytest.approx(0.0, abs=1e-3)
+        assert s.teacher_logprob < -1.0
+    scored = [s for s in scores if s.scored]
+    r = [s.student_logprob - s.teacher_logprob for s in scored]
+    assert report["reverse_kl_per_sequence"] == pytest.approx(sum(r) / len(r))
+    assert report["samples"] == 6 * SAMPLES and report["prompts"] == 6
+
+
+def test_text_prefixes_cross_tokenizer_teacher_sums_exactly_the_completion(toy_setup, prefixes):
+    from stage1_teacher.onpolicy.policy_eval import read_prompts, sample_student
+    from xtcache.tokenizer import load_tokenizer
+
+    report, scores = _run(toy_setup.student_model, toy_setup.teacher_model, prefixes)
+    s_tok, t_tok = load_tokenizer(toy_setup.student_model), load_tokenizer(toy_setup.teacher_model)
+    prompts = read_prompts(str(prefixes), s_tok)
+    _, texts = sample_student(str(toy_setup.student_model), s_tok, prompts, samples_per_prompt=SAMPLES,
+                              max_new_tokens=NEW_TOKENS, seed=0)
+    flat = [(p.text, t) for p, ts in zip(prompts, texts) for t in ts]
+    assert report["scored"] >= len(flat) - sum(not t for _, t in flat) and report["scored"] > 0
+    eos = t_tok.eos_token_id
+    for s, (prefix, text) in zip(scores, flat):
+        if s.scored:
+            ids = [i for i in s.teacher_ids if not (s.stopped and i == eos)]
+            spelled = t_tok.decode(ids)
+            # the completion's characters, with at most the end of the prefix where a token straddles the boundary
+            assert spelled.endswith(text) and prefix.endswith(spelled[:len(spelled) - len(text)])
+    assert math.isfinite(report["reverse_kl_per_sequence"]) and report["teacher_nll_per_byte"] > 0
+
+
+def test_prompts_of_both_kinds_are_refused(chat, prefixes, tmp_path):
+    setup, prompts, _ = chat
+    both = tmp_path / "both.jsonl"
+    both.write_text(prompts.read_text() + prefixes.read_text())
+    with pytest.raises(ConfigError, match=r"^--prompts \S*both\.jsonl row 6: missing messages field"):
+        _run(setup.student_model, setup.teacher_model, both)

@@ -12,11 +12,15 @@ the live teacher scores them, and the report gives the per-token reverse KL and 
    located by `xtcache.chat.render.renderings` (by construction, `xtcache.chat.spans`), and the teacher's
    log-prob is the sum over its tokens covering that text plus, when the student stopped, the
    teacher's tokens up to and including its end-of-turn marker (the teacher's probability of ending
-   the turn there). Text-prefix prompts are refused (not built: the measure is for chat students).
+   the turn there). A text prefix's completion is scored on the prefix and the completion as one text in
+   the teacher's tokenization (special tokens as the tokenizer adds them): the teacher's tokens that
+   cover the completion's characters, plus its end-of-sequence token when the student stopped. One run
+   takes prompts of one kind.
 3. Report, over the N samples i with student token count n_i (the stop token included):
 
        r_i                    = log p_s(y_i) - log p_t(y_i)
        reverse_kl_per_token   = sum_i r_i / sum_i n_i       (ratio estimator; se by the delta method)
+       reverse_kl_per_sequence = mean_i r_i                  (se: the sample standard deviation / sqrt(N))
        teacher_nll_per_token  = sum_i -log p_t(y_i) / sum_i n_i
        teacher_nll_per_byte   = sum_i -log p_t(y_i) / sum_i bytes_i   (UTF-8 bytes of the completion text)
 
@@ -181,6 +185,28 @@ class TeacherScorer:
             out.append((float(sum(lp[j - 1] for j in cover)), tuple(int(r.ids[j]) for j in cover)))
         return out
 
+    def score_texts(self, prefixes: list[str], completions: list[str],
+                    stopped: list[bool]) -> list[tuple[float, tuple[int, ...]] | None]:
+        """Per text prefix and its completion: (teacher log-prob of the completion's characters, and of the
+        teacher's end-of-sequence token after them when `stopped`; the teacher ids summed), or None for an
+        empty completion that did not stop (or a stop without an end-of-sequence token in the teacher's tokenizer)."""
+        eos = self.tokenizer.eos_token_id
+        out = []
+        for prefix, text, stop in zip(prefixes, completions, stopped):
+            enc = self.tokenizer(prefix + text, add_special_tokens=True, return_offsets_mapping=True)
+            ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+            a, b = len(prefix), len(prefix) + len(text)
+            cover = [j for j, (s, e) in enumerate(offsets) if j >= 1 and s < b and e > a]  # token 0 has no prediction
+            if stop and eos is not None:
+                ids.append(int(eos))
+                cover.append(len(ids) - 1)
+            if not cover or (stop and eos is None):
+                out.append(None)
+                continue
+            lp = self.token_logprobs(ids)
+            out.append((float(sum(lp[j - 1] for j in cover)), tuple(ids[j] for j in cover)))
+        return out
+
     def close(self) -> None:
         self.model = None
 
@@ -201,6 +227,7 @@ def summarize(scores: list[SampleScore]) -> dict:
            "stopped_fraction": sum(s.stopped for s in scores) / len(scores) if scores else float("nan")}
     if n == 0 or tokens == 0:
         return {**out, "reverse_kl_per_token": float("nan"), "reverse_kl_per_token_se": float("nan"),
+                "reverse_kl_per_sequence": float("nan"), "reverse_kl_per_sequence_se": float("nan"),
                 "teacher_nll_per_token": float("nan"), "teacher_nll_per_byte": float("nan")}
     r = [s.student_logprob - s.teacher_logprob for s in done]
     ratio = sum(r) / tokens
@@ -208,7 +235,10 @@ def summarize(scores: list[SampleScore]) -> dict:
     var = sum((ri - ratio * s.student_tokens) ** 2 for ri, s in zip(r, done)) / max(1, n - 1)
     nll = -sum(s.teacher_logprob for s in done)
     nbytes = sum(s.text_bytes for s in done)
+    per_seq = sum(r) / n
+    seq_var = sum((ri - per_seq) ** 2 for ri in r) / max(1, n - 1)
     return {**out, "reverse_kl_per_token": ratio, "reverse_kl_per_token_se": math.sqrt(var / n) / mean_n,
+            "reverse_kl_per_sequence": per_seq, "reverse_kl_per_sequence_se": math.sqrt(seq_var / n),
             "teacher_nll_per_token": nll / tokens, "teacher_nll_per_byte": nll / nbytes if nbytes else float("nan")}
 
 
@@ -218,16 +248,17 @@ def policy_eval(student: str, teacher: str, prompts_path: str, *, samples_per_pr
     (report, per-sample scores). The reusable entry point (bench/quality.py, the demo)."""
     tokenizer = load_tokenizer(student, "student tokenizer")
     prompts = read_prompts(prompts_path, tokenizer)
-    if any(p.conversation is None for p in prompts):
-        raise ConfigError(f"--prompts {prompts_path}: policy-eval scores conversations (the teacher renders the "
-                          "turn in its own template); text prefixes are not supported: give conversations whose "
-                          "last message is the user's")
+    text = prompts[0].conversation is None  # one file, one kind (the corpus reader refuses a row of the other)
     completions, texts = sample_student(student, tokenizer, prompts, samples_per_prompt=samples_per_prompt,
                                         max_new_tokens=max_new_tokens, seed=seed)
     flat = [(p, i, c, t) for p, cs, ts in zip(prompts, completions, texts) for i, (c, t) in enumerate(zip(cs, ts))]
     scorer = TeacherScorer(teacher)
     try:
-        teacher_scores = scorer.score_turns(sample_conversations(prompts, texts), [c.stop_reason == "stop" for _, _, c, _ in flat])
+        stopped = [c.stop_reason == "stop" for _, _, c, _ in flat]
+        if text:
+            teacher_scores = scorer.score_texts([p.text for p, _, _, _ in flat], [t for _, _, _, t in flat], stopped)
+        else:
+            teacher_scores = scorer.score_turns(sample_conversations(prompts, texts), stopped)
     finally:
         scorer.close()
     scores = [SampleScore(p.prompt_id, i, tuple(c.ids), float(sum(c.logprobs)),
@@ -251,8 +282,8 @@ def _run(cfg: PolicyEvalConfig) -> None:
                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     for key in ("prompts", "samples", "unscored", "mean_student_tokens", "stopped_fraction"):
         typer.echo(f"{key:<26}{report[key]:.4g}" if isinstance(report[key], float) else f"{key:<26}{report[key]}")
-    typer.echo(f"{'reverse_kl_per_token':<26}{report['reverse_kl_per_token']:.4f} "
-               f"+- {report['reverse_kl_per_token_se']:.4f} (standard error)")
+    for key in ("reverse_kl_per_token", "reverse_kl_per_sequence"):
+        typer.echo(f"{key:<26}{report[key]:.4f} +- {report[key + '_se']:.4f} (standard error)")
     for key in ("teacher_nll_per_token", "teacher_nll_per_byte"):
         typer.echo(f"{key:<26}{report[key]:.4f}")
     if cfg.out:
