@@ -64,9 +64,9 @@ class PolicyEvalConfig:
     student: str
     """Student model directory (Hugging Face layout with its tokenizer; train-student's export OUT/hf works)."""
     teacher: str
-    """Teacher model directory (Hugging Face layout with safetensors weights, tokenizer and chat template)."""
+    """Teacher model directory (Hugging Face layout with safetensors weights and tokenizer; a chat template for conversation prompts)."""
     prompts: str
-    """Held-out prompts (.jsonl/.parquet/.arrow): conversations ending with the user's message."""
+    """Held-out prompts (.jsonl/.parquet/.arrow): conversations ending with the user's message, or text prefixes (rows with a text field)."""
     samples_per_prompt: int = 4
     """Completions sampled per prompt (temperature 1, top-p 1)."""
     max_new_tokens: int = 128
