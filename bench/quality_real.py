@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class RealSettings:
-    steps: int = 60
+    steps: int = 120
     seq_len: int = 256
     micro_batch_size: int = 4
     lr: float = 3e-3
@@ -118,7 +118,8 @@ def prepare(work: Path, s: RealSettings, log_file: Path) -> dict:
             log.info("store %s written in %.0f s", store, time.perf_counter() - t0)
         reader = CacheReader(str(store))
         positions = sum(int(reader.doc_pos_offsets(sh.shard_id)[-1]) for sh in reader.shards)
-        p[name] = {"path": store, "positions": positions, "bytes_per_position": reader.total_bytes() / positions}
+        p[name] = {"path": store, "positions": positions, "bytes_per_position": reader.total_bytes() / positions,
+                   "tokenizer_bytes": reader.loc.du("teacher_tokenizer")}  # the copy a store carries: fixed size
     for pieces in ("first", "all"):
         out = work / f"llama3-to-smollm2-{pieces}.safetensors"
         if not out.exists():
@@ -224,7 +225,7 @@ def run_real(work: Path, s: RealSettings, rows: list[RealRow] = ROWS) -> dict:
                    **grade(p, run["hf_dir"], row.cross, s)}
             results.append(rec)
             log.info("%s", json.dumps(rec))
-    stores = {k: {"positions": p[k]["positions"], "bytes_per_position": p[k]["bytes_per_position"]}
+    stores = {k: {key: p[k][key] for key in ("positions", "bytes_per_position", "tokenizer_bytes")}
               for k in ("train", "held")}
     from bench.quality import machine
 
@@ -242,10 +243,13 @@ def _cell(values: list[float], fmt: str = ".3f") -> str:
 def markdown(report: dict) -> str:
     s, res = report["settings"], report["results"]
     names = list(dict.fromkeys(r["row"] for r in res))
+    train = report["stores"]["train"]
     out = [f"Measured {report['date']} on {report['machine']}; SmolLM2-135M-Instruct teacher, fresh tiny Llama students, "
            f"{s['steps']} steps x {s['micro_batch_size']} windows x {s['seq_len']} tokens at lr {s['lr']:g}, "
            f"{s['train_docs']} training and {s['heldout_docs']} held-out documents of the Python language reference; "
-           f"training store top-64 + rest, {report['stores']['train']['bytes_per_position']:.1f} B/position; "
+           f"training store top-64 + rest, {train['bytes_per_position']:.1f} B/position ("
+           f"{train['tokenizer_bytes'] / train['positions']:.1f} of them the {train['tokenizer_bytes'] / 1e6:.1f} MB "
+           "teacher tokenizer it carries, a fixed size); "
            f"total {report['wall_s'] / 60:.0f} min.", "",
            "| row | seeds | held-out KL | chunk-mean P-KL | held-out CE | top-1 agreement |",
            "| --- | ---: | ---: | ---: | ---: | ---: |"]
