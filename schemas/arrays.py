@@ -20,7 +20,7 @@ rollout corpus (`xtcache generate`) only. Arrays marked `id_dictionary` are held
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from schemas.models import DRAWN_MODES
 
@@ -108,9 +108,16 @@ def teacher_arrays(mode: str, conversation: bool = False, id_dictionary: bool = 
                  and (id_dictionary or not a.id_dictionary))
 
 
+TEXT_ROLLOUT_ARRAYS = ("student_role", "sampled_logprobs")
+"""The conversation arrays a plain-text store's alignment part may hold too: its documents are text rollouts
+(`xtcache generate` on text prefixes), the prompt's tokens and the completion's told apart by role."""
+
+
 def align_arrays(conversation: bool = False) -> tuple[ArrayDef, ...]:
-    """The arrays an alignment part holds (of a conversation store: `conversation`)."""
-    return tuple(a for a in ALIGN_ARRAYS if conversation or not a.conversation)
+    """The arrays an alignment part holds (of a conversation store: `conversation`; of a plain-text store,
+    the text rollouts' `TEXT_ROLLOUT_ARRAYS` are optional)."""
+    return tuple(a if conversation or not a.conversation else replace(a, optional=True) for a in ALIGN_ARRAYS
+                 if conversation or not a.conversation or a.name in TEXT_ROLLOUT_ARRAYS)
 
 
 def array_def(name: str) -> ArrayDef:

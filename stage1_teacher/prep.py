@@ -29,6 +29,7 @@ from typing import Iterator
 
 import numpy as np
 
+from schemas.roles import LAST_ASSISTANT, ROLE_ASSISTANT, ROLE_USER
 from stage1_teacher.corpus import Document, Skipped
 from stage1_teacher.onpolicy.sampled import attach_sampled
 from stage1_teacher.onpolicy.splice import splice_batch
@@ -36,7 +37,7 @@ from stage1_teacher.windows import Window, plan_windows, window_tokens
 from xtcache.align.chunks import align_batch, align_offsets, batch_or_each, identity_alignment
 from xtcache.align.tokenizer import encode_flat, tokenizer_info
 from xtcache.chat.layout import align_conversations
-from xtcache.chat.render import ConversationError, render, renderings, turn_marker_ids
+from xtcache.chat.render import ConversationError, chat_fingerprint, render, renderings, turn_marker_ids
 from xtcache.errors import AlignmentError
 from xtcache.packing import common_boundaries
 from xtcache.store import AlignmentRecord
@@ -92,6 +93,16 @@ def adds_bos(tok) -> bool:
     return bool(ids) and ids[0] == bos
 
 
+def prefix_roles(offsets: np.ndarray, prefix_chars: int | None) -> np.ndarray | None:
+    """The roles of a text rollout's tokens (None for other text): a token that starts in the completion
+    (at or after `prefix_chars`) is the generated turn's (assistant, last assistant), one that starts in
+    the prompt the user's; a token that straddles the two starts in the prompt and is not trained."""
+    if prefix_chars is None:
+        return None
+    completion = np.asarray(offsets)[:, 0] >= prefix_chars
+    return np.where(completion, ROLE_ASSISTANT | LAST_ASSISTANT, ROLE_USER).astype(np.uint8)
+
+
 class Preparer:
     """Tokenizes and aligns documents and plans their teacher windows."""
 
@@ -132,14 +143,17 @@ class Preparer:
         for s in self.students:
             if s.identity:  # same tokenizer: no second tokenization, 1:1 chunks
                 for i in keep:
-                    aligns[i][s.fingerprint] = AlignmentRecord(student_ids=t_ids[i].copy(),
-                                                               alignment=identity_alignment(len(t_ids[i])))
+                    aligns[i][s.fingerprint] = AlignmentRecord(
+                        student_ids=t_ids[i].copy(), alignment=identity_alignment(len(t_ids[i])),
+                        student_role=prefix_roles(t_off[i], docs[i].prefix_chars))
                 continue
             s_ids, s_off = _encode(s.tokenizer, texts, "student tokenizer")
             todo = [i for i in keep if i not in failed]
             for i, a in zip(todo, self._align(todo, docs, s, s_ids, s_off, t_ids, t_off, failed)):
                 if a is not None:
-                    aligns[i][s.fingerprint] = AlignmentRecord(student_ids=s_ids[i], alignment=a)
+                    aligns[i][s.fingerprint] = AlignmentRecord(student_ids=s_ids[i], alignment=a,
+                                                               student_role=prefix_roles(s_off[i], docs[i].prefix_chars))
+        self._attach_sampled_text(docs, aligns)
         out: list[PreparedDoc | Skipped] = []
         for i, d in enumerate(docs):
             if len(t_ids[i]) < 2:
@@ -246,6 +260,24 @@ class Preparer:
                                 "--student-tokenizer's: its sampling log-probs are not stored (rkl-pg needs --is-cap 0 "
                                 "on this cache); pass the sampling student's tokenizer", docs[i].row, docs[i].source,
                                 sampled.chat[:12])
+                self.unmatched_rollouts += 1
+
+    def _attach_sampled_text(self, docs: list[Document], aligns: list[dict]) -> None:
+        """Text rollouts: the completion's sampled ids checked and log-probs stored in the group of the student
+        that sampled it (rollout rows name it by its chat fingerprint; plain-text groups by the tokenizer's)."""
+        chat_fps = None
+        for i, by_fp in enumerate(aligns):
+            sampled = docs[i].sampled
+            if sampled is None or docs[i].prefix_chars is None or not by_fp:
+                continue
+            chat_fps = chat_fps or {chat_fingerprint(s.tokenizer): s.fingerprint for s in self.students}
+            fp = chat_fps.get(sampled.chat)
+            if fp in by_fp:
+                by_fp[fp] = attach_sampled(by_fp[fp], sampled, text=True)
+            elif fp is None:
+                if not self.unmatched_rollouts:
+                    log.warning("row %d of %s is a rollout of a student that is none of the --student-tokenizer's: "
+                                "its sampling log-probs are not stored", docs[i].row, docs[i].source)
                 self.unmatched_rollouts += 1
 
     def _align_convs(self, live, convs, docs, s_rend, t_rend, name) -> list:

@@ -189,10 +189,9 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.fingerprint = student_fingerprint(student, chat=self.conversation)
         if train_on is not None and train_on not in TRAIN_ON:
             raise ConfigError(f"--train-on {train_on!r}: use one of {', '.join(TRAIN_ON)}")
-        if not self.conversation and train_on not in (None, "all"):
-            raise ConfigError(f"--train-on {train_on}: the cache {self.urls[0]} holds plain text, without message "
-                              "roles; --train-on applies to conversation caches")
-        self.train_on = (train_on or "assistant") if self.conversation else None
+        # plain text: --train-on selects by role only on text rollouts (their parts hold the roles: `_open_cache`)
+        self.train_on = (train_on or "assistant") if self.conversation else (
+            None if train_on in (None, "all") else train_on)
 
     def _batches_per_epoch(self) -> int:
         """Micro-batches per epoch on this rank: whole optimizer steps (eval: every window, once)."""
@@ -223,6 +222,13 @@ class CacheDataset(torch.utils.data.IterableDataset):
         # an incomplete store, or parts without this student's alignment, is refused (or, with
         # allow_incomplete, read as far as it is committed: usable_parts logs "N of M parts")
         usable = set(reader.usable_parts(None if identity else self.fingerprint, allow_incomplete=allow_incomplete))
+        if not self.conversation and self.train_on is not None:
+            parts = {} if identity else reader.alignment_parts(self.fingerprint)
+            bare = sorted(sid for sid in usable if "student_role" not in getattr(parts.get(sid), "arrays", {}))
+            if bare:
+                raise ConfigError(f"--train-on {self.train_on}: the cache {url} holds plain text whose part {bare[0]} "
+                                  "keeps no token roles (text rollouts of `xtcache generate` keep them); --train-on "
+                                  "applies to conversation caches and text rollouts")
         return TeacherCache(url=url, mode=m.mode, k=m.k, teacher_vocab_size=m.teacher_vocab_size,
                             teacher_fingerprint=teacher_fp, identity=identity,
                             student_vocab_size=m.teacher_vocab_size if identity else groups[self.fingerprint].vocab_size,

@@ -318,3 +318,57 @@ def test_vllm_generate_on_cpu_structure(chat, tmp_path):
         assert 0 < len(row["sampled_ids"]) == len(row["sampled_logprobs"]) <= int(MAX_NEW)
         assert all(lp <= 0 for lp in row["sampled_logprobs"])
     assert "reproducible        no" in proc.stdout or "reproducible        yes" in proc.stdout
+
+
+def test_text_rollouts_store_the_prompt_and_the_completion_apart_and_train_the_completion_only(chat, tmp_path):
+    """generate on text prefixes -> teacher-dump -> the loader with --train-on last-assistant: every student
+    token of the completion has the generated turn's role and every prompt token the user's (a token that
+    straddles the two starts in the prompt); a completion whose ids are the sampled ones keeps their sampling
+    log-probs; the loader trains exactly the completion's tokens."""
+    import numpy as np
+
+    from schemas.roles import LAST_ASSISTANT, ROLE_USER
+    from stage2_student.config import LoaderConfig
+    from stage2_student.loader import CacheDataset
+    from xtcache.fingerprint import tokenizer_fingerprint
+    from xtcache.store import CacheReader
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, _, text = chat
+    _generate(setup, text, tmp_path / "r")
+    rows = {r["text"]: r for r in _rows(tmp_path / "r")}
+    dump = xtcache("teacher-dump", "--teacher", setup.teacher_model, "--student-tokenizer", setup.student_tokenizer,
+                   "--data", tmp_path / "r" / "parts" / "*.jsonl", "--out", tmp_path / "store", "--engine", "hf",
+                   "--top-k", "8")
+    assert dump.returncode == 0, dump.stderr[-3000:]
+    tok = load_tokenizer(str(setup.student_tokenizer))
+    reader = CacheReader(str(tmp_path / "store"))
+    fp = tokenizer_fingerprint(tok)
+    completion_tokens = with_logprobs = docs = 0
+    for sid in reader.alignment_parts(fp):
+        texts, al = reader.read_shard(sid).texts, reader.read_alignment(fp, sid)
+        for d, doc_text in enumerate(texts):
+            rec, row = al.record(d), rows[doc_text]
+            roles, ids = rec.student_role, rec.student_ids.tolist()
+            turn = np.flatnonzero(roles & LAST_ASSISTANT)
+            assert (roles[:len(roles) - len(turn)] == ROLE_USER).all()  # the prompt first, then the completion
+            completion = doc_text[row["prefix_chars"]:]
+            spelled = tok.decode(ids[len(ids) - len(turn):])
+            assert completion.endswith(spelled) and len(completion) - len(spelled) <= 8  # a straddling token at most
+            assert tok.decode(ids[:len(ids) - len(turn)]).endswith(doc_text[:row["prefix_chars"]][-4:])
+            body = row["sampled_ids"][:-1] if row["stop_reason"] == "stop" else row["sampled_ids"]
+            lps = rec.sampled_logprobs
+            if ids[len(ids) - len(turn):] == body:
+                assert np.allclose(lps[turn], row["sampled_logprobs"][:len(body)], atol=1e-6)
+                with_logprobs += 1
+            else:  # re-tokenized (noise with replacement characters, or a token merged across the prefix's end)
+                assert np.isnan(lps[turn]).all()
+            assert np.isnan(lps[:len(ids) - len(turn)]).all()
+            completion_tokens += len(turn)
+            docs += 1
+    assert docs == len(rows) == 6 and completion_tokens > 0 and with_logprobs >= 1
+    ds = CacheDataset(str(tmp_path / "store"), str(setup.student_tokenizer),
+                      LoaderConfig(seq_len=512, micro_batch_size=1, train_on="last-assistant"),
+                      split="all", epochs=1, shuffle=False)
+    trained = sum(int((b["labels"] != -100).sum()) for b in ds)
+    assert trained == completion_tokens  # every completion token, predicted from the one before it; no prompt token

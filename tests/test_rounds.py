@@ -311,26 +311,3 @@ def test_a_run_failed_in_train_student_reruns_with_the_fixed_flag(chat, tmp_path
     done = json.loads((workdir / "round-000" / "done" / "train-student.json").read_text())
     assert done["command"][done["command"].index("--lr") + 1] == "1e-3"
 
-
-def test_train_on_is_picked_from_the_prompts_before_round_0_runs(tmp_path, caplog):
-    """Conversation prompts train the generated turn; text prefixes (whose rollouts keep no roles) train every
-    position, said in the log; a text prompt file with --train-on last-assistant, or prompt files of both kinds,
-    are refused before any stage runs."""
-    import json
-
-    from xtcache.app.rounds import resolve_train_on, run_rounds
-    from xtcache.errors import ConfigError
-
-    chats, texts = tmp_path / "chats.jsonl", tmp_path / "texts.jsonl"
-    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    texts.write_text(json.dumps({"text": "def f(x):"}) + "\n")
-    assert resolve_train_on(_cfg(tmp_path, prompts=[str(chats)], train_on=None)).train_on == "last-assistant"
-    assert resolve_train_on(_cfg(tmp_path, prompts=[str(chats)], train_on="all")).train_on == "all"
-    with caplog.at_level("WARNING", logger="xtcache.app.rounds"):
-        assert resolve_train_on(_cfg(tmp_path, prompts=[str(texts)], train_on=None)).train_on == "all"
-    assert "trains the prefix positions" in caplog.text
-    with pytest.raises(ConfigError, match=r"^--train-on last-assistant with text prefixes .*pass --train-on all"):
-        run_rounds(_cfg(tmp_path, prompts=[str(texts)]))
-    with pytest.raises(ConfigError, match=r"one run samples either conversations or text prefixes"):
-        run_rounds(_cfg(tmp_path, prompts=[str(chats), str(texts)], train_on=None))
-    assert not (tmp_path / "w").exists()  # refused before the work directory, let alone a stage

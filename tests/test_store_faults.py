@@ -66,7 +66,7 @@ def _damages(fp: str) -> dict:
     out = {}
     for arr in teacher_arrays("topk"):
         out[f"flip-{arr.name}"] = (lambda r, n=arr.name: _flip(_object(r, t, n)), [PART, repr(arr.name), "damaged"])
-    for arr in align_arrays():  # a plain-text store (conversation arrays: tests/test_chat.py)
+    for arr in (d for d in align_arrays() if not d.optional):  # a plain-text store (conversations: tests/test_chat.py)
         out[f"flip-align-{arr.name}"] = (lambda r, n=arr.name: _flip(_object(r, a, n)),
                                          [PART, repr(arr.name), "damaged"])
     out["delete-object-topk_ids"] = (lambda r: _object(r, t, "topk_ids").unlink(), [PART, "'topk_ids'", "missing"])

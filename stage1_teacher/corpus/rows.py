@@ -33,7 +33,7 @@ Formats by file suffix:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from stage1_teacher.corpus.files import Corpus, read_lines
@@ -64,6 +64,7 @@ class Document:
     content_hash: str = field(default="")
     conversation: bool = False  # text is a conversation's JSON (xtcache.chat.render.conversation_json)
     sampled: Sampled | None = None  # rollout rows (JSONL): the sampled turn's ids and log-probs
+    prefix_chars: int | None = None  # a text rollout: the characters of its prompt (its completion follows)
 
     def __post_init__(self):
         if not self.content_hash:
@@ -230,7 +231,20 @@ def _iter_jsonl(f, source: str, text_field: str, messages_field: str | None = No
         if not isinstance(obj, dict) or text_field not in obj:
             yield Skipped(source, row, "missing text field")
             continue
-        yield _text_of(source, row, obj[text_field])
+        doc = _text_of(source, row, obj[text_field])
+        yield doc if isinstance(doc, Skipped) or "prefix_chars" not in obj else _text_rollout(doc, obj)
+
+
+def _text_rollout(doc: Document, obj: dict) -> Document | Skipped:
+    """A text rollout row of `xtcache generate` (prefix + completion, `prefix_chars`): the document with the
+    prompt's length and the sampling record, or the reason it is unusable."""
+    prefix = obj["prefix_chars"]
+    if not isinstance(prefix, int) or isinstance(prefix, bool) or not 0 <= prefix <= len(doc.text):
+        return Skipped(doc.source, doc.row, f"prefix_chars {prefix!r} is not a character count of its text")
+    sampled = _sampled_of(obj)
+    if isinstance(sampled, str):
+        return Skipped(doc.source, doc.row, sampled)
+    return replace(doc, prefix_chars=prefix, sampled=sampled)
 
 
 def _iter_text(f, source: str):

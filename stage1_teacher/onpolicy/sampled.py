@@ -18,6 +18,10 @@ them, for any loss), so a truncated turn does not teach the student to end there
 `--max-new-tokens` (`stop_reason` "length") whose ids were re-tokenized loses the role of its
 end-of-turn markers (the student tokenizer's special added tokens in the turn) the same way.
 
+A text rollout (a text prefix and its completion, `prefix_chars`) has no template: `stage1_teacher.prep`
+gives its completion's tokens the generated turn's role (`prefix_roles`), and `attach_sampled(text=True)`
+compares them with the sampled ids less the stop token, which the text does not hold.
+
     python -c "import stage1_teacher.onpolicy.sampled as s; help(s.attach_sampled)"
 """
 
@@ -33,15 +37,19 @@ from xtcache.store import AlignmentRecord
 
 
 def attach_sampled(record: AlignmentRecord, sampled: Sampled, spliced: bool = False,
-                   markers: np.ndarray | None = None) -> AlignmentRecord:
+                   markers: np.ndarray | None = None, *, text: bool = False) -> AlignmentRecord:
     """The record with its sampling log-probs (float32 [S], NaN where not sampled), the roles of
     template tokens after the sampled ones cleared, and stats `sampled_turns` 1, `sampled_mismatch`
     1 when the turn's re-tokenized ids are not the sampled ids, and `sampled_same_text` 1 when, so,
     the sampled ids were `spliced` into the record (`stage1_teacher.onpolicy.splice`). `markers`: the
-    student's end-of-turn candidates, untrained in a turn cut by --max-new-tokens."""
+    student's end-of-turn candidates, untrained in a turn cut by --max-new-tokens. `text`: a text rollout,
+    whose text holds no stop token: a completion that stopped is compared without its last sampled id."""
     ids, roles = np.asarray(record.student_ids), np.asarray(record.student_role)
     turn = np.flatnonzero(roles & LAST_ASSISTANT)  # [t] the generated turn's student tokens
     want = np.asarray(sampled.ids, dtype=np.int64)
+    lps = np.asarray(sampled.logprobs, dtype=np.float32)
+    if text and sampled.stop_reason == "stop" and len(want):
+        want, lps = want[:-1], lps[:-1]  # the stop token ended the completion; the text does not hold it
     n = len(want)
     logprobs = np.full(len(ids), np.nan, dtype=np.float32)
     contiguous = len(turn) > 0 and int(turn[-1] - turn[0]) + 1 == len(turn)
@@ -50,7 +58,7 @@ def attach_sampled(record: AlignmentRecord, sampled: Sampled, spliced: bool = Fa
              "sampled_same_text": int(spliced and same)}
     roles = roles.copy()
     if same:
-        logprobs[turn[:n]] = np.asarray(sampled.logprobs, dtype=np.float32)
+        logprobs[turn[:n]] = lps
         roles[turn[n:]] = ROLE_TEMPLATE  # written by the template after a length stop, not sampled
     elif sampled.stop_reason == "length" and markers is not None:  # re-tokenized: the template's end marker
         roles[turn[np.isin(ids[turn], markers)]] = ROLE_TEMPLATE

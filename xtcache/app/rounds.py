@@ -26,8 +26,7 @@ to redo it.
 Per-round metrics go to W/metrics.jsonl (TensorBoard: each train/ writes its own), and a table is
 printed at the end. docs/on-policy.md, "Rounds".
 
-This module composes the stages' command lines; of the stages it reads only the prompt files' kind
-(`stage1_teacher.corpus`), to pick --train-on before round 0.
+This module composes the stages' command lines only: it imports no stage.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from pathlib import Path
 
 import typer
 
-from stage1_teacher.corpus import detect_messages_field
 from xtcache.cliconfig import command
 from xtcache.errors import ConfigError
 from xtcache.fingerprint import sha256_file
@@ -84,8 +82,8 @@ class RoundsConfig:
     """Optimizer steps per round (round r trains to (r+1) x this)."""
     loss: str = "auto"
     """train-student --loss; default auto: forward KL / P-KL on the stored support; rkl-pg: the reverse-KL signal (docs/on-policy.md)."""
-    train_on: str | None = None
-    """train-student --train-on; default from the prompts: last-assistant (the generated turn) for conversations, all for text prefixes (their rollouts keep no roles yet: the prefix positions are trained too, which the run logs)."""
+    train_on: str = "last-assistant"
+    """train-student --train-on: the generated turn (of a conversation, or the completion of a text prefix)."""
     projection: str | None = None
     """train-student --projection (cross-tokenizer)."""
     eval_cache: str | None = None
@@ -379,35 +377,8 @@ def check_settings(cfg: RoundsConfig) -> None:
     _write_atomic(path, json.dumps(asdict(cfg), indent=1))
 
 
-def prompt_kind(prompts: list[str]) -> str:
-    """'conversation' or 'text': what the prompt files hold (every file the same kind), read from each
-    file's first row or schema as generate and teacher-dump read them."""
-    kinds = {p: "conversation" if detect_messages_field(p, "text") else "text" for p in prompts}
-    if len(set(kinds.values())) > 1:
-        listing = ", ".join(f"{p} ({k})" for p, k in kinds.items())
-        raise ConfigError(f"--prompts {listing}: one run samples either conversations or text prefixes; "
-                          "give prompt files of one kind")
-    return next(iter(kinds.values()))
-
-
-def resolve_train_on(cfg: RoundsConfig) -> RoundsConfig:
-    """The settings with --train-on picked from the prompt kind, checked before round 0 spends teacher time:
-    a text prefix's rollout holds no message roles, so only --train-on all can train it."""
-    kind = prompt_kind(cfg.prompts)
-    if kind == "text":
-        if cfg.train_on not in (None, "all"):
-            raise ConfigError(f"--train-on {cfg.train_on} with text prefixes (--prompts {cfg.prompts[0]}): their "
-                              "rollouts keep no message roles, so train-student trains every position (--train-on "
-                              "all); pass --train-on all, or give conversation prompts to train the generated turn alone")
-        log.warning("text prefixes: every round trains the prefix positions as well as the completions "
-                    "(--train-on all; text rollouts keep no roles yet)")
-        return replace(cfg, train_on="all")
-    return cfg if cfg.train_on is not None else replace(cfg, train_on="last-assistant")
-
-
 def run_rounds(cfg: RoundsConfig) -> list[dict]:
     """All rounds, skipping finished stages; returns the per-round metrics (also WORKDIR/metrics.jsonl)."""
-    cfg = resolve_train_on(cfg)
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
     check_settings(cfg)
     metrics = []

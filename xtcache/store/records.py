@@ -104,7 +104,7 @@ class AlignShardData:
     student_end: np.ndarray  # int32 [C] per-document exclusive ends
     teacher_end: np.ndarray  # int32 [C]
     exact: np.ndarray  # bool [C]
-    student_role: np.ndarray | None = None  # uint8 [S] conversation stores only
+    student_role: np.ndarray | None = None  # uint8 [S] conversation stores and text rollouts
     sampled_logprobs: np.ndarray | None = None  # float32 [S] optional: the sampling policy's log-probs (NaN: none)
 
     def record(self, i: int) -> AlignmentRecord:

@@ -317,11 +317,14 @@ class CacheWriter:
             "student_end": s_end, "teacher_end": t_end, "exact": exact,
         }
         conversation = {}
-        if self.manifest.conversation:
-            if any(r.student_role is None or len(r.student_role) != len(r.student_ids) for r in records):
-                raise XtcacheError(f"alignment part {sid}: a conversation store needs a role per student token")
+        roles = [r.student_role is not None for r in records]
+        if self.manifest.conversation or any(roles):  # conversations; text rollouts (prompt and completion roles)
+            if not all(roles) or any(len(r.student_role) != len(r.student_ids) for r in records):
+                kind = "a conversation store" if self.manifest.conversation else "a part of text rollouts"
+                raise XtcacheError(f"alignment part {sid}: {kind} needs a role per student token of every document")
             arrays["student_role"] = _concat([r.student_role for r in records], np.uint8)
-            conversation = conversation_counts(records, arrays["student_role"])
+            if self.manifest.conversation:
+                conversation = conversation_counts(records, arrays["student_role"])
             if any(r.sampled_logprobs is not None for r in records):  # the sampling student's group of rollouts
                 arrays["sampled_logprobs"] = _sampled(records, sid)
         if list(arrays) != [a.name for a in align_arrays(self.manifest.conversation) if a.name in arrays or
