@@ -286,7 +286,7 @@ def test_vllm_stream_keeps_the_next_part_queued_and_yields_parts_in_order():
     from stage1_teacher.onpolicy.samplers import VllmSampler
 
     sampler = VllmSampler.__new__(VllmSampler)
-    sampler.llm, sampler.reproducible = _FakeEngine(), False
+    sampler.llm, sampler.seeded, sampler.reproducible = _FakeEngine(), False, False
     parts = [(k, [Prompt(f"d{10 * k + i}", "", [10 * k + i, 7]) for i in range(3)]) for k in range(4)]
     sampling = SamplingConfig(samples_per_prompt=2, max_new_tokens=2)
     got = []
