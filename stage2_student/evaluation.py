@@ -21,9 +21,10 @@ from stage2_student.mix import mix_views
 from stage2_student.student import dummy_batch, model_inputs, to_device
 
 
-def _same_measure(objective, measure) -> bool:
-    kind = "kl" if objective.kind == "sampled" else objective.kind
-    return measure is not None and kind == measure.kind and objective.spec.temperature == 1.0
+def same_measure(objective, measure) -> bool:
+    """The training objective's KD term on a held-out batch is the measure itself (same kind, temperature,
+    teacher tail, projection, divergence and chunk rows): its value is reused, not computed again."""
+    return measure is not None and objective.spec == measure.spec and objective.chunk_rows == measure.chunk_rows
 
 
 def evaluate(trainer) -> dict | None:
@@ -60,7 +61,7 @@ def evaluate(trainer) -> dict | None:
                 kl = agree = agree_n = chunks_i = zero
                 if measure is not None:
                     sub, p = (obj.objectives[i], prep.preps[i]) if reuse else (None, None)
-                    if sub is not None and _same_measure(sub, measure):
+                    if sub is not None and same_measure(sub, measure):
                         m_prep, kl = p, kd_g[i].sum()
                     else:
                         m_prep = measure.prepare(teacher_view(last, i), vocab=vocab).to(trainer.device)

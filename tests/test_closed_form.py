@@ -328,3 +328,20 @@ def test_pkl_divergence_applies_to_projected_kl_only():
     same = Capabilities(mode="topk", same_tokenizer=True)
     with pytest.raises(ConfigError, match="--pkl-divergence jsd"):
         Objective.from_config(LossConfig(pkl_divergence="jsd"), same)
+
+
+def test_the_held_out_kl_is_reused_from_the_training_objective_only_when_it_is_the_measure():
+    """A run trained with another divergence, other chunk rows, another temperature or tail has its held-out KL
+    computed by the measure (the forward first-token KL), never read off its own KD term."""
+    from stage2_student.evaluation import same_measure
+    from stage2_student.losses import ProjectionOperator
+    from stage2_student.objective import Objective
+
+    proj = ProjectionOperator(torch.eye(4, dtype=torch.float64).to_sparse())
+    measure = Objective("pkl", ce_weight=0.0, projection=proj, with_ce=False)
+    assert same_measure(Objective("pkl", projection=proj), measure)
+    for other in (dict(pkl_divergence="reverse"), dict(pkl_divergence="jsd"), dict(chunk_rows="mean"),
+                  dict(temperature=2.0), dict(teacher_tail="uniform")):
+        assert not same_measure(Objective("pkl", projection=proj, **other), measure), other
+    same_tok = Objective("kl", ce_weight=0.0, with_ce=False)
+    assert same_measure(Objective("kl"), same_tok) and not same_measure(Objective("rkl"), same_tok)
