@@ -13,7 +13,7 @@ assistant turn (`--train-on last-assistant`) for the same number of steps with t
 | off-policy KD | the same turns, the teacher's top-k cache of them (`--loss auto`: P-KL, + 0.1 CE) |
 | on-policy, auto | `xtcache rounds`, 2 rounds: its own answers to P prompts cut from the training conversations, scored by the teacher (`--loss auto`: P-KL on its own tokens, no CE) |
 | on-policy, rkl-pg | the same rounds with `--loss rkl-pg --is-cap 0` (the per-chunk reverse-KL policy gradient) |
-| off-policy KD then on-policy | off-policy KD on half the turns (C/2, 16 steps: one pass), then `xtcache rounds --student` its export: 2 rounds of 7 steps on P/2 prompts (auto; rkl-pg; auto with `--corpus-cache` the KD half, `--rollout-fraction 0.5`; the projected reverse KL, `--pkl-divergence reverse`) |
+| off-policy KD then on-policy | off-policy KD on half the turns (C/2, 16 steps: one pass), then `xtcache rounds --student` its export: 2 rounds of 7 steps on P/2 prompts (auto; rkl-pg; auto with `--corpus-cache` the KD half, `--rollout-fraction 0.5`; the projected reverse KL, `--pkl-divergence reverse`, alone and with the corpus mix; the forward-reverse mean) |
 
 The off-policy-then-on-policy rows are added to an earlier report by `--add-rows` (bench/quality.py).
 C = P x samples x rounds, so the off-policy rows read as many assistant turns as the on-policy rows
@@ -201,6 +201,10 @@ ROWS = [  # name, kind, loss flags
     ("off-policy KD then on-policy, 2 rounds, auto + corpus 0.5", "kd-then-rounds",
      ("auto", ["--corpus-cache", HALF_CACHE, "--rollout-fraction", "0.5"])),
     ("off-policy KD then on-policy, 2 rounds, P-KL reverse", "kd-then-rounds", ("pkl", ["--pkl-divergence", "reverse"])),
+    ("off-policy KD then on-policy, 2 rounds, P-KL forward-reverse", "kd-then-rounds",
+     ("pkl", ["--pkl-divergence", "forward-reverse"])),
+    ("off-policy KD then on-policy, 2 rounds, P-KL reverse + corpus 0.5", "kd-then-rounds",
+     ("pkl", ["--pkl-divergence", "reverse", "--corpus-cache", HALF_CACHE, "--rollout-fraction", "0.5"])),
 ]
 
 
