@@ -167,6 +167,9 @@ def test_cli_writes_the_report_and_refuses_a_missing_file(chat, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["samples"] == 6 and "reverse_kl_per_token" in proc.stdout
+    # the teacher sampled as the student is: the same model and seeds draw the same completions
+    assert report["teacher_mean_bytes"] == report["student_mean_bytes"] > 0
+    assert report["teacher_stopped_fraction"] == report["stopped_fraction"] and "teacher_mean_bytes" in proc.stdout
     proc = xtcache(*base, "--prompts", str(tmp_path / "none.jsonl"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --prompts ")

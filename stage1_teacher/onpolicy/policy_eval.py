@@ -73,6 +73,8 @@ class PolicyEvalConfig:
     """Most tokens sampled per completion."""
     seed: int = 0
     """Seed of the draws; each (prompt id, sample index) draws from its own seed derived from it."""
+    teacher_samples: bool = True
+    """Also sample the teacher on the same prompts, as the student is sampled, and report its completions' mean length and stop fraction beside the student's (a per-token measure favours a student that stops early)."""
     out: str | None = None
     """Write the report here as JSON (default: print only)."""
 
@@ -242,8 +244,21 @@ def summarize(scores: list[SampleScore]) -> dict:
             "teacher_nll_per_token": nll / tokens, "teacher_nll_per_byte": nll / nbytes if nbytes else float("nan")}
 
 
+def teacher_lengths(teacher: str, prompts_path: str, *, samples_per_prompt: int, max_new_tokens: int,
+                    seed: int) -> dict:
+    """The teacher's own completions of the prompts, sampled as the student's are: their mean UTF-8 bytes and
+    the fraction that stopped before `max_new_tokens`."""
+    tokenizer = load_tokenizer(teacher, "teacher tokenizer")
+    completions, texts = sample_student(teacher, tokenizer, read_prompts(prompts_path, tokenizer),
+                                        samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, seed=seed)
+    flat = [(c, x) for cs, xs in zip(completions, texts) for c, x in zip(cs, xs)]
+    return {"teacher_mean_bytes": sum(len(x.encode("utf-8")) for _, x in flat) / max(1, len(flat)),
+            "teacher_stopped_fraction": sum(c.stop_reason == "stop" for c, _ in flat) / max(1, len(flat))}
+
+
 def policy_eval(student: str, teacher: str, prompts_path: str, *, samples_per_prompt: int = 4,
-                max_new_tokens: int = 128, seed: int = 0) -> tuple[dict, list[SampleScore]]:
+                max_new_tokens: int = 128, seed: int = 0, teacher_samples: bool = False
+                ) -> tuple[dict, list[SampleScore]]:
     """The on-policy measure of `student` against `teacher` on the prompts of `prompts_path`:
     (report, per-sample scores). The reusable entry point (bench/quality.py, the demo)."""
     tokenizer = load_tokenizer(student, "student tokenizer")
@@ -271,7 +286,11 @@ def policy_eval(student: str, teacher: str, prompts_path: str, *, samples_per_pr
                     "an empty completion, or no end-of-turn marker after it); the measures leave them out",
                     report["unscored"], report["samples"])
     report.update(prompts=len(prompts), samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
-                  seed=seed, student=student, teacher=teacher)
+                  seed=seed, student=student, teacher=teacher,
+                  student_mean_bytes=sum(s.text_bytes for s in scores) / max(1, len(scores)))
+    if teacher_samples:
+        report.update(teacher_lengths(teacher, prompts_path, samples_per_prompt=samples_per_prompt,
+                                      max_new_tokens=max_new_tokens, seed=seed))
     return report, scores
 
 
@@ -279,8 +298,10 @@ def _run(cfg: PolicyEvalConfig) -> None:
     import typer
 
     report, _ = policy_eval(cfg.student, cfg.teacher, cfg.prompts, samples_per_prompt=cfg.samples_per_prompt,
-                            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-    for key in ("prompts", "samples", "unscored", "mean_student_tokens", "stopped_fraction"):
+                            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, teacher_samples=cfg.teacher_samples)
+    lengths = ("student_mean_bytes", "teacher_mean_bytes", "teacher_stopped_fraction") if cfg.teacher_samples else (
+        "student_mean_bytes",)
+    for key in ("prompts", "samples", "unscored", "mean_student_tokens", "stopped_fraction", *lengths):
         typer.echo(f"{key:<26}{report[key]:.4g}" if isinstance(report[key], float) else f"{key:<26}{report[key]}")
     for key in ("reverse_kl_per_token", "reverse_kl_per_sequence"):
         typer.echo(f"{key:<26}{report[key]:.4f} +- {report[key + '_se']:.4f} (standard error)")
