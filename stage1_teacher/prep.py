@@ -116,6 +116,7 @@ class Preparer:
         self.bos_id = teacher_tok.bos_token_id
         self.seconds = 0.0  # time spent in prepare(), for the run summary
         self.unmatched_rollouts = 0  # rollout rows whose sampling student is none of `students`
+        self._text_sampling_sides = None  # text rollouts: chat fingerprint -> the student that sampled
         self.conversation = conversation
         if conversation:
             self.teacher_markers = np.asarray(turn_marker_ids(teacher_tok), dtype=np.int64)
@@ -153,7 +154,7 @@ class Preparer:
                 if a is not None:
                     aligns[i][s.fingerprint] = AlignmentRecord(student_ids=s_ids[i], alignment=a,
                                                                student_role=prefix_roles(s_off[i], docs[i].prefix_chars))
-        self._attach_sampled_text(docs, aligns)
+        self._attach_sampled(docs, ((i, a) for i, a in enumerate(aligns) if a))  # the documents kept
         out: list[PreparedDoc | Skipped] = []
         for i, d in enumerate(docs):
             if len(t_ids[i]) < 2:
@@ -227,7 +228,7 @@ class Preparer:
                     aligns[i][s.fingerprint] = AlignmentRecord(student_ids=r.ids.astype(np.int32),
                                                                alignment=ca.alignment, student_role=ca.student_role,
                                                                stats=ca.stats)
-        self._attach_sampled(docs, aligns, spliced)
+        self._attach_sampled(docs, aligns.items(), spliced)
         out: list[PreparedDoc | Skipped] = []
         t_views = list(t_rend)
         for i, d in enumerate(docs):
@@ -243,42 +244,34 @@ class Preparer:
                                       conversation=d.text))
         return out
 
-    def _attach_sampled(self, docs: list[Document], aligns: dict[int, dict], spliced: dict[str, set[int]]) -> None:
-        """Rollout rows: the sampled turn's ids checked and log-probs stored in the sampling student's group
-        (`stage1_teacher.onpolicy.sampled`); a row sampled by none of the --student-tokenizer's is counted and logged."""
-        for i, by_fp in aligns.items():
+    def _attach_sampled(self, docs: list[Document], aligns, spliced: dict[str, set[int]] | None = None) -> None:
+        """Rollout rows (`aligns`: (row index, records by group fingerprint) pairs): the sampled turn's ids
+        checked and log-probs stored in the sampling student's group (`stage1_teacher.onpolicy.sampled`); a row
+        sampled by none of the --student-tokenizer's is counted and logged. A rollout row names its student by
+        the chat fingerprint, which is the group's key in a conversation store; a plain-text store keys its
+        groups by the tokenizer alone, and its rollouts are text rollouts."""
+        if self.conversation:
+            sides = {s.fingerprint: s for s in self.students}
+        else:
+            if self._text_sampling_sides is None:
+                self._text_sampling_sides = {chat_fingerprint(s.tokenizer): s for s in self.students}
+            sides = self._text_sampling_sides
+        for i, by_fp in aligns:
             sampled = docs[i].sampled
             if sampled is None:
                 continue
-            if sampled.chat in by_fp:
-                side = next(s for s in self.students if s.fingerprint == sampled.chat)
-                by_fp[sampled.chat] = attach_sampled(by_fp[sampled.chat], sampled, i in spliced.get(sampled.chat, ()),
-                                                     markers=side.markers)
-            elif sampled.chat not in {s.fingerprint for s in self.students}:
+            side = sides.get(sampled.chat)
+            if side is None:
                 if not self.unmatched_rollouts:
                     log.warning("row %d of %s is a rollout of a student (chat fingerprint %s..) that is none of the "
                                 "--student-tokenizer's: its sampling log-probs are not stored (rkl-pg needs --is-cap 0 "
                                 "on this cache); pass the sampling student's tokenizer", docs[i].row, docs[i].source,
                                 sampled.chat[:12])
                 self.unmatched_rollouts += 1
-
-    def _attach_sampled_text(self, docs: list[Document], aligns: list[dict]) -> None:
-        """Text rollouts: the completion's sampled ids checked and log-probs stored in the group of the student
-        that sampled it (rollout rows name it by its chat fingerprint; plain-text groups by the tokenizer's)."""
-        chat_fps = None
-        for i, by_fp in enumerate(aligns):
-            sampled = docs[i].sampled
-            if sampled is None or docs[i].prefix_chars is None or not by_fp:
-                continue
-            chat_fps = chat_fps or {chat_fingerprint(s.tokenizer): s.fingerprint for s in self.students}
-            fp = chat_fps.get(sampled.chat)
-            if fp in by_fp:
-                by_fp[fp] = attach_sampled(by_fp[fp], sampled, text=True)
-            elif fp is None:
-                if not self.unmatched_rollouts:
-                    log.warning("row %d of %s is a rollout of a student that is none of the --student-tokenizer's: "
-                                "its sampling log-probs are not stored", docs[i].row, docs[i].source)
-                self.unmatched_rollouts += 1
+            elif side.fingerprint in by_fp:
+                fp = side.fingerprint
+                by_fp[fp] = attach_sampled(by_fp[fp], sampled, i in (spliced or {}).get(fp, ()), markers=side.markers,
+                                           text=not self.conversation)
 
     def _align_convs(self, live, convs, docs, s_rend, t_rend, name) -> list:
         """ConversationAlignments of conversations `live` (their Renderings `s_rend`, `t_rend`, in that
