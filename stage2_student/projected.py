@@ -152,6 +152,9 @@ def _kl_terms(blk, q_at: Tensor, q_rest: Tensor, p_at: Tensor, w_e: Tensor, p_re
     outside K_c [C], <pbar_c, G_c> [C]) from q_c and p_c at each entry's (chunk, id) [M, k], q_r [C], w_e
     [M, k], p_r [C] and the chunks whose K_c holds every column with entries [C]. `divergence`: forward
     (KL(p || q), P-KL), reverse (KL(q || p)), jsd (generalized JSD(beta)) or forward-reverse (their mean)."""
+    if divergence == "forward-reverse":  # every output is linear in the divergence: the mean of the two's
+        both = (_kl_terms(blk, q_at, q_rest, p_at, w_e, p_rest_c, no_rest, kind) for kind in ("forward", "reverse"))
+        return tuple(0.5 * (f + r) for f, r in zip(*both))
     cdt, dev = q_at.dtype, q_at.device
     drop = no_rest & (p_rest_c > 0)  # as losses.drop_unreachable_rest
     scale = torch.where(drop, 1.0 / (1.0 - p_rest_c.clamp(max=1.0 - 1e-7)), torch.ones_like(p_rest_c))  # [C]
@@ -175,7 +178,7 @@ def _kl_terms(blk, q_at: Tensor, q_rest: Tensor, p_at: Tensor, w_e: Tensor, p_re
 
 def _other_terms(blk, q_at: Tensor, q_rest: Tensor, p_at: Tensor, w_e: Tensor, p_rest_c: Tensor, scale: Tensor,
                  divergence: str, beta: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`_kl_terms` for the reverse, jsd and forward-reverse divergences, over the same buckets (K_c and the
+    """`_kl_terms` for the reverse and jsd divergences, over the same buckets (K_c and the
     rest). A bucket's value and derivative are functions of its (p, q); the entries of one (chunk, id)
     carry them in proportion to their share f_e = w_e / p_c of its teacher probability:
 
@@ -205,18 +208,10 @@ def _other_terms(blk, q_at: Tensor, q_rest: Tensor, p_at: Tensor, w_e: Tensor, p
         return val, (1.0 - beta) * (log_q - log_m), torch.where(m_r > 0, val_r, zero), \
             torch.where(has_r, (1.0 - beta) * (log_qr - log_mr), zero)
 
-    def forward():
-        d = torch.where(q_at >= losses.PROB_FLOOR, -pt / q_at.clamp(min=losses.PROB_FLOOR), zero)
-        val = torch.xlogy(pt, pt) - pt * log_q
-        val_r = losses.divergence("kl", losses.safe_log(p_rest_c)[:, None], losses.safe_log(q_rest)[:, None])
-        return val, d, val_r, torch.where((p_rest_c > 0) & has_r, -p_rest_c / q_rest.clamp(min=losses.PROB_FLOOR), zero)
-
     if divergence == "reverse":
         val, g, val_r, g_r = reverse()
     elif divergence == "jsd":
         val, g, val_r, g_r = jsd()
-    elif divergence == "forward-reverse":
-        val, g, val_r, g_r = (0.5 * (a + b) for a, b in zip(forward(), reverse()))
     else:
         raise ValueError(f"divergence {divergence!r}: use forward, reverse, jsd or forward-reverse")
     d_e = torch.where(f_e > 0, f_e * g, zero)  # [M, k]
