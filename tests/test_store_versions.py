@@ -77,6 +77,19 @@ def test_conversations_need_version_2(tmp_path):
         CacheWriter(str(tmp_path / "x"), m)
 
 
+def _sorted_source(store: Path, shard) -> tuple:
+    """(source arrays, top-k ids and log-probs sorted by id) of a fixture store's two documents, and checks that
+    the part holds those ids, sorted, at every predicted position (ids above 16 bits among them)."""
+    src = np.load(store.parent / f"{store.name}_source.npz")
+    ids = np.concatenate([src["topk_ids0"], src["topk_ids1"]])
+    lp = np.concatenate([src["topk_logprobs0"], src["topk_logprobs1"]])
+    assert ids.max() >= 65_536  # uint32 deltas
+    order = np.argsort(ids, axis=1)
+    ids, lp = np.take_along_axis(ids, order, 1), np.take_along_axis(lp, order, 1)
+    np.testing.assert_array_equal(shard.topk_ids[shard.has_pred], ids[shard.has_pred])
+    return src, ids, lp
+
+
 def test_a_version_2_store_reads_and_verifies_with_its_own_codecs():
     from xtcache.app.store_commands import verify_store
     from xtcache.store import codecs
@@ -85,31 +98,13 @@ def test_a_version_2_store_reads_and_verifies_with_its_own_codecs():
     assert r.manifest.format_version == 2 and r.is_complete()
     assert r.manifest.codecs["topk_logprobs"].name == codecs.QUANT_NAME
     shard = r.read_shard(r.shards[0].shard_id, verify=True)
-    src = np.load(V2.parent / "store_v2_source.npz")
-    ids = np.concatenate([src["topk_ids0"], src["topk_ids1"]])
-    lp = np.concatenate([src["topk_logprobs0"], src["topk_logprobs1"]])
-    assert ids.max() >= 65_536  # uint32 deltas
-    order = np.argsort(ids, axis=1)
-    has = shard.has_pred
-    np.testing.assert_array_equal(shard.topk_ids[has], np.take_along_axis(ids, order, 1)[has])
+    src, _, lp = _sorted_source(V2, shard)
     q8 = codecs.QuantizedLogProbs(8, -24.0)
-    err = np.abs(shard.topk_logprobs - np.take_along_axis(lp, order, 1))[has]
+    err = np.abs(shard.topk_logprobs - lp)[shard.has_pred]
     assert err.max() <= q8.max_abs_error + 1e-5
     assert shard.residual.dtype == np.float32 and shard.realized_logprob.dtype == np.float32
     np.testing.assert_array_equal(shard.residual, np.concatenate([src["residual0"], src["residual1"]]))
     assert verify_store(str(V2)) == []
-
-
-def test_a_writer_resuming_a_version_2_store_writes_version_2_parts(tmp_path):
-    store = tmp_path / "v2"
-    shutil.copytree(V2, store)
-    r = CacheReader(str(store))
-    shard = r.read_shard(r.shards[0].shard_id)
-    with CacheWriter(str(store), r.manifest, resume=True) as w:
-        meta = w.write_part(1, [_record_from(shard)])
-    assert meta.format_version == 2 and meta.arrays["residual"].dtype == "float32"
-    assert meta.arrays["topk_logprobs"].transform.name == "xtcache.quantized_logprobs"
-    assert CacheReader(str(store)).read_shard(meta.shard_id, verify=True).texts == [shard.texts[0]]
 
 
 def test_a_version_3_store_reads_and_verifies_with_ids_sorted_by_id():
@@ -122,29 +117,31 @@ def test_a_version_3_store_reads_and_verifies_with_ids_sorted_by_id():
     assert r.manifest.codecs["topk_logprobs"].name == codecs.SQRT_NAME
     assert "topk_id_dict" not in r.shards[0].arrays
     shard = r.read_shard(r.shards[0].shard_id, verify=True)
-    src = np.load(V3.parent / "store_v3_source.npz")
-    ids = np.concatenate([src["topk_ids0"], src["topk_ids1"]])
-    lp = np.concatenate([src["topk_logprobs0"], src["topk_logprobs1"]])
-    assert ids.max() >= 65_536  # uint32 deltas
-    order = np.argsort(ids, axis=1)
+    src, _, lp = _sorted_source(V3, shard)
     has = shard.has_pred
-    np.testing.assert_array_equal(shard.topk_ids[has], np.take_along_axis(ids, order, 1)[has])
-    want = np.exp(0.5 * np.take_along_axis(lp, order, 1)[has].astype(np.float64))
+    want = np.exp(0.5 * lp[has].astype(np.float64))
     assert np.abs(np.exp(0.5 * shard.topk_logprobs[has].astype(np.float64)) - want).max() <= 0.5 / 127 + 1e-6
     np.testing.assert_allclose(shard.residual, np.concatenate([src["residual0"], src["residual1"]]), rtol=2.0**-11)
     assert verify_store(str(V3)) == []
 
 
-def test_a_writer_resuming_a_version_3_store_writes_version_3_parts(tmp_path):
-    store = tmp_path / "v3"
-    shutil.copytree(V3, store)
-    r = CacheReader(str(store))
+@pytest.mark.parametrize("store, version, arrays", [
+    (V2, 2, {"residual": ("float32", None), "topk_logprobs": (None, "xtcache.quantized_logprobs")}),
+    (V3, 3, {"topk_ids": (None, "xtcache.sorted_delta_ids")}),
+], ids=["v2", "v3"])
+def test_a_writer_resuming_an_older_store_writes_parts_of_its_version(tmp_path, store, version, arrays):
+    """arrays: name -> (stored dtype, transform name) the resumed part must have (None: not checked)."""
+    copy = tmp_path / store.name
+    shutil.copytree(store, copy)
+    r = CacheReader(str(copy))
     shard = r.read_shard(r.shards[0].shard_id)
-    with CacheWriter(str(store), r.manifest, resume=True) as w:
+    with CacheWriter(str(copy), r.manifest, resume=True) as w:
         meta = w.write_part(1, [_record_from(shard)])
-    assert meta.format_version == 3 and "topk_id_dict" not in meta.arrays
-    assert meta.arrays["topk_ids"].transform.name == "xtcache.sorted_delta_ids"
-    assert CacheReader(str(store)).read_shard(meta.shard_id, verify=True).texts == [shard.texts[0]]
+    assert meta.format_version == version and "topk_id_dict" not in meta.arrays
+    for name, (dtype, transform) in arrays.items():
+        assert dtype is None or meta.arrays[name].dtype == dtype
+        assert transform is None or meta.arrays[name].transform.name == transform
+    assert CacheReader(str(copy)).read_shard(meta.shard_id, verify=True).texts == [shard.texts[0]]
 
 
 @pytest.mark.parametrize("version", [1, 2, 3, 4])
