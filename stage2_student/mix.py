@@ -17,7 +17,7 @@ from torch import Tensor
 from stage2_student import losses
 from stage2_student.blocked import Prepared, blocked_terms
 from stage2_student.join import num_teachers, teacher_view
-from stage2_student.objective import Objective
+from stage2_student.objective import TRAIN_AGREEMENT_CHUNKS, Objective
 from xtcache.errors import ConfigError, XtcacheError
 
 COMBINE = ("sum", "dynamic", "select", "mean-probs")
@@ -209,7 +209,7 @@ class TeacherMix:
         kd_sum = (w.to(kd.dtype) * kd).sum()
         loss = self.objectives[0].loss(kd_sum, ce_sum, chunks=prep.chunks, tokens=prep.tokens,
                                        chunks_total=chunks_total, tokens_total=tokens_total)
-        agree = [o.agreement(logits, p) for o, p in zip(self.objectives, prep.preps)]
+        agree = [o.agreement(logits, p, max_chunks=TRAIN_AGREEMENT_CHUNKS) for o, p in zip(self.objectives, prep.preps)]
         pres = prep.present.to(kd.dtype)
         return loss, {"kd_sum": kd_sum.detach(), "ce_sum": ce_sum.detach(), "agree": agree[0][0],
                       "agree_n": agree[0][1], "teacher_kd": (kd.detach() * pres).sum(dim=1),

@@ -325,6 +325,27 @@ def test_top1_agreement_maps_student_argmax_into_the_teacher_vocabulary():
         assert (agree.item(), total.item()) == (want, 2.0)
 
 
+def test_training_agreement_reads_evenly_spaced_chunks_when_capped():
+    """Training's estimate (max_chunks) counts only the chunks at i * C // max_chunks; uncapped, every chunk."""
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 10, 6
+    logits = torch.randn((1, n, vocab), generator=g)
+    teacher_top = torch.randint(0, vocab, (n,), generator=g)
+    teacher_top[[0, 2, 5, 7]] = logits[0, [0, 2, 5, 7]].argmax(dim=-1)  # the sampled chunks all agree
+    teacher_top[[1, 3]] = (logits[0, [1, 3]].argmax(dim=-1) + 1) % vocab  # two unsampled ones do not
+    ids = torch.stack([teacher_top, (teacher_top + 1) % vocab], dim=1)
+    batch = {"student_chunk": torch.arange(n)[None], "labels": torch.full((1, n), -100), "num_chunks": n,
+             "teacher_chunk": torch.arange(n), "teacher_ids": ids,
+             "teacher_logprobs": torch.tensor([[-0.1, -3.0]]).expand(n, 2).contiguous(), "teacher_residual": torch.zeros(n)}
+    obj = Objective("kl")
+    prep = obj.prepare(batch, vocab=vocab)
+    agree, total = obj.agreement(logits, prep, max_chunks=4)
+    assert (agree.item(), total.item()) == (4.0, 4.0)
+    every = (logits[0].argmax(dim=-1) == teacher_top).sum().item()
+    assert every <= n - 2
+    assert obj.agreement(logits, prep)[0].item() == every and obj.agreement(logits, prep, max_chunks=n)[1].item() == n
+
+
 def test_resolve_kind_defaults_and_refusals():
     same, cross = Capabilities(same_tokenizer=True, mode="topk"), Capabilities(same_tokenizer=False, mode="topk")
     sampled_cross = Capabilities(same_tokenizer=False, mode="sampled")
