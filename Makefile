@@ -59,10 +59,19 @@ bench: setup
 	$(PY) bench/train_step.py
 	$(PY) bench/estimator_variance.py
 
-# Both stages end to end on one CUDA GPU (tiny teacher and student): capture rate against vLLM
-# forward only, the bf16 first-batch check, step time and peak memory, in one table.
-gpu-check: setup
+# Both stages end to end on one CUDA GPU (tiny teacher and student), one table (docs/gpu.md). With
+# wheels in $(GPU_WHEELS) (`python3 bench/gpu_wheels.py download` on a machine with network) it runs on a
+# bare PyTorch GPU machine offline: the wheels go into .gpu-site, the system python runs the check
+# (its vLLM steps skipped where vLLM does not import); otherwise through .venv, as `make setup` builds it.
+GPU_WHEELS ?= .whl
+gpu-check:
+ifneq ($(wildcard $(GPU_WHEELS)/*.whl),)
+	$(PYTHON) bench/gpu_wheels.py install --wheels $(GPU_WHEELS) --target .gpu-site
+	PYTHONPATH=.gpu-site $(PYTHON) bench/gpu_check.py --device cuda
+else
+	$(MAKE) setup
 	$(PY) bench/gpu_check.py --device cuda
+endif
 
 clean:
-	rm -rf $(VENV) .xtcache_demo
+	rm -rf $(VENV) .xtcache_demo .gpu-site

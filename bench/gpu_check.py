@@ -1,22 +1,30 @@
 """GPU smoke check: both stages end to end on a tiny teacher and student, on one device, one table.
 
-On any machine with one CUDA GPU (`make gpu-check`), in a few minutes:
+On a machine with one CUDA GPU (`make gpu-check`), in a few minutes, on the test suite's toy setup
+(two BPE tokenizers, a tiny Qwen2 teacher, a tiny Llama student; built from text on the machine and
+cached in .xtcache_test_cache):
 
-  1. builds the test suite's toy setup (two BPE tokenizers, a tiny Qwen2 teacher, a tiny Llama
-     student; cached in .xtcache_test_cache) from text already on the machine;
-  2. vLLM forward only (`generate(max_tokens=1)`) over the held-out windows: the engine's ceiling;
-  3. `teacher-dump` on the vLLM fast path over the same documents (teacher in bf16 on CUDA): its
-     capture rate, and its first-batch check of the hidden-state path against vLLM's own prompt
-     log-probs (largest and mean |log-prob gap|, the tolerance derived from the logit scale);
-  4. `train-student` (DeepSpeed ZeRO-2, bf16 on CUDA, projected KL across the two tokenizers):
-     step time and the peak device memory of the training process;
+  1. vLLM, where it imports: forward only (`generate(max_tokens=1)`) over the held-out windows (the
+     engine's ceiling), then `teacher-dump` on the vLLM fast path over the same documents: its capture
+     rate and its first-batch check (largest and mean |log-prob gap|, the tolerance from the logit
+     scale). Without vLLM (a bare PyTorch machine) these rows say so and everything else runs;
+  2. `teacher-dump --engine hf` (transformers) in every mode (top-k, full, sampled, head + tail) on the
+     device, sampling with the device's own generators; each store is read back with every check on;
+  3. the teacher's lm_head in the resolved compute dtype (bf16 on CUDA) against float32 transformers
+     logits, with the first-batch check's tolerance (bench/head_dtype.py), and on CUDA the peak memory
+     of the capture's logit blocks in each mode against the memory budget's figure for them;
+  4. `train-student` (DeepSpeed ZeRO-2, bf16 on CUDA, projected KL across the two tokenizers) twice
+     with `--deterministic` and the same seed: step time, peak device memory, and whether the two
+     exported students are bit-identical;
+  5. every module this process and the trainer import, by distribution, against the packages of a bare
+     PyTorch GPU image plus `bench/gpu_wheels.py`'s wheels: one missing fails the check.
 
-and prints the table that docs/gpu.md quotes. `--device cpu` runs the
-same steps on the CPU in float32 (tests/test_gpu_check.py runs it in the suite); the table says
-which device produced it.
+`--device cpu` runs the same steps on the CPU in float32 (tests/test_gpu_check.py runs it in the
+suite with vLLM hidden); the table says which device produced it.
 
     .venv/bin/python bench/gpu_check.py [--device cuda|cpu] [--docs 64] [--steps 20] [--workdir .xtcache_gpu_check]
         [--write-docs]      # with --device cuda: also writes the table into docs/gpu.md's `gpu-check` block
+    # a bare GPU machine without network: bench/gpu_wheels.py (the wheels, 14 MiB, and how to install them)
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 DOC_BLOCKS = {"gpu-check": "docs/gpu.md"}  # --write-docs (GPU runs only): block -> file
+HF_MODES = {"topk": {"k": 16}, "full": {"k": 0}, "sampled": {"k": 0, "num_samples": 32},
+            "headtail": {"k": 8, "num_samples": 32}}  # teacher-dump --engine hf, and the head's blocks
 
 
 def parse_args(argv=None):
@@ -50,79 +62,180 @@ def parse_args(argv=None):
 
 
 def device_setup(device: str) -> tuple[str, str]:
-    """(dtype, device name) after pinning this process and its children to `device`."""
+    """(dtype, torch device) after pinning this process and its children to `device`."""
     from xtcache.devices import cuda_present
 
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        return "float32", "CPU"
+        return "float32", "cpu"
     if not cuda_present():
         raise SystemExit("gpu_check --device cuda: no CUDA device is visible (nvidia-smi, CUDA_VISIBLE_DEVICES); "
                          "use --device cpu to run the same steps on the CPU")
-    from vllm.platforms import current_platform
-
-    return "bfloat16", current_platform.get_device_name(0)
+    return "bfloat16", "cuda"
 
 
-def capture(setup, teacher: str, args, dtype: str, work: Path) -> dict:
-    """vLLM forward only, then teacher-dump on the same documents; both rates and the check record."""
-    from bench.teacher_dump import bench_dump, bench_vllm_generate, corpus_windows
+def vllm_version() -> str | None:
+    """vLLM's version where it imports, else None (a bare PyTorch machine: its steps are skipped)."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    return vllm.__version__
+
+
+def vllm_capture(setup, teacher: str, corpus: Path, texts: list[str], args, dtype: str, work: Path) -> dict:
+    """vLLM forward only, then teacher-dump on the fast path on the same documents: both rates, the check."""
+    from bench.teacher_dump import bench_vllm_generate, corpus_windows
     from stage1_teacher.capture.budget import device_memory_used, wait_for_release
 
-    texts = [json.loads(line)["text"] for line in Path(setup.heldout_jsonl).read_text().splitlines()][:args.docs]
-    corpus = work / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     windows = corpus_windows(teacher, texts, args.max_seq_len)
     before = device_memory_used(1)  # None off CUDA
     forward = bench_vllm_generate(teacher, windows, args.top_k, args.max_seq_len, dtype)
     # the forward-only engine's memory must be back before teacher-dump's preflight reads what is free
     wait_for_release(before, lambda: device_memory_used(1))
-    store = work / "store"
-    if store.exists():
-        import shutil
-
-        shutil.rmtree(store)
-    dump = bench_dump(teacher, str(setup.student_tokenizer), str(corpus), args.top_k, args.max_seq_len, dtype,
-                      str(store))
-    (record,) = [json.loads(p.read_text()) for p in (store / "capture_checks").glob("*.json")]
-    return {"forward": forward["a"], "capture": dump["d"], "check": record, "store": store,
-            "positions": dump["summary"].positions, "path": dump["summary"].capture_path}
+    s = dump(setup, teacher, corpus, work / "store", "vllm", "topk", args, dtype)
+    (record,) = [json.loads(p.read_text()) for p in (work / "store" / "capture_checks").glob("*.json")]
+    return {"forward": forward["a"], "capture": s.positions / s.capture_s, "check": record,
+            "positions": s.positions, "path": s.capture_path}
 
 
-def train(setup, store: Path, args, dtype: str, work: Path) -> dict:
-    """train-student on the dump (projected KL, ZeRO-2) in a subprocess (its memory is its own, as it is
-    on a GPU after vLLM's): its summary. The projection (`xtcache projection build`'s defaults) is built here."""
+def dump(setup, teacher: str, corpus: Path, out: Path, engine: str, mode: str, args, dtype: str, **opts):
+    """teacher-dump as the CLI runs it, into a fresh `out`; the dump's summary."""
+    from stage1_teacher.config import build_config
+    from stage1_teacher.dump import run_teacher_dump
+
+    if out.exists():
+        shutil.rmtree(out)
+    cfg = build_config({"teacher": teacher, "student_tokenizer": [str(setup.student_tokenizer)], "data": [str(corpus)],
+                        "out": str(out), "engine": engine, "dtype": dtype, "mode": mode,
+                        "top_k": opts.get("k") or args.top_k, "num_samples": opts.get("num_samples", 64),
+                        "max_seq_len": args.max_seq_len, "docs_per_part": 64})
+    return run_teacher_dump(cfg, progress=False)
+
+
+def hf_captures(setup, teacher: str, corpus: Path, args, dtype: str, work: Path) -> dict:
+    """teacher-dump --engine hf in every mode, each store read back with every check: mode -> row."""
+    from xtcache.app.store_commands import verify_store
+
+    out = {}
+    for mode, opts in HF_MODES.items():
+        s = dump(setup, teacher, corpus, work / f"hf-{mode}", "hf", mode, args, dtype, **opts)
+        problems = verify_store(str(work / f"hf-{mode}"))
+        if problems:
+            raise SystemExit(f"gpu_check: the {mode} store of the transformers engine fails verify: {problems[0]}")
+        out[mode] = {"rate": s.positions / s.capture_s, "bytes": s.bytes_written / max(1, s.positions)}
+    return out
+
+
+def head_rows(teacher: str, texts: list[str], dtype: str, device: str) -> dict:
+    """The head in `dtype` on `device` against float32 transformers logits, and its blocks' memory per mode."""
+    from bench.head_dtype import head_gaps, head_memory, reference
+
+    ref = reference(teacher, texts, 2, 256, device)
+    return {"gap": head_gaps(teacher, ref, dtype, device),
+            "memory": head_memory(teacher, ref, dtype, device, HF_MODES)}
+
+
+def train(setup, store: Path, args, dtype: str, out: Path) -> dict:
+    """train-student on the dump (projected KL, ZeRO-2, --deterministic) in a subprocess (its memory is
+    its own, as it is on a GPU after vLLM's): its summary. The projection (`xtcache projection build`'s
+    defaults) is built once in the work directory."""
     from xtcache.projection import build_projection
     from xtcache.tokenizer import load_tokenizer
 
-    out = work / "student"
-    projection = work / "projection.safetensors"
-    pm = build_projection(load_tokenizer(str(setup.student_tokenizer)), load_tokenizer(str(setup.teacher_tokenizer)))
-    pm.save(projection)
+    projection = out.parent / "projection.safetensors"
+    if not projection.exists():
+        pm = build_projection(load_tokenizer(str(setup.student_tokenizer)), load_tokenizer(str(setup.teacher_tokenizer)))
+        pm.save(projection)
+    if out.exists():
+        shutil.rmtree(out)
     cmd = [sys.executable, "-m", "xtcache.app.cli", "train-student", "--cache", str(store), "--student",
            str(setup.student_model), "--out", str(out), "--projection", str(projection), "--loss", "pkl",
-           "--seq-len", "128", "--micro-batch-size", "8", "--max-steps", str(args.steps), "--warmup-steps", "2", "--eval-every", "0", "--zero-stage", "2",
-           "--seed", "0", "--bf16" if dtype == "bfloat16" else "--no-bf16"]
+           "--seq-len", "128", "--micro-batch-size", "8", "--max-steps", str(args.steps), "--warmup-steps", "2",
+           "--eval-every", "0", "--zero-stage", "2", "--seed", "0", "--deterministic",
+           "--bf16" if dtype == "bfloat16" else "--no-bf16"]
     subprocess.run(cmd, check=True, cwd=REPO)
     return json.loads((out / "summary.json").read_text())
 
 
-def table(device_name: str, dtype: str, cap: dict, summary: dict) -> str:
-    chk = cap["check"]
+def same_weights(a: Path, b: Path) -> bool:
+    """True when the two exported students hold bit-identical tensors."""
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(str(a / "hf" / "model.safetensors")), load_file(str(b / "hf" / "model.safetensors"))
+    return ta.keys() == tb.keys() and all(ta[k].dtype == tb[k].dtype and ta[k].equal(tb[k]) for k in ta)
+
+
+def missing_on_bare_image() -> list[str]:
+    """Distributions a bare PyTorch GPU image plus bench/gpu_wheels.py's wheels would lack: those that the
+    first-party modules loaded here (the trainer's included) import anywhere in their source, and the
+    requirements of each wheel (read from the installed metadata). Optional extras (vLLM, s3fs) are not
+    counted: the check runs without them."""
+    import ast
+    import importlib.metadata as md
+
+    import stage2_student.trainer  # noqa: F401  (what train-student's process imports)
+    from bench.gpu_wheels import BARE_IMAGE, WHEELS, canonical
+
+    first_party = ("xtcache", "stage1_teacher", "stage2_student", "schemas", "bench")
+    names: set[str] = set()
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.split(".")[0] not in first_party or not path or not path.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(Path(path).read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+    names -= set(sys.stdlib_module_names) | set(first_party) | OPTIONAL_MODULES
+    by_module = md.packages_distributions()
+    needed = {canonical(d) for n in names for d in by_module.get(n, [n])}
+    for spec in WHEELS:
+        for req in md.requires(spec.split("==")[0]) or []:
+            if "extra ==" not in req and "sys_platform" not in req and "python_version <" not in req:
+                needed.add(canonical(re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0]))
+    have = {canonical(n) for n in BARE_IMAGE} | {canonical(w.split("==")[0]) for w in WHEELS}
+    return sorted(needed - have)
+
+
+OPTIONAL_MODULES = {"vllm", "s3fs", "gguf"}  # extras: vLLM (skipped without it), s3 URLs, the real tier's GGUF
+
+
+def table(device_name: str, dtype: str, vllm: str | None, cap: dict | None, hf: dict, head: dict, runs: list[dict],
+          identical: bool, missing: list[str]) -> str:
+    gap = head["gap"]
+    summary = runs[0]
     peak = summary.get("peak_memory_mib")
-    rows = [
-        ("device", device_name),
-        ("teacher dtype", dtype),
-        ("vLLM forward only, positions/s", f"{cap['forward']:,.0f}"),
-        ("teacher-dump capture, positions/s", f"{cap['capture']:,.0f}"),
-        ("capture / forward only", f"{cap['capture'] / cap['forward']:.2f}"),
-        ("capture path", cap["path"]),
-        ("first-batch check: max / mean |log-prob gap|", f"{chk['max_gap']:.3g} / {chk.get('mean_gap') or 0:.3g}"),
-        ("check tolerance: max / mean (largest logit)",
-         f"{chk['tolerance']:.3g} / {chk.get('mean_tolerance') or 0:.3g} ({chk.get('logit_max') or 0:.1f})"),
-        ("check platform, model runner", f"{chk.get('platform')}, {chk.get('model_runner')}"),
+    skipped = "not run: vLLM does not import here"
+    rows = [("device", device_name), ("teacher dtype", dtype), ("vLLM", vllm or "absent")]
+    if cap is not None:
+        chk = cap["check"]
+        rows += [
+            ("vLLM forward only, positions/s", f"{cap['forward']:,.0f}"),
+            ("teacher-dump capture, positions/s", f"{cap['capture']:,.0f}"),
+            ("capture / forward only", f"{cap['capture'] / cap['forward']:.2f}"),
+            ("capture path", cap["path"]),
+            ("first-batch check: max / mean |log-prob gap|", f"{chk['max_gap']:.3g} / {chk.get('mean_gap') or 0:.3g}"),
+            ("check tolerance: max / mean (largest logit)",
+             f"{chk['tolerance']:.3g} / {chk.get('mean_tolerance') or 0:.3g} ({chk.get('logit_max') or 0:.1f})"),
+            ("check platform, model runner", f"{chk.get('platform')}, {chk.get('model_runner')}")]
+    else:
+        rows += [("vLLM forward only, positions/s", skipped), ("teacher-dump capture, positions/s", skipped)]
+    for mode, r in hf.items():
+        rows.append((f"transformers engine, {mode}: positions/s, B/position", f"{r['rate']:,.0f}, {r['bytes']:.1f}"))
+    rows.append((f"lm_head in {gap['dtype']} vs float32: max / mean log-prob gap",
+                 f"{gap['max_gap']:.3g} / {gap['mean_gap']:.3g} (tolerance {gap['tolerance']:.3g} / "
+                 f"{gap['mean_tolerance']:.3g}, {'passes' if gap['passes'] else 'FAILS'})"))
+    for m in head["memory"]:
+        peak_b = f"{m['peak_bytes'] / 2**20:,.1f}" if m["peak_bytes"] is not None else "-"
+        rows.append((f"head blocks, {m['mode']}: positions/s, peak / budget MiB",
+                     f"{m['positions_per_s']:,.0f}, {peak_b} / {m['budget_bytes'] / 2**20:,.1f}"))
+    rows += [
         ("train-student step time, s (P-KL, ZeRO-2)", f"{1 / summary['steps_per_s']:.3f}"),
         ("train-student peak memory, MiB", f"{peak:,.0f} ({summary.get('peak_memory_kind', '?')})" if peak else "-"),
+        ("two --deterministic runs, same seed", "bit-identical" if identical else "DIFFER"),
+        ("imports outside a bare image + gpu_wheels", ", ".join(missing) or "none"),
     ]
     width = max(len(r[0]) for r in rows)
     return "\n".join([f"| {'gpu_check':<{width}} | value |", f"| {'-' * width} | --- |"] +
@@ -131,7 +244,7 @@ def table(device_name: str, dtype: str, cap: dict, summary: dict) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    dtype, device_name = device_setup(args.device)
+    dtype, device = device_setup(args.device)
     if args.write_docs and args.device == "cuda":
         from xtcache.app.docblock import require_blocks
 
@@ -145,14 +258,38 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     setup = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)  # the test suite's setup, built once
     teacher = str(build_vllm_teacher(setup.root))
-    cap = capture(setup, teacher, args, dtype, work)
-    summary = train(setup, cap["store"], args, dtype, work)
-    head = (f"$ python bench/gpu_check.py --device {args.device} --docs {args.docs} --steps {args.steps}  "
-            f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s in all, {cap['positions']:,} positions)")
-    print("\n" + head)
-    print(table(device_name, dtype, cap, summary), flush=True)
+    texts = [json.loads(line)["text"] for line in Path(setup.heldout_jsonl).read_text().splitlines()][:args.docs]
+    corpus = work / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    vllm = vllm_version()
+    cap = vllm_capture(setup, teacher, corpus, texts, args, dtype, work) if vllm else None  # first: nothing
+    hf = hf_captures(setup, teacher, corpus, args, dtype, work)  # of xtcache has touched CUDA before vLLM
+    head = head_rows(teacher, texts, dtype, device)
+    store = work / ("store" if cap is not None else "hf-topk")
+    runs = [train(setup, store, args, dtype, work / f"student{i}") for i in range(2)]
+    identical = same_weights(work / "student0", work / "student1")
+    missing = missing_on_bare_image()
+    device_name = "CPU" if device == "cpu" else _cuda_name()
+    positions = cap["positions"] if cap is not None else None
+    stamp = (f"$ python bench/gpu_check.py --device {args.device} --docs {args.docs} --steps {args.steps}  "
+             f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s in all"
+             + (f", {positions:,} positions)" if positions else ")"))
+    text = table(device_name, dtype, vllm, cap, hf, head, runs, identical, missing)
+    print("\n" + stamp)
+    print(text, flush=True)
     if args.write_docs:
-        write_docs(args.device, device_name, head, table(device_name, dtype, cap, summary))
+        write_docs(args.device, device_name, stamp, text)
+    failed = [what for what, bad in (("the head's gap exceeds the check's tolerance", not head["gap"]["passes"]),
+                                     ("two --deterministic runs differ", not identical),
+                                     (f"imports missing on a bare image: {', '.join(missing)}", bool(missing))) if bad]
+    if failed:
+        raise SystemExit("gpu_check: " + "; ".join(failed))
+
+
+def _cuda_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 def write_docs(device: str, device_name: str, head: str, text: str) -> None:

@@ -193,16 +193,28 @@ def device_budget(shape: TeacherShape, run: Run, total: int, in_use: int = 0) ->
             Term(f"vLLM's prompt log-prob logits of {rows} x V", rows * V * per_entry)]
     if run.fast_path:
         head_b = run.head_bytes()
-        rows = block_rows(V)
-        # real, exp(real - m) and its argument; sampled: multinomial's 3; headtail: also the tail and its histogram
-        temporaries = {"sampled": 5, "headtail": 8}.get(run.mode, 3)
-        blocks = temporaries * rows * V * 4 + rows * H * head_b
-        if run.reference_check:  # capture.head_rows_logprobs: logits + one logsumexp temporary per block
-            blocks = max(blocks, 2 * rows * V * 4 + rows * H * head_b)
+        rows, temporaries = block_rows(V), BLOCK_TEMPORARIES.get(run.mode, 3)
+        blocks = block_bytes(run.mode, V, H, head_b, reference_check=run.reference_check)
         phases["capture"] = [Term("xtcache's CUDA context", CUDA_CONTEXT_BYTES),
                              Term(f"{'float32' if head_b == 4 else 'half'} lm_head", V * H * head_b),
                              Term(f"logit blocks of {temporaries} x {rows} x V float32", blocks)]
     return Budget(total=total, utilization=run.gpu_memory_utilization, inside=inside, fixed=fixed, phases=phases)
+
+
+# float32 [rows, V] temporaries of one block of `distill_targets`: real, exp(real - m) and its argument;
+# sampled: multinomial's 3; headtail: also the tail and its histogram
+BLOCK_TEMPORARIES = {"sampled": 5, "headtail": 8}
+
+
+def block_bytes(mode: str, V: int, H: int, head_bytes: int, *, reference_check: bool) -> int:
+    """Peak bytes of the capture's logit blocks beside the lm_head: `distill_targets`' temporaries plus the
+    block's hidden states in the head's dtype; with the first-batch check, at least its blocks
+    (capture.head_rows_logprobs: logits + one logsumexp temporary)."""
+    rows = block_rows(V)
+    blocks = BLOCK_TEMPORARIES.get(mode, 3) * rows * V * 4 + rows * H * head_bytes
+    if reference_check:
+        blocks = max(blocks, 2 * rows * V * 4 + rows * H * head_bytes)
+    return blocks
 
 
 def _gib(n: float) -> str:

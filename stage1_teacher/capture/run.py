@@ -317,7 +317,7 @@ def open_capture(cfg, *, vocab_size: int, k: int, window_len: int, max_model_len
     if t.engine == "hf":
         eng = make(("hf", t.teacher, dtype), lambda: HfEngine(t.teacher, dtype=dtype,
                                                                 batch_tokens=min(c.batch_tokens, FORWARD_TOKENS)))
-        cap = Capture(engine=eng, kind="logits", path="transformers forward + torch top-k", **common)
+        cap = Capture(engine=eng, kind="logits", path="transformers forward, targets on its logits", **common)
         cap.start_seconds = time.perf_counter() - t0
         return cap
 
