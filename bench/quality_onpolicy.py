@@ -247,7 +247,8 @@ def _run_row(p: dict, out: Path, s: OnPolicySettings, seed: int, kind: str, flag
     else:
         r = _kd_then_rounds(p, out, s, seed, flags[0], flags[1], log_file)
     report, _ = policy_eval(str(r["hf"]), str(p["setup"].teacher_model), str(p["eval_prompts"]),
-                            samples_per_prompt=s.eval_samples, max_new_tokens=s.max_new_tokens, seed=0)
+                            samples_per_prompt=s.eval_samples, max_new_tokens=s.max_new_tokens, seed=0,
+                            teacher_samples=False)
     return {**{k: v for k, v in r.items() if k != "hf"},
             **{k: report[k] for k in ("reverse_kl_per_token", "reverse_kl_per_token_se", "teacher_nll_per_token",
                                       "teacher_nll_per_byte", "stopped_fraction", "mean_student_tokens", "unscored")}}

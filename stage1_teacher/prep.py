@@ -32,7 +32,7 @@ import numpy as np
 from schemas.roles import LAST_ASSISTANT, ROLE_ASSISTANT, ROLE_USER
 from stage1_teacher.corpus import Document, Skipped
 from stage1_teacher.onpolicy.sampled import attach_sampled
-from stage1_teacher.onpolicy.splice import splice_batch
+from stage1_teacher.onpolicy.splice import splice_batch, text_splice
 from stage1_teacher.windows import Window, plan_windows, window_tokens
 from xtcache.align.chunks import align_batch, align_offsets, batch_or_each, identity_alignment
 from xtcache.align.tokenizer import encode_flat, tokenizer_info
@@ -141,6 +141,7 @@ class Preparer:
         keep = [i for i in range(len(docs)) if len(t_ids[i]) >= 2]
         aligns: list[dict] = [{} for _ in docs]
         failed: set[int] = set()
+        spliced: dict[str, set[int]] = {}  # student fingerprint -> text rollouts whose sampled ids were spliced in
         for s in self.students:
             if s.identity:  # same tokenizer: no second tokenization, 1:1 chunks
                 for i in keep:
@@ -149,12 +150,13 @@ class Preparer:
                         student_role=prefix_roles(t_off[i], docs[i].prefix_chars))
                 continue
             s_ids, s_off = _encode(s.tokenizer, texts, "student tokenizer")
+            spliced[s.fingerprint] = self._splice_text_rollouts(s, docs, keep, s_ids, s_off)
             todo = [i for i in keep if i not in failed]
             for i, a in zip(todo, self._align(todo, docs, s, s_ids, s_off, t_ids, t_off, failed)):
                 if a is not None:
                     aligns[i][s.fingerprint] = AlignmentRecord(student_ids=s_ids[i], alignment=a,
                                                                student_role=prefix_roles(s_off[i], docs[i].prefix_chars))
-        self._attach_sampled(docs, ((i, a) for i, a in enumerate(aligns) if a))  # the documents kept
+        self._attach_sampled(docs, ((i, a) for i, a in enumerate(aligns) if a), spliced)  # the documents kept
         out: list[PreparedDoc | Skipped] = []
         for i, d in enumerate(docs):
             if len(t_ids[i]) < 2:
@@ -242,6 +244,24 @@ class Preparer:
             rendered = Document(d.source, d.row, r.text)
             out.append(self._prepared(rendered, r.ids.astype(np.int32), r.offsets.astype(np.int32), aligns[i],
                                       conversation=d.text))
+        return out
+
+    def _splice_text_rollouts(self, s, docs: list[Document], keep: list[int], s_ids: list, s_off: list) -> set[int]:
+        """The text rollouts of `keep` that student `s` sampled, their sampled ids spliced into `s_ids` / `s_off`
+        in place where they spell the completion (`stage1_teacher.onpolicy.splice.text_splice`); their rows."""
+        rows = [i for i in keep if docs[i].sampled is not None and docs[i].prefix_chars is not None]
+        if not rows:
+            return set()
+        mine = chat_fingerprint(s.tokenizer)
+        out = set()
+        for i in rows:
+            if docs[i].sampled.chat != mine:
+                continue
+            sp = text_splice(s.tokenizer, s.info, docs[i].text, docs[i].prefix_chars, docs[i].sampled.ids,
+                             s_ids[i], s_off[i])
+            if sp is not None:
+                s_ids[i], s_off[i] = sp
+                out.add(i)
         return out
 
     def _attach_sampled(self, docs: list[Document], aligns, spliced: dict[str, set[int]] | None = None) -> None:

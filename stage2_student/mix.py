@@ -18,6 +18,7 @@ from stage2_student import losses
 from stage2_student.blocked import Prepared, blocked_terms
 from stage2_student.join import num_teachers, teacher_view
 from stage2_student.objective import TRAIN_AGREEMENT_CHUNKS, Objective
+from stage2_student.onpolicy import STALENESS_CAP
 from xtcache.errors import ConfigError, XtcacheError
 
 COMBINE = ("sum", "dynamic", "select", "mean-probs")
@@ -96,6 +97,11 @@ class TeacherMix:
     @property
     def num_teachers(self) -> int:
         return len(self.objectives)
+
+    @property
+    def staleness_cap(self) -> float:
+        """The ratio cap the staleness metric counts against: rkl-pg's --is-cap, else onpolicy.STALENESS_CAP."""
+        return self.spec.is_cap if self.spec.is_cap > 0 else STALENESS_CAP
 
     def to(self, device) -> "TeacherMix":
         """Put every teacher's objective (its projection W) on the trainer's device."""

@@ -14,7 +14,7 @@ import torch
 
 from stage2_student.config import TrainConfig
 from stage2_student.objective import Capabilities, Objective, resolve_kind
-from stage2_student.onpolicy import reverse_kl_pg, truncated_ratio
+from stage2_student.onpolicy import SAMPLED_KEY, reverse_kl_pg, staleness, truncated_ratio
 from xtcache.errors import ConfigError, XtcacheError
 
 V = 5
@@ -213,3 +213,27 @@ def test_mixture_flags_are_checked_against_each_other():
                          ({"corpus_cache": "corpus", "rollout_fraction": 0.5, "cache": ["a", "b"]}, "one --cache")]:
         with pytest.raises(ValueError, match=match):
             TrainConfig.from_flat({**base, **extra})
+
+
+def test_staleness_counts_log_ratios_at_sampled_labels_only():
+    """Against a second construction per label (numpy log-softmax): the sum of |log p_s - log p_b| over the
+    labels with a sampling log-prob, the number with p_s / p_b above the cap, and their count."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn((2, 5, 7), generator=g)
+    labels = torch.randint(0, 7, (2, 5), generator=g)
+    labels[0, 4] = labels[1, 0] = -100
+    log_pb = torch.full((2, 5), float("nan"))
+    log_pb[0, :3] = torch.tensor([-1.0, -9.0, -0.2])  # the middle label: the student now far more likely (ratio > 2)
+    log_pb[1, 0] = -1.0  # a sampling log-prob at an ignored label: not counted
+    log_pb[1, 2:4] = torch.tensor([-3.0, -0.5])
+    got = staleness(logits, {"labels": labels, SAMPLED_KEY: log_pb}, cap=2.0)
+    z = logits.double().numpy()
+    lp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    want_abs, want_over, n = 0.0, 0, 0
+    for b, i in [(0, 0), (0, 1), (0, 2), (1, 2), (1, 3)]:
+        d = lp[b, i, int(labels[b, i])] - float(log_pb[b, i])
+        want_abs, want_over, n = want_abs + abs(d), want_over + int(d > math.log(2.0)), n + 1
+    assert want_over >= 1 and got[2].item() == n == 5
+    assert got[1].item() == want_over
+    assert got[0].item() == pytest.approx(want_abs, rel=1e-5)
+    assert staleness(logits, {"labels": labels}, cap=2.0).tolist() == [0.0, 0.0, 0.0]  # not a rollout batch

@@ -40,7 +40,8 @@ def _run(student, teacher, prompts, **kw):
     from stage1_teacher.onpolicy.policy_eval import policy_eval
 
     return policy_eval(str(student), str(teacher), str(prompts), samples_per_prompt=SAMPLES,
-                       max_new_tokens=NEW_TOKENS, seed=kw.pop("seed", 0), **kw)
+                       max_new_tokens=NEW_TOKENS, seed=kw.pop("seed", 0), teacher_samples=kw.pop("teacher_samples", False),
+                       **kw)
 
 
 def _sampled_as_tokenized(scores):
@@ -227,3 +228,25 @@ def test_prompts_of_both_kinds_are_refused(chat, prefixes, tmp_path):
     both.write_text(prompts.read_text() + prefixes.read_text())
     with pytest.raises(ConfigError, match=r"^--prompts \S*both\.jsonl row 6: missing messages field"):
         _run(setup.student_model, setup.teacher_model, both)
+
+
+def test_defaults_draw_96_samples_and_cap_at_twice_the_teacher_mean_length(chat):
+    """--samples-per-prompt 0: ceil(96 / prompts) per prompt; --max-new-tokens 0: twice the mean length, in the
+    student's tokens, of the teacher's own samples (drawn first, cap 512), so the cap rarely cuts a student."""
+    import math
+
+    from stage1_teacher.onpolicy.policy_eval import policy_eval
+
+    setup, prompts, _ = chat
+    report, _ = policy_eval(str(setup.student_model), str(setup.teacher_model), str(prompts), samples_per_prompt=0,
+                            max_new_tokens=4, teacher_samples=False)
+    assert (report["prompts"], report["samples_per_prompt"], report["samples"]) == (6, 16, 96)
+    report, _ = policy_eval(str(setup.student_model), str(setup.teacher_model), str(prompts), samples_per_prompt=1,
+                            max_new_tokens=0)
+    mean = report["teacher_mean_student_tokens"]
+    assert report["max_new_tokens_auto"] and report["teacher_max_new_tokens"] == 512 and mean > 1
+    assert report["max_new_tokens"] == max(8, math.ceil(2 * mean))
+    assert report["mean_student_tokens"] <= report["max_new_tokens"]
+    with pytest.raises(ConfigError, match="auto"):
+        policy_eval(str(setup.student_model), str(setup.teacher_model), str(prompts), max_new_tokens=0,
+                    teacher_samples=False)

@@ -85,15 +85,19 @@ def rollouts(toy_setup, tmp_path_factory):
             _dump(setup, root / "clean", root / "clean-cache"))
 
 
-def _group(store: Path, setup):
+def _group(store: Path, setup, *, text: bool = False):
     """(reader, the sampling student's fingerprint, its groups' stats summed over parts, docs by (file, row)
-    -> (student ids, roles, sampled log-probs or None))."""
+    -> (student ids, roles, sampled log-probs or None)). `text`: a plain-text store, its one group (keyed by
+    the tokenizer, not the chat template)."""
     from xtcache.chat.render import chat_fingerprint
     from xtcache.store import CacheReader
     from xtcache.tokenizer import load_tokenizer
 
     r = CacheReader(str(store))
-    fp = chat_fingerprint(load_tokenizer(setup.student_model))
+    if text:
+        (fp,) = r.alignment_groups()
+    else:
+        fp = chat_fingerprint(load_tokenizer(setup.student_model))
     assert fp in r.alignment_groups()
     totals: dict[str, int] = {}
     docs = {}
@@ -361,3 +365,45 @@ def test_a_turn_cut_by_max_new_tokens_does_not_train_its_end_marker_when_its_ids
     same = attach_sampled(record, Sampled((20, 21, 22), (-1.0, -2.0, -3.0), "fp", stop_reason="length"),
                           markers=markers)
     assert same.student_role[6] == ROLE_TEMPLATE and same.sampled_logprobs[3:6].tolist() == [-1.0, -2.0, -3.0]
+
+
+def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_path):
+    """Text rollouts (a prefix and its completion, no template) whose sampled ids are not what re-tokenizing
+    the whole text gives: a completion sampled as another tokenization, and prefixes cut inside a word (the
+    whole text's tokenization merges across the cut). The store holds the prefix as the tokenizer encodes it
+    alone, then the sampled ids with their log-probs, aligned exactly; a row whose ids do not spell its
+    completion keeps the re-tokenized ids and no log-probs."""
+    from xtcache.chat.render import chat_fingerprint
+    from xtcache.tokenizer import load_tokenizer
+
+    setup = rollouts[0]
+    tok = load_tokenizer(setup.student_model)
+    fp = chat_fingerprint(tok)
+    cases = [("A note on caches. ", CLEAN[0], True), ("The cach", "e keeps every turn.", False),
+             ("Offline teach", "ers score samples.", False), ("Students", " learn.", True)]
+    rows = {}
+    for j, (prefix, completion, split) in enumerate(cases):
+        ids = _split_ids(tok, completion, []) if split else tok(completion, add_special_tokens=False)["input_ids"]
+        assert ids != tok(prefix + completion, add_special_tokens=False)["input_ids"][-len(ids):] or split
+        rows[("r.jsonl", j)] = {"text": prefix + completion, "prefix_chars": len(prefix), "sampled_ids": ids,
+                                "sampled_logprobs": [-0.125] * len(ids), "chat_fingerprint": fp, "policy": "p",
+                                "stop_reason": "length"}
+    broken = [i + 1 for i in rows[("r.jsonl", 3)]["sampled_ids"]]  # other ids: they spell other text
+    rows[("r.jsonl", 4)] = {**rows[("r.jsonl", 3)], "sampled_ids": broken}
+    _write_rows(tmp_path / "parts", rows)
+    store = _dump(setup, tmp_path / "parts", tmp_path / "cache")
+    _, _, totals, docs = _group(store, setup, text=True)
+    for j, (prefix, _, _) in enumerate(cases):
+        ids, _, lp = docs[("r.jsonl", j)]
+        want = rows[("r.jsonl", j)]["sampled_ids"]
+        head = tok(prefix, add_special_tokens=True)["input_ids"]
+        assert ids.tolist() == head + want, j
+        assert np.flatnonzero(np.isfinite(lp)).tolist() == list(range(len(head), len(head) + len(want)))
+        assert np.all(lp[len(head):] == -0.125)
+    ids, _, lp = docs[("r.jsonl", 4)]
+    assert ids.tolist() == tok(rows[("r.jsonl", 4)]["text"], add_special_tokens=True)["input_ids"]
+    assert np.all(np.isnan(lp))
+    assert totals["sampled_turns"] == 5 and totals["sampled_mismatch"] == 5 and totals["sampled_same_text"] == 4
+    assert _cli("verify", store).returncode == 0
+    assert ("sampled turns 5, whose sampled ids are not the re-tokenized ids 5 (spliced, trained on the sampled "
+            "ids: 4; not spelling the turn's text, no sampling log-probs: 1)") in _cli("inspect", store).stdout

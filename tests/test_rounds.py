@@ -94,6 +94,12 @@ def test_two_rounds_chain_policies_checkpoints_and_print_their_commands(vllm_run
     assert [m["step"] for m in metrics] == [steps, 2 * steps] and all(m["train_steps"] == steps for m in metrics)
     assert all(m["rollouts"] == 2 and m["teacher_positions"] > 0 for m in metrics)
     assert metrics[0]["policy"] != metrics[1]["policy"]  # the second round's rollouts come from the trained student
+    # one step a round: it reads its rollouts with the weights that sampled them, so the staleness metric
+    # measures only the sampler's numerics (vLLM under --dtype auto: bfloat16 on this CPU, 0.058 measured)
+    # against the trainer's float32, and no ratio passes the cap of 2
+    for m in metrics:
+        assert m["stale_mean_abs_log_ratio"] < 0.2 and m["stale_share_over_cap"] == 0.0, m
+    assert "last step |log p/p_sampler|" in out
     assert "tokens scored" in out and "final student:" in out
     train1 = [json.loads(x) for x in (workdir / "round-001" / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in train1 if r["kind"] == "train"] == [steps + 1]  # continued, not restarted

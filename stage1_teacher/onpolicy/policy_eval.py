@@ -33,8 +33,8 @@ the live teacher scores them, and the report gives the per-token reverse KL and 
    text distribution. A sample whose text the teacher's template does not write whole (trimmed,
    escaped, empty) is not scored: counted in `unscored` and logged.
 
-    xtcache policy-eval --student run/hf --teacher T --prompts heldout_prompts.jsonl --samples-per-prompt 4 \\
-        --max-new-tokens 128 --seed 0 --out report.json
+    xtcache policy-eval --student run/hf --teacher T --prompts heldout_prompts.jsonl --seed 0 --out report.json
+        # defaults: samples per prompt for >= 96 samples; the cap twice the teacher's mean length (its own samples)
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ class PolicyEvalConfig:
     """Teacher model directory (Hugging Face layout with safetensors weights and tokenizer; a chat template for conversation prompts)."""
     prompts: str
     """Held-out prompts (.jsonl/.parquet/.arrow): conversations ending with the user's message, or text prefixes (rows with a text field)."""
-    samples_per_prompt: int = 4
-    """Completions sampled per prompt (temperature 1, top-p 1)."""
-    max_new_tokens: int = 128
-    """Most tokens sampled per completion."""
+    samples_per_prompt: int = 0
+    """Completions sampled per prompt (temperature 1, top-p 1); 0: enough for at least 96 samples in all."""
+    max_new_tokens: int = 0
+    """Most tokens sampled per completion; 0: twice the teacher's mean completion length in student tokens (its own samples, drawn first with a cap of 512), so the cap rarely decides where a student stops."""
     seed: int = 0
     """Seed of the draws; each (prompt id, sample index) draws from its own seed derived from it."""
     teacher_samples: bool = True
@@ -79,10 +79,17 @@ class PolicyEvalConfig:
     """Write the report here as JSON (default: print only)."""
 
     def __post_init__(self):
-        if self.samples_per_prompt < 1:
-            raise ValueError(f"--samples-per-prompt {self.samples_per_prompt}: must be at least 1")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
+        if self.samples_per_prompt < 0:
+            raise ValueError(f"--samples-per-prompt {self.samples_per_prompt}: must be at least 1 (0: auto)")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1 (0: auto)")
+        if self.max_new_tokens == 0 and not self.teacher_samples:
+            raise ValueError("--max-new-tokens 0 (auto) reads the teacher's own samples: drop --no-teacher-samples "
+                             "or give --max-new-tokens")
+
+
+MIN_SAMPLES = 96  # --samples-per-prompt 0: at least this many samples in all (the report's standard errors)
+PROBE_TOKENS = 512  # --max-new-tokens 0: the cap of the teacher's own samples that set the student's
 
 
 @dataclass(frozen=True)
@@ -244,26 +251,52 @@ def summarize(scores: list[SampleScore]) -> dict:
             "teacher_nll_per_token": nll / tokens, "teacher_nll_per_byte": nll / nbytes if nbytes else float("nan")}
 
 
-def teacher_lengths(teacher: str, prompts_path: str, *, samples_per_prompt: int, max_new_tokens: int,
-                    seed: int) -> dict:
-    """The teacher's own completions of the prompts, sampled as the student's are: their mean UTF-8 bytes and
-    the fraction that stopped before `max_new_tokens`."""
+def teacher_lengths(teacher: str, prompts_path: str, student_tokenizer, *, samples_per_prompt: int,
+                    max_new_tokens: int, seed: int) -> dict:
+    """The teacher's own completions of the prompts, sampled as the student's are: their mean UTF-8 bytes, their
+    mean length in the student's tokens (the stop token counted where they stopped), and the fraction that
+    stopped before `max_new_tokens`."""
     tokenizer = load_tokenizer(teacher, "teacher tokenizer")
     completions, texts = sample_student(teacher, tokenizer, read_prompts(prompts_path, tokenizer),
                                         samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, seed=seed)
     flat = [(c, x) for cs, xs in zip(completions, texts) for c, x in zip(cs, xs)]
-    return {"teacher_mean_bytes": sum(len(x.encode("utf-8")) for _, x in flat) / max(1, len(flat)),
-            "teacher_stopped_fraction": sum(c.stop_reason == "stop" for c, _ in flat) / max(1, len(flat))}
+    n = max(1, len(flat))
+    student_tokens = sum(len(student_tokenizer(x, add_special_tokens=False)["input_ids"]) + (c.stop_reason == "stop")
+                         for c, x in flat)
+    return {"teacher_mean_bytes": sum(len(x.encode("utf-8")) for _, x in flat) / n,
+            "teacher_mean_student_tokens": student_tokens / n,
+            "teacher_stopped_fraction": sum(c.stop_reason == "stop" for c, _ in flat) / n,
+            "teacher_max_new_tokens": max_new_tokens}
 
 
-def policy_eval(student: str, teacher: str, prompts_path: str, *, samples_per_prompt: int = 4,
-                max_new_tokens: int = 128, seed: int = 0, teacher_samples: bool = False
+def policy_eval(student: str, teacher: str, prompts_path: str, *, samples_per_prompt: int = 0,
+                max_new_tokens: int = 0, seed: int = 0, teacher_samples: bool = True
                 ) -> tuple[dict, list[SampleScore]]:
     """The on-policy measure of `student` against `teacher` on the prompts of `prompts_path`:
-    (report, per-sample scores). The reusable entry point (bench/quality.py, the demo)."""
+    (report, per-sample scores). The reusable entry point (bench/quality.py, the demo). `samples_per_prompt`
+    0: at least MIN_SAMPLES samples in all; `max_new_tokens` 0: twice the teacher's mean completion length in
+    the student's tokens (needs `teacher_samples`)."""
+    if max_new_tokens == 0 and not teacher_samples:
+        raise ConfigError("policy-eval: max_new_tokens 0 (auto) reads the teacher's own samples (teacher_samples)")
     tokenizer = load_tokenizer(student, "student tokenizer")
     prompts = read_prompts(prompts_path, tokenizer)
     text = prompts[0].conversation is None  # one file, one kind (the corpus reader refuses a row of the other)
+    samples_per_prompt = samples_per_prompt or -(-MIN_SAMPLES // len(prompts))
+    if samples_per_prompt * len(prompts) < MIN_SAMPLES:
+        log.warning("policy-eval: %d samples (%d prompts x %d); at least %d keep the standard errors small: raise "
+                    "--samples-per-prompt or give more prompts", samples_per_prompt * len(prompts), len(prompts),
+                    samples_per_prompt, MIN_SAMPLES)
+    lengths = {}
+    if teacher_samples:
+        lengths = teacher_lengths(teacher, prompts_path, tokenizer, samples_per_prompt=samples_per_prompt,
+                                  max_new_tokens=max_new_tokens or PROBE_TOKENS, seed=seed)
+    auto = max_new_tokens == 0
+    if auto:
+        max_new_tokens = max(8, math.ceil(2 * lengths["teacher_mean_student_tokens"]))
+        if lengths["teacher_stopped_fraction"] < 0.5:
+            log.warning("policy-eval: only %.0f%% of the teacher's own samples stopped within %d tokens: the auto "
+                        "--max-new-tokens %d rests on cut samples; give --max-new-tokens",
+                        100 * lengths["teacher_stopped_fraction"], PROBE_TOKENS, max_new_tokens)
     completions, texts = sample_student(student, tokenizer, prompts, samples_per_prompt=samples_per_prompt,
                                         max_new_tokens=max_new_tokens, seed=seed)
     flat = [(p, i, c, t) for p, cs, ts in zip(prompts, completions, texts) for i, (c, t) in enumerate(zip(cs, ts))]
@@ -286,11 +319,8 @@ def policy_eval(student: str, teacher: str, prompts_path: str, *, samples_per_pr
                     "an empty completion, or no end-of-turn marker after it); the measures leave them out",
                     report["unscored"], report["samples"])
     report.update(prompts=len(prompts), samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
-                  seed=seed, student=student, teacher=teacher,
-                  student_mean_bytes=sum(s.text_bytes for s in scores) / max(1, len(scores)))
-    if teacher_samples:
-        report.update(teacher_lengths(teacher, prompts_path, samples_per_prompt=samples_per_prompt,
-                                      max_new_tokens=max_new_tokens, seed=seed))
+                  max_new_tokens_auto=auto, seed=seed, student=student, teacher=teacher,
+                  student_mean_bytes=sum(s.text_bytes for s in scores) / max(1, len(scores)), **lengths)
     return report, scores
 
 
@@ -299,9 +329,10 @@ def _run(cfg: PolicyEvalConfig) -> None:
 
     report, _ = policy_eval(cfg.student, cfg.teacher, cfg.prompts, samples_per_prompt=cfg.samples_per_prompt,
                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, teacher_samples=cfg.teacher_samples)
-    lengths = ("student_mean_bytes", "teacher_mean_bytes", "teacher_stopped_fraction") if cfg.teacher_samples else (
-        "student_mean_bytes",)
-    for key in ("prompts", "samples", "unscored", "mean_student_tokens", "stopped_fraction", *lengths):
+    lengths = ("student_mean_bytes", "teacher_mean_bytes", "teacher_mean_student_tokens",
+               "teacher_stopped_fraction") if cfg.teacher_samples else ("student_mean_bytes",)
+    for key in ("prompts", "samples", "max_new_tokens", "unscored", "mean_student_tokens", "stopped_fraction",
+                *lengths):
         typer.echo(f"{key:<26}{report[key]:.4g}" if isinstance(report[key], float) else f"{key:<26}{report[key]}")
     for key in ("reverse_kl_per_token", "reverse_kl_per_sequence"):
         typer.echo(f"{key:<26}{report[key]:.4f} +- {report[key + '_se']:.4f} (standard error)")

@@ -21,6 +21,13 @@ sampled leading space, which the rendered text then lacks), byte tokens that are
 as U+FFFD), a stop token other than the template's marker. The rendered text is never changed, so
 the alignment (`xtcache.chat.layout.align_conversations`) runs on the spliced tokens as on any others.
 
+A text rollout (a prefix and its completion, `prefix_chars`, no template) is spliced whole by
+`text_splice`: the prefix as the student's tokenizer encodes it alone (the ids `generate` prompted
+with), then the sampled ids, when they stand for exactly the completion's UTF-8 bytes; the
+tokenizer's own end tokens of the whole text (an end-of-sequence it appends) follow. Re-tokenizing
+the whole text can merge a token across the prefix's end, or split the completion another way; the
+spliced ids are the ones the student read and sampled.
+
     python -c "import stage1_teacher.onpolicy.splice as s; help(s.splice_rollouts)"
 """
 
@@ -130,3 +137,33 @@ def splice_batch(side: Renderings, live: list[int], docs: list, convs: list[dict
         return side, set()
     side, flags = splice_rollouts(side, rows, student.tokenizer)
     return side, {i for i, f in zip(live, flags) if f}
+
+
+def text_splice(tokenizer, info, text: str, prefix_chars: int, sampled_ids, ids: np.ndarray,
+                offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """A text rollout's student (ids, offsets) with its sampled ids spliced in (module docstring), or None
+    when they do not spell the completion, or already are the re-tokenized ids `ids` / `offsets` (the
+    whole text's encoding, special tokens added)."""
+    body = np.asarray(sampled_ids, dtype=np.int64)
+    if body.shape[0] and info.special[body[-1]]:
+        body = body[:-1]  # the stop token: the text does not hold it
+    completion = text[prefix_chars:]
+    if body.shape[0] == 0 or np.any((body < 0) | (body >= info.vocab_size)):
+        return None
+    if piece_bytes(info, body) != completion.encode("utf-8"):
+        return None
+    enc = tokenizer(text[:prefix_chars], add_special_tokens=True, return_offsets_mapping=True)
+    p_ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    p_off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]  # the specials it adds: before, after
+    start = next((i for i in range(ids.shape[0] - len(plain) + 1) if ids[i:i + len(plain)].tolist() == plain), None)
+    if start is None:
+        return None
+    tail = ids.shape[0] - start - len(plain)  # tokens the tokenizer appends after a text (an end-of-sequence)
+    p_ids, p_off = p_ids[:p_ids.shape[0] - tail], p_off[:p_off.shape[0] - tail]  # the prefix alone: no end tokens
+    lens = np.diff(info.piece_start)[body]
+    new_ids = np.concatenate([p_ids, body, ids[ids.shape[0] - tail:]])
+    new_off = np.concatenate([p_off, prefix_chars + byte_offsets(completion, lens), offsets[offsets.shape[0] - tail:]])
+    if np.array_equal(new_ids, ids):
+        return None
+    return new_ids.astype(ids.dtype), new_off.astype(offsets.dtype)

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import typer
 
+from xtcache.app.store_commands import rollout_summary
 from xtcache.cliconfig import command
 from xtcache.errors import ConfigError
 from xtcache.fingerprint import sha256_file
@@ -259,11 +260,15 @@ def round_metrics(cfg: RoundsConfig, r: int) -> dict:
     d = round_dir(cfg, r)
     rows = [json.loads(line) for p in sorted((d / "rollouts" / "parts").glob("*.jsonl"))
             for line in p.read_text().splitlines() if line.strip()]
-    dump = [w.summary for w in CacheReader(str(d / "cache")).writer_summaries().values()]
+    reader = CacheReader(str(d / "cache"))
+    dump = [w.summary for w in reader.writer_summaries().values()]
+    counts = [c for fp in reader.alignment_groups() if (c := rollout_summary(reader, fp))]  # the sampling student's
     summary = json.loads((d / "train" / "summary.json").read_text())
     start = r * cfg.steps_per_round
     train = [json.loads(line) for line in (d / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    kd = [t["kd"] for t in train if t.get("kind") == "train" and t["step"] > start and t.get("kd") is not None]
+    steps = [t for t in train if t.get("kind") == "train" and t["step"] > start]
+    kd = [t["kd"] for t in steps if t.get("kd") is not None]
+    stale = [t for t in steps if t.get("sampled_labels")]  # steps that trained on sampled tokens
     return {
         "round": r, "policy": rows[0]["policy"] if rows else None, "rollouts": len(rows),
         "generated_tokens": sum(len(x["sampled_ids"]) for x in rows),
@@ -272,13 +277,21 @@ def round_metrics(cfg: RoundsConfig, r: int) -> dict:
         "train_steps": summary["steps"] - start, "step": summary["steps"], "loss": summary["kd_loss"],
         "final_eval_kl": summary.get("final_eval_kl"),
         "mean_train_kd": sum(kd) / len(kd) if kd else None,
+        # generated turns trained on re-tokenized ids (their sampled ids do not spell the turn's text: no splice)
+        "retokenized_turns": sum(c["sampled_mismatch"] - c["sampled_same_text"] for c in counts) if counts else None,
+        # how far the student moved from the policy that sampled the round's rollouts, at its last step
+        "stale_mean_abs_log_ratio": stale[-1]["stale_mean_abs_log_ratio"] if stale else None,
+        "stale_share_over_cap": stale[-1]["stale_share_over_cap"] if stale else None,
         "hf_dir": str(d / "train" / "hf"),
     }
 
 
 COLUMNS = (("round", "round", "d"), ("rollouts", "rollouts", "d"), ("generated_tokens", "tokens scored", "d"),
            ("teacher_positions", "teacher positions", "d"), ("train_steps", "train steps", "d"),
-           ("final_eval_kl", "final eval KL", ".4f"), ("mean_train_kd", "mean train KD", ".4f"))
+           ("final_eval_kl", "final eval KL", ".4f"), ("mean_train_kd", "mean train KD", ".4f"),
+           ("retokenized_turns", "re-tokenized turns", "d"),
+           ("stale_mean_abs_log_ratio", "last step |log p/p_sampler|", ".3f"),
+           ("stale_share_over_cap", "last step ratios > cap", ".3f"))
 
 
 def summary_table(metrics: list[dict]) -> str:

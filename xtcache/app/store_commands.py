@@ -25,6 +25,7 @@ from xtcache.errors import StoreError, XtcacheError
 from xtcache.packing import common_boundaries, group_trained, pack
 from xtcache.store import CacheReader, list_caches
 from xtcache.store.headtail import check_rows
+from xtcache.store.writer import ROLLOUT_COUNTS
 
 
 def _human(n: float) -> str:
@@ -66,6 +67,7 @@ class StoreSummary:
     groups: dict  # alignment groups by fingerprint
     warnings: list[str]
     conversation: dict[str, dict]  # conversation stores: `conversation_summary` per alignment group
+    rollouts: dict[str, dict]  # rollout stores (conversations or text): the sampled turns' counts per group
 
 
 def store_summary(url: str, storage_options: dict | None = None) -> StoreSummary:
@@ -101,7 +103,18 @@ def store_summary(url: str, storage_options: dict | None = None) -> StoreSummary
         bytes_by_array=per_array, total_array_bytes=sum(per_array.values()), topk_bytes=topk_bytes,
         ratio_topk_vs_raw=raw_topk / topk_bytes if topk_bytes else float("nan"), mean_topk_mass=mean_mass,
         groups=groups, warnings=warnings,
-        conversation={fp: conversation_summary(r, fp) for fp in groups} if m.conversation else {})
+        conversation={fp: conversation_summary(r, fp) for fp in groups} if m.conversation else {},
+        rollouts={fp: c for fp in groups if (c := rollout_summary(r, fp))})
+
+
+def rollout_summary(reader, fp: str) -> dict[str, int]:
+    """The sampled turns of one alignment group's rollouts, summed over its parts ({} without rollouts)."""
+    total: dict[str, int] = {}
+    for part in reader.alignment_parts(fp).values():
+        for k in ROLLOUT_COUNTS:
+            if k in part.conversation:
+                total[k] = total.get(k, 0) + part.conversation[k]
+    return total
 
 
 def conversation_summary(reader, fp: str) -> dict[str, Any]:
@@ -230,11 +243,10 @@ def inspect(
               "characters; spans / characters a template changed (no KD); characters aligned to other text")
         print(_table(c_rows, ("alignment group", "role mix", "trained share", "content chars",
                               "unaligned spans / chars", "misaligned chars")))
-        for fp, c in s.conversation.items():
-            if "sampled_turns" in c:  # rollouts (stage1_teacher.onpolicy.sampled)
-                print(_rollout_line(fp, c))
         if seq_len is not None:
             _print_windows(store, options, s.conversation, seq_len)
+    for fp, c in s.rollouts.items():  # rollouts (stage1_teacher.onpolicy.sampled), conversations or text
+        print(_rollout_line(fp, c))
 
 
 def _rollout_line(fp: str, c: dict) -> str:

@@ -325,6 +325,8 @@ class CacheWriter:
             arrays["student_role"] = _concat([r.student_role for r in records], np.uint8)
             if self.manifest.conversation:
                 conversation = conversation_counts(records, arrays["student_role"])
+            else:  # text rollouts: the sampled completions' counts only (STORE_FORMAT.md 5.2)
+                conversation = rollout_counts(records)
             if any(r.sampled_logprobs is not None for r in records):  # the sampling student's group of rollouts
                 arrays["sampled_logprobs"] = _sampled(records, sid)
         if list(arrays) != [a.name for a in align_arrays(self.manifest.conversation) if a.name in arrays or
@@ -343,17 +345,23 @@ class CacheWriter:
 def conversation_counts(records: list[AlignmentRecord], roles: np.ndarray) -> dict[str, int]:
     """Character counts of a conversation part's alignment and its student tokens by role."""
     keys = ["content_chars", "shared_chars", "unaligned_chars", "unaligned_spans", "misaligned_chars"]
-    if any("sampled_turns" in (r.stats or {}) for r in records):  # rollouts, the sampling student's group
-        keys += ["sampled_turns", "sampled_mismatch", "sampled_same_text"]
-    out = {k: 0 for k in keys}
-    for r in records:
-        for k in out:
-            out[k] += int((r.stats or {}).get(k, 0))
+    out = {k: sum(int((r.stats or {}).get(k, 0)) for r in records) for k in keys} | rollout_counts(records)
     base = np.bincount(roles & 0x7F, minlength=len(ROLE_NAMES))
     for code, name in ROLE_NAMES.items():
         out[f"role_{name}"] = int(base[code])
     out["role_last_assistant"] = int(np.count_nonzero(roles & LAST_ASSISTANT))
     return out
+
+
+ROLLOUT_COUNTS = ("sampled_turns", "sampled_mismatch", "sampled_same_text")  # stage1_teacher.onpolicy.sampled
+
+
+def rollout_counts(records: list[AlignmentRecord]) -> dict[str, int]:
+    """The sampled turns of a part's rollouts in the sampling student's group, those whose sampled ids are not
+    the re-tokenized ids, and of them those spliced in; {} for a group or part without rollouts."""
+    if not any("sampled_turns" in (r.stats or {}) for r in records):
+        return {}
+    return {k: sum(int((r.stats or {}).get(k, 0)) for r in records) for k in ROLLOUT_COUNTS}
 
 
 def _sampled(records: list[AlignmentRecord], sid: str) -> np.ndarray:
