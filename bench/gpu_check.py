@@ -158,6 +158,25 @@ def train(setup, store: Path, args, dtype: str, out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def runtime_gap() -> dict | None:
+    """On CUDA: NVML's total of device 0, the CUDA runtime's, and the budget's estimate of the runtime's
+    (`budget.runtime_total`); None on a CPU."""
+    import torch
+
+    from stage1_teacher.capture.budget import runtime_total
+
+    if not torch.cuda.is_available():
+        return None
+    import pynvml  # nvidia-ml-py: on the bare image, and a dependency of vLLM
+
+    pynvml.nvmlInit()
+    try:
+        nvml = int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+    finally:
+        pynvml.nvmlShutdown()
+    return {"nvml": nvml, "runtime": int(torch.cuda.mem_get_info(0)[1]), "estimate": runtime_total(nvml)}
+
+
 def same_weights(a: Path, b: Path) -> bool:
     """True when the two exported students hold bit-identical tensors."""
     from safetensors.torch import load_file
@@ -175,13 +194,13 @@ def missing_on_bare_image() -> list[str]:
     import importlib.metadata as md
 
     import stage2_student.trainer  # noqa: F401  (what train-student's process imports)
-    from bench.gpu_wheels import BARE_IMAGE, WHEELS, canonical
+    from bench.gpu_wheels import BARE_IMAGE, MODULE_DISTRIBUTIONS, WHEELS, canonical
 
     first_party = ("xtcache", "stage1_teacher", "stage2_student", "schemas", "bench")
     names: set[str] = set()
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if name.split(".")[0] not in first_party or not path or not path.endswith(".py"):
+        if (name.split(".")[0] not in first_party and name != "__main__") or not path or not path.endswith(".py"):
             continue
         for node in ast.walk(ast.parse(Path(path).read_text())):
             if isinstance(node, ast.Import):
@@ -190,7 +209,7 @@ def missing_on_bare_image() -> list[str]:
                 names.add(node.module.split(".")[0])
     names -= set(sys.stdlib_module_names) | set(first_party) | OPTIONAL_MODULES
     by_module = md.packages_distributions()
-    needed = {canonical(d) for n in names for d in by_module.get(n, [n])}
+    needed = {canonical(d) for n in names for d in by_module.get(n, [MODULE_DISTRIBUTIONS.get(n, n)])}
     for spec in WHEELS:
         for req in md.requires(spec.split("==")[0]) or []:
             if "extra ==" not in req and "sys_platform" not in req and "python_version <" not in req:
@@ -203,7 +222,8 @@ OPTIONAL_MODULES = {"vllm", "s3fs", "gguf"}  # extras: vLLM (skipped without it)
 
 
 def table(device_name: str, dtype: str, vllm: str | None, cap: dict | None, hf: dict, head: dict, runs: list[dict],
-          identical: bool, missing: list[str]) -> str:
+          identical: bool, missing: list[str], gap: dict | None = None) -> str:
+    mem = gap
     gap = head["gap"]
     summary = runs[0]
     peak = summary.get("peak_memory_mib")
@@ -231,6 +251,9 @@ def table(device_name: str, dtype: str, vllm: str | None, cap: dict | None, hf: 
         peak_b = f"{m['peak_bytes'] / 2**20:,.1f}" if m["peak_bytes"] is not None else "-"
         rows.append((f"head blocks, {m['mode']}: positions/s, peak / budget MiB",
                      f"{m['positions_per_s']:,.0f}, {peak_b} / {m['budget_bytes'] / 2**20:,.1f}"))
+    rows.append(("device memory total, MiB: NVML / CUDA runtime (budget's estimate)",
+                 f"{mem['nvml'] / 2**20:,.0f} / {mem['runtime'] / 2**20:,.0f} ({mem['estimate'] / 2**20:,.0f})"
+                 if mem else "-"))
     rows += [
         ("train-student step time, s (P-KL, ZeRO-2)", f"{1 / summary['steps_per_s']:.3f}"),
         ("train-student peak memory, MiB", f"{peak:,.0f} ({summary.get('peak_memory_kind', '?')})" if peak else "-"),
@@ -274,7 +297,7 @@ def main(argv=None) -> None:
     stamp = (f"$ python bench/gpu_check.py --device {args.device} --docs {args.docs} --steps {args.steps}  "
              f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s in all"
              + (f", {positions:,} positions)" if positions else ")"))
-    text = table(device_name, dtype, vllm, cap, hf, head, runs, identical, missing)
+    text = table(device_name, dtype, vllm, cap, hf, head, runs, identical, missing, runtime_gap())
     print("\n" + stamp)
     print(text, flush=True)
     if args.write_docs:

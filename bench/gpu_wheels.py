@@ -55,6 +55,9 @@ tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile 
 torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
 typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp""".split()
 
+# modules whose distribution is not installed where the check runs (the CPU .venv) but is on the image
+MODULE_DISTRIBUTIONS = {"pynvml": "nvidia-ml-py"}
+
 
 def canonical(name: str) -> str:
     """A distribution's name as pip compares them (PEP 503)."""

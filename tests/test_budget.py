@@ -22,6 +22,12 @@ H100 = 81559 * MiB  # NVML total of an H100 80GB
 RTX4090 = 24564 * MiB  # NVML total of a 24 GB card
 CTX = GiB // 2  # the assumed CUDA context of one process
 
+
+def usable(nvml_total: int) -> int:
+    """The CUDA runtime's total that vLLM's share is a fraction of: NVML's less max(320 MiB, 1.1%) (budget.py's
+    public pairs: 881 MiB of an A100 80GB's 81,920, 316 of a 24 GB card's 24,564, 256 of a T4's 15,360)."""
+    return nvml_total - max(320 * MiB, math.ceil(0.011 * nvml_total))
+
 LLAMA3_70B = TeacherShape(hidden=8192, vocab=128256, layers=80, heads=64, kv_heads=8, head_dim=128,
                           intermediate=28672, float_params=70_553_706_496)
 LLAMA3_8B = TeacherShape(hidden=4096, vocab=128256, layers=32, heads=32, kv_heads=8, head_dim=128,
@@ -35,7 +41,7 @@ QWEN25_72B = TeacherShape(hidden=8192, vocab=152064, layers=80, heads=64, kv_hea
 def test_llama3_70b_on_8x80gb_fits_at_the_default():
     run = Run(tensor_parallel_size=8)
     got = device_budget(LLAMA3_70B, run, H100)
-    share = math.ceil(0.8 * H100)
+    share = math.ceil(0.8 * usable(H100))
     weights = 70_553_706_496 * 2 // 8  # bf16, split 8 ways: 16.4 GiB per device
     kv = 2 * 80 * 1 * 128 * 2 * 2064  # K and V, 80 layers, one KV head per device, 2049 tokens -> 129 blocks of 16
     act = 8192 * (2 * 8192 + (64 + 16) * 128 // 8 + 2 * 28672 // 8) * 2 + 8192 * 8192 * 4
@@ -44,14 +50,15 @@ def test_llama3_70b_on_8x80gb_fits_at_the_default():
     head = 128256 * 8192 * 2  # --dtype auto on CUDA: a bf16 lm_head, 2.0 GiB
     blocks = 3 * 1024 * 128256 * 4 + 1024 * 8192 * 2  # 1024 rows (2^27 // 128256 = 1046, capped)
     assert got.need_outside() == CTX + CTX + head + blocks
-    assert got.need_outside() < 5 * GiB < got.rest == H100 - share
+    assert got.need_outside() < 5 * GiB < got.rest == usable(H100) - share
     assert refusal(LLAMA3_70B, run, got) is None
 
 
 def test_llama3_70b_on_one_80gb_card_is_refused_with_tensor_parallelism_as_the_fix():
     run = Run()
     msg = refusal(LLAMA3_70B, run, device_budget(LLAMA3_70B, run, H100))
-    assert msg.startswith("--gpu-memory-utilization 0.8 gives vLLM 63.7 GiB of cuda:0")
+    assert msg.startswith(f"--gpu-memory-utilization 0.8 gives vLLM {math.ceil(0.8 * usable(H100)) / GiB:.1f} GiB "
+                          "of cuda:0")  # 63.0 GiB
     assert "weights per device at --tensor-parallel-size 1 (131.4 GiB)" in msg and "raise --tensor-parallel-size" in msg
 
 
@@ -67,7 +74,7 @@ def test_llama3_8b_on_a_24gb_card_fits_topk_at_the_default():
     inside = 8_030_261_248 * 2 + 8192 * (8192 + 48 * 128 + 2 * 14336) * 2 + 256 * 128256 * 8 + 2 * 32 * 8 * 128 * 2 * 2064
     assert got.need_inside() == inside  # 16.1 GiB of a 19.2 GiB share
     assert got.need_outside() == _llama8b_outside(3, 2) == 3_708_813_312  # 3.45 GiB of 4.80
-    assert got.rest == RTX4090 - math.ceil(0.8 * RTX4090)
+    assert got.rest == usable(RTX4090) - math.ceil(0.8 * usable(RTX4090))
     assert refusal(LLAMA3_8B, run, got) is None
 
 
@@ -79,9 +86,10 @@ def test_llama3_8b_sampled_on_a_24gb_card_fits_with_the_half_head_and_is_refused
     assert refusal(LLAMA3_8B, run, got) is None
     high = Run(mode="sampled", gpu_memory_utilization=0.82)
     msg = refusal(LLAMA3_8B, high, device_budget(LLAMA3_8B, high, RTX4090))
-    assert msg.startswith("--gpu-memory-utilization 0.82 leaves 4.3 GiB on cuda:0 outside vLLM; the ")
+    rest = usable(RTX4090) - math.ceil(0.82 * usable(RTX4090))
+    assert msg.startswith(f"--gpu-memory-utilization 0.82 leaves {rest / GiB:.1f} GiB on cuda:0 outside vLLM; the ")
     assert "half lm_head (1.0 GiB)" in msg and f"need {need / GiB:.1f} GiB" in msg
-    assert msg.endswith(f"lower --gpu-memory-utilization to {math.floor((1 - need / RTX4090) * 100) / 100:.2f}")
+    assert msg.endswith(f"lower --gpu-memory-utilization to {math.floor((1 - need / usable(RTX4090)) * 100) / 100:.2f}")
 
 
 def test_a_float32_head_is_refused_with_the_numbers_and_two_fixes():
@@ -90,9 +98,12 @@ def test_a_float32_head_is_refused_with_the_numbers_and_two_fixes():
     need = _llama8b_outside(3, 4)
     assert got.need_outside() == need > got.rest
     msg = refusal(LLAMA3_8B, run, got)
-    assert msg.startswith("--gpu-memory-utilization 0.95 leaves 4.0 GiB on cuda:0 outside vLLM; the ")
+    rest = usable(H100) - math.ceil(0.95 * usable(H100))
+    assert msg.startswith(f"--gpu-memory-utilization 0.95 leaves {rest / GiB:.1f} GiB on cuda:0 outside vLLM; the ")
     assert "float32 lm_head (2.0 GiB)" in msg
-    assert msg.endswith("lower --gpu-memory-utilization to 0.94 or pass --dtype bfloat16 (a half-precision lm_head)")
+    highest = math.floor((1 - need / usable(H100)) * 100) / 100  # 0.94
+    assert msg.endswith(f"lower --gpu-memory-utilization to {highest:.2f} or pass --dtype bfloat16 (a half-precision "
+                        "lm_head)")
     half = Run(dtype="bfloat16", gpu_memory_utilization=0.95)
     assert refusal(LLAMA3_8B, half, device_budget(LLAMA3_8B, half, H100)) is None
 
@@ -100,8 +111,10 @@ def test_a_float32_head_is_refused_with_the_numbers_and_two_fixes():
 def test_llama3_8b_at_util_0_9_on_a_24gb_card_is_refused():
     run = Run(gpu_memory_utilization=0.9)
     msg = refusal(LLAMA3_8B, run, device_budget(LLAMA3_8B, run, RTX4090))
-    assert msg.startswith("--gpu-memory-utilization 0.9 leaves 2.4 GiB on cuda:0 outside vLLM")
-    assert "lower --gpu-memory-utilization to 0.85" in msg  # 1 - 3.45 / 23.99 = 0.856
+    rest = usable(RTX4090) - math.ceil(0.9 * usable(RTX4090))
+    assert msg.startswith(f"--gpu-memory-utilization 0.9 leaves {rest / GiB:.1f} GiB on cuda:0 outside vLLM")
+    highest = math.floor((1 - _llama8b_outside(3, 2) / usable(RTX4090)) * 100) / 100  # 1 - 3.45 / 23.68 = 0.854
+    assert f"lower --gpu-memory-utilization to {highest:.2f}" in msg
 
 
 def test_other_processes_on_the_device_count_against_the_rest():
@@ -122,7 +135,7 @@ def test_qwen_152k_vocabulary_blocks_and_head():
     sampled = Run(mode="sampled", gpu_memory_utilization=0.82)
     msg = refusal(QWEN25_7B, sampled, device_budget(QWEN25_7B, sampled, RTX4090))
     need = CTX + CTX + head + 5 * rows * 152064 * 4 + rows * 3584 * 2
-    assert f"lower --gpu-memory-utilization to {math.floor((1 - need / RTX4090) * 100) / 100:.2f}" in msg
+    assert f"lower --gpu-memory-utilization to {math.floor((1 - need / usable(RTX4090)) * 100) / 100:.2f}" in msg
 
 
 def test_qwen_72b_fits_on_4x80gb_and_its_reference_phase_is_smaller_than_its_capture():
@@ -224,9 +237,13 @@ def test_preflight_refuses_before_any_engine_starts(tmp_path, fake_gpu, monkeypa
     monkeypatch.setattr(capture, "VllmPromptLogprobEngine", no_engine)
     monkeypatch.setattr(capture, "VllmHiddenEngine", no_engine)
     cfg = _cfg(_tiny_teacher(tmp_path / "t"))
-    with pytest.raises(ConfigError, match=r"^--gpu-memory-utilization 0.8 leaves 0.4 GiB on cuda:0 outside vLLM; "
-                                          r".*need 1.0 GiB: lower --gpu-memory-utilization to 0.49 "
-                                          r"\(or --no-memory-check to start anyway: the budget is an estimate\)$"):
+    room = usable(2 * GiB)  # 1,728 MiB: the 2 GiB device less the 320 MiB runtime gap
+    need = CTX + CTX + 1000 * 64 * 2 + 3 * 1024 * 1000 * 4 + 1024 * 64 * 2
+    rest, highest = room - math.ceil(0.8 * room), math.floor((1 - need / room) * 100) / 100  # 0.3 GiB, 0.40
+    with pytest.raises(ConfigError, match=rf"^--gpu-memory-utilization 0.8 leaves {rest / GiB:.1f} GiB on cuda:0 "
+                                          rf"outside vLLM; .*need 1.0 GiB: lower --gpu-memory-utilization to "
+                                          rf"{highest:.2f} \(or --no-memory-check to start anyway: the budget is an "
+                                          r"estimate\)$"):
         capture.open_capture(cfg, vocab_size=1000, k=8, window_len=64, max_model_len=65,
                              first_batch=[np.arange(10)])
     cfg.teacher.memory_check = False  # the user's override: the engine starts
@@ -241,7 +258,7 @@ def test_preflight_accepts_a_budget_that_fits_and_skips_the_cpu(tmp_path, fake_g
 
     cfg = _cfg(_tiny_teacher(tmp_path / "t"), util=0.4)
     got = preflight.check_device_memory(cfg, vllm_options(cfg, 65), window_len=64, k=8, reference_check=True)
-    assert got.rest == 2 * GiB - math.ceil(0.4 * 2 * GiB)
+    assert got.rest == usable(2 * GiB) - math.ceil(0.4 * usable(2 * GiB))
     # a bfloat16 checkpoint under --dtype auto: the head in bfloat16 (2 bytes), its row blocks float32
     assert got.need_outside() == CTX + CTX + 1000 * 64 * 2 + 3 * 1024 * 1000 * 4 + 1024 * 64 * 2
     fake_gpu.used = GiB  # another process holds half the device

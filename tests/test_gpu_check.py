@@ -55,6 +55,7 @@ def _common_rows(rows: dict) -> None:
     assert rows["train-student peak memory, MiB"].endswith("(host resident)")
     assert rows["two --deterministic runs, same seed"] == "bit-identical"
     assert rows["imports outside a bare image + gpu_wheels"] == "none"
+    assert rows["device memory total, MiB: NVML / CUDA runtime (budget's estimate)"] == "-"  # CUDA only
 
 
 @pytest.mark.slow

@@ -38,6 +38,16 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 CUDA_CONTEXT_BYTES = GiB // 2  # per process and device: driver context, cuBLAS workspace, kernels (0.3-0.6 GiB measured elsewhere, not here)
 KV_BLOCK_TOKENS = 16  # vLLM allocates KV cache in blocks of 16 tokens
+# The CUDA runtime's total (what vLLM multiplies by --gpu-memory-utilization: torch.cuda.mem_get_info) is below
+# NVML's (nvidia-smi), the driver's own reserve. Public pairs of PyTorch's "total capacity" and nvidia-smi's total:
+# A100 80GB 79.14 GiB of 81,920 MiB (881 MiB, 1.08%), RTX 4090 23.68 GiB of 24,564 MiB (316 MiB, 1.29%), T4
+# 14.75 GiB of 15,360 MiB (256 MiB, 1.67%). The budget takes max(320 MiB, 1.1% of NVML's total), which covers each.
+RUNTIME_GAP_MIN, RUNTIME_GAP_SHARE = 320 << 20, 0.011
+
+
+def runtime_total(nvml_total: int) -> int:
+    """The CUDA runtime's total memory of a device, estimated from NVML's (see RUNTIME_GAP_*)."""
+    return nvml_total - max(RUNTIME_GAP_MIN, math.ceil(RUNTIME_GAP_SHARE * nvml_total))
 SAMPLER_ROWS = 256  # rows of vLLM's dummy sampler run in its memory profile (its max_num_seqs default)
 BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -132,7 +142,7 @@ class Term:
 class Budget:
     """Per-device memory terms in bytes. vLLM's `share` must hold `inside`; the rest of cuda:0 must
     hold `fixed` plus the largest of `phases` (the first-batch check's reference engine, then the
-    capture: they never overlap)."""
+    capture: they never overlap). `total`: NVML's; share and rest split the CUDA runtime's (`usable`)."""
 
     total: int
     utilization: float
@@ -141,12 +151,17 @@ class Budget:
     phases: dict[str, list[Term]] = field(default_factory=dict)
 
     @property
+    def usable(self) -> int:
+        """The CUDA runtime's total, which vLLM's share is a fraction of (`runtime_total`)."""
+        return runtime_total(self.total)
+
+    @property
     def share(self) -> int:
-        return math.ceil(self.total * self.utilization)
+        return math.ceil(self.usable * self.utilization)
 
     @property
     def rest(self) -> int:
-        return self.total - self.share
+        return self.usable - self.share
 
     def need_inside(self) -> int:
         return sum(t.bytes for t in self.inside)
@@ -161,7 +176,8 @@ class Budget:
     def table(self) -> list[tuple[str, str, int]]:
         """(where, term, bytes) rows: vLLM's share and what it holds, the rest of cuda:0 and what
         it holds at all times and in each phase."""
-        rows = [("vLLM share", "share", self.share)] + [("vLLM share", t.name, t.bytes) for t in self.inside]
+        rows = [("device", "NVML total", self.total), ("device", "CUDA runtime's total, estimated", self.usable),
+                ("vLLM share", "share", self.share)] + [("vLLM share", t.name, t.bytes) for t in self.inside]
         rows += [("rest of cuda:0", "rest", self.rest)] + [("rest of cuda:0", t.name, t.bytes) for t in self.fixed]
         return rows + [(f"rest of cuda:0, {p}", t.name, t.bytes) for p, terms in self.phases.items() for t in terms]
 
@@ -225,8 +241,8 @@ def refusal(shape: TeacherShape, run: Run, budget: Budget) -> str | None:
     """None when `budget` fits; else one line naming the numbers and the flag to change."""
     util = run.gpu_memory_utilization
     need_in, need_out = budget.need_inside(), budget.need_outside()
-    highest = math.floor((1 - need_out / budget.total) * 100) / 100  # largest share leaving room outside
-    lowest = math.ceil(need_in / budget.total * 100) / 100  # smallest share holding vLLM's terms
+    highest = math.floor((1 - need_out / budget.usable) * 100) / 100  # largest share leaving room outside
+    lowest = math.ceil(need_in / budget.usable * 100) / 100  # smallest share holding vLLM's terms
     if need_in > budget.share:
         parts = " + ".join(f"{t.name} ({_gib(t.bytes)})" for t in budget.inside)
         fix = (f"raise --gpu-memory-utilization to {lowest:.2f}" if lowest <= highest else
