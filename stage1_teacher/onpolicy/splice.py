@@ -15,10 +15,14 @@ tokens of the generated turn's content by the sampled ids when they spell it:
   offsets do);
 - a sampled stop token must be the token the template writes after the content (its end-of-turn).
 
-Otherwise nothing is spliced, and `stage1_teacher.onpolicy.sampled.attach_sampled` counts the turn as one
-whose ids do not spell its text: a template that trims the turn (the Llama-3 template strips a
-sampled leading space, which the rendered text then lacks), byte tokens that are no UTF-8 (decoded
-as U+FFFD), a stop token other than the template's marker. The rendered text is never changed, so
+The sampled ids spell the message's own text (as `generate` decoded it): byte tokens that are no
+UTF-8 decoded as U+FFFD count as that character (`replaced_text`), and whitespace the template trims
+(the Llama-3 template strips a sampled leading space) is still sampled: the tokens standing only for
+trimmed characters get an empty span at the content's edge, and the student trains on the ids it
+sampled after the template's header. Otherwise nothing is spliced, and
+`stage1_teacher.onpolicy.sampled.attach_sampled` counts the turn as one whose ids do not spell its
+text: ids that decode to other text, a special token inside the turn, a stop token other than the
+template's marker, a template that changes the text in other ways than trimming it. The rendered text is never changed, so
 the alignment (`xtcache.chat.layout.align_conversations`) runs on the spliced tokens as on any others.
 
 A text rollout (a prefix and its completion, `prefix_chars`, no template) is spliced whole by
@@ -63,21 +67,63 @@ def piece_bytes(info, ids: np.ndarray) -> bytes:
 def byte_offsets(text: str, lens: np.ndarray) -> np.ndarray:
     """int64 [n, 2] character offsets in `text` of tokens of `lens` bytes each that spell it in order;
     a token inside a multi-byte character covers that character."""
-    _, byte_of_char = text_bytes(text)  # [len + 1]
+    return _char_spans(text_bytes(text)[1], lens)
+
+
+def _char_spans(byte_of_char: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """int64 [n, 2] character offsets of consecutive byte runs of `lens` bytes, from the byte offset of each
+    character (int64 [chars + 1]): a run inside a character covers that character."""
     end = np.cumsum(lens)
     start = end - lens
     return np.stack([np.searchsorted(byte_of_char, start, side="right") - 1,
                      np.searchsorted(byte_of_char, end, side="left")], axis=1).astype(np.int64)
 
 
+def replaced_text(data: bytes) -> tuple[str, np.ndarray]:
+    """`data` decoded as UTF-8 with each invalid run replaced by one U+FFFD, as a tokenizer decodes sampled
+    byte tokens that are no UTF-8 (`bytes.decode(errors="replace")`), and the byte offset at which each of its
+    characters starts (int64 [chars + 1], the last one len(data))."""
+    chars, starts, p = [], [], 0
+    while p < len(data):
+        try:
+            good = data[p:].decode("utf-8")
+            bad = None
+        except UnicodeDecodeError as e:
+            good, bad = data[p:p + e.start].decode("utf-8"), (p + e.start, p + e.end)
+        chars.append(good)
+        starts.append(p + text_bytes(good)[1][:-1])
+        if bad is None:
+            break
+        chars.append("\ufffd")
+        starts.append(np.asarray([bad[0]], dtype=np.int64))
+        p = bad[1]
+    return "".join(chars), np.concatenate([*starts, [len(data)]]).astype(np.int64)
+
+
+def sampled_offsets(info, body: np.ndarray, text: str) -> np.ndarray | None:
+    """int64 [n, 2] character offsets in `text` of the sampled ids `body` when they spell it: their bytes are
+    its UTF-8 bytes, or decode to it with invalid runs replaced by U+FFFD (byte tokens sampled out of order,
+    a character cut by --max-new-tokens); None otherwise."""
+    data = piece_bytes(info, body)
+    if data == text.encode("utf-8"):
+        return byte_offsets(text, np.diff(info.piece_start)[body])
+    decoded, byte_of_char = replaced_text(data)
+    if decoded != text:
+        return None
+    return _char_spans(byte_of_char, np.diff(info.piece_start)[body])
+
+
 def turn_splice(r: Rendering, last_msg: int, sampled_ids, info) -> Splice | None:
     """How the sampled ids of message `last_msg` (the generated turn) replace its content's tokens in
-    rendering `r`; None when they do not spell the content (see the module) or the content is empty."""
+    rendering `r`; None when they do not spell the content (see the module) or the content is empty.
+    The ids spell the message's own text; where the template trimmed its whitespace, the tokens that
+    stand for the trimmed characters only get an empty span at the content's edge."""
     k = next((k for k, (m, field, _) in enumerate(r.located.texts) if m == last_msg and field == 1), None)
     if k is None or r.located.at[k] < 0 or r.located.width[k] == 0:
         return None
     a = r.located.at[k]
     b = a + r.located.width[k]  # the content's characters [a, b) in the rendering
+    skip = r.located.skip[k]  # leading characters of the message's text the template trimmed
     ids = np.asarray(sampled_ids, dtype=np.int64)
     if ids.shape[0] == 0 or np.any((ids < 0) | (ids >= info.vocab_size)):
         return None
@@ -93,11 +139,13 @@ def turn_splice(r: Rendering, last_msg: int, sampled_ids, info) -> Splice | None
         return None
     if stop.shape[0] and (hi >= r.ids.shape[0] or r.ids[hi] != stop[0]):
         return None  # stopped on a token that is not the one the template writes after the turn
-    content = r.text[a:b]
-    if piece_bytes(info, body) != content.encode("utf-8"):
+    message = r.located.texts[k][2]
+    if message[skip:skip + b - a] != r.text[a:b]:
         return None
-    lens = np.diff(info.piece_start)[body]
-    return Splice(lo, hi, body, a + byte_offsets(content, lens))
+    off = sampled_offsets(info, body, message)
+    if off is None:
+        return None
+    return Splice(lo, hi, body, a + np.clip(off, skip, skip + b - a) - skip)
 
 
 def splice_rollouts(side: Renderings, rows: list, tokenizer) -> tuple[Renderings, list[bool]]:
@@ -150,7 +198,8 @@ def text_splice(tokenizer, info, text: str, prefix_chars: int, sampled_ids, ids:
     completion = text[prefix_chars:]
     if body.shape[0] == 0 or np.any((body < 0) | (body >= info.vocab_size)):
         return None
-    if piece_bytes(info, body) != completion.encode("utf-8"):
+    c_off = sampled_offsets(info, body, completion)
+    if c_off is None:
         return None
     enc = tokenizer(text[:prefix_chars], add_special_tokens=True, return_offsets_mapping=True)
     p_ids = np.asarray(enc["input_ids"], dtype=np.int64)
@@ -161,9 +210,8 @@ def text_splice(tokenizer, info, text: str, prefix_chars: int, sampled_ids, ids:
         return None
     tail = ids.shape[0] - start - len(plain)  # tokens the tokenizer appends after a text (an end-of-sequence)
     p_ids, p_off = p_ids[:p_ids.shape[0] - tail], p_off[:p_off.shape[0] - tail]  # the prefix alone: no end tokens
-    lens = np.diff(info.piece_start)[body]
     new_ids = np.concatenate([p_ids, body, ids[ids.shape[0] - tail:]])
-    new_off = np.concatenate([p_off, prefix_chars + byte_offsets(completion, lens), offsets[offsets.shape[0] - tail:]])
+    new_off = np.concatenate([p_off, prefix_chars + c_off, offsets[offsets.shape[0] - tail:]])
     if np.array_equal(new_ids, ids):
         return None
     return new_ids.astype(ids.dtype), new_off.astype(offsets.dtype)
