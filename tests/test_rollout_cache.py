@@ -412,3 +412,33 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
     assert _cli("verify", store).returncode == 0
     assert ("sampled turns 5, whose sampled ids are not the re-tokenized ids 5 (spliced, trained on the sampled "
             "ids: 4; not spelling the turn's text, no sampling log-probs: 1)") in _cli("inspect", store).stdout
+
+
+def test_special_tokens_sampled_inside_a_turn_are_kept_where_they_were_sampled(rollouts, tmp_path):
+    """A weak student samples `<s>` or `</s>` (added tokens marked special, which decoding with
+    skip_special_tokens leaves out of the turn's text) inside its turn: the stored ids are still the sampled
+    ids, each special one with an empty character span, every one with its sampling log-prob, aligned
+    exactly."""
+    from xtcache.app.store_commands import store_summary
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, _, _, parts, _ = rollouts
+    tok = load_tokenizer(setup.student_model)
+    bos, eos = tok.convert_tokens_to_ids(["<s>", "</s>"])
+    assert bos not in tok.all_special_ids and tok.added_tokens_decoder[bos].special  # only marked special
+    rows = _rows(parts)
+    keys = sorted(rows)[:2]
+    for j, key in enumerate(keys):
+        ids = list(rows[key]["sampled_ids"])
+        ids.insert(0 if j == 0 else len(ids) // 2, bos if j == 0 else eos)
+        assert tok.decode(ids, skip_special_tokens=True) == tok.decode(rows[key]["sampled_ids"], skip_special_tokens=True)
+        rows[key] = {**rows[key], "sampled_ids": ids, "sampled_logprobs": [-0.75] * len(ids)}
+    _write_rows(tmp_path / "parts", rows)
+    store = _dump(setup, tmp_path / "parts", tmp_path / "cache")
+    _, fp, totals, docs = _group(store, setup)
+    for key in keys:
+        stored, _, lp = docs[key]
+        assert stored[np.isfinite(lp)].tolist() == rows[key]["sampled_ids"] and np.all(lp[np.isfinite(lp)] == -0.75)
+    assert totals["sampled_same_text"] >= 2 and totals["sampled_mismatch"] == totals["sampled_same_text"]
+    assert store_summary(str(store)).conversation[fp]["misaligned_chars"] == 0
+    assert _cli("verify", store).returncode == 0

@@ -21,9 +21,10 @@ UTF-8 decoded as U+FFFD count as that character (`replaced_text`), and whitespac
 trimmed characters get an empty span at the content's edge, and the student trains on the ids it
 sampled after the template's header. Otherwise nothing is spliced, and
 `stage1_teacher.onpolicy.sampled.attach_sampled` counts the turn as one whose ids do not spell its
-text: ids that decode to other text, a special token inside the turn, a stop token other than the
-template's marker, a template that changes the text in other ways than trimming it. The rendered text is never changed, so
-the alignment (`xtcache.chat.layout.align_conversations`) runs on the spliced tokens as on any others.
+text: ids that decode to other text, a stop token other than the template's marker, a template that
+changes the text in other ways than trimming it. A special token the student sampled inside its turn
+(a weak student's `<s>`) stands for no text: it is kept where it was sampled, with an empty span.
+The rendered text is never changed, so the alignment (`xtcache.chat.layout.align_conversations`) runs on the spliced tokens as on any others.
 
 A text rollout (a prefix and its completion, `prefix_chars`, no template) is spliced whole by
 `text_splice`: the prefix as the student's tokenizer encodes it alone (the ids `generate` prompted
@@ -100,20 +101,34 @@ def replaced_text(data: bytes) -> tuple[str, np.ndarray]:
     return "".join(chars), np.concatenate([*starts, [len(data)]]).astype(np.int64)
 
 
-def sampled_offsets(info, body: np.ndarray, text: str) -> np.ndarray | None:
+def skipped_ids(tokenizer, info) -> np.ndarray:
+    """bool [V + 1]: the ids a tokenizer's decode leaves out with skip_special_tokens (as `generate` wrote the
+    text): its special ids and every added token marked special (`<s>` of some BPE tokenizers is only that)."""
+    out = info.special.copy()
+    extra = [i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+             if getattr(t, "special", False) and 0 <= i < out.shape[0] - 1]
+    out[extra] = True
+    return out
+
+
+def sampled_offsets(info, body: np.ndarray, text: str, skipped: np.ndarray | None = None) -> np.ndarray | None:
     """int64 [n, 2] character offsets in `text` of the sampled ids `body` when they spell it: their bytes are
     its UTF-8 bytes, or decode to it with invalid runs replaced by U+FFFD (byte tokens sampled out of order,
-    a character cut by --max-new-tokens); None otherwise."""
-    data = piece_bytes(info, body)
+    a character cut by --max-new-tokens); None otherwise. Special tokens sampled inside the text (`skipped`,
+    default the tokenizer's special ids) stand for no characters, as the decoded text leaves them out: each
+    gets an empty span where it was sampled."""
+    special = (info.special if skipped is None else skipped)[body]
+    lens = np.where(special, 0, np.diff(info.piece_start)[body])
+    data = piece_bytes(info, body[~special])
     if data == text.encode("utf-8"):
-        return byte_offsets(text, np.diff(info.piece_start)[body])
+        return byte_offsets(text, lens)
     decoded, byte_of_char = replaced_text(data)
     if decoded != text:
         return None
-    return _char_spans(byte_of_char, np.diff(info.piece_start)[body])
+    return _char_spans(byte_of_char, lens)
 
 
-def turn_splice(r: Rendering, last_msg: int, sampled_ids, info) -> Splice | None:
+def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndarray | None = None) -> Splice | None:
     """How the sampled ids of message `last_msg` (the generated turn) replace its content's tokens in
     rendering `r`; None when they do not spell the content (see the module) or the content is empty.
     The ids spell the message's own text; where the template trimmed its whitespace, the tokens that
@@ -142,7 +157,7 @@ def turn_splice(r: Rendering, last_msg: int, sampled_ids, info) -> Splice | None
     message = r.located.texts[k][2]
     if message[skip:skip + b - a] != r.text[a:b]:
         return None
-    off = sampled_offsets(info, body, message)
+    off = sampled_offsets(info, body, message, skipped)
     if off is None:
         return None
     return Splice(lo, hi, body, a + np.clip(off, skip, skip + b - a) - skip)
@@ -154,12 +169,13 @@ def splice_rollouts(side: Renderings, rows: list, tokenizer) -> tuple[Renderings
     `rows[d]`: conversation d's (message count, sampled ids), None for a row that is no rollout of
     this student. A turn they do not spell keeps the rendering's tokens (False)."""
     info = tokenizer_info(tokenizer)
+    skipped = skipped_ids(tokenizer, info)
     spliced = [False] * len(side)
     starts = np.cumsum(side.counts) - side.counts
     counts = side.counts.copy()
     ids, offs, cut = [], [], 0
     for d, row in enumerate(rows):
-        sp = None if row is None else turn_splice(side[d], row[0] - 1, row[1], info)
+        sp = None if row is None else turn_splice(side[d], row[0] - 1, row[1], info, skipped)
         if sp is None or np.array_equal(side[d].ids[sp.lo:sp.hi], sp.ids):
             continue
         spliced[d] = True
@@ -198,7 +214,7 @@ def text_splice(tokenizer, info, text: str, prefix_chars: int, sampled_ids, ids:
     completion = text[prefix_chars:]
     if body.shape[0] == 0 or np.any((body < 0) | (body >= info.vocab_size)):
         return None
-    c_off = sampled_offsets(info, body, completion)
+    c_off = sampled_offsets(info, body, completion, skipped_ids(tokenizer, info))
     if c_off is None:
         return None
     enc = tokenizer(text[:prefix_chars], add_special_tokens=True, return_offsets_mapping=True)
