@@ -163,15 +163,16 @@ def runtime_gap() -> dict | None:
     (`budget.runtime_total`); None on a CPU."""
     import torch
 
-    from stage1_teacher.capture.budget import runtime_total
+    from stage1_teacher.capture.budget import physical_indices, runtime_total
 
     if not torch.cuda.is_available():
         return None
     import pynvml  # nvidia-ml-py: on the bare image, and a dependency of vLLM
 
     pynvml.nvmlInit()
-    try:
-        nvml = int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+    try:  # the NVML index the budget reads for CUDA device 0 (CUDA_VISIBLE_DEVICES mapped as preflight maps it)
+        handle = pynvml.nvmlDeviceGetHandleByIndex(physical_indices(1)[0])
+        nvml = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
     finally:
         pynvml.nvmlShutdown()
     return {"nvml": nvml, "runtime": int(torch.cuda.mem_get_info(0)[1]), "estimate": runtime_total(nvml)}

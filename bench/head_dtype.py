@@ -140,7 +140,8 @@ def head_memory(teacher: str, ref: list[dict], dtype: str, device: str, modes: d
         assert np.isfinite(out.realized).all(), f"{mode}: non-finite realized log-probs"
         peak = torch.cuda.max_memory_allocated() - base if cuda else None
         rows.append({"mode": mode, "positions_per_s": len(targets) / seconds, "peak_bytes": peak,
-                     "budget_bytes": block_bytes(mode, V, H, 2 if dtype != "float32" else 4, reference_check=False)})
+                     "budget_bytes": block_bytes(mode, V, H, 2 if dtype != "float32" else 4, reference_check=False,
+                                                 rows=len(targets))})  # a block holds every row here when fewer
     return rows
 
 

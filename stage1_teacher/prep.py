@@ -258,7 +258,7 @@ class Preparer:
             if docs[i].sampled.chat != mine:
                 continue
             sp = text_splice(s.tokenizer, s.info, docs[i].text, docs[i].prefix_chars, docs[i].sampled.ids,
-                             s_ids[i], s_off[i])
+                             docs[i].sampled.stop_reason, s_ids[i], s_off[i])
             if sp is not None:
                 s_ids[i], s_off[i] = sp
                 out.add(i)

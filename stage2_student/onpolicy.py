@@ -8,7 +8,7 @@ signal is the per-token one. docs/on-policy.md has the formulas, the estimator's
 TRL, NeMo-RL and the Tinker cookbook compare.
 
     kd = reverse_kl_pg(log_ps, log_pt, log_pb, is_cap=2.0)     # [C], backward: the policy gradient
-    staleness(logits, batch, cap=2.0)   # [3] sums: |log p_s - log p_b|, ratios over the cap, sampled labels
+    staleness(logits, batch, cap=2.0)   # [4]: sum |log p_s - log p_b|, ratios over the cap, labels read, labels
 """
 
 from __future__ import annotations
@@ -82,26 +82,30 @@ def behaviour_rows(batch: dict, rows, is_cap: float) -> Tensor | None:
 
 
 STALENESS_CAP = 2.0  # the ratio cap staleness counts against when the loss has none (rkl-pg's default --is-cap)
+STALENESS_ROWS = 256  # sampled labels a micro-batch's staleness reads at most (evenly spaced): [rows, V] once
 
 
 @torch.no_grad()
 def staleness(logits: Tensor, batch: dict, cap: float) -> Tensor:
     """How far the student being trained has moved from the policy that sampled a rollout micro-batch:
-    float64 [3] on the logits' device, sums over the labels that carry a sampling log-prob (any loss):
-    sum |log p_s(y) - log p_b(y)|, the number whose ratio p_s / p_b exceeds `cap` (what a truncated ratio
-    would cap), and their count. Zeros for a batch without sampling log-probs (not a rollout cache)."""
-    out = torch.zeros(3, dtype=torch.float64, device=logits.device)
+    float64 [4] on the logits' device: over at most STALENESS_ROWS of the labels that carry a sampling
+    log-prob (evenly spaced; any loss), sum |log p_s(y) - log p_b(y)| and the number whose ratio p_s / p_b
+    exceeds `cap` (per token: what a per-token truncated ratio would cap), then the labels read and all the
+    labels that carry one. Zeros for a batch without sampling log-probs (not a rollout cache)."""
+    out = torch.zeros(4, dtype=torch.float64, device=logits.device)
     if SAMPLED_KEY not in batch:
         return out
     log_pb = batch[SAMPLED_KEY].reshape(-1)
     labels = batch["labels"].reshape(-1)
     rows = torch.nonzero(torch.isfinite(log_pb) & (labels >= 0)).flatten()  # host side
-    if rows.numel() == 0:
+    total = rows.numel()
+    if total == 0:
         return out
+    if total > STALENESS_ROWS:
+        rows = rows[torch.arange(STALENESS_ROWS) * total // STALENESS_ROWS]
     flat = logits.detach().reshape(-1, logits.shape[-1])
-    idx = rows.to(flat.device)
-    picked = flat.index_select(0, idx).float()  # [P, V]: the sampled labels' rows only
+    picked = flat.index_select(0, rows.to(flat.device)).float()  # [P, V], P <= STALENESS_ROWS
     log_ps = picked.gather(1, labels[rows].to(flat.device)[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)
     d = (log_ps - log_pb[rows].to(flat.device).float()).double()
-    out[0], out[1], out[2] = d.abs().sum(), (d > math.log(cap)).sum(), float(rows.numel())
+    out[0], out[1], out[2], out[3] = d.abs().sum(), (d > math.log(cap)).sum(), float(rows.numel()), float(total)
     return out

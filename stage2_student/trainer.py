@@ -119,7 +119,7 @@ class Trainer:
         lr = self.engine.get_lr()[0]
         self.engine.train()
         n = obj.num_teachers
-        sums = torch.zeros(5 + 5 * n + 3, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(5 + 5 * n + 4, dtype=torch.float64, device=self.device)
         valid_pos = 0
         for batch in batches:
             row, n_valid = self.micro_step(batch, chunks, tokens)
@@ -130,7 +130,7 @@ class Trainer:
         loss, kd, ce, agree, agree_n = reduced[:5]
         valid_pos, seq_tokens = reduced[-2:]
         per = [reduced[5 + j * n:5 + (j + 1) * n] for j in range(5)]
-        stale_abs, stale_over, sampled = reduced[5 + 5 * n:8 + 5 * n]
+        stale_abs, stale_over, stale_read, sampled = reduced[5 + 5 * n:9 + 5 * n]
         self.step += 1
         dt = time.perf_counter() - t0
         grad_norm = self.engine.get_global_grad_norm()
@@ -142,8 +142,8 @@ class Trainer:
         if obj.kind is not None:
             row["kd"], row["kd_name"] = kd / max(chunks, 1.0), obj.kind
         if sampled:  # rollouts: how stale the samples are for the student at this step (onpolicy.staleness)
-            row.update(sampled_labels=sampled, stale_mean_abs_log_ratio=stale_abs / sampled,
-                       stale_share_over_cap=stale_over / sampled)
+            row.update(sampled_labels=sampled, stale_mean_abs_log_ratio=stale_abs / stale_read,
+                       stale_share_over_cap=stale_over / stale_read)
         if n > 1:  # per teacher: its KD term over the chunk groups it is in, its weight share, its agreement
             row["top1_agree"] = None
             share = "chosen_share" if obj.combine == "select" else "weight_share"
@@ -156,7 +156,7 @@ class Trainer:
 
     def micro_step(self, batch: dict, chunks: float, tokens: float) -> tuple:
         """Forward, loss and backward of one CPU micro-batch, moved to the device here (the batch for
-        the model, the objective's plan for the loss); returns (its metric sums on the device [5 + 5N + 3],
+        the model, the objective's plan for the loss); returns (its metric sums on the device [5 + 5N + 4],
         its valid positions). Reads nothing back from the device."""
         import torch
 

@@ -222,9 +222,9 @@ def fake_gpu(monkeypatch):
     """A CUDA host as NVML sees it: one device of `fake_gpu.total` bytes, `fake_gpu.used` in use."""
     import xtcache.devices
 
-    dev = SimpleNamespace(total=2 * GiB, used=0)
+    dev = SimpleNamespace(total=2 * GiB, used=0, reserved=None)  # NVML version 1: no reserve of its own
     monkeypatch.setattr(xtcache.devices, "cuda_present", lambda: True)
-    monkeypatch.setattr(b, "nvml_memory", lambda idx: [(dev.total, dev.used) for _ in idx])
+    monkeypatch.setattr(b, "nvml_memory", lambda idx: [(dev.total, dev.used, dev.reserved) for _ in idx])
     return dev
 
 
@@ -261,9 +261,14 @@ def test_preflight_accepts_a_budget_that_fits_and_skips_the_cpu(tmp_path, fake_g
     assert got.rest == usable(2 * GiB) - math.ceil(0.4 * usable(2 * GiB))
     # a bfloat16 checkpoint under --dtype auto: the head in bfloat16 (2 bytes), its row blocks float32
     assert got.need_outside() == CTX + CTX + 1000 * 64 * 2 + 3 * 1024 * 1000 * 4 + 1024 * 64 * 2
-    fake_gpu.used = GiB  # another process holds half the device
+    fake_gpu.used = GiB + 320 * MiB  # another process holds half the device; NVML version 1 adds the reserve
     with pytest.raises(ConfigError, match=r"in use by other processes \(1.0 GiB\)"):
         preflight.check_device_memory(cfg, vllm_options(cfg, 65), window_len=64, k=8, reference_check=True)
+    # NVML version 2 reports the driver's reserve: the runtime's total is read, not estimated
+    fake_gpu.used, fake_gpu.reserved = 0, 200 * MiB
+    got = preflight.check_device_memory(cfg, vllm_options(cfg, 65), window_len=64, k=8, reference_check=True)
+    room = 2 * GiB - 200 * MiB
+    assert got.usable == room and got.rest == room - math.ceil(0.4 * room)
     import xtcache.devices
 
     monkeypatch.setattr(xtcache.devices, "cuda_present", lambda: False)

@@ -233,7 +233,24 @@ def test_staleness_counts_log_ratios_at_sampled_labels_only():
     for b, i in [(0, 0), (0, 1), (0, 2), (1, 2), (1, 3)]:
         d = lp[b, i, int(labels[b, i])] - float(log_pb[b, i])
         want_abs, want_over, n = want_abs + abs(d), want_over + int(d > math.log(2.0)), n + 1
-    assert want_over >= 1 and got[2].item() == n == 5
+    assert want_over >= 1 and got[2].item() == got[3].item() == n == 5
     assert got[1].item() == want_over
     assert got[0].item() == pytest.approx(want_abs, rel=1e-5)
-    assert staleness(logits, {"labels": labels}, cap=2.0).tolist() == [0.0, 0.0, 0.0]  # not a rollout batch
+    assert staleness(logits, {"labels": labels}, cap=2.0).tolist() == [0.0] * 4  # not a rollout batch
+
+
+def test_staleness_reads_at_most_its_row_cap_evenly_spaced(monkeypatch):
+    """Above STALENESS_ROWS sampled labels it reads rows i * total // cap only (one [cap, V] block), and
+    still counts every labelled sampled position."""
+    import stage2_student.onpolicy as onpolicy
+
+    monkeypatch.setattr(onpolicy, "STALENESS_ROWS", 3)
+    logits = torch.zeros((1, 8, 4))
+    logits[0, :, 0] = torch.arange(8.0)  # row i: its label 0 more likely as i grows
+    labels = torch.zeros((1, 8), dtype=torch.int64)
+    log_pb = torch.zeros((1, 8))  # the sampler gave each label probability 1
+    got = onpolicy.staleness(logits, {"labels": labels, SAMPLED_KEY: log_pb}, cap=2.0)
+    rows = [0, 2, 5]  # i * 8 // 3
+    want = sum(abs(float(torch.log_softmax(logits[0, i], -1)[0])) for i in rows)
+    assert got[2].item() == 3 and got[3].item() == 8 and got[1].item() == 0  # log p_s - 0 <= 0: no ratio over 2
+    assert got[0].item() == pytest.approx(want, rel=1e-6)

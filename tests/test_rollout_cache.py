@@ -395,6 +395,9 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
                                 "stop_reason": "length"}
     broken = [i + 1 for i in rows[("r.jsonl", 3)]["sampled_ids"]]  # other ids: they spell other text
     rows[("r.jsonl", 4)] = {**rows[("r.jsonl", 3)], "sampled_ids": broken}
+    # a special token sampled inside: the text leaves it out, and a plain-text store checks every token's bytes
+    with_bos = [tok.convert_tokens_to_ids("<s>"), *rows[("r.jsonl", 3)]["sampled_ids"]]
+    rows[("r.jsonl", 5)] = {**rows[("r.jsonl", 3)], "sampled_ids": with_bos, "sampled_logprobs": [-0.125] * len(with_bos)}
     _write_rows(tmp_path / "parts", rows)
     store = _dump(setup, tmp_path / "parts", tmp_path / "cache")
     _, _, totals, docs = _group(store, setup, text=True)
@@ -405,13 +408,14 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
         assert ids.tolist() == head + want, j
         assert np.flatnonzero(np.isfinite(lp)).tolist() == list(range(len(head), len(head) + len(want)))
         assert np.all(lp[len(head):] == -0.125)
-    ids, _, lp = docs[("r.jsonl", 4)]
-    assert ids.tolist() == tok(rows[("r.jsonl", 4)]["text"], add_special_tokens=True)["input_ids"]
-    assert np.all(np.isnan(lp))
-    assert totals["sampled_turns"] == 5 and totals["sampled_mismatch"] == 5 and totals["sampled_same_text"] == 4
+    for j in (4, 5):  # kept, on the re-tokenized ids, without log-probs
+        ids, _, lp = docs[("r.jsonl", j)]
+        assert ids.tolist() == tok(rows[("r.jsonl", j)]["text"], add_special_tokens=True)["input_ids"]
+        assert np.all(np.isnan(lp))
+    assert totals["sampled_turns"] == 6 and totals["sampled_mismatch"] == 6 and totals["sampled_same_text"] == 4
     assert _cli("verify", store).returncode == 0
-    assert ("sampled turns 5, whose sampled ids are not the re-tokenized ids 5 (spliced, trained on the sampled "
-            "ids: 4; not spelling the turn's text, no sampling log-probs: 1)") in _cli("inspect", store).stdout
+    assert ("sampled turns 6, whose sampled ids are not the re-tokenized ids 6 (spliced, trained on the sampled "
+            "ids: 4; not spelling the turn's text, no sampling log-probs: 2)") in _cli("inspect", store).stdout
 
 
 def test_special_tokens_sampled_inside_a_turn_are_kept_where_they_were_sampled(rollouts, tmp_path):

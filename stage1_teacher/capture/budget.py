@@ -149,11 +149,13 @@ class Budget:
     inside: list[Term] = field(default_factory=list)
     fixed: list[Term] = field(default_factory=list)
     phases: dict[str, list[Term]] = field(default_factory=dict)
+    reserved: int | None = None  # the driver's reserve as NVML reports it (version-2 memory info), else estimated
 
     @property
     def usable(self) -> int:
-        """The CUDA runtime's total, which vLLM's share is a fraction of (`runtime_total`)."""
-        return runtime_total(self.total)
+        """The CUDA runtime's total, which vLLM's share is a fraction of: NVML's less the driver's reserve, read
+        where NVML reports it, else estimated (`runtime_total`)."""
+        return self.total - self.reserved if self.reserved is not None else runtime_total(self.total)
 
     @property
     def share(self) -> int:
@@ -182,7 +184,7 @@ class Budget:
         return rows + [(f"rest of cuda:0, {p}", t.name, t.bytes) for p, terms in self.phases.items() for t in terms]
 
 
-def device_budget(shape: TeacherShape, run: Run, total: int, in_use: int = 0) -> Budget:
+def device_budget(shape: TeacherShape, run: Run, total: int, in_use: int = 0, reserved: int | None = None) -> Budget:
     """The memory terms of `run` on a device of `total` bytes (`in_use`: held by other processes now).
 
     Follows capture.open_capture: the reference engine runs first with nothing of xtcache on the
@@ -214,7 +216,8 @@ def device_budget(shape: TeacherShape, run: Run, total: int, in_use: int = 0) ->
         phases["capture"] = [Term("xtcache's CUDA context", CUDA_CONTEXT_BYTES),
                              Term(f"{'float32' if head_b == 4 else 'half'} lm_head", V * H * head_b),
                              Term(f"logit blocks of {temporaries} x {rows} x V float32", blocks)]
-    return Budget(total=total, utilization=run.gpu_memory_utilization, inside=inside, fixed=fixed, phases=phases)
+    return Budget(total=total, utilization=run.gpu_memory_utilization, inside=inside, fixed=fixed, phases=phases,
+                  reserved=reserved)
 
 
 # float32 [rows, V] temporaries of one block of `distill_targets`: real, exp(real - m) and its argument;
@@ -222,11 +225,12 @@ def device_budget(shape: TeacherShape, run: Run, total: int, in_use: int = 0) ->
 BLOCK_TEMPORARIES = {"sampled": 5, "headtail": 8}
 
 
-def block_bytes(mode: str, V: int, H: int, head_bytes: int, *, reference_check: bool) -> int:
+def block_bytes(mode: str, V: int, H: int, head_bytes: int, *, reference_check: bool, rows: int | None = None) -> int:
     """Peak bytes of the capture's logit blocks beside the lm_head: `distill_targets`' temporaries plus the
     block's hidden states in the head's dtype; with the first-batch check, at least its blocks
-    (capture.head_rows_logprobs: logits + one logsumexp temporary)."""
-    rows = block_rows(V)
+    (capture.head_rows_logprobs: logits + one logsumexp temporary). `rows`: a block's rows when fewer than
+    `block_rows(V)` (a short input)."""
+    rows = block_rows(V) if rows is None else min(rows, block_rows(V))
     blocks = BLOCK_TEMPORARIES.get(mode, 3) * rows * V * 4 + rows * H * head_bytes
     if reference_check:
         blocks = max(blocks, 2 * rows * V * 4 + rows * H * head_bytes)
@@ -255,7 +259,8 @@ def refusal(shape: TeacherShape, run: Run, budget: Budget) -> str | None:
     parts = " + ".join(f"{t.name} ({_gib(t.bytes)})" for t in budget.fixed + (budget.phases[peak] if peak else []))
     fixes = [f"lower --gpu-memory-utilization to {highest:.2f}"] if lowest <= highest else []
     if run.fast_path and run.head_bytes() == 4:  # --dtype float32: the engine and the head in 16 bits
-        half = device_budget(shape, replace(run, dtype="bfloat16"), budget.total, in_use=_in_use(budget))
+        half = device_budget(shape, replace(run, dtype="bfloat16"), budget.total, in_use=_in_use(budget),
+                             reserved=budget.reserved)
         if half.need_outside() <= half.rest:
             fixes.append("pass --dtype bfloat16 (a half-precision lm_head)")
     if not fixes:
@@ -284,14 +289,21 @@ def physical_indices(count: int) -> list[int]:
         return [int(v) if v.isdigit() else nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(v)) for v in ids]
 
 
-def nvml_memory(indices: list[int]) -> list[tuple[int, int]]:
-    """(total, used) bytes of each NVML device index, read without initialising CUDA."""
+def nvml_memory(indices: list[int]) -> list[tuple[int, int, int | None]]:
+    """(total, used, reserved) bytes of each NVML device index, read without initialising CUDA. With NVML's
+    version-2 memory info `reserved` is the driver's own reserve and `used` leaves it out; with version 1
+    (older drivers) `reserved` is None and `used` includes it."""
     nvml = _nvml()
     with _nvml_session(nvml):
         out = []
         for i in indices:
-            info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i))
-            out.append((int(info.total), int(info.used)))
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            try:
+                info = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+                out.append((int(info.total), int(info.used), int(info.reserved)))
+            except (AttributeError, TypeError, nvml.NVMLError):
+                info = nvml.nvmlDeviceGetMemoryInfo(handle)
+                out.append((int(info.total), int(info.used), None))
         return out
 
 
@@ -317,7 +329,7 @@ def device_memory_used(count: int) -> list[int] | None:
     if not devices.cuda_present():
         return None
     try:
-        return [used for _, used in nvml_memory(physical_indices(count))]
+        return [used for _, used, _ in nvml_memory(physical_indices(count))]
     except Exception as e:  # no NVML library or driver
         log.warning("FALLBACK: not waiting for the reference engine's memory, NVML unavailable (%s)", e)
         return None

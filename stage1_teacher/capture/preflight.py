@@ -148,7 +148,7 @@ def check_device_memory(cfg, opts, *, window_len: int, k: int, reference_check: 
                     "or the lm_head runs out of memory")
         return None
     try:
-        (total, used), = b.nvml_memory(b.physical_indices(1))
+        (total, used, reserved), = b.nvml_memory(b.physical_indices(1))
     except Exception as e:  # no NVML library or driver: vLLM will report what it finds
         log.warning("FALLBACK: device memory budget not checked, NVML unavailable (%s)", e)
         return None
@@ -158,7 +158,9 @@ def check_device_memory(cfg, opts, *, window_len: int, k: int, reference_check: 
                 window_len=window_len, batched_tokens=opts.max_num_batched_tokens, mode=c.mode, k=k,
                 fast_path=t.fast_path and arch in HEAD_ARCHITECTURES, reference_check=reference_check)
     shape = b.TeacherShape.read(t.teacher)
-    budget = b.device_budget(shape, run, total, in_use=used)
+    if reserved is None:  # NVML version 1: `used` includes the driver's reserve, which `usable` takes off already
+        used = max(0, used - (total - b.runtime_total(total)))
+    budget = b.device_budget(shape, run, total, in_use=used, reserved=reserved)
     problem = b.refusal(shape, run, budget)
     if problem:
         raise ConfigError(f"{problem} (or --no-memory-check to start anyway: the budget is an estimate)")

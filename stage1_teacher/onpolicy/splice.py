@@ -28,7 +28,8 @@ The rendered text is never changed, so the alignment (`xtcache.chat.layout.align
 
 A text rollout (a prefix and its completion, `prefix_chars`, no template) is spliced whole by
 `text_splice`: the prefix as the student's tokenizer encodes it alone (the ids `generate` prompted
-with), then the sampled ids, when they stand for exactly the completion's UTF-8 bytes; the
+with), then the sampled ids, when they stand for exactly the completion's UTF-8 bytes (no U+FFFD, no
+special token inside: a plain-text store checks every token's bytes against its text); the
 tokenizer's own end tokens of the whole text (an end-of-sequence it appends) follow. Re-tokenizing
 the whole text can merge a token across the prefix's end, or split the completion another way; the
 spliced ids are the ones the student read and sampled.
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xtcache.align.bytes import text_bytes
-from xtcache.align.tokenizer import tokenizer_info
+from xtcache.align.tokenizer import encode_with_offsets, tokenizer_info
 from xtcache.chat.render import Rendering, Renderings
 
 
@@ -142,7 +143,8 @@ def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndar
     ids = np.asarray(sampled_ids, dtype=np.int64)
     if ids.shape[0] == 0 or np.any((ids < 0) | (ids >= info.vocab_size)):
         return None
-    stop = ids[-1:] if info.special[ids[-1]] else ids[:0]
+    skipped = info.special if skipped is None else skipped
+    stop = ids[-1:] if skipped[ids[-1]] else ids[:0]  # a special last id: the turn's stop token
     body = ids[:ids.shape[0] - stop.shape[0]]
     if body.shape[0] == 0:
         return None
@@ -203,28 +205,31 @@ def splice_batch(side: Renderings, live: list[int], docs: list, convs: list[dict
     return side, {i for i, f in zip(live, flags) if f}
 
 
-def text_splice(tokenizer, info, text: str, prefix_chars: int, sampled_ids, ids: np.ndarray,
+def text_splice(tokenizer, info, text: str, prefix_chars: int, sampled_ids, stop_reason: str, ids: np.ndarray,
                 offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """A text rollout's student (ids, offsets) with its sampled ids spliced in (module docstring), or None
-    when they do not spell the completion, or already are the re-tokenized ids `ids` / `offsets` (the
-    whole text's encoding, special tokens added)."""
+    when they do not spell the completion byte for byte, or already are the re-tokenized ids `ids` /
+    `offsets` (the whole text's encoding, special tokens added, offsets as `encode_flat` gives them).
+    A plain-text store's alignment checks every token's bytes against the text, so a completion with
+    U+FFFD for invalid UTF-8, or with a special token inside, keeps the re-tokenized ids."""
     body = np.asarray(sampled_ids, dtype=np.int64)
-    if body.shape[0] and info.special[body[-1]]:
+    skipped = skipped_ids(tokenizer, info)
+    if stop_reason == "stop" and body.shape[0] and skipped[body[-1]]:
         body = body[:-1]  # the stop token: the text does not hold it
     completion = text[prefix_chars:]
-    if body.shape[0] == 0 or np.any((body < 0) | (body >= info.vocab_size)):
+    if body.shape[0] == 0 or np.any((body < 0) | (body >= info.vocab_size)) or skipped[body].any():
         return None
-    c_off = sampled_offsets(info, body, completion, skipped_ids(tokenizer, info))
-    if c_off is None:
+    if piece_bytes(info, body) != completion.encode("utf-8"):
         return None
-    enc = tokenizer(text[:prefix_chars], add_special_tokens=True, return_offsets_mapping=True)
-    p_ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    p_off = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    plain = tokenizer(text, add_special_tokens=False)["input_ids"]  # the specials it adds: before, after
-    start = next((i for i in range(ids.shape[0] - len(plain) + 1) if ids[i:i + len(plain)].tolist() == plain), None)
+    c_off = byte_offsets(completion, np.diff(info.piece_start)[body])
+    p_ids, p_off = encode_with_offsets(tokenizer, text[:prefix_chars], add_special_tokens=True,
+                                       side="student tokenizer")
+    plain = encode_with_offsets(tokenizer, text, add_special_tokens=False, side="student tokenizer")[0]
+    n = plain.shape[0]  # the specials a tokenizer adds around a text: before it, after it
+    start = next((i for i in range(ids.shape[0] - n + 1) if np.array_equal(ids[i:i + n], plain)), None)
     if start is None:
         return None
-    tail = ids.shape[0] - start - len(plain)  # tokens the tokenizer appends after a text (an end-of-sequence)
+    tail = ids.shape[0] - start - n  # tokens the tokenizer appends after a text (an end-of-sequence)
     p_ids, p_off = p_ids[:p_ids.shape[0] - tail], p_off[:p_off.shape[0] - tail]  # the prefix alone: no end tokens
     new_ids = np.concatenate([p_ids, body, ids[ids.shape[0] - tail:]])
     new_off = np.concatenate([p_off, prefix_chars + c_off, offsets[offsets.shape[0] - tail:]])
