@@ -32,7 +32,7 @@ import numpy as np
 from schemas.roles import LAST_ASSISTANT, ROLE_ASSISTANT, ROLE_USER
 from stage1_teacher.corpus import Document, Skipped
 from stage1_teacher.onpolicy.sampled import attach_sampled
-from stage1_teacher.onpolicy.splice import splice_batch, text_splice
+from stage1_teacher.onpolicy.splice import skipped_ids, splice_batch, text_splice
 from stage1_teacher.windows import Window, plan_windows, window_tokens
 from xtcache.align.chunks import align_batch, align_offsets, batch_or_each, identity_alignment
 from xtcache.align.tokenizer import encode_flat, tokenizer_info
@@ -291,7 +291,8 @@ class Preparer:
             elif side.fingerprint in by_fp:
                 fp = side.fingerprint
                 by_fp[fp] = attach_sampled(by_fp[fp], sampled, i in (spliced or {}).get(fp, ()), markers=side.markers,
-                                           text=not self.conversation)
+                                           text=not self.conversation,
+                                           untrained=skipped_ids(side.tokenizer, side.info) if side.info else None)
 
     def _align_convs(self, live, convs, docs, s_rend, t_rend, name) -> list:
         """ConversationAlignments of conversations `live` (their Renderings `s_rend`, `t_rend`, in that

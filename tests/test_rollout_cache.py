@@ -421,8 +421,8 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
 def test_special_tokens_sampled_inside_a_turn_are_kept_where_they_were_sampled(rollouts, tmp_path):
     """A weak student samples `<s>` or `</s>` (added tokens marked special, which decoding with
     skip_special_tokens leaves out of the turn's text) inside its turn: the stored ids are still the sampled
-    ids, each special one with an empty character span, every one with its sampling log-prob, aligned
-    exactly."""
+    ids, each special one with an empty character span and the template role (no loss trains it), every one
+    with its sampling log-prob, aligned exactly."""
     from xtcache.app.store_commands import store_summary
     from xtcache.tokenizer import load_tokenizer
 
@@ -440,9 +440,16 @@ def test_special_tokens_sampled_inside_a_turn_are_kept_where_they_were_sampled(r
     _write_rows(tmp_path / "parts", rows)
     store = _dump(setup, tmp_path / "parts", tmp_path / "cache")
     _, fp, totals, docs = _group(store, setup)
+    from xtcache.chat.render import trained_roles
+
     for key in keys:
-        stored, _, lp = docs[key]
+        stored, roles, lp = docs[key]
         assert stored[np.isfinite(lp)].tolist() == rows[key]["sampled_ids"] and np.all(lp[np.isfinite(lp)] == -0.75)
+        turn = np.flatnonzero(np.isfinite(lp))
+        trained = trained_roles(roles, "last-assistant")[turn]
+        inserted = np.isin(stored[turn], [bos, eos])
+        assert inserted.sum() == 1 and not trained[inserted].any()  # kept where sampled, trained by no loss
+        assert trained[~inserted][:-1].all()  # the rest of the turn trains (its last token: the stop, or cut)
     assert totals["sampled_same_text"] >= 2 and totals["sampled_mismatch"] == totals["sampled_same_text"]
     assert store_summary(str(store)).conversation[fp]["misaligned_chars"] == 0
     assert _cli("verify", store).returncode == 0

@@ -119,6 +119,7 @@ def _assert_rounds_aligned(workdir: Path, setup, *, rollouts: int) -> None:
 
     tok = load_tokenizer(str(setup.student_model))
     fp = chat_fingerprint(tok)
+    special = [i for i, t in tok.added_tokens_decoder.items() if t.special]
     for r in (0, 1):
         cache = workdir / f"round-{r:03d}" / "cache"
         inspect = xtcache("inspect", cache)
@@ -133,16 +134,19 @@ def _assert_rounds_aligned(workdir: Path, setup, *, rollouts: int) -> None:
                 a, b = int(al.doc_student_offsets[d]), int(al.doc_student_offsets[d + 1])
                 ids, trained = al.student_ids[a:b], trained_roles(al.student_role[a:b], "last-assistant")
                 first, end = int(np.argmax(trained)), len(trained) - int(np.argmax(trained[::-1]))
-                assert trained[first:end].all()  # one run of trained tokens
                 prompt = tok.apply_chat_template(conv["messages"][:-1], tools=conv.get("tools"), tokenize=False,
                                                  add_generation_prompt=True)
+                while first > 0 and int(ids[first - 1]) in special and tok.decode(ids[:first]) != prompt:
+                    first -= 1  # a special token the student sampled first: kept where sampled, untrained
                 assert tok.decode(ids[:first]) == prompt
+                # one run of trained tokens, but for special tokens sampled inside it (kept, untrained)
+                assert np.all(trained[first:end] | np.isin(ids[first:end], special))
                 # the generated turn; its end-of-turn token is trained or not (not sampled: a 'length' stop),
                 # and nothing else follows. Its text as the template renders it (trimmed), or, where the sampled
                 # ids were spliced in, the message's own text with the whitespace the student sampled
                 content = conv["messages"][-1]["content"]
-                assert tok.decode(ids[first:end]).removesuffix("<|eot_id|>") in (content.strip(), content)
-                assert tok.decode(ids[first:]).removesuffix("<|eot_id|>") in (content.strip(), content)
+                assert tok.decode(ids[first:end], skip_special_tokens=True) in (content.strip(), content)
+                assert tok.decode(ids[first:], skip_special_tokens=True) in (content.strip(), content)
                 seen += 1
         assert seen == rollouts
 

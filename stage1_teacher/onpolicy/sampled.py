@@ -37,13 +37,17 @@ from xtcache.store import AlignmentRecord
 
 
 def attach_sampled(record: AlignmentRecord, sampled: Sampled, spliced: bool = False,
-                   markers: np.ndarray | None = None, *, text: bool = False) -> AlignmentRecord:
+                   markers: np.ndarray | None = None, *, text: bool = False,
+                   untrained: np.ndarray | None = None) -> AlignmentRecord:
     """The record with its sampling log-probs (float32 [S], NaN where not sampled), the roles of
     template tokens after the sampled ones cleared, and stats `sampled_turns` 1, `sampled_mismatch`
     1 when the turn's re-tokenized ids are not the sampled ids, and `sampled_same_text` 1 when, so,
     the sampled ids were `spliced` into the record (`stage1_teacher.onpolicy.splice`). `markers`: the
     student's end-of-turn candidates, untrained in a turn cut by --max-new-tokens. `text`: a text rollout,
-    whose text holds no stop token: a completion that stopped is compared without its last sampled id."""
+    whose text holds no stop token: a completion that stopped is compared without its last sampled id.
+    `untrained`: bool [V + 1], the special ids (`splice.skipped_ids`); one sampled inside the turn, not as
+    its stop token, keeps its place but gets the template role: no loss trains it (the teacher's text has
+    nothing there to score it against, and CE on it would teach the student to sample it again)."""
     ids, roles = np.asarray(record.student_ids), np.asarray(record.student_role)
     turn = np.flatnonzero(roles & LAST_ASSISTANT)  # [t] the generated turn's student tokens
     want = np.asarray(sampled.ids, dtype=np.int64)
@@ -60,6 +64,9 @@ def attach_sampled(record: AlignmentRecord, sampled: Sampled, spliced: bool = Fa
     if same:
         logprobs[turn[:n]] = lps
         roles[turn[n:]] = ROLE_TEMPLATE  # written by the template after a length stop, not sampled
+        if untrained is not None and n:
+            inside = turn[:n - 1] if not text and sampled.stop_reason == "stop" else turn[:n]  # the stop stays
+            roles[inside[untrained[ids[inside]]]] = ROLE_TEMPLATE
     elif sampled.stop_reason == "length" and markers is not None:  # re-tokenized: the template's end marker
         roles[turn[np.isin(ids[turn], markers)]] = ROLE_TEMPLATE
     return replace(record, student_role=roles, stats=stats, sampled_logprobs=logprobs)

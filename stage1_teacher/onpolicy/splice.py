@@ -23,7 +23,8 @@ sampled after the template's header. Otherwise nothing is spliced, and
 `stage1_teacher.onpolicy.sampled.attach_sampled` counts the turn as one whose ids do not spell its
 text: ids that decode to other text, a stop token other than the template's marker, a template that
 changes the text in other ways than trimming it. A special token the student sampled inside its turn
-(a weak student's `<s>`) stands for no text: it is kept where it was sampled, with an empty span.
+(a weak student's `<s>`) stands for no text: it is kept where it was sampled, with an empty span
+(`sampled.attach_sampled` gives it the template role: no loss trains it).
 The rendered text is never changed, so the alignment (`xtcache.chat.layout.align_conversations`) runs on the spliced tokens as on any others.
 
 A text rollout (a prefix and its completion, `prefix_chars`, no template) is spliced whole by
