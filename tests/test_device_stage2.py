@@ -165,6 +165,9 @@ class _HostPlanning:
         self.prep = prep
         return self.obj(logits, prep, **kw)
 
+    def __getattr__(self, name):  # everything else the trainer reads of its objective (staleness_cap, ...)
+        return getattr(self.obj, name)
+
 
 @pytest.mark.parametrize("name", ["topk kl", "sampled", "pkl topk", "alm", "ce", "dynamic entropy", "mean-probs"])
 def test_the_trainer_moves_every_tensor_it_gives_the_device(name, sparse_mm_on_fake_devices):
@@ -186,7 +189,7 @@ def test_the_trainer_moves_every_tensor_it_gives_the_device(name, sparse_mm_on_f
                 left += [t for t in (o.projection.student_top, *o.projection.matrices(torch.float32))
                          if t.device != FAKE_ACCELERATOR]
     assert not left, [(tuple(t.shape), t.device) for t in left]
-    assert row.device == FAKE_ACCELERATOR and row.shape == (5 + 5 * obj.num_teachers,)
+    assert row.device == FAKE_ACCELERATOR and row.shape == (5 + 5 * obj.num_teachers + 4,)  # + onpolicy.staleness
     assert all(p.grad is not None and p.grad.device == FAKE_ACCELERATOR for p in model.parameters())
     assert valid_pos == N
 
