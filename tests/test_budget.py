@@ -153,6 +153,9 @@ def test_a_trusted_check_skips_the_reference_phase_and_the_fallback_has_no_head(
     fallback = device_budget(LLAMA3_8B, Run(fast_path=False, mode="full"), RTX4090)
     assert list(fallback.phases) == ["prompt log-probs"]
     assert fallback.need_outside() == CTX + 2048 * 128256 * (2 + 4 + 1 + 12)
+    # a 152k vocabulary: vLLM's V1 runner (pinned) makes one request's prompt log-probs at a time, 5.5 GiB
+    qwen = device_budget(QWEN25_7B, Run(fast_path=False, mode="sampled"), H100)
+    assert qwen.need_outside() == CTX + 2048 * 152064 * (2 + 4 + 1 + 12)
 
 
 def test_teacher_shape_reads_sizes_from_config_and_safetensors_headers(tmp_path):
