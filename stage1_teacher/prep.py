@@ -57,6 +57,8 @@ class StudentSide:
     identity: bool
     info: object = None
     markers: object = None  # conversation corpora: the tokenizer's end-of-turn candidate ids
+    skipped: object = None  # bool [V + 1]: the ids its decode leaves out (`splice.skipped_ids`); with `info`
+    appended: int = 0  # tokens the tokenizer appends after a text (an end-of-sequence); with `info`
 
 
 @dataclass
@@ -93,6 +95,14 @@ def adds_bos(tok) -> bool:
     return bool(ids) and ids[0] == bos
 
 
+def appended_specials(tok) -> int:
+    """How many tokens the tokenizer appends after a text's own (an end-of-sequence), with special tokens on."""
+    plain = tok.backend_tokenizer.encode("a", add_special_tokens=False).ids
+    whole = tok.backend_tokenizer.encode("a", add_special_tokens=True).ids
+    start = next(i for i in range(len(whole) - len(plain) + 1) if whole[i:i + len(plain)] == plain)
+    return len(whole) - start - len(plain)
+
+
 def prefix_roles(offsets: np.ndarray, prefix_chars: int | None) -> np.ndarray | None:
     """The roles of a text rollout's tokens (None for other text): a token that starts in the completion
     (at or after `prefix_chars`) is the generated turn's (assistant, last assistant), one that starts in
@@ -116,7 +126,7 @@ class Preparer:
         self.bos_id = teacher_tok.bos_token_id
         self.seconds = 0.0  # time spent in prepare(), for the run summary
         self.unmatched_rollouts = 0  # rollout rows whose sampling student is none of `students`
-        self._text_sampling_sides = None  # text rollouts: chat fingerprint -> the student that sampled
+        self._text_sides = None  # text rollouts: chat fingerprint -> the student that sampled
         self.conversation = conversation
         if conversation:
             self.teacher_markers = np.asarray(turn_marker_ids(teacher_tok), dtype=np.int64)
@@ -124,8 +134,9 @@ class Preparer:
                 s.markers = np.asarray(turn_marker_ids(s.tokenizer), dtype=np.int64)
         self.teacher_info = tokenizer_info(teacher_tok) if any(not s.identity for s in students) else None
         for s in students:
-            if not s.identity and s.info is None:
-                s.info = tokenizer_info(s.tokenizer)
+            if not s.identity:
+                s.info = s.info or tokenizer_info(s.tokenizer)
+                s.skipped, s.appended = skipped_ids(s.tokenizer, s.info), appended_specials(s.tokenizer)
 
     def prepare(self, docs: list[Document]) -> list[PreparedDoc | Skipped]:
         """Tokenize (both sides, in Rust batches), align (one vectorized walk per student) and plan windows."""
@@ -249,20 +260,23 @@ class Preparer:
     def _splice_text_rollouts(self, s, docs: list[Document], keep: list[int], s_ids: list, s_off: list) -> set[int]:
         """The text rollouts of `keep` that student `s` sampled, their sampled ids spliced into `s_ids` / `s_off`
         in place where they spell the completion (`stage1_teacher.onpolicy.splice.text_splice`); their rows."""
-        rows = [i for i in keep if docs[i].sampled is not None and docs[i].prefix_chars is not None]
-        if not rows:
-            return set()
-        mine = chat_fingerprint(s.tokenizer)
+        sides = self._text_sampling_sides()
         out = set()
-        for i in rows:
-            if docs[i].sampled.chat != mine:
+        for i in keep:
+            d = docs[i]
+            if d.sampled is None or d.prefix_chars is None or sides.get(d.sampled.chat) is not s:
                 continue
-            sp = text_splice(s.tokenizer, s.info, docs[i].text, docs[i].prefix_chars, docs[i].sampled.ids,
-                             docs[i].sampled.stop_reason, s_ids[i], s_off[i])
+            sp = text_splice(s, d.text, d.prefix_chars, d.sampled, s_ids[i], s_off[i])
             if sp is not None:
                 s_ids[i], s_off[i] = sp
                 out.add(i)
         return out
+
+    def _text_sampling_sides(self) -> dict:
+        """Text rollouts: the chat fingerprint of each student -> that student (computed once)."""
+        if self._text_sides is None:
+            self._text_sides = {chat_fingerprint(s.tokenizer): s for s in self.students}
+        return self._text_sides
 
     def _attach_sampled(self, docs: list[Document], aligns, spliced: dict[str, set[int]] | None = None) -> None:
         """Rollout rows (`aligns`: (row index, records by group fingerprint) pairs): the sampled turn's ids
@@ -270,12 +284,7 @@ class Preparer:
         sampled by none of the --student-tokenizer's is counted and logged. A rollout row names its student by
         the chat fingerprint, which is the group's key in a conversation store; a plain-text store keys its
         groups by the tokenizer alone, and its rollouts are text rollouts."""
-        if self.conversation:
-            sides = {s.fingerprint: s for s in self.students}
-        else:
-            if self._text_sampling_sides is None:
-                self._text_sampling_sides = {chat_fingerprint(s.tokenizer): s for s in self.students}
-            sides = self._text_sampling_sides
+        sides = {s.fingerprint: s for s in self.students} if self.conversation else self._text_sampling_sides()
         for i, by_fp in aligns:
             sampled = docs[i].sampled
             if sampled is None:
@@ -291,8 +300,7 @@ class Preparer:
             elif side.fingerprint in by_fp:
                 fp = side.fingerprint
                 by_fp[fp] = attach_sampled(by_fp[fp], sampled, i in (spliced or {}).get(fp, ()), markers=side.markers,
-                                           text=not self.conversation,
-                                           untrained=skipped_ids(side.tokenizer, side.info) if side.info else None)
+                                           text=not self.conversation, untrained=side.skipped)
 
     def _align_convs(self, live, convs, docs, s_rend, t_rend, name) -> list:
         """ConversationAlignments of conversations `live` (their Renderings `s_rend`, `t_rend`, in that

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xtcache.align.bytes import text_bytes
-from xtcache.align.tokenizer import encode_with_offsets, tokenizer_info
+from xtcache.align.tokenizer import encode_with_offsets
 from xtcache.chat.render import Rendering, Renderings
 
 
@@ -113,13 +113,13 @@ def skipped_ids(tokenizer, info) -> np.ndarray:
     return out
 
 
-def sampled_offsets(info, body: np.ndarray, text: str, skipped: np.ndarray | None = None) -> np.ndarray | None:
+def sampled_offsets(info, body: np.ndarray, text: str, skipped: np.ndarray) -> np.ndarray | None:
     """int64 [n, 2] character offsets in `text` of the sampled ids `body` when they spell it: their bytes are
     its UTF-8 bytes, or decode to it with invalid runs replaced by U+FFFD (byte tokens sampled out of order,
     a character cut by --max-new-tokens); None otherwise. Special tokens sampled inside the text (`skipped`,
-    default the tokenizer's special ids) stand for no characters, as the decoded text leaves them out: each
-    gets an empty span where it was sampled."""
-    special = (info.special if skipped is None else skipped)[body]
+    `skipped_ids`) stand for no characters, as the decoded text leaves them out: each gets an empty span
+    where it was sampled."""
+    special = skipped[body]
     lens = np.where(special, 0, np.diff(info.piece_start)[body])
     data = piece_bytes(info, body[~special])
     if data == text.encode("utf-8"):
@@ -130,7 +130,7 @@ def sampled_offsets(info, body: np.ndarray, text: str, skipped: np.ndarray | Non
     return _char_spans(byte_of_char, lens)
 
 
-def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndarray | None = None) -> Splice | None:
+def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndarray) -> Splice | None:
     """How the sampled ids of message `last_msg` (the generated turn) replace its content's tokens in
     rendering `r`; None when they do not spell the content (see the module) or the content is empty.
     The ids spell the message's own text; where the template trimmed its whitespace, the tokens that
@@ -144,7 +144,6 @@ def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndar
     ids = np.asarray(sampled_ids, dtype=np.int64)
     if ids.shape[0] == 0 or np.any((ids < 0) | (ids >= info.vocab_size)):
         return None
-    skipped = info.special if skipped is None else skipped
     stop = ids[-1:] if skipped[ids[-1]] else ids[:0]  # a special last id: the turn's stop token
     body = ids[:ids.shape[0] - stop.shape[0]]
     if body.shape[0] == 0:
@@ -166,13 +165,12 @@ def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndar
     return Splice(lo, hi, body, a + np.clip(off, skip, skip + b - a) - skip)
 
 
-def splice_rollouts(side: Renderings, rows: list, tokenizer) -> tuple[Renderings, list[bool]]:
+def splice_rollouts(side: Renderings, rows: list, info, skipped: np.ndarray) -> tuple[Renderings, list[bool]]:
     """`side` (one student's Renderings of a batch of conversations) with the generated turn of each
     rollout row spliced in, and per conversation whether the sampled ids replaced other tokens there.
     `rows[d]`: conversation d's (message count, sampled ids), None for a row that is no rollout of
-    this student. A turn they do not spell keeps the rendering's tokens (False)."""
-    info = tokenizer_info(tokenizer)
-    skipped = skipped_ids(tokenizer, info)
+    this student (its `TokenizerInfo` `info`, its `skipped_ids`). A turn they do not spell keeps the
+    rendering's tokens (False)."""
     spliced = [False] * len(side)
     starts = np.cumsum(side.counts) - side.counts
     counts = side.counts.copy()
@@ -202,20 +200,21 @@ def splice_batch(side: Renderings, live: list[int], docs: list, convs: list[dict
             if docs[i].sampled is not None and docs[i].sampled.chat == student.fingerprint else None for i in live]
     if not any(rows):
         return side, set()
-    side, flags = splice_rollouts(side, rows, student.tokenizer)
+    side, flags = splice_rollouts(side, rows, student.info, student.skipped)
     return side, {i for i, f in zip(live, flags) if f}
 
 
-def text_splice(tokenizer, info, text: str, prefix_chars: int, sampled_ids, stop_reason: str, ids: np.ndarray,
+def text_splice(student, text: str, prefix_chars: int, sampled, ids: np.ndarray,
                 offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """A text rollout's student (ids, offsets) with its sampled ids spliced in (module docstring), or None
-    when they do not spell the completion byte for byte, or already are the re-tokenized ids `ids` /
-    `offsets` (the whole text's encoding, special tokens added, offsets as `encode_flat` gives them).
-    A plain-text store's alignment checks every token's bytes against the text, so a completion with
-    U+FFFD for invalid UTF-8, or with a special token inside, keeps the re-tokenized ids."""
-    body = np.asarray(sampled_ids, dtype=np.int64)
-    skipped = skipped_ids(tokenizer, info)
-    if stop_reason == "stop" and body.shape[0] and skipped[body[-1]]:
+    """A text rollout's student (ids, offsets) with the ids `sampled` (a `corpus.Sampled`) spliced in (module
+    docstring), or None when they do not spell the completion byte for byte, or already are the re-tokenized
+    ids `ids` / `offsets` (the whole text's encoding, special tokens added, offsets as `encode_flat` gives
+    them). `student`: a `prep.StudentSide` (its tokenizer, `info`, `skipped` and `appended`). A plain-text
+    store's alignment checks every token's bytes against the text, so a completion with U+FFFD for invalid
+    UTF-8, or with a special token inside, keeps the re-tokenized ids."""
+    info, skipped = student.info, student.skipped
+    body = np.asarray(sampled.ids, dtype=np.int64)
+    if sampled.stop_reason == "stop" and body.shape[0] and skipped[body[-1]]:
         body = body[:-1]  # the stop token: the text does not hold it
     completion = text[prefix_chars:]
     if body.shape[0] == 0 or np.any((body < 0) | (body >= info.vocab_size)) or skipped[body].any():
@@ -223,15 +222,10 @@ def text_splice(tokenizer, info, text: str, prefix_chars: int, sampled_ids, stop
     if piece_bytes(info, body) != completion.encode("utf-8"):
         return None
     c_off = byte_offsets(completion, np.diff(info.piece_start)[body])
-    p_ids, p_off = encode_with_offsets(tokenizer, text[:prefix_chars], add_special_tokens=True,
+    p_ids, p_off = encode_with_offsets(student.tokenizer, text[:prefix_chars], add_special_tokens=True,
                                        side="student tokenizer")
-    plain = encode_with_offsets(tokenizer, text, add_special_tokens=False, side="student tokenizer")[0]
-    n = plain.shape[0]  # the specials a tokenizer adds around a text: before it, after it
-    start = next((i for i in range(ids.shape[0] - n + 1) if np.array_equal(ids[i:i + n], plain)), None)
-    if start is None:
-        return None
-    tail = ids.shape[0] - start - n  # tokens the tokenizer appends after a text (an end-of-sequence)
-    p_ids, p_off = p_ids[:p_ids.shape[0] - tail], p_off[:p_off.shape[0] - tail]  # the prefix alone: no end tokens
+    tail = student.appended  # tokens the tokenizer appends after a text: after the completion, not the prefix
+    p_ids, p_off = p_ids[:p_ids.shape[0] - tail], p_off[:p_off.shape[0] - tail]
     new_ids = np.concatenate([p_ids, body, ids[ids.shape[0] - tail:]])
     new_off = np.concatenate([p_off, prefix_chars + c_off, offsets[offsets.shape[0] - tail:]])
     if np.array_equal(new_ids, ids):
