@@ -43,7 +43,7 @@ from pathlib import Path
 
 import typer
 
-from xtcache.app.store_commands import rollout_summary
+from xtcache.app.store_commands import part_counts, rollout_summary
 from xtcache.cliconfig import command
 from xtcache.errors import ConfigError
 from xtcache.fingerprint import sha256_file
@@ -262,7 +262,7 @@ def round_metrics(cfg: RoundsConfig, r: int) -> dict:
             for line in p.read_text().splitlines() if line.strip()]
     reader = CacheReader(str(d / "cache"))
     dump = [w.summary for w in reader.writer_summaries().values()]
-    counts = [c for fp in reader.alignment_groups() if (c := rollout_summary(reader, fp))]  # the sampling student's
+    counts = [c for fp in reader.alignment_groups() if (c := rollout_summary(part_counts(reader, fp)))]
     summary = json.loads((d / "train" / "summary.json").read_text())
     start = r * cfg.steps_per_round
     train = [json.loads(line) for line in (d / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]

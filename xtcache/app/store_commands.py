@@ -81,6 +81,7 @@ def store_summary(url: str, storage_options: dict | None = None) -> StoreSummary
     r.check_indexes()  # indexes against the manifest and the array table; arrays are read by verify
     m = r.manifest
     groups = r.alignment_groups()
+    counts = {fp: part_counts(r, fp) for fp in groups}
     warnings = r.incomplete() + [
         f"alignment group {fp[:12]}.. covers {len(r.shards) - len(missing)} of {len(r.shards)} committed parts "
         f"(first missing: {missing[0]})" for fp in groups for missing in [r.unaligned_parts(fp)] if missing]
@@ -103,27 +104,28 @@ def store_summary(url: str, storage_options: dict | None = None) -> StoreSummary
         bytes_by_array=per_array, total_array_bytes=sum(per_array.values()), topk_bytes=topk_bytes,
         ratio_topk_vs_raw=raw_topk / topk_bytes if topk_bytes else float("nan"), mean_topk_mass=mean_mass,
         groups=groups, warnings=warnings,
-        conversation={fp: conversation_summary(r, fp) for fp in groups} if m.conversation else {},
-        rollouts={fp: c for fp in groups if (c := rollout_summary(r, fp))})
+        conversation={fp: conversation_summary(c) for fp, c in counts.items()} if m.conversation else {},
+        rollouts={fp: c for fp, total in counts.items() if (c := rollout_summary(total))})
 
 
-def rollout_summary(reader, fp: str) -> dict[str, int]:
-    """The sampled turns of one alignment group's rollouts, summed over its parts ({} without rollouts)."""
-    total: dict[str, int] = {}
-    for part in reader.alignment_parts(fp).values():
-        for k in ROLLOUT_COUNTS:
-            if k in part.conversation:
-                total[k] = total.get(k, 0) + part.conversation[k]
-    return total
-
-
-def conversation_summary(reader, fp: str) -> dict[str, Any]:
-    """One alignment group of a conversation store: its parts' character counts and student tokens by
-    role summed, with each --train-on choice's share of the student positions."""
+def part_counts(reader, fp: str) -> dict[str, int]:
+    """One alignment group's part counts (each part index's `conversation`: a conversation part's characters
+    and tokens by role, a rollout part's sampled turns), summed over its committed parts."""
     total: dict[str, int] = {}
     for part in reader.alignment_parts(fp).values():
         for k, v in part.conversation.items():
             total[k] = total.get(k, 0) + v
+    return total
+
+
+def rollout_summary(counts: dict[str, int]) -> dict[str, int]:
+    """The sampled turns of a group's rollouts, from its `part_counts` ({} without rollouts)."""
+    return {k: counts[k] for k in ROLLOUT_COUNTS if k in counts}
+
+
+def conversation_summary(total: dict[str, int]) -> dict[str, Any]:
+    """One alignment group of a conversation store, from its `part_counts`: its parts' character counts and
+    student tokens by role, with each --train-on choice's share of the student positions."""
     tokens = sum(v for k, v in total.items() if k.startswith("role_") and k != "role_last_assistant")
     share = {"assistant": total.get("role_assistant", 0), "last-assistant": total.get("role_last_assistant", 0),
              "all": tokens}
