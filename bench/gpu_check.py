@@ -100,17 +100,13 @@ def vllm_capture(setup, teacher: str, corpus: Path, texts: list[str], args, dtyp
 
 
 def dump(setup, teacher: str, corpus: Path, out: Path, engine: str, mode: str, args, dtype: str, **opts):
-    """teacher-dump as the CLI runs it, into a fresh `out`; the dump's summary."""
-    from stage1_teacher.config import build_config
-    from stage1_teacher.dump import run_teacher_dump
+    """`bench.teacher_dump.bench_dump` into a fresh `out`; the dump's summary."""
+    from bench.teacher_dump import bench_dump
 
     if out.exists():
         shutil.rmtree(out)
-    cfg = build_config({"teacher": teacher, "student_tokenizer": [str(setup.student_tokenizer)], "data": [str(corpus)],
-                        "out": str(out), "engine": engine, "dtype": dtype, "mode": mode,
-                        "top_k": opts.get("k") or args.top_k, "num_samples": opts.get("num_samples", 64),
-                        "max_seq_len": args.max_seq_len, "docs_per_part": 64})
-    return run_teacher_dump(cfg, progress=False)
+    return bench_dump(teacher, str(setup.student_tokenizer), str(corpus), opts.get("k") or args.top_k, args.max_seq_len,
+                      dtype, str(out), engine, mode, opts.get("num_samples", 64))["summary"]
 
 
 def hf_captures(setup, teacher: str, corpus: Path, args, dtype: str, work: Path) -> dict:
@@ -159,22 +155,15 @@ def train(setup, store: Path, args, dtype: str, out: Path) -> dict:
 
 
 def runtime_gap() -> dict | None:
-    """On CUDA: NVML's total of device 0, the CUDA runtime's, and the budget's estimate of the runtime's
-    (`budget.runtime_total`); None on a CPU."""
+    """On CUDA: NVML's total of device 0 as the budget reads it (`budget.nvml_memory`), the CUDA runtime's
+    total, and the budget's estimate of the runtime's (`budget.runtime_total`); None on a CPU."""
     import torch
 
-    from stage1_teacher.capture.budget import physical_indices, runtime_total
+    from stage1_teacher.capture.budget import nvml_memory, physical_indices, runtime_total
 
     if not torch.cuda.is_available():
         return None
-    import pynvml  # nvidia-ml-py: on the bare image, and a dependency of vLLM
-
-    pynvml.nvmlInit()
-    try:  # the NVML index the budget reads for CUDA device 0 (CUDA_VISIBLE_DEVICES mapped as preflight maps it)
-        handle = pynvml.nvmlDeviceGetHandleByIndex(physical_indices(1)[0])
-        nvml = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-    finally:
-        pynvml.nvmlShutdown()
+    ((nvml, _, _),) = nvml_memory(physical_indices(1))
     return {"nvml": nvml, "runtime": int(torch.cuda.mem_get_info(0)[1]), "estimate": runtime_total(nvml)}
 
 
@@ -223,8 +212,7 @@ OPTIONAL_MODULES = {"vllm", "s3fs", "gguf"}  # extras: vLLM (skipped without it)
 
 
 def table(device_name: str, dtype: str, vllm: str | None, cap: dict | None, hf: dict, head: dict, runs: list[dict],
-          identical: bool, missing: list[str], gap: dict | None = None) -> str:
-    mem = gap
+          identical: bool, missing: list[str], mem: dict | None) -> str:
     gap = head["gap"]
     summary = runs[0]
     peak = summary.get("peak_memory_mib")

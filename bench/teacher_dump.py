@@ -96,13 +96,13 @@ def bench_hf(teacher: str, windows, k: int, dtype: str) -> dict:
 
 
 def bench_dump(teacher: str, student: str, corpus: str, k: int, max_len: int, dtype: str, out: str,
-               engine: str = "vllm") -> dict:
+               engine: str = "vllm", mode: str = "topk", num_samples: int = 64) -> dict:
     from stage1_teacher.config import build_config
     from stage1_teacher.dump import run_teacher_dump
 
     cfg = build_config({"teacher": teacher, "student_tokenizer": [student], "data": [corpus], "out": out,
-                        "engine": engine, "dtype": dtype, "top_k": k, "max_seq_len": max_len,
-                        "docs_per_part": 64})
+                        "engine": engine, "dtype": dtype, "mode": mode, "top_k": k, "num_samples": num_samples,
+                        "max_seq_len": max_len, "docs_per_part": 64})
     s = run_teacher_dump(cfg, progress=False)
     return {"d": s.positions / s.capture_s, "summary": s}
 

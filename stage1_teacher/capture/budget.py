@@ -308,8 +308,14 @@ def nvml_memory(indices: list[int]) -> list[tuple[int, int, int | None]]:
 
 
 def _nvml():
-    from vllm.utils.import_utils import import_pynvml  # vLLM's own copy of NVIDIA's nvidia-ml-py
+    """NVIDIA's NVML bindings: vLLM's own copy of nvidia-ml-py where vLLM imports, else nvidia-ml-py itself
+    (a bare PyTorch GPU machine: bench/gpu_check.py)."""
+    try:
+        from vllm.utils.import_utils import import_pynvml
+    except ImportError:
+        import pynvml
 
+        return pynvml
     return import_pynvml()
 
 
