@@ -97,16 +97,14 @@ def head_gaps(teacher: str, ref: list[dict], dtype: str, device: str) -> dict:
 
     head = TeacherHead.load(teacher, device, dtype=getattr(torch, dtype))
     gap, total, count, zmax = 0.0, 0.0, 0, 0.0
-    t0 = time.perf_counter()
     for w in ref:
         lp, z = head_rows_logprobs(head, w["hidden"], w["ids"])
         diff = np.abs(lp - w["logprobs"])
         gap, total, count, zmax = max(gap, float(diff.max())), total + float(diff.sum()), count + diff.size, max(zmax, z)
-    seconds = time.perf_counter() - t0
     tol, mean_tol = default_tolerance(dtype, zmax)
     mean = total / max(1, count)
     return {"dtype": dtype, "max_gap": gap, "mean_gap": mean, "logit_max": zmax, "tolerance": tol,
-            "mean_tolerance": mean_tol, "passes": gap <= tol and mean <= mean_tol, "seconds": seconds,
+            "mean_tolerance": mean_tol, "passes": gap <= tol and mean <= mean_tol,
             "margin": min(tol / max(gap, 1e-12), mean_tol / max(mean, 1e-12))}
 
 
@@ -116,7 +114,7 @@ def head_memory(teacher: str, ref: list[dict], dtype: str, device: str, modes: d
     import numpy as np
     import torch
 
-    from stage1_teacher.capture.budget import block_bytes
+    from stage1_teacher.capture.budget import Run, block_bytes
     from stage1_teacher.capture.head import TeacherHead, distill_targets
 
     head = TeacherHead.load(teacher, device, dtype=getattr(torch, dtype))
@@ -140,7 +138,7 @@ def head_memory(teacher: str, ref: list[dict], dtype: str, device: str, modes: d
         assert np.isfinite(out.realized).all(), f"{mode}: non-finite realized log-probs"
         peak = torch.cuda.max_memory_allocated() - base if cuda else None
         rows.append({"mode": mode, "positions_per_s": len(targets) / seconds, "peak_bytes": peak,
-                     "budget_bytes": block_bytes(mode, V, H, 2 if dtype != "float32" else 4, reference_check=False,
+                     "budget_bytes": block_bytes(mode, V, H, Run(dtype=dtype).head_bytes(), reference_check=False,
                                                  rows=len(targets))})  # a block holds every row here when fewer
     return rows
 

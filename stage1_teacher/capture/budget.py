@@ -45,9 +45,15 @@ KV_BLOCK_TOKENS = 16  # vLLM allocates KV cache in blocks of 16 tokens
 RUNTIME_GAP_MIN, RUNTIME_GAP_SHARE = 320 << 20, 0.011
 
 
+def reserve_estimate(nvml_total: int) -> int:
+    """The driver's reserve of a device, estimated from NVML's total (see RUNTIME_GAP_*) where NVML does not
+    report it."""
+    return max(RUNTIME_GAP_MIN, math.ceil(RUNTIME_GAP_SHARE * nvml_total))
+
+
 def runtime_total(nvml_total: int) -> int:
-    """The CUDA runtime's total memory of a device, estimated from NVML's (see RUNTIME_GAP_*)."""
-    return nvml_total - max(RUNTIME_GAP_MIN, math.ceil(RUNTIME_GAP_SHARE * nvml_total))
+    """The CUDA runtime's total memory of a device, estimated from NVML's."""
+    return nvml_total - reserve_estimate(nvml_total)
 SAMPLER_ROWS = 256  # rows of vLLM's dummy sampler run in its memory profile (its max_num_seqs default)
 BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -178,7 +184,8 @@ class Budget:
     def table(self) -> list[tuple[str, str, int]]:
         """(where, term, bytes) rows: vLLM's share and what it holds, the rest of cuda:0 and what
         it holds at all times and in each phase."""
-        rows = [("device", "NVML total", self.total), ("device", "CUDA runtime's total, estimated", self.usable),
+        runtime = "CUDA runtime's total" + (", estimated" if self.reserved is None else "")
+        rows = [("device", "NVML total", self.total), ("device", runtime, self.usable),
                 ("vLLM share", "share", self.share)] + [("vLLM share", t.name, t.bytes) for t in self.inside]
         rows += [("rest of cuda:0", "rest", self.rest)] + [("rest of cuda:0", t.name, t.bytes) for t in self.fixed]
         return rows + [(f"rest of cuda:0, {p}", t.name, t.bytes) for p, terms in self.phases.items() for t in terms]

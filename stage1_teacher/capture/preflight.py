@@ -159,7 +159,7 @@ def check_device_memory(cfg, opts, *, window_len: int, k: int, reference_check: 
                 fast_path=t.fast_path and arch in HEAD_ARCHITECTURES, reference_check=reference_check)
     shape = b.TeacherShape.read(t.teacher)
     if reserved is None:  # NVML version 1: `used` includes the driver's reserve, which `usable` takes off already
-        used = max(0, used - (total - b.runtime_total(total)))
+        used = max(0, used - b.reserve_estimate(total))
     budget = b.device_budget(shape, run, total, in_use=used, reserved=reserved)
     problem = b.refusal(shape, run, budget)
     if problem:
