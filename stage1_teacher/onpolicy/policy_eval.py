@@ -83,9 +83,6 @@ class PolicyEvalConfig:
             raise ValueError(f"--samples-per-prompt {self.samples_per_prompt}: must be at least 1 (0: auto)")
         if self.max_new_tokens < 0:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1 (0: auto)")
-        if self.max_new_tokens == 0 and not self.teacher_samples:
-            raise ValueError("--max-new-tokens 0 (auto) reads the teacher's own samples: drop --no-teacher-samples "
-                             "or give --max-new-tokens")
 
 
 MIN_SAMPLES = 96  # --samples-per-prompt 0: at least this many samples in all (the report's standard errors)
@@ -276,8 +273,9 @@ def policy_eval(student: str, teacher: str, prompts_path: str, *, samples_per_pr
     (report, per-sample scores). The reusable entry point (bench/quality.py, the demo). `samples_per_prompt`
     0: at least MIN_SAMPLES samples in all; `max_new_tokens` 0: twice the teacher's mean completion length in
     the student's tokens (needs `teacher_samples`)."""
-    if max_new_tokens == 0 and not teacher_samples:
-        raise ConfigError("policy-eval: max_new_tokens 0 (auto) reads the teacher's own samples (teacher_samples)")
+    if max_new_tokens == 0 and not teacher_samples:  # checked before anything loads
+        raise ConfigError("--max-new-tokens 0 (auto) reads the teacher's own samples: drop --no-teacher-samples "
+                          "or give --max-new-tokens")
     tokenizer = load_tokenizer(student, "student tokenizer")
     prompts = read_prompts(prompts_path, tokenizer)
     text = prompts[0].conversation is None  # one file, one kind (the corpus reader refuses a row of the other)
