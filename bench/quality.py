@@ -3,6 +3,7 @@
     python bench/quality.py                          # the full table (docs/benchmarks.md), about 15 min on 2 CPU cores
     python bench/quality.py --quick                  # a smoke run: few documents and steps, one seed
     python bench/quality.py --section on-policy      # only the on-policy rows (bench/quality_onpolicy.py), ~28 min
+    python bench/quality.py --section on-policy-converged  # rounds vs continued KD from a converged student, ~40 min
     python bench/quality.py --teacher real           # the real tier's rows (bench/quality_real.py), about 1 h
 
 Every row trains the same student for the same steps, on the same windows in the same order,
@@ -75,7 +76,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DOC_BLOCKS = {"quality-table": "docs/benchmarks.md", "quality-on-policy": "docs/on-policy.md",
-              "quality-real": "README.md"}  # --write-docs: block -> file
+              "quality-on-policy-converged": "docs/on-policy.md", "quality-real": "README.md"}  # --write-docs: block -> file
 
 log = logging.getLogger("bench.quality")
 
@@ -707,7 +708,7 @@ def main(argv=None) -> None:
                         "quality-real block)")
     p.add_argument("--write-docs", action="store_true",
                    help="also write quality.md into docs/benchmarks.md's quality-table block (xtcache.app.docblock)")
-    p.add_argument("--section", choices=("table", "on-policy"), default="table",
+    p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged"), default="table",
                    help="table: the full table (docs/benchmarks.md); on-policy: on-policy rounds against off-policy KD "
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block)")
     p.add_argument("--from-report", help="with --section on-policy: render the table of this quality-on-policy.json "
@@ -718,6 +719,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.section == "on-policy":
         return on_policy_section(args)
+    if args.section == "on-policy-converged":
+        return converged_section(args)
     if args.teacher == "real":
         return real_section(args)
     if args.write_docs and args.quick:
@@ -805,6 +808,27 @@ def on_policy_section(args) -> None:
         report = run_on_policy(Path(args.workdir) / "on-policy", s)
         (out / "quality-on-policy.json").write_text(json.dumps(report, indent=2, default=str))
     _publish(args, "quality-on-policy", on_policy_markdown(report))
+
+
+def converged_section(args) -> None:
+    """`--section on-policy-converged`: bench/quality_onpolicy_converged.py's rows (both kinds), its table printed
+    and written (quality-on-policy-converged.md); `--from-report` renders an earlier run's JSON again."""
+    from bench.quality_onpolicy_converged import QUICK, ConvergedSettings, markdown, run_converged
+
+    if args.write_docs:
+        from xtcache.app.docblock import require_blocks
+
+        require_blocks(REPO, {"quality-on-policy-converged": DOC_BLOCKS["quality-on-policy-converged"]})
+    _bench_logging()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.from_report:
+        report = json.loads(Path(args.from_report).read_text())
+    else:
+        s = QUICK if args.quick else ConvergedSettings(**({"seeds": args.seeds} if args.seeds else {}))
+        report = run_converged(Path(args.workdir) / "on-policy-converged", s,
+                               save=out / "quality-on-policy-converged.json")
+    _publish(args, "quality-on-policy-converged", markdown(report))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ class OnPolicySettings:
     teacher_steps: int = 150
 
 
-def _xtcache(*args: str, log_file: Path) -> None:
+def run_xtcache(*args: str, log_file: Path) -> None:
     cmd = [sys.executable, "-m", "xtcache.app.cli", *args]
     log.info("$ xtcache %s", " ".join(args[:1]))
     with open(log_file, "a") as f:
@@ -75,14 +75,21 @@ def _prompts(conversations: Path, out: Path, rows: range) -> Path:
     return write_prompts(conversations, out, rows)
 
 
-def _trained_positions(store: Path) -> int:
-    """The store's student tokens with the last-assistant role bit (what --train-on last-assistant trains),
-    summed over the parts of every alignment group (one group here: the student's)."""
+def trained_positions(store: Path) -> int:
+    """The store's student tokens with the last-assistant role bit (what --train-on last-assistant trains: a
+    conversation's last assistant turn, a text rollout's completion), summed over the parts of every alignment
+    group (one group here: the student's); a text store's parts carry no role counts, so its role arrays are read."""
+    import numpy as np
+
+    from schemas.roles import LAST_ASSISTANT
     from xtcache.store import CacheReader
 
     reader = CacheReader(str(store))
-    return sum(int((part.conversation or {}).get("role_last_assistant", 0))
-               for fp in reader.alignment_groups() for part in reader.alignment_parts(fp).values())
+    if reader.manifest.conversation:
+        return sum(int((part.conversation or {}).get("role_last_assistant", 0))
+                   for fp in reader.alignment_groups() for part in reader.alignment_parts(fp).values())
+    return sum(int(np.count_nonzero(reader.read_alignment(fp, sid).student_role & LAST_ASSISTANT))
+               for fp in reader.alignment_groups() for sid in reader.alignment_parts(fp))
 
 
 def _common(s: OnPolicySettings, seed: int) -> list[str]:
@@ -113,14 +120,14 @@ def prepare(work: Path, s: OnPolicySettings, log_file: Path) -> dict:
     for data, out, mode in ((off_data, p["off_cache"], topk), (half_data, p["half_cache"], topk),
                             (setup.heldout_jsonl, p["eval_cache"], ["--mode", "full"])):
         if not (out / "manifest.json").exists():
-            _xtcache("teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
+            run_xtcache("teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
                      str(setup.student_tokenizer), "--data", str(data), "--out", str(out), *mode, "--max-seq-len",
                      "512", "--engine", "hf", "--dtype", "float32", log_file=log_file)
     if not p["projection"].exists():
-        _xtcache("projection", "build", "--student-tokenizer", str(setup.student_tokenizer), "--teacher-tokenizer",
+        run_xtcache("projection", "build", "--student-tokenizer", str(setup.student_tokenizer), "--teacher-tokenizer",
                  str(setup.teacher_tokenizer), "--out", str(p["projection"]), log_file=log_file)
-    p["off_positions"] = _trained_positions(p["off_cache"])
-    p["half_positions"] = _trained_positions(p["half_cache"])
+    p["off_positions"] = trained_positions(p["off_cache"])
+    p["half_positions"] = trained_positions(p["half_cache"])
     p["off_turns"] = n_off
     return p
 
@@ -132,7 +139,7 @@ def _train(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: list[str], 
         shutil.rmtree(out)
     setup = p["setup"]
     cache, steps = (p["half_cache"], kd_half_steps(s)) if half else (p["off_cache"], ROUNDS * s.steps_per_round)
-    _xtcache("train-student", "--cache", str(cache), "--eval-cache", str(p["eval_cache"]), "--student",
+    run_xtcache("train-student", "--cache", str(cache), "--eval-cache", str(p["eval_cache"]), "--student",
              str(setup.student_model), "--out", str(out), "--projection", str(p["projection"]), "--max-steps",
              str(steps), "--train-on", "last-assistant", *_common(s, seed), *loss, log_file=log_file)
     summary = json.loads((out / "summary.json").read_text())
@@ -146,7 +153,7 @@ def _rounds(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: str, extra
     if out.exists():
         shutil.rmtree(out)
     setup = p["setup"]
-    _xtcache("rounds", "--student", str(student or setup.student_model), "--teacher", str(setup.teacher_model),
+    run_xtcache("rounds", "--student", str(student or setup.student_model), "--teacher", str(setup.teacher_model),
              "--prompts", str(prompts or p["train_prompts"]), "--rounds", str(ROUNDS), "--workdir", str(out),
              "--engine", "hf", "--samples-per-prompt", str(s.samples_per_prompt), "--max-new-tokens",
              str(s.max_new_tokens), "--seed", str(seed), "--steps-per-round", str(steps_per_round or s.steps_per_round),
@@ -155,7 +162,7 @@ def _rounds(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: str, extra
              *_without_seed(_common(s, seed)),
              "--kd-weight", "1.0", "--ce-weight", "0.0", *extra, log_file=log_file)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    positions = sum(_trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
+    positions = sum(trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
     return {"hf": Path(metrics[-1]["hf_dir"]), "heldout_kl": metrics[-1].get("final_eval_kl"),
             "teacher_positions": positions, "generated_tokens": sum(m["generated_tokens"] for m in metrics),
             "steps": metrics[-1]["step"]}

@@ -22,7 +22,7 @@ order seed s), then is graded in this process against a full-vocabulary store of
   full vocabulary, and top-1 agreement.
 - held-out CE: the student's next-token cross-entropy on its own tokens (nats per student token).
 
-Key rows run on `--seeds` seeds (mean +- standard deviation); the notes compare each KD row with CE only
+Rows run on their own number of seeds, at most `--seeds` (mean +- standard deviation); the notes compare each KD row with CE only
 on the same seeds, and call a measure won when the row is better on every seed and the mean paired
 difference exceeds its standard deviation.
 """
@@ -53,7 +53,7 @@ class RealSettings:
     train_docs: int = 100
     heldout_docs: int = 8
     eval_batches: int = 8
-    seeds: int = 3
+    seeds: int = 5  # at most: each row runs on its own number of seeds (RealRow.seeds)
 
 
 QUICK = RealSettings(steps=4, warmup_steps=1, train_docs=6, heldout_docs=2, eval_batches=1, seeds=1)
@@ -64,25 +64,44 @@ class RealRow:
     name: str
     cross: bool
     flags: tuple[str, ...]  # train-student flags of the row (the store and student are the bench's)
-    key: bool = False  # run on every seed
+    seeds: int = 1  # run on seeds 0 .. seeds - 1 (at most --seeds)
 
 
 ROWS = [
-    RealRow("cross: CE only", True, ("--loss", "ce", "--ce-weight", "1.0"), key=True),
-    RealRow("cross: P-KL (defaults: first rows, first-piece map, CE 1.0)", True, ("--loss", "auto"), key=True),
+    RealRow("cross: CE only", True, ("--loss", "ce", "--ce-weight", "1.0"), seeds=5),
+    RealRow("cross: P-KL forward, first rows, first-piece map, CE 1.0 (the earlier defaults)", True,
+            ("--loss", "pkl", "--pkl-divergence", "forward", "--ce-weight", "1.0"), seeds=3),
     RealRow("cross: P-KL chunk means, decayed-pieces map, CE 0.1", True,
-            ("--loss", "pkl", "--chunk-rows", "mean", "--projection", "{proj_all}", "--ce-weight", "0.1")),
+            ("--loss", "pkl", "--chunk-rows", "mean", "--projection", "{proj_all}", "--pkl-divergence", "forward",
+             "--ce-weight", "0.1")),
     RealRow("same tokenizer: CE only", False, ("--loss", "ce", "--ce-weight", "1.0")),
     RealRow("same tokenizer: KL top-64 + rest (defaults)", False, ("--loss", "auto")),
     # candidates for top-1 agreement across tokenizers (docs/losses.md, "Defaults measured on a real pair"); appended,
     # not inserted: a run's directory is its row's index, so the finished runs above stay reusable
     RealRow("cross: P-KL forward-reverse, first rows, first-piece map, CE 1.0", True,
-            ("--loss", "pkl", "--pkl-divergence", "forward-reverse"), key=True),
+            ("--loss", "pkl", "--pkl-divergence", "forward-reverse", "--ce-weight", "1.0"), seeds=3),
     RealRow("cross: P-KL reverse, first rows, first-piece map, CE 1.0", True,
-            ("--loss", "pkl", "--pkl-divergence", "reverse"), key=True),
-    RealRow("cross: P-KL forward-reverse, first rows, first-piece map, CE 0.5", True,
-            ("--loss", "pkl", "--pkl-divergence", "forward-reverse", "--ce-weight", "0.5")),
+            ("--loss", "pkl", "--pkl-divergence", "reverse", "--ce-weight", "1.0"), seeds=3),
+    RealRow("cross: P-KL defaults (forward-reverse, first rows, first-piece map, CE 0.5)", True, ("--loss", "auto"),
+            seeds=5),
 ]
+# the cross-tokenizer P-KL defaults a run without a "defaults" record ran under (before forward-reverse at CE 0.5)
+EARLIER_DEFAULTS = {"--ce-weight": "1.0", "--pkl-divergence": "forward"}
+
+
+def current_defaults() -> dict[str, str]:
+    from stage2_student.objective import CE_WEIGHT_CROSS, PKL_DIVERGENCE
+
+    return {"--ce-weight": str(CE_WEIGHT_CROSS), "--pkl-divergence": PKL_DIVERGENCE}
+
+
+def resolved(argv: list[str], cross: bool, defaults: dict[str, str]) -> dict[str, str]:
+    """A run's flags (flag -> value) with the cross-tokenizer P-KL defaults it ran under written out (`--loss auto`
+    is P-KL on the bench's top-64 store), so a finished run is reused only for a row that means the same."""
+    flags = dict(zip(argv[::2], argv[1::2]))
+    if cross and flags.get("--loss") in ("auto", "pkl"):
+        flags = {**defaults, **flags, "--loss": "pkl"}
+    return flags
 
 
 def _xtcache(*args, log_file: Path) -> None:
@@ -157,18 +176,26 @@ def train(p: dict, row: RealRow, s: RealSettings, seed: int, log_file: Path) -> 
     argv = ["--cache", p["train"]["path"], "--student", student(p, row.cross, seed), "--out", out, "--seed", seed,
             "--seq-len", s.seq_len, "--micro-batch-size", s.micro_batch_size, "--max-steps", s.steps, "--lr", s.lr,
             "--warmup-steps", s.warmup_steps, "--zero-stage", 2, *flags]
-    record = out / "bench_row.json"  # the run's flags: a finished run of the same flags is reused, not repeated
-    if record.exists() and (out / "summary.json").exists() and json.loads(record.read_text()) == list(map(str, argv)):
+    record = out / "bench_row.json"  # the run's flags and defaults: a finished run of the same meaning is reused
+    argv = list(map(str, argv))
+    if record.exists() and (out / "summary.json").exists() and _same_run(json.loads(record.read_text()), argv, row.cross):
         log.info("%s seed %d: reusing the finished run in %s", row.name, seed, out)
         summary = json.loads((out / "summary.json").read_text())
         return {"hf_dir": out / "hf", "train_s": None, "steps_per_s": summary.get("steps_per_s"), "reused": True}
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
     _xtcache("train-student", *argv, log_file=log_file)
-    record.write_text(json.dumps(list(map(str, argv))))
+    record.write_text(json.dumps({"argv": argv, "defaults": current_defaults()}))
     summary = json.loads((out / "summary.json").read_text())
     return {"hf_dir": out / "hf", "train_s": time.perf_counter() - t0, "steps_per_s": summary.get("steps_per_s"),
             "reused": False}
+
+
+def _same_run(record, argv: list[str], cross: bool) -> bool:
+    """Whether a finished run's record (its argv and the defaults it ran under; a bare argv list: the earlier
+    defaults) means the row's argv under the current defaults."""
+    done, defaults = (record, EARLIER_DEFAULTS) if isinstance(record, list) else (record["argv"], record["defaults"])
+    return resolved(done, cross, defaults) == resolved(argv, cross, current_defaults())
 
 
 def grade(p: dict, hf_dir: Path, cross: bool, s: RealSettings) -> dict:
@@ -227,7 +254,7 @@ def run_real(work: Path, s: RealSettings, rows: list[RealRow] = ROWS) -> dict:
     results = []
     for seed in range(s.seeds):
         for row in rows:
-            if seed > 0 and not row.key:
+            if seed >= row.seeds:
                 continue
             run = train(p, row, s, seed, log_file)
             rec = {"row": row.name, "cross": row.cross, "seed": seed, "train_s": run["train_s"], "reused": run["reused"],

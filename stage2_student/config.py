@@ -72,7 +72,7 @@ class LossConfig:
     kd_weight: float = 1.0
     """Weight of the KD term."""
     ce_weight: float | None = None
-    """Weight of the next-token cross-entropy term (0 drops it); default 0.1 with a KD loss on a same-tokenizer cache, 1.0 on a cross-tokenizer cache and with --loss ce (measured on the real pair: docs/losses.md)."""
+    """Weight of the next-token cross-entropy term (0 drops it); default 0.1 with a KD loss on a same-tokenizer cache, 0.5 on a cross-tokenizer cache, 1.0 with --loss ce (measured on the real pair: docs/losses.md)."""
     dynamic_scaling: bool = False
     """Scale KD to CE's magnitude each micro-batch: w = --kd-weight * stop_grad(|CE| / |KD|)."""
     temperature: float = 1.0
@@ -83,8 +83,8 @@ class LossConfig:
     """Temperature tau of the ALM chunk-likelihood loss."""
     chunk_rows: str = "first"
     """--loss pkl: which rows of a chunk are compared: first (its first student position and first teacher row: the distributions of the first teacher token of the text that follows, read through a `projection build --pieces first` map) or mean (the mean of all its student rows against the mean of all its teacher rows)."""
-    pkl_divergence: str = "forward"
-    """--loss pkl: the divergence between the teacher's and the projected student's distributions over the stored support and the rest: forward (KL(teacher || student), mass covering), reverse (KL(student || teacher), mode seeking: on-policy rollouts), jsd (generalized JSD with --jsd-beta) or forward-reverse (their mean); docs/on-policy.md."""
+    pkl_divergence: str | None = None
+    """--loss pkl: the divergence between the teacher's and the projected student's distributions over the stored support and the rest: forward (KL(teacher || student), mass covering), reverse (KL(student || teacher), mode seeking: on-policy rollouts), jsd (generalized JSD with --jsd-beta) or forward-reverse (their mean, the default: measured on the real pair, docs/losses.md); docs/on-policy.md."""
     is_cap: float = 2.0
     """--loss rkl-pg: cap C of the truncated importance ratio min(p_student / p_sampler, C) per chunk (>= 1; 0: no ratio, for rollouts sampled by the weights being trained)."""
     projection: list[str] = field(default_factory=list)
@@ -207,7 +207,7 @@ class TrainConfig:
             raise ValueError(f"--loss {loss.loss!r}: choose one of {', '.join(LOSSES)}")
         if loss.temperature <= 0:
             raise ValueError(f"--temperature {loss.temperature}: must be positive")
-        if loss.pkl_divergence not in PKL_DIVERGENCES:
+        if loss.pkl_divergence is not None and loss.pkl_divergence not in PKL_DIVERGENCES:
             raise ValueError(f"--pkl-divergence {loss.pkl_divergence!r}: use {', '.join(PKL_DIVERGENCES)}")
         if not 0.0 < loss.jsd_beta < 1.0:
             raise ValueError(f"--jsd-beta {loss.jsd_beta}: must lie strictly between 0 and 1")

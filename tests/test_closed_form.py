@@ -318,6 +318,25 @@ def test_projected_kl_of_first_rows_equals_the_autograd_recompute(case):
     assert torch.isfinite(g).all() and g.abs().sum() > 0 and (kd > -1e-12).all()  # a KL: 0 where both sides agree
 
 
+def test_defaults_are_forward_reverse_p_kl_with_half_ce_on_exact_caches_and_forward_on_drawn_ones():
+    from stage2_student.config import LossConfig
+    from stage2_student.losses import ProjectionOperator
+    from stage2_student.objective import Capabilities, Objective
+
+    proj = ProjectionOperator(torch.eye(4, dtype=torch.float64).to_sparse())
+    for mode in ("topk", "full"):  # exact teacher log-probs: the real pair's measured default (docs/losses.md)
+        obj = Objective.from_config(LossConfig(), Capabilities(same_tokenizer=False, mode=mode), proj)
+        assert (obj.kind, obj.spec.divergence, obj.ce_weight) == ("pkl", "forward-reverse", 0.5)
+    for mode in ("sampled", "headtail"):  # an estimated teacher: the forward KL is linear in it, the reverse is not
+        obj = Objective.from_config(LossConfig(), Capabilities(same_tokenizer=False, mode=mode), proj)
+        assert (obj.kind, obj.spec.divergence) == ("pkl", "forward")
+    same = Objective.from_config(LossConfig(), Capabilities(same_tokenizer=True, mode="topk"))
+    assert (same.kind, same.spec.divergence, same.ce_weight) == ("kl", "forward", 0.1)
+    given = Objective.from_config(LossConfig(pkl_divergence="forward", ce_weight=1.0),
+                                  Capabilities(same_tokenizer=False, mode="topk"), proj)
+    assert (given.spec.divergence, given.ce_weight) == ("forward", 1.0)
+
+
 def test_pkl_divergence_applies_to_projected_kl_only():
     from stage2_student.config import LossConfig
     from stage2_student.objective import Capabilities, Objective

@@ -46,12 +46,12 @@ import typer
 from xtcache.app.store_commands import part_counts, rollout_summary
 from xtcache.cliconfig import command
 from xtcache.errors import ConfigError
-from xtcache.fingerprint import sha256_file
+from xtcache.fingerprint import sha256_file, tokenizer_fingerprint
 from xtcache.store import CacheReader
 
 log = logging.getLogger(__name__)
 STAGES = ("generate", "teacher-dump", "train-student")
-ROLLOUT_CE_WEIGHT = 0.1  # train-student --ce-weight on a round's rollouts unless given after `--`
+ROLLOUT_CE_WEIGHT = 0.0  # train-student --ce-weight on a round's rollouts unless given after `--` (docs/on-policy.md)
 SETTINGS_FILE = "rounds.json"
 
 
@@ -81,8 +81,8 @@ class RoundsConfig:
     """train-student --seed; round r generates with --seed SEED + r."""
     steps_per_round: int = 100
     """Optimizer steps per round (round r trains to (r+1) x this)."""
-    loss: str = "auto"
-    """train-student --loss; default auto: forward KL / P-KL on the stored support; rkl-pg: the reverse-KL signal (docs/on-policy.md)."""
+    loss: str = "reverse"
+    """reverse (default): the reverse KL on the teacher's stored support + rest (train-student --loss rkl with the teacher's tokenizer, else --loss pkl --pkl-divergence reverse); any other value is train-student's --loss (auto: the forward KL / P-KL; rkl-pg: the policy gradient). docs/on-policy.md."""
     train_on: str = "last-assistant"
     """train-student --train-on: the generated turn (of a conversation, or the completion of a text prefix)."""
     projection: str | None = None
@@ -108,11 +108,12 @@ class RoundsConfig:
         if not self.prompts:
             raise ValueError("--prompts: give at least one prompt file")
         owned = {"--cache", "--student", "--out", "--max-steps", "--resume", "--init-from", "--loss", "--train-on",
-                 "--projection", "--eval-cache"}
+                 "--projection", "--eval-cache"} | ({"--pkl-divergence"} if self.loss == "reverse" else set())
         clash = sorted({a.split("=")[0] for a in self.train_args} & owned)
         if clash:
             raise ValueError(f"extra train-student flags {', '.join(clash)}: set by xtcache rounds itself; use its "
-                             "own options (--loss, --train-on, --projection, --eval-cache, --steps-per-round)")
+                             "own options (--loss, --train-on, --projection, --eval-cache, --steps-per-round; "
+                             "another P-KL divergence: --loss pkl -- --pkl-divergence D)")
         owned = {"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume"}
         clash = sorted({a.split("=")[0] for a in self.dump_flags} & owned)
         if clash:
@@ -142,7 +143,7 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
             args += ["--trust-check-from", str(round_dir(cfg, 0) / "cache")]
         return [*args, *cfg.dump_flags]
     args = ["train-student", "--cache", str(d / "cache"), "--student", cfg.student, "--out", str(d / "train"),
-            "--max-steps", str((r + 1) * cfg.steps_per_round), "--loss", cfg.loss, "--train-on", cfg.train_on,
+            "--max-steps", str((r + 1) * cfg.steps_per_round), *loss_flags(cfg), "--train-on", cfg.train_on,
             "--seed", str(cfg.seed)]
     if r > 0:  # the checkpoint train-student saves at its last step
         args += ["--init-from", str(round_dir(cfg, r - 1) / "train" / "checkpoints" / f"step{r * cfg.steps_per_round}")]
@@ -151,10 +152,20 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
     if cfg.eval_cache:
         args += ["--eval-cache", cfg.eval_cache]
     if "--ce-weight" not in {a.split("=")[0] for a in cfg.train_args}:
-        # on the student's own fresh samples CE has no expected gradient: a small anchor, not train-student's
-        # cross-tokenizer corpus default of 1.0 (docs/on-policy.md)
+        # on the student's own fresh samples CE has no expected gradient, and on stale or re-tokenized ones it pulls
+        # back: none, not train-student's cross-tokenizer corpus default of 1.0 (docs/on-policy.md, measured)
         args += ["--ce-weight", str(ROLLOUT_CE_WEIGHT)]
     return [*args, *cfg.train_args]
+
+
+def loss_flags(cfg: RoundsConfig) -> list[str]:
+    """train-student's loss flags for --loss: `reverse` is the reverse KL on the teacher's stored support, `rkl`
+    when the student's tokenizer is the teacher's (the same tokenizer.json), else P-KL's reverse divergence."""
+    if cfg.loss != "reverse":
+        return ["--loss", cfg.loss]
+    if tokenizer_fingerprint(cfg.student) == tokenizer_fingerprint(cfg.teacher):  # teacher-dump's tokenizer too
+        return ["--loss", "rkl"]
+    return ["--loss", "pkl", "--pkl-divergence", "reverse"]
 
 
 def resume_flags(cfg: RoundsConfig, r: int, stage: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""`xtcache demo --on-policy`: two on-policy rounds beside off-policy KD, on two measures.
+"""`xtcache demo --on-policy`: on-policy rounds against continued off-policy KD, from a converged student.
 
     make demo-on-policy                          # sets up .venv, then runs `xtcache demo --on-policy`
     xtcache demo --on-policy --size small --engine hf
@@ -7,21 +7,23 @@ The chat demo's teacher and student (cross-tokenizer: a ChatML-style Qwen2 teach
 student; `xtcache demo --chat`), then, each stage an `xtcache` subprocess:
 1. the chat demo's caches: top-k of the training conversations, every teacher id of the held-out ones
    (the held-out reference), and the projection;
-2. off-policy KD: `train-student` on the training conversations' cache for T steps (the size's
-   student steps), exporting the student at step S too (S = T - 2 R, `split_steps`);
-3. on-policy from that step-S student, as on-policy distillation is run after SFT or KD (a fresh
-   student's own samples are noise to the teacher: docs/on-policy.md, the quality rows): `xtcache
-   rounds` with 2 rounds of R steps: the student answers prompts cut from the same training
-   conversations (after their last user message), the teacher scores its answers, the student trains
-   on them with the off-policy run's objective (P-KL + 0.1 CE), and the next round samples from the
-   trained student; so the last round ends at step T, like the off-policy run;
-4. `xtcache policy-eval` of every student (before training, off-policy at S and T steps, after
-   each round) on held-out prompts: the live teacher's reverse KL per token and its NLL per token,
-   on the student's own samples.
+2. off-policy KD: `train-student` on the training conversations' cache for T steps (the size's student
+   steps, to the end of its cosine schedule): the converged student, where on-policy distillation starts
+   (after SFT or KD: a fresh student's own samples are noise to the teacher, docs/on-policy.md);
+3. from it, 2 R more steps each (R = `round_steps`), a fresh optimizer at a constant lr 1e-4 after 2 warmup
+   steps (`FINE_TUNE`): continued off-policy KD on the same cache, and `xtcache rounds` with its defaults (the
+   reverse P-KL on the teacher's stored support, no CE), 2 rounds of R steps: the student answers prompts
+   cut from the training conversations (after their last user message), the teacher scores its answers, the
+   student trains on them, and the next round samples from the trained student;
+4. `xtcache policy-eval` of every student (before training, converged, continued, after each round) on
+   held-out prompts: the live teacher's reverse KL per sequence and its NLL per byte, on the student's own
+   samples.
 
-Every student trains and is measured on the last assistant turn (`--train-on last-assistant`), so
-the held-out KL of every row is over the same positions: the last assistant turns of the held-out
-conversations. The table has one row per student with both measures.
+Every student trains and is measured on the last assistant turn (`--train-on last-assistant`), so the
+held-out KL of every row is over the same positions: the last assistant turns of the held-out
+conversations. The continued run re-reads the training cache (no new teacher work); the rounds have the
+teacher score their rollouts. bench/quality.py --section on-policy-converged compares the two at equal
+teacher-scored tokens, with seeds.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import typer
 
 from xtcache.app.demo.console import StageRunner
 from xtcache.app.demo.setup import SIZES, DemoSize, build_setup
-from xtcache.app.demo.steps import build_projection, dump_caches, engine_log, fmt, metrics, train
+from xtcache.app.demo.steps import build_projection, dump_caches, engine_log, fmt, train
 from xtcache.testing.chat import write_prompts as cut
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ class OnPolicySize:
 
 ON_POLICY_SIZES = {
     "default": OnPolicySize(prompts=128, samples_per_prompt=2, max_new_tokens=64, eval_prompts=32,
-                            eval_samples_per_prompt=2),
+                            eval_samples_per_prompt=3),  # 96 samples: policy-eval's floor
     "small": OnPolicySize(prompts=24, samples_per_prompt=2, max_new_tokens=32, eval_prompts=8,
                           eval_samples_per_prompt=2),
 }
@@ -70,50 +72,40 @@ def write_prompts(conversations: Path, out: Path, limit: int) -> Path:
     return cut(rows, out)
 
 
+FINE_TUNE = ("--lr", "1e-4", "--warmup-steps", "2", "--min-lr-ratio", "1")  # both arms after convergence
+
+
 def _student_flags(size: DemoSize) -> list[str]:
-    """The train-student flags every student of the comparison shares."""
-    return ["--seq-len", str(size.seq_len), "--micro-batch-size", str(size.micro_batch_size), "--lr", str(size.lr),
-            "--warmup-steps", "10", "--eval-every", str(size.eval_every), "--zero-stage", "2"]
+    """The train-student flags every round shares with the continued off-policy run."""
+    return ["--seq-len", str(size.seq_len), "--micro-batch-size", str(size.micro_batch_size), *FINE_TUNE,
+            "--eval-every", str(size.eval_every), "--zero-stage", "2"]
 
 
 def run_rounds(run: StageRunner, setup, start: Path, prompts: Path, workdir: Path, projection: Path,
                eval_cache: Path, size: DemoSize, ps: OnPolicySize, steps: int, engine: str) -> list[dict]:
-    """`xtcache rounds` from the student `start` (a fresh work directory every demo run); returns its
-    per-round metrics."""
+    """`xtcache rounds` with its default objective from the student `start` (a fresh work directory every demo
+    run); returns its per-round metrics."""
     if workdir.exists():
         shutil.rmtree(workdir)
     run.xtcache("rounds", "--student", str(start), "--teacher", str(setup.teacher_model),
                 "--prompts", str(prompts), "--rounds", str(ROUNDS), "--workdir", str(workdir), "--engine", engine,
                 "--samples-per-prompt", str(ps.samples_per_prompt), "--max-new-tokens", str(ps.max_new_tokens),
-                "--steps-per-round", str(steps), "--loss", "pkl", "--train-on", TRAIN_ON[1], "--projection",
-                str(projection), "--eval-cache", str(eval_cache), "--",
-                *_student_flags(size), "--kd-weight", "1.0", "--ce-weight", "0.1")
+                "--steps-per-round", str(steps), "--train-on", TRAIN_ON[1], "--projection",
+                str(projection), "--eval-cache", str(eval_cache), "--", *_student_flags(size))
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def policy_eval(run: StageRunner, student: Path, teacher: Path, prompts: Path, ps: OnPolicySize, out: Path) -> dict:
-    """`xtcache policy-eval` of one student on the held-out prompts; returns its report."""
+    """`xtcache policy-eval` of one student on the held-out prompts (its cap: twice the teacher's mean length);
+    returns its report."""
     run.xtcache("policy-eval", "--student", str(student), "--teacher", str(teacher), "--prompts", str(prompts),
-                "--samples-per-prompt", str(ps.eval_samples_per_prompt), "--max-new-tokens", str(ps.max_new_tokens),
-                "--seed", "0", "--out", str(out))
+                "--samples-per-prompt", str(ps.eval_samples_per_prompt), "--seed", "0", "--out", str(out))
     return json.loads(out.read_text())
 
 
-def split_steps(size: DemoSize) -> tuple[int, int]:
-    """(steps per round R, off-policy steps S before the rounds), S + ROUNDS R = the size's student steps:
-    the largest R up to a quarter of them whose S is an evaluation step of the off-policy run (so its
-    step-S row has a held-out KL), else a quarter."""
-    total = size.student_steps
-    for r in range(max(1, total // (2 * ROUNDS)), 0, -1):
-        if (total - ROUNDS * r) % size.eval_every == 0:
-            return r, total - ROUNDS * r
-    r = max(1, total // (2 * ROUNDS))
-    return r, total - ROUNDS * r
-
-
-def eval_kl_at(run_dir: Path, step: int) -> float | None:
-    """The held-out KL a train-student run measured at `step` (its metrics.jsonl), None if it did not."""
-    return next((r["kl"] for r in metrics(run_dir) if r.get("kind") == "eval" and r.get("step") == step), None)
+def round_steps(size: DemoSize) -> int:
+    """Steps per round R: a tenth of the converged run's steps (at least 2); both arms train 2 R after it."""
+    return max(2, size.steps(chat=True) // 10)
 
 
 def run_on_policy_demo(workdir: Path, size_name: str, *, engine: str = "vllm") -> dict:
@@ -132,27 +124,28 @@ def _run(run: StageRunner, workdir: Path, size_name: str, engine: str) -> dict:
     size, ps = SIZES[size_name], ON_POLICY_SIZES[size_name]
     ds = build_setup(run, workdir, size_name, chat=True)
     setup, out = ds.setup, workdir / "on-policy"
-    steps, kd_steps = split_steps(size)
+    kd_steps, steps = size.steps(chat=True), round_steps(size)
     dump, eval_dump = dump_caches(run, ds, size, engine)
     projection = build_projection(run, ds)
     train_prompts = write_prompts(setup.train_jsonl, out / "prompts-train.jsonl", ps.prompts)
     eval_prompts = write_prompts(setup.heldout_jsonl, out / "prompts-heldout.jsonl", ps.eval_prompts)
 
     total = kd_steps + ROUNDS * steps
-    log.info("step 4/5: off-policy KD on the training conversations' cache, %d steps; from its step %d, on-policy, "
-             "%d rounds of %d steps", total, kd_steps, ROUNDS, steps)
-    off_dir = out / "off-policy"
-    off = train(run, setup, dump["path"], eval_dump["path"], projection, off_dir, size, kd=True,
-                 extra=(*TRAIN_ON, "--export-every", str(kd_steps)), steps=total)
+    log.info("step 4/5: off-policy KD on the training conversations' cache, %d steps; from it, %d more steps of "
+             "continued off-policy KD and %d on-policy rounds of %d steps", kd_steps, ROUNDS * steps, ROUNDS, steps)
+    off_dir, more_dir = out / "off-policy", out / "off-policy-continued"
+    off = train(run, setup, dump["path"], eval_dump["path"], projection, off_dir, size, kd=True, extra=TRAIN_ON,
+                steps=kd_steps)
+    more = train(run, setup, dump["path"], eval_dump["path"], projection, more_dir, size, kd=True, extra=TRAIN_ON,
+                 steps=ROUNDS * steps, student=off_dir / "hf", schedule=FINE_TUNE)
     rounds_dir = out / "rounds"
-    rounds = run_rounds(run, setup, off_dir / f"hf-step{kd_steps}", train_prompts, rounds_dir, projection,
-                        eval_dump["path"], size, ps, steps, engine)
+    rounds = run_rounds(run, setup, off_dir / "hf", train_prompts, rounds_dir, projection, eval_dump["path"], size,
+                        ps, steps, engine)
 
     log.info("step 5/5: policy-eval of every student on %d held-out prompts", ps.eval_prompts)
     students = [("initial student", 0, Path(setup.student_model), off.get("initial_eval_kl")),
-                (f"off-policy KD, step {kd_steps}", kd_steps, off_dir / f"hf-step{kd_steps}",
-                 eval_kl_at(off_dir, kd_steps)),
-                (f"off-policy KD, step {total}", total, off_dir / "hf", off.get("final_eval_kl")),
+                ("off-policy KD (converged)", kd_steps, off_dir / "hf", off.get("final_eval_kl")),
+                ("continued off-policy KD", total, more_dir / "hf", more.get("final_eval_kl")),
                 *[(f"on-policy round {m['round'] + 1}", kd_steps + m["step"], Path(m["hf_dir"]), m.get("final_eval_kl"))
                   for m in rounds]]
     rows = []
@@ -160,14 +153,15 @@ def _run(run: StageRunner, workdir: Path, size_name: str, engine: str) -> dict:
         report_path = out / f"policy-eval-{i}.json"
         report = policy_eval(run, student, Path(setup.teacher_model), eval_prompts, ps, report_path)
         rows.append({"student": name, "step": step, "heldout_kl": kl, "dir": str(student),
-                     "reverse_kl_per_token": report.get("reverse_kl_per_token"),
-                     "teacher_nll_per_token": report.get("teacher_nll_per_token"), "report": str(report_path)})
+                     **{k: report.get(k) for k in ("reverse_kl_per_sequence", "teacher_nll_per_byte",
+                                                   "mean_student_tokens", "samples")}, "report": str(report_path)})
     result = {"rows": rows, "engine": "vLLM" if engine == "vllm" else "transformers", "rounds": rounds,
-              "steps_per_round": steps, "kd_steps": kd_steps, "prompts": ps.prompts, "samples_per_prompt": ps.samples_per_prompt,
-              "eval_prompts": ps.eval_prompts, "eval_samples_per_prompt": ps.eval_samples_per_prompt,
-              "max_new_tokens": ps.max_new_tokens, "eval_cache_docs": eval_dump.get("documents"),
-              "commands": str(rounds_dir / "commands.sh"), "metrics": str(rounds_dir / "metrics.jsonl"),
-              "engine_log": str(run.log_path), "wall_s": time.perf_counter() - t0}
+              "steps_per_round": steps, "kd_steps": kd_steps, "prompts": ps.prompts,
+              "samples_per_prompt": ps.samples_per_prompt, "eval_prompts": ps.eval_prompts,
+              "eval_samples_per_prompt": ps.eval_samples_per_prompt, "max_new_tokens": ps.max_new_tokens,
+              "eval_cache_docs": eval_dump.get("documents"), "commands": str(rounds_dir / "commands.sh"),
+              "metrics": str(rounds_dir / "metrics.jsonl"), "engine_log": str(run.log_path),
+              "wall_s": time.perf_counter() - t0}
     (out / "demo_result.json").write_text(json.dumps(result, indent=2, default=str))
     typer.echo(on_policy_table(result))
     return result
@@ -177,29 +171,29 @@ def on_policy_table(r: dict) -> str:
     """The demo's table: one row per student, the held-out KL on the corpus and the on-policy measures."""
     lines = [
         "",
-        f"xtcache demo --on-policy: {ROUNDS} rounds of generate -> teacher-dump -> train-student beside off-policy "
-        "KD, conversations, cross-tokenizer",
+        f"xtcache demo --on-policy: {ROUNDS} rounds of generate -> teacher-dump -> train-student beside continued "
+        "off-policy KD, from a converged student, conversations, cross-tokenizer",
         f"  engine                  {r['engine']} (generate and teacher-dump)",
         f"  on-policy rounds        {r['prompts']} training prompts x {r['samples_per_prompt']} samples of up to "
         f"{r['max_new_tokens']} tokens, {r['steps_per_round']} steps each, from off-policy KD's step "
         f"{r.get('kd_steps', '-')}",
         "",
-        f"  {'student':<26}{'steps':>6}{'held-out KL*':>14}{'reverse KL/token**':>20}{'teacher NLL/token**':>21}",
+        f"  {'student':<27}{'steps':>6}{'held-out KL*':>14}{'reverse KL/seq**':>18}{'teacher NLL/byte**':>20}",
     ]
     for row in r["rows"]:
-        lines.append(f"  {row['student']:<26}{row['step']:>6}{fmt(row['heldout_kl']):>14}"
-                     f"{fmt(row['reverse_kl_per_token']):>20}{fmt(row['teacher_nll_per_token']):>21}")
+        lines.append(f"  {row['student']:<27}{row['step']:>6}{fmt(row['heldout_kl']):>14}"
+                     f"{fmt(row.get('reverse_kl_per_sequence')):>18}{fmt(row.get('teacher_nll_per_byte')):>20}")
     lines += [
         "",
         "  * first-token KL to the teacher's full distribution, on the last assistant turns of "
         f"{fmt(r['eval_cache_docs'], 'd')}",
-        "    held-out conversations (the demo's measure); off-policy KD: P-KL + 0.1 CE on the training "
-        "conversations'",
-        "    cache; on-policy: the same objective on the student's own answers to prompts cut from the same",
-        f"    conversations, from the off-policy student of step {r.get('kd_steps', '-')}",
+        "    held-out conversations (the demo's measure); off-policy KD: P-KL + 0.1 CE on the training conversations'",
+        f"    cache; from its step {r.get('kd_steps', '-')}, both arms at lr 1e-4: the same cache again, or "
+        "`xtcache rounds` (reverse P-KL",
+        "    on the student's own answers to prompts cut from the same conversations)",
         "  ** xtcache policy-eval: the live teacher on the student's own samples for "
         f"{r['eval_prompts']} held-out prompts x {r['eval_samples_per_prompt']}",
-        "     samples: mean log p_student(y) - log p_teacher(y) and mean -log p_teacher(y), per generated token",
+        "     samples: mean log p_student(y) - log p_teacher(y) per sample, and -log p_teacher(y) per byte of its text",
         "",
     ]
     lines += _verdicts(r["rows"])
@@ -208,17 +202,18 @@ def on_policy_table(r: dict) -> str:
 
 
 def _verdicts(rows: list[dict]) -> list[str]:
-    """One line per measure comparing the last on-policy row with the off-policy row at its step."""
+    """One line per measure comparing the last on-policy row with continued off-policy KD at its step."""
     on = rows[-1]
-    off = next((r for r in rows if r["step"] == on["step"] and r["student"].startswith("off-policy")), None)
+    off = next((r for r in rows if r["step"] == on["step"] and r["student"].startswith("continued")), None)
     if off is None:
         return []
     lines = []
-    for key, name in (("heldout_kl", "held-out KL"), ("reverse_kl_per_token", "reverse KL/token"),
-                      ("teacher_nll_per_token", "teacher NLL/token")):
+    for key, name in (("heldout_kl", "held-out KL"), ("reverse_kl_per_sequence", "reverse KL/sequence"),
+                      ("teacher_nll_per_byte", "teacher NLL/byte")):
         a, b = on.get(key), off.get(key)
         if a is None or b is None:
             continue
         verdict = "lower" if a < b else "NOT lower"
-        lines.append(f"  on-policy at step {on['step']} is {verdict} than off-policy on {name}: {a:.3f} vs {b:.3f}")
+        lines.append(f"  on-policy at step {on['step']} is {verdict} than continued off-policy KD on {name}: "
+                     f"{a:.3f} vs {b:.3f}")
     return lines + [""] if lines else []

@@ -1,0 +1,300 @@
+"""The converged section of the quality bench (issue 38): on-policy rounds against continued off-policy KD,
+from a converged off-policy student, at equal optimizer steps and (about) equal teacher-scored tokens.
+
+    python bench/quality.py --section on-policy-converged     # both kinds, 3 seeds: about 30 min on 2 idle CPU cores
+
+Two setups, each cross-tokenizer, each stage an `xtcache` subprocess as a user runs it:
+- chat: the ChatML-style Qwen2 teacher of `xtcache.testing.chat.build_chat_setup` pre-trained on 560
+  conversations, a fresh Llama-3-style student with its own tokenizer; prompts are conversations cut after
+  their last user message, and every student trains and is measured on the last assistant turn;
+- text: the tests' toy teacher and student (`xtcache.testing.suite`: Python sources, two BPE tokenizers);
+  prompts are text prefixes (a document's first lines), the off-policy rows are prefix + the document's next
+  lines (`prefix_chars`), and only the completion trains (`--train-on last-assistant`).
+
+Per seed: off-policy KD (`--loss auto`, the defaults) for `converge_steps` on the converge cache to the end
+of its cosine schedule: the converged student. From it, each row trains `steps` more optimizer steps, a
+fresh optimizer at a constant `lr` after 2 warmup steps:
+
+| row | what it trains on |
+| --- | --- |
+| continued off-policy KD | the teacher's top-k cache of unseen training turns (text: prefix + next lines), `--loss auto` |
+| on-policy rounds (rounds' defaults) | `xtcache rounds`, 2 rounds of steps/2: its own samples for P training prompts, scored by the teacher |
+| others | `xtcache rounds` with the row's flags |
+
+The continuation rows are sized so that their trained teacher tokens are about those of the rounds'
+rollouts (the table gives both). Measures: `xtcache policy-eval` on held-out prompts (its default cap,
+twice the teacher's mean sample length; the same seed for every row, so each row's samples are drawn
+with the same generators): reverse KL per sequence and teacher NLL per byte of the student's own
+samples, and the held-out KL (train-student's `--eval-cache`: the teacher's full distribution on
+held-out turns or completions). A row beats continued off-policy KD on a measure when it is better on
+every seed and the mean paired difference exceeds its standard deviation; the held-out KL is within the
+spread when |mean difference| <= the two rows' standard deviations added.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.quality_onpolicy import run_xtcache, trained_positions
+
+log = logging.getLogger("bench.quality.on-policy-converged")
+KINDS = ("chat", "text")
+
+
+@dataclass(frozen=True)
+class ConvergedSettings:
+    converge_steps: int = 150  # off-policy KD to the end of its cosine schedule
+    converge_lr: float = 3e-3
+    steps: int = 16  # each row after the converged student (rounds: 2 x steps / 2)
+    lr: float = 1e-4  # constant after 2 warmup steps (train-student's default peak rate)
+    prompts: int = 24  # training prompts of the rounds, sampled in both rounds
+    samples_per_prompt: int = 2
+    max_new_tokens: int = 64
+    eval_prompts: int = 32
+    eval_samples: int = 3  # 96 samples per student
+    top_k: int = 16
+    seeds: int = 3
+    chat_train: int = 560  # conversations: prompts, converge, continue
+    chat_continue: int = 78  # continuation conversations (about the rounds' rollout tokens)
+    text_continue: int = 100  # continuation prefix + completion rows (about 60 student tokens each)
+
+
+QUICK = ConvergedSettings(converge_steps=20, steps=4, prompts=6, eval_prompts=6, eval_samples=1, seeds=1,
+                          chat_train=120, chat_continue=12, text_continue=12)
+
+# name, kind, `xtcache rounds` flags (on-policy rows; each row's flags after `--` go to train-student)
+ROWS = [
+    ("continued off-policy KD (train-student defaults)", "off", []),
+    ("on-policy rounds (rounds' defaults)", "on", []),
+    ("on-policy rounds, P-KL forward + 0.1 CE (the earlier defaults)", "on",
+     ["--loss", "pkl", "--", "--pkl-divergence", "forward", "--ce-weight", "0.1"]),
+]
+MEASURES = (("reverse_kl_per_sequence", "reverse KL/sequence"), ("teacher_nll_per_byte", "teacher NLL/byte"))
+
+
+def _setup(kind: str, work: Path, s: ConvergedSettings):
+    from xtcache.testing import toy
+    from xtcache.testing.chat import build_chat_setup
+    from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
+
+    base = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
+    if kind == "text":
+        return base
+    return build_chat_setup(base, work / "chat", num_train=s.chat_train, num_heldout=s.eval_prompts, teacher_steps=150,
+                            teacher_hidden=64)
+
+
+def _line_end(text: str, at: int) -> int:
+    """The end of the line that reaches character `at`."""
+    nl = text.find("\n", at)
+    return len(text) if nl < 0 else nl + 1
+
+
+def text_rows(docs: list[str], *, prefix: int = 240, completion: int = 180) -> list[dict]:
+    """Prefix + completion rows cut from documents at characters 0, 400 and 800: the prefix runs to the end of
+    the line that reaches `prefix` characters, the completion the lines after it up to `completion` more
+    (`prefix_chars` marks the prompt: only the completion trains). A piece too short for either is skipped."""
+    rows = []
+    for d in docs:
+        for o in (0, 400, 800):
+            a = _line_end(d, o + prefix)
+            b = _line_end(d, a + completion)
+            if b - a >= completion // 2 and a - o >= prefix // 2:
+                rows.append({"text": d[o:b], "prefix_chars": a - o})
+    return rows
+
+
+def prepare(kind: str, work: Path, s: ConvergedSettings, log_file: Path) -> dict:
+    """One kind's prompts, caches (converge, continue, held-out full) and projection (seed-independent)."""
+    from xtcache.testing.chat import write_chat_jsonl, write_prompts
+
+    work.mkdir(parents=True, exist_ok=True)
+    setup = _setup(kind, work, s)
+    p = {"setup": setup, "kind": kind, "projection": work / "projection.npz", "eval_cache": work / "cache-heldout",
+         "converge_cache": work / "cache-converge", "continue_cache": work / "cache-continue"}
+    if kind == "chat":
+        rows = [json.loads(x) for x in setup.train_jsonl.read_text().splitlines()]
+        n, c = s.prompts, s.chat_continue
+        p["train_prompts"] = write_prompts(rows, work / "prompts-train.jsonl", range(n))
+        p["eval_prompts"] = write_prompts(setup.heldout_jsonl, work / "prompts-heldout.jsonl", range(s.eval_prompts))
+        converge = write_chat_jsonl(work / "converge.jsonl", rows[n:len(rows) - c])
+        cont = write_chat_jsonl(work / "continue.jsonl", rows[len(rows) - c:])
+        heldout = setup.heldout_jsonl
+    else:
+        docs = [json.loads(x)["text"] for x in setup.train_jsonl.read_text().splitlines()]
+        held = text_rows([json.loads(x)["text"] for x in setup.heldout_jsonl.read_text().splitlines()])
+        first = -(-s.prompts // 3)  # documents whose prefixes are the prompts (3 a document)
+        p["train_prompts"] = write_chat_jsonl(work / "prompts-train.jsonl", [
+            {"text": r["text"][:r["prefix_chars"]]} for r in text_rows(docs[:first])][:s.prompts])
+        p["eval_prompts"] = write_chat_jsonl(work / "prompts-heldout.jsonl", [
+            {"text": r["text"][:r["prefix_chars"]]} for r in held[:s.eval_prompts]])
+        cont_rows = text_rows(docs[len(docs) - 40:])[:s.text_continue]
+        converge = write_chat_jsonl(work / "converge.jsonl", [{"text": d} for d in docs[first:len(docs) - 40]])
+        cont = write_chat_jsonl(work / "continue.jsonl", cont_rows)
+        heldout = write_chat_jsonl(work / "heldout.jsonl", held[:s.eval_prompts])
+    topk = ["--mode", "topk", "--top-k", str(s.top_k)]
+    for data, out, mode in ((converge, p["converge_cache"], topk), (cont, p["continue_cache"], topk),
+                            (heldout, p["eval_cache"], ["--mode", "full"])):
+        if not (out / "manifest.json").exists():
+            run_xtcache("teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
+                     str(setup.student_tokenizer), "--data", str(data), "--out", str(out), *mode, "--max-seq-len",
+                     "512", "--engine", "hf", "--dtype", "float32", log_file=log_file)
+    if not p["projection"].exists():
+        run_xtcache("projection", "build", "--student-tokenizer", str(setup.student_tokenizer), "--teacher-tokenizer",
+                 str(setup.teacher_tokenizer), "--out", str(p["projection"]), log_file=log_file)
+    p["continue_positions"] = trained_positions(p["continue_cache"])
+    return p
+
+
+def _flags(lr: float, warmup: int, min_lr_ratio: float) -> list[str]:
+    return ["--seq-len", "256", "--micro-batch-size", "4", "--lr", str(lr), "--warmup-steps", str(warmup),
+            "--min-lr-ratio", str(min_lr_ratio), "--zero-stage", "0", "--eval-every", "1000"]
+
+
+def converge(p: dict, out: Path, s: ConvergedSettings, seed: int, log_file: Path) -> dict:
+    """Off-policy KD to the end of its schedule (reused when its summary exists); its summary."""
+    if not (out / "summary.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        train_on = "last-assistant" if p["kind"] == "chat" else "all"  # text: whole documents
+        run_xtcache("train-student", "--cache", str(p["converge_cache"]), "--eval-cache", str(p["eval_cache"]),
+                 "--student", str(p["setup"].student_model), "--out", str(out), "--projection", str(p["projection"]),
+                 "--max-steps", str(s.converge_steps), "--train-on", train_on, "--seed", str(seed), "--loss", "auto",
+                 *_flags(s.converge_lr, 5, 0.1), log_file=log_file)
+    return json.loads((out / "summary.json").read_text())
+
+
+def off_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, log_file: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    run_xtcache("train-student", "--cache", str(p["continue_cache"]), "--eval-cache", str(p["eval_cache"]), "--student",
+             str(start), "--out", str(out), "--projection", str(p["projection"]), "--max-steps", str(s.steps),
+             "--train-on", "last-assistant", "--seed", str(seed), "--loss", "auto", *_flags(s.lr, 2, 1.0),
+             log_file=log_file)
+    summary = json.loads((out / "summary.json").read_text())
+    return {"hf": out / "hf", "heldout_kl": summary.get("final_eval_kl"), "start_kl": summary.get("initial_eval_kl"),
+            "teacher_positions": p["continue_positions"]}
+
+
+def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, flags: list[str],
+              log_file: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    own, train = (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
+    run_xtcache("rounds", "--student", str(start), "--teacher", str(p["setup"].teacher_model), "--prompts",
+             str(p["train_prompts"]), "--rounds", "2", "--workdir", str(out), "--engine", "hf", "--samples-per-prompt",
+             str(s.samples_per_prompt), "--max-new-tokens", str(s.max_new_tokens), "--seed", str(seed),
+             "--steps-per-round", str(s.steps // 2), "--train-on", "last-assistant", "--projection",
+             str(p["projection"]), "--eval-cache", str(p["eval_cache"]), *own, "--", *_flags(s.lr, 2, 1.0), *train,
+             log_file=log_file)
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    positions = sum(trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
+    return {"hf": Path(metrics[-1]["hf_dir"]), "heldout_kl": metrics[-1].get("final_eval_kl"),
+            "teacher_positions": positions, "staleness": [m.get("stale_mean_abs_log_ratio") for m in metrics],
+            "retokenized": [m.get("retokenized_turns") for m in metrics]}
+
+
+def measure(p: dict, student: Path, s: ConvergedSettings) -> dict:
+    from stage1_teacher.onpolicy.policy_eval import policy_eval
+
+    report, _ = policy_eval(str(student), str(p["setup"].teacher_model), str(p["eval_prompts"]),
+                            samples_per_prompt=s.eval_samples, max_new_tokens=0, seed=0)
+    return {k: report[k] for k in ("reverse_kl_per_sequence", "reverse_kl_per_token", "teacher_nll_per_byte",
+                                   "teacher_nll_per_token", "mean_student_tokens", "stopped_fraction",
+                                   "teacher_mean_student_tokens", "max_new_tokens", "samples")}
+
+
+def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, save: Path | None = None) -> dict:
+    """Every kind, seed and row; the report (per-seed values), written to `save` after every run."""
+    t0 = time.perf_counter()
+    report = {"settings": asdict(s), "kinds": {}}
+    for kind in kinds:
+        kw = work / kind
+        log_file = kw / "commands.log"
+        kw.mkdir(parents=True, exist_ok=True)
+        p = prepare(kind, kw, s, log_file)
+        rows = report["kinds"][kind] = {"converged student": [], **{name: [] for name, _, _ in ROWS}}
+        for seed in range(s.seeds):
+            conv = converge(p, kw / f"converged-s{seed}", s, seed, log_file)
+            start = kw / f"converged-s{seed}" / "hf"
+            rows["converged student"].append({"seed": seed, "converge_kl": conv.get("final_eval_kl"),
+                                              **measure(p, start, s)})
+            for i, (name, how, flags) in enumerate(ROWS):
+                log.info("%s seed %d: %s", kind, seed, name)
+                out = kw / "runs" / f"row{i}-seed{seed}"
+                r = off_policy(p, start, out, s, seed, log_file) if how == "off" else \
+                    on_policy(p, start, out, s, seed, flags, log_file)
+                rows[name].append({"seed": seed, **{k: v for k, v in r.items() if k != "hf"}, **measure(p, r["hf"], s)})
+                if "start_kl" in r:  # the converged student on the rows' measure (text converged on whole documents)
+                    rows["converged student"][-1]["heldout_kl"] = r["start_kl"]
+                report["wall_s"] = time.perf_counter() - t0
+                if save:
+                    save.write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
+def _cell(xs: list, fmt: str = ".3f") -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    return f"{statistics.fmean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}" if len(xs) > 1 else f"{xs[0]:{fmt}}"
+
+
+def verdicts(rows: dict) -> list[str]:
+    """Each on-policy row against continued off-policy KD, paired by seed."""
+    base_name = ROWS[0][0]
+    base = {r["seed"]: r for r in rows[base_name]}
+    notes = []
+    for name, runs in rows.items():
+        if name in (base_name, "converged student") or len(runs) < 2:
+            continue
+        parts, won = [], []
+        for key, label in MEASURES:
+            d = [r[key] - base[r["seed"]][key] for r in runs]
+            mean, sd = statistics.fmean(d), statistics.stdev(d)
+            better = sum(x < 0 for x in d)
+            parts.append(f"{label} {mean:+.3f} (sd {sd:.3f}, lower on {better}/{len(d)} seeds)")
+            if better == len(d) and -mean > sd:
+                won.append(label)
+        a = [r["heldout_kl"] for r in runs]
+        b = [r["heldout_kl"] for r in rows[base_name]]
+        gap = statistics.fmean(a) - statistics.fmean(b)
+        spread = statistics.stdev(a) + statistics.stdev(b)
+        within = abs(gap) <= spread
+        parts.append(f"held-out KL {gap:+.4f} ({'within' if within else 'outside'} the spread {spread:.4f})")
+        verdict = (f"beats it on {' and '.join(won)}" if won else "beats it on neither") + \
+            (", held-out KL within the spread" if within else ", held-out KL outside the spread")
+        notes.append(f"- {name} vs {base_name}, paired by seed: " + "; ".join(parts) + f": **{verdict}**")
+    return notes
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"From a converged off-policy student ({s['converge_steps']} steps of `--loss auto` at lr "
+             f"{s['converge_lr']}, cosine to 0.1), each row {s['steps']} more optimizer steps at a constant lr {s['lr']} "
+             f"(a fresh optimizer, 2 warmup steps), micro-batch 4 x 256; on-policy: `xtcache rounds --engine hf`, 2 rounds "
+             f"of {s['steps'] // 2} steps on {s['prompts']} training prompts x {s['samples_per_prompt']} samples of up to "
+             f"{s['max_new_tokens']} tokens. {s['seeds']} seeds (mean ± sd; the seed sets the converged student, the "
+             "rounds' samples and the data order). Cross-tokenizer, top-16 caches.", ""]
+    for kind, rows in report["kinds"].items():
+        lines += [f"**{kind}** ({'conversations, last assistant turn' if kind == 'chat' else 'text prefixes, completion'})",
+                  "", "| row | teacher-scored tokens trained | held-out KL | reverse KL/sequence | teacher NLL/byte | "
+                  "reverse KL/token | sample length (tokens) | stopped |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for name, runs in rows.items():
+            kl = [r.get("heldout_kl") for r in runs]
+            lines.append(f"| {name} | {_cell([r.get('teacher_positions') for r in runs], '.0f')} | {_cell(kl, '.4f')} | "
+                         + " | ".join(_cell([r[k] for r in runs]) for k in ("reverse_kl_per_sequence",
+                                                                              "teacher_nll_per_byte", "reverse_kl_per_token"))
+                         + f" | {_cell([r['mean_student_tokens'] for r in runs], '.1f')} | "
+                           f"{_cell([r['stopped_fraction'] for r in runs], '.2f')} |")
+        first = rows["converged student"][0]
+        lines += ["", f"policy-eval: {first['samples']} samples ({s['eval_prompts']} held-out prompts x {s['eval_samples']}), "
+                  f"cap {first['max_new_tokens']} tokens (twice the teacher's mean length, "
+                  f"{first['teacher_mean_student_tokens']:.1f} student tokens). Teacher-scored tokens: the trained "
+                  "(last-assistant) student tokens of the caches a row trained on after convergence (on-policy: both "
+                  "rounds' rollouts).", "", *verdicts(rows), ""]
+    lines.append(f"Wall time {report.get('wall_s', 0) / 60:.1f} min.")
+    return "\n".join(lines)
