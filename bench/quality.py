@@ -350,6 +350,8 @@ def train_row(row: Row, store: str, student: Path, out: Path, s: Settings, seed:
     else:
         flat.update(loss={"online": "kl", "renorm": "kl"}.get(row.loss, row.loss), kd_weight=KD_WEIGHT,
                     ce_weight=CE_WEIGHT)
+        if row.loss == "pkl":  # the forward P-KL of every cross row and of the gradient probe (make_objective)
+            flat.update(pkl_divergence="forward")
     cfg = TrainConfig.from_flat(flat)
 
     from stage2_student.mix import TeacherMix

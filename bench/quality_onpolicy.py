@@ -117,19 +117,25 @@ def prepare(work: Path, s: OnPolicySettings, log_file: Path) -> dict:
          "off_cache": work / "cache-off", "half_cache": work / "cache-off-half", "eval_cache": work / "cache-heldout",
          "projection": work / "projection.npz"}
     topk = ["--mode", "topk", "--top-k", str(s.top_k)]
-    for data, out, mode in ((off_data, p["off_cache"], topk), (half_data, p["half_cache"], topk),
-                            (setup.heldout_jsonl, p["eval_cache"], ["--mode", "full"])):
-        if not (out / "manifest.json").exists():
-            run_xtcache("teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
-                     str(setup.student_tokenizer), "--data", str(data), "--out", str(out), *mode, "--max-seq-len",
-                     "512", "--engine", "hf", "--dtype", "float32", log_file=log_file)
-    if not p["projection"].exists():
-        run_xtcache("projection", "build", "--student-tokenizer", str(setup.student_tokenizer), "--teacher-tokenizer",
-                 str(setup.teacher_tokenizer), "--out", str(p["projection"]), log_file=log_file)
+    dump_caches(setup, [(off_data, p["off_cache"], topk), (half_data, p["half_cache"], topk),
+                        (setup.heldout_jsonl, p["eval_cache"], ["--mode", "full"])], p["projection"], log_file)
     p["off_positions"] = trained_positions(p["off_cache"])
     p["half_positions"] = trained_positions(p["half_cache"])
     p["off_turns"] = n_off
     return p
+
+
+def dump_caches(setup, dumps: list[tuple[Path, Path, list[str]]], projection: Path, log_file: Path) -> None:
+    """teacher-dump (engine hf, float32) of each (data, out, mode flags) whose store is not there yet, and the
+    projection map of the setup's two tokenizers unless it exists."""
+    for data, out, mode in dumps:
+        if not (out / "manifest.json").exists():
+            run_xtcache("teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
+                        str(setup.student_tokenizer), "--data", str(data), "--out", str(out), *mode, "--max-seq-len",
+                        "512", "--engine", "hf", "--dtype", "float32", log_file=log_file)
+    if not projection.exists():
+        run_xtcache("projection", "build", "--student-tokenizer", str(setup.student_tokenizer), "--teacher-tokenizer",
+                    str(setup.teacher_tokenizer), "--out", str(projection), log_file=log_file)
 
 
 def _train(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: list[str], log_file: Path, *,
@@ -160,12 +166,20 @@ def _rounds(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: str, extra
              "--loss", loss, "--train-on",
              "last-assistant", "--projection", str(p["projection"]), "--eval-cache", str(p["eval_cache"]), "--",
              *_without_seed(_common(s, seed)),
-             "--kd-weight", "1.0", "--ce-weight", "0.0", *extra, log_file=log_file)
+             "--kd-weight", "1.0", "--ce-weight", "0.0", *_forward_unless_chosen(loss, extra), log_file=log_file)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     positions = sum(trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
     return {"hf": Path(metrics[-1]["hf_dir"]), "heldout_kl": metrics[-1].get("final_eval_kl"),
             "teacher_positions": positions, "generated_tokens": sum(m["generated_tokens"] for m in metrics),
             "steps": metrics[-1]["step"]}
+
+
+def _forward_unless_chosen(loss: str, extra: list[str]) -> list[str]:
+    """The rows' train-student flags with the forward P-KL written out where they give no divergence (the rows were
+    measured when it was the default; train-student's cross-tokenizer default is now forward-reverse)."""
+    if loss in ("auto", "pkl") and "--pkl-divergence" not in extra:
+        return [*extra, "--pkl-divergence", "forward"]
+    return extra
 
 
 def _without_seed(flags: list[str]) -> list[str]:
@@ -200,7 +214,8 @@ def kd_half_steps(s: OnPolicySettings) -> int:
 
 ROWS = [  # name, kind, loss flags
     ("CE only", "train", ["--loss", "ce", "--ce-weight", "1.0"]),
-    ("off-policy KD (P-KL + 0.1 CE)", "train", ["--loss", "auto", "--kd-weight", "1.0", "--ce-weight", "0.1"]),
+    ("off-policy KD (P-KL + 0.1 CE)", "train", ["--loss", "auto", "--pkl-divergence", "forward", "--kd-weight", "1.0",
+                                               "--ce-weight", "0.1"]),
     ("on-policy, 2 rounds, auto (P-KL)", "rounds", ("auto", [])),
     ("on-policy, 2 rounds, rkl-pg", "rounds", ("rkl-pg", ["--is-cap", "0"])),
     ("off-policy KD then on-policy, 2 rounds, auto", "kd-then-rounds", ("auto", [])),

@@ -41,7 +41,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.quality_onpolicy import run_xtcache, trained_positions
+from bench.quality_onpolicy import dump_caches, run_xtcache, trained_positions
 
 log = logging.getLogger("bench.quality.on-policy-converged")
 KINDS = ("chat", "text")
@@ -139,15 +139,8 @@ def prepare(kind: str, work: Path, s: ConvergedSettings, log_file: Path) -> dict
         cont = write_chat_jsonl(work / "continue.jsonl", cont_rows)
         heldout = write_chat_jsonl(work / "heldout.jsonl", held[:s.eval_prompts])
     topk = ["--mode", "topk", "--top-k", str(s.top_k)]
-    for data, out, mode in ((converge, p["converge_cache"], topk), (cont, p["continue_cache"], topk),
-                            (heldout, p["eval_cache"], ["--mode", "full"])):
-        if not (out / "manifest.json").exists():
-            run_xtcache("teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
-                     str(setup.student_tokenizer), "--data", str(data), "--out", str(out), *mode, "--max-seq-len",
-                     "512", "--engine", "hf", "--dtype", "float32", log_file=log_file)
-    if not p["projection"].exists():
-        run_xtcache("projection", "build", "--student-tokenizer", str(setup.student_tokenizer), "--teacher-tokenizer",
-                 str(setup.teacher_tokenizer), "--out", str(p["projection"]), log_file=log_file)
+    dump_caches(setup, [(converge, p["converge_cache"], topk), (cont, p["continue_cache"], topk),
+                        (heldout, p["eval_cache"], ["--mode", "full"])], p["projection"], log_file)
     p["continue_positions"] = trained_positions(p["continue_cache"])
     return p
 

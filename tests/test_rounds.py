@@ -229,6 +229,8 @@ def test_the_default_loss_is_the_reverse_kl_on_the_stored_support_for_either_tok
     assert forward[forward.index("--loss") + 1] == "pkl" and forward.count("--pkl-divergence") == 1
     with pytest.raises(ValueError, match="--pkl-divergence: set by xtcache rounds"):
         RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", train_args=["--pkl-divergence", "jsd"])
+    with pytest.raises(ValueError, match=r"--loss reverse with --dump-args '--mode sampled': .*--loss auto"):
+        RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", dump_args="--mode sampled --num-samples 8")
 
 
 def test_teacher_dump_flags_of_every_round_and_the_check_trusted_after_round_0(tmp_path):

@@ -31,6 +31,7 @@ This module composes the stages' command lines only: it imports no stage.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from xtcache.cliconfig import command
 from xtcache.errors import ConfigError
 from xtcache.fingerprint import sha256_file, tokenizer_fingerprint
 from xtcache.store import CacheReader
+from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 STAGES = ("generate", "teacher-dump", "train-student")
@@ -82,7 +84,7 @@ class RoundsConfig:
     steps_per_round: int = 100
     """Optimizer steps per round (round r trains to (r+1) x this)."""
     loss: str = "reverse"
-    """reverse (default): the reverse KL on the teacher's stored support + rest (train-student --loss rkl with the teacher's tokenizer, else --loss pkl --pkl-divergence reverse); any other value is train-student's --loss (auto: the forward KL / P-KL; rkl-pg: the policy gradient). docs/on-policy.md."""
+    """reverse (default): the reverse KL on the teacher's stored support + rest (train-student --loss rkl with the teacher's tokenizer, else --loss pkl --pkl-divergence reverse); any other value is train-student's --loss with its defaults (auto: the KL / P-KL of a corpus cache; rkl-pg: the policy gradient). docs/on-policy.md."""
     train_on: str = "last-assistant"
     """train-student --train-on: the generated turn (of a conversation, or the completion of a text prefix)."""
     projection: str | None = None
@@ -114,6 +116,11 @@ class RoundsConfig:
             raise ValueError(f"extra train-student flags {', '.join(clash)}: set by xtcache rounds itself; use its "
                              "own options (--loss, --train-on, --projection, --eval-cache, --steps-per-round; "
                              "another P-KL divergence: --loss pkl -- --pkl-divergence D)")
+        mode = self.dump_flags[self.dump_flags.index("--mode") + 1] if "--mode" in self.dump_flags[:-1] else "topk"
+        if self.loss == "reverse" and mode in ("sampled", "headtail"):
+            raise ValueError(f"--loss reverse with --dump-args '--mode {mode}': the reverse KL takes the log of the "
+                             "teacher's probabilities, which a drawn cache only estimates; use --mode topk or full, or "
+                             "--loss auto (the forward KL, linear in the estimate)")
         owned = {"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume"}
         clash = sorted({a.split("=")[0] for a in self.dump_flags} & owned)
         if clash:
@@ -160,12 +167,19 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
 
 def loss_flags(cfg: RoundsConfig) -> list[str]:
     """train-student's loss flags for --loss: `reverse` is the reverse KL on the teacher's stored support, `rkl`
-    when the student's tokenizer is the teacher's (the same tokenizer.json), else P-KL's reverse divergence."""
+    when the student's tokenizer is the teacher's (the same fingerprint, as the store compares them), else P-KL's
+    reverse divergence."""
     if cfg.loss != "reverse":
         return ["--loss", cfg.loss]
-    if tokenizer_fingerprint(cfg.student) == tokenizer_fingerprint(cfg.teacher):  # teacher-dump's tokenizer too
+    if _tokenizer_fingerprint(cfg.student) == _tokenizer_fingerprint(cfg.teacher):
         return ["--loss", "rkl"]
     return ["--loss", "pkl", "--pkl-divergence", "reverse"]
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_fingerprint(model_dir: str) -> str:
+    """The fingerprint of the tokenizer loaded from a model directory (as teacher-dump and train-student load it)."""
+    return tokenizer_fingerprint(load_tokenizer(model_dir, f"tokenizer of {model_dir}"))
 
 
 def resume_flags(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
