@@ -297,8 +297,8 @@ def markdown(report: dict) -> str:
     reused = sorted({(r["row"], r["seed"]) for r in res if r.get("reused")}, key=lambda x: (x[1], x[0]))
     if reused:
         out += ["", f"{len(reused)} of the {len(res)} runs (seed {', '.join(sorted({str(sd) for _, sd in reused}))}) "
-                "were finished runs of the same flags in the bench's work directory, reused (each run's "
-                "bench_row.json holds its flags); every run is graded in this invocation."]
+                "were finished runs of the same objective in the bench's work directory, reused (each run's "
+                "bench_row.json holds its flags and the defaults it ran under); every run is graded in this invocation."]
     out += ["", "Held-out KL: cross rows the first-token KL, same-tokenizer rows the token-level KL over the full "
             "vocabulary (different measures: compare rows of one kind). Chunk-mean P-KL: cross rows only.", ""]
     out += [f"- {n}" for n in paired_notes(res)]
