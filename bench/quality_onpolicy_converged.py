@@ -28,7 +28,8 @@ with the same generators): reverse KL per sequence and teacher NLL per byte of t
 samples, and the held-out KL (train-student's `--eval-cache`: the teacher's full distribution on
 held-out turns or completions). A row beats continued off-policy KD on a measure when it is better on
 every seed and the mean paired difference exceeds its standard deviation; the held-out KL is within the
-spread when |mean difference| <= the two rows' standard deviations added.
+spread when |mean difference| <= the two rows' standard deviations added (and said to be lower or higher
+beyond it otherwise).
 """
 
 from __future__ import annotations
@@ -252,14 +253,18 @@ def verdicts(rows: dict) -> list[str]:
             parts.append(f"{label} {mean:+.3f} (sd {sd:.3f}, lower on {better}/{len(d)} seeds)")
             if better == len(d) and -mean > sd:
                 won.append(label)
+        for key, label, fmt in (("reverse_kl_per_token", "(beside them) reverse KL/token", ".3f"),
+                                ("mean_student_tokens", "sample length", ".1f")):
+            d = [r[key] - base[r["seed"]][key] for r in runs]
+            parts.append(f"{label} {statistics.fmean(d):+{fmt}} (sd {statistics.stdev(d):{fmt}})")
         a = [r["heldout_kl"] for r in runs]
         b = [r["heldout_kl"] for r in rows[base_name]]
         gap = statistics.fmean(a) - statistics.fmean(b)
         spread = statistics.stdev(a) + statistics.stdev(b)
-        within = abs(gap) <= spread
-        parts.append(f"held-out KL {gap:+.4f} ({'within' if within else 'outside'} the spread {spread:.4f})")
-        verdict = (f"beats it on {' and '.join(won)}" if won else "beats it on neither") + \
-            (", held-out KL within the spread" if within else ", held-out KL outside the spread")
+        kl = "within the spread" if abs(gap) <= spread else "lower beyond the spread" if gap < 0 else \
+            "higher beyond the spread"
+        parts.append(f"held-out KL {gap:+.4f} ({kl}: the spread is {spread:.4f})")
+        verdict = (f"beats it on {' and '.join(won)}" if won else "beats it on neither") + f", held-out KL {kl}"
         notes.append(f"- {name} vs {base_name}, paired by seed: " + "; ".join(parts) + f": **{verdict}**")
     return notes
 
