@@ -72,9 +72,8 @@ QUICK = ConvergedSettings(converge_steps=20, steps=4, prompts=6, eval_prompts=6,
 # name, kind, `xtcache rounds` flags (on-policy rows; each row's flags after `--` go to train-student)
 ROWS = [
     ("continued off-policy KD (train-student defaults)", "off", []),
-    ("on-policy rounds (rounds' defaults)", "on", []),
-    ("on-policy rounds, P-KL forward + 0.1 CE (the earlier defaults)", "on",
-     ["--loss", "pkl", "--", "--pkl-divergence", "forward", "--ce-weight", "0.1"]),
+    ("on-policy rounds, reverse P-KL, no CE", "on", ["--loss", "reverse", "--", "--ce-weight", "0.0"]),
+    ("on-policy rounds (rounds' defaults: forward P-KL + 0.1 CE)", "on", []),
 ]
 MEASURES = (("reverse_kl_per_sequence", "reverse KL/sequence"), ("teacher_nll_per_byte", "teacher NLL/byte"))
 
@@ -269,14 +268,26 @@ def verdicts(rows: dict) -> list[str]:
     return notes
 
 
+def complete_seeds(report: dict) -> dict:
+    """The report with each kind's rows cut to the seeds every row of the kind finished (a stopped run's JSON)."""
+    kinds = {}
+    for kind, rows in report["kinds"].items():
+        done = set.intersection(*({r["seed"] for r in runs} for runs in rows.values()))
+        kinds[kind] = {name: [r for r in runs if r["seed"] in done] for name, runs in rows.items()}
+    return {**report, "kinds": kinds}
+
+
 def markdown(report: dict) -> str:
+    report = complete_seeds(report)
     s = report["settings"]
     lines = [f"From a converged off-policy student ({s['converge_steps']} steps of `--loss auto` at lr "
              f"{s['converge_lr']}, cosine to 0.1), each row {s['steps']} more optimizer steps at a constant lr {s['lr']} "
              f"(a fresh optimizer, 2 warmup steps), micro-batch 4 x 256; on-policy: `xtcache rounds --engine hf`, 2 rounds "
              f"of {s['steps'] // 2} steps on {s['prompts']} training prompts x {s['samples_per_prompt']} samples of up to "
-             f"{s['max_new_tokens']} tokens. {s['seeds']} seeds (mean ± sd; the seed sets the converged student, the "
-             "rounds' samples and the data order). Cross-tokenizer, top-16 caches.", ""]
+             f"{s['max_new_tokens']} tokens. Seeds: " + ", ".join(
+                 f"{kind} {len(rows[ROWS[0][0]])}" for kind, rows in report["kinds"].items()) +
+             f" of {s['seeds']} (mean ± sd; the seed sets the converged student, the rounds' samples and the data "
+             "order). Cross-tokenizer, top-16 caches.", ""]
     for kind, rows in report["kinds"].items():
         lines += [f"**{kind}** ({'conversations, last assistant turn' if kind == 'chat' else 'text prefixes, completion'})",
                   "", "| row | teacher-scored tokens trained | held-out KL | reverse KL/sequence | teacher NLL/byte | "

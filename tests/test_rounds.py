@@ -205,12 +205,12 @@ def test_each_round_cache_of_the_killed_run_is_aligned_and_trains_exactly_the_ge
 def _cfg(tmp_path, **kw):
     from xtcache.app.rounds import RoundsConfig
 
-    # loss auto: the default (reverse) reads the student's and teacher's tokenizers, which S and T are not
+    # loss auto: the default (forward) reads the student's and teacher's tokenizers, which S and T are not
     return RoundsConfig(**{"student": "S", "teacher": "T", "prompts": ["p.jsonl"], "rounds": 2, "loss": "auto",
                            "workdir": str(tmp_path / "w"), "engine": "hf", "train_on": "last-assistant", **kw})
 
 
-def test_the_default_loss_is_the_reverse_kl_on_the_stored_support_for_either_tokenizer_pair(chat, tmp_path):
+def test_the_default_loss_is_the_forward_kl_on_the_stored_support_for_either_tokenizer_pair(chat, tmp_path):
     from xtcache.app.rounds import RoundsConfig, stage_command
 
     setup, prompts = chat
@@ -221,16 +221,21 @@ def test_the_default_loss_is_the_reverse_kl_on_the_stored_support_for_either_tok
         return stage_command(cfg, 0, "train-student")
 
     cross = train(str(setup.student_model))
-    assert cross[cross.index("--loss"):cross.index("--loss") + 4] == ["--loss", "pkl", "--pkl-divergence", "reverse"]
-    assert cross[cross.index("--ce-weight") + 1] == "0.0"  # no CE on the student's own samples
+    assert cross[cross.index("--loss"):cross.index("--loss") + 4] == ["--loss", "pkl", "--pkl-divergence", "forward"]
+    assert cross[cross.index("--ce-weight") + 1] == "0.1"  # a small anchor on the student's own samples
     same = train(str(setup.teacher_model))  # a student on the teacher's own tokenizer
-    assert same[same.index("--loss"):same.index("--loss") + 2] == ["--loss", "rkl"] and "--pkl-divergence" not in same
-    forward = train(str(setup.student_model), loss="pkl", train_args=["--pkl-divergence", "forward"])
-    assert forward[forward.index("--loss") + 1] == "pkl" and forward.count("--pkl-divergence") == 1
+    assert same[same.index("--loss"):same.index("--loss") + 2] == ["--loss", "kl"] and "--pkl-divergence" not in same
+    reverse = train(str(setup.student_model), loss="reverse", train_args=["--ce-weight", "0"])
+    assert reverse[reverse.index("--loss"):reverse.index("--loss") + 4] == ["--loss", "pkl", "--pkl-divergence",
+                                                                            "reverse"]
+    assert train(str(setup.teacher_model), loss="reverse")[same.index("--loss") + 1] == "rkl"
+    given = train(str(setup.student_model), loss="pkl", train_args=["--pkl-divergence", "jsd"])
+    assert given[given.index("--loss") + 1] == "pkl" and given.count("--pkl-divergence") == 1
     with pytest.raises(ValueError, match="--pkl-divergence: set by xtcache rounds"):
         RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", train_args=["--pkl-divergence", "jsd"])
     with pytest.raises(ValueError, match=r"--loss reverse with --dump-args '--mode sampled': .*--loss auto"):
-        RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", dump_args="--mode sampled --num-samples 8")
+        RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", loss="reverse",
+                     dump_args="--mode sampled --num-samples 8")
 
 
 def test_teacher_dump_flags_of_every_round_and_the_check_trusted_after_round_0(tmp_path):

@@ -53,8 +53,9 @@ from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 STAGES = ("generate", "teacher-dump", "train-student")
-ROLLOUT_CE_WEIGHT = 0.0  # train-student --ce-weight on a round's rollouts unless given after `--` (docs/on-policy.md)
+ROLLOUT_CE_WEIGHT = 0.1  # train-student --ce-weight on a round's rollouts unless given after `--` (docs/on-policy.md)
 SETTINGS_FILE = "rounds.json"
+DIVERGENCES = {"forward": "kl", "reverse": "rkl"}  # rounds' --loss -> train-student's same-tokenizer loss
 
 
 @dataclass(kw_only=True)
@@ -83,8 +84,8 @@ class RoundsConfig:
     """train-student --seed; round r generates with --seed SEED + r."""
     steps_per_round: int = 100
     """Optimizer steps per round (round r trains to (r+1) x this)."""
-    loss: str = "reverse"
-    """reverse (default): the reverse KL on the teacher's stored support + rest (train-student --loss rkl with the teacher's tokenizer, else --loss pkl --pkl-divergence reverse); any other value is train-student's --loss with its defaults (auto: the KL / P-KL of a corpus cache; rkl-pg: the policy gradient). docs/on-policy.md."""
+    loss: str = "forward"
+    """forward (default): the forward KL on the teacher's stored support + rest (train-student --loss kl with the teacher's tokenizer, else --loss pkl --pkl-divergence forward); reverse: the reverse KL (rkl, or P-KL's reverse divergence); any other value is train-student's --loss with its defaults (auto: the KL / P-KL of a corpus cache; rkl-pg: the policy gradient). docs/on-policy.md."""
     train_on: str = "last-assistant"
     """train-student --train-on: the generated turn (of a conversation, or the completion of a text prefix)."""
     projection: str | None = None
@@ -110,7 +111,7 @@ class RoundsConfig:
         if not self.prompts:
             raise ValueError("--prompts: give at least one prompt file")
         owned = {"--cache", "--student", "--out", "--max-steps", "--resume", "--init-from", "--loss", "--train-on",
-                 "--projection", "--eval-cache"} | ({"--pkl-divergence"} if self.loss == "reverse" else set())
+                 "--projection", "--eval-cache"} | ({"--pkl-divergence"} if self.loss in DIVERGENCES else set())
         clash = sorted({a.split("=")[0] for a in self.train_args} & owned)
         if clash:
             raise ValueError(f"extra train-student flags {', '.join(clash)}: set by xtcache rounds itself; use its "
@@ -159,21 +160,21 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
     if cfg.eval_cache:
         args += ["--eval-cache", cfg.eval_cache]
     if "--ce-weight" not in {a.split("=")[0] for a in cfg.train_args}:
-        # on the student's own fresh samples CE has no expected gradient, and on stale or re-tokenized ones it pulls
-        # back: none, not train-student's cross-tokenizer corpus default of 1.0 (docs/on-policy.md, measured)
+        # on the student's own fresh samples CE has no expected gradient: a small anchor, not train-student's
+        # cross-tokenizer corpus default (docs/on-policy.md: measured with the forward KL)
         args += ["--ce-weight", str(ROLLOUT_CE_WEIGHT)]
     return [*args, *cfg.train_args]
 
 
 def loss_flags(cfg: RoundsConfig) -> list[str]:
-    """train-student's loss flags for --loss: `reverse` is the reverse KL on the teacher's stored support, `rkl`
-    when the student's tokenizer is the teacher's (the same fingerprint, as the store compares them), else P-KL's
-    reverse divergence."""
-    if cfg.loss != "reverse":
+    """train-student's loss flags for --loss: `forward` and `reverse` are that KL on the teacher's stored support,
+    `kl` / `rkl` when the student's tokenizer is the teacher's (the same fingerprint, as the store compares them),
+    else P-KL with that divergence; another --loss passes through."""
+    if cfg.loss not in DIVERGENCES:
         return ["--loss", cfg.loss]
     if _tokenizer_fingerprint(cfg.student) == _tokenizer_fingerprint(cfg.teacher):
-        return ["--loss", "rkl"]
-    return ["--loss", "pkl", "--pkl-divergence", "reverse"]
+        return ["--loss", DIVERGENCES[cfg.loss]]
+    return ["--loss", "pkl", "--pkl-divergence", cfg.loss]
 
 
 @functools.lru_cache(maxsize=8)

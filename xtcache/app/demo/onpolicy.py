@@ -12,7 +12,7 @@ student; `xtcache demo --chat`), then, each stage an `xtcache` subprocess:
    (after SFT or KD: a fresh student's own samples are noise to the teacher, docs/on-policy.md);
 3. from it, 2 R more steps each (R = `round_steps`), a fresh optimizer at a constant lr 1e-4 after 2 warmup
    steps (`FINE_TUNE`): continued off-policy KD on the same cache, and `xtcache rounds` with its defaults (the
-   reverse P-KL on the teacher's stored support, no CE), 2 rounds of R steps: the student answers prompts
+   forward P-KL + 0.1 CE on the rollouts), 2 rounds of R steps: the student answers prompts
    cut from the training conversations (after their last user message), the teacher scores its answers, the
    student trains on them, and the next round samples from the trained student;
 4. `xtcache policy-eval` of every student (before training, converged, continued, after each round) on
@@ -189,8 +189,8 @@ def on_policy_table(r: dict) -> str:
         f"{fmt(r['eval_cache_docs'], 'd')}",
         "    held-out conversations (the demo's measure); off-policy KD: P-KL + 0.1 CE on the training conversations'",
         f"    cache; from its step {r.get('kd_steps', '-')}, both arms at lr 1e-4: the same cache again, or "
-        "`xtcache rounds` (reverse P-KL",
-        "    on the student's own answers to prompts cut from the same conversations)",
+        "`xtcache rounds` (the same",
+        "    objective on the student's own answers to prompts cut from the same conversations)",
         "  ** xtcache policy-eval: the live teacher on the student's own samples for "
         f"{r['eval_prompts']} held-out prompts x {r['eval_samples_per_prompt']}",
         "     samples: mean log p_student(y) - log p_teacher(y) per sample, and -log p_teacher(y) per byte of its text",
