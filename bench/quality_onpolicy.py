@@ -276,11 +276,12 @@ def _run_row(p: dict, out: Path, s: OnPolicySettings, seed: int, kind: str, flag
                                       "teacher_nll_per_byte", "stopped_fraction", "mean_student_tokens", "unscored")}}
 
 
-def _mean_sd(xs: list, fmt: str = ".3f") -> str:
+def mean_sd(xs: list, fmt: str = ".3f", sep: str = "+-") -> str:
+    """'mean SEP sd' of the values given (None left out), the value alone for one, '-' for none."""
     xs = [x for x in xs if x is not None]
     if not xs:
         return "-"
-    return f"{statistics.fmean(xs):{fmt}} +- {statistics.stdev(xs):{fmt}}" if len(xs) > 1 else f"{xs[0]:{fmt}}"
+    return f"{statistics.fmean(xs):{fmt}} {sep} {statistics.stdev(xs):{fmt}}" if len(xs) > 1 else f"{xs[0]:{fmt}}"
 
 
 def _spread_notes(rows: dict) -> list[str]:
@@ -313,11 +314,11 @@ def markdown(report: dict) -> str:
              "| row | teacher-scored tokens (trained) | steps | held-out KL | reverse KL/token | teacher NLL/token | "
              "teacher NLL/byte | sample length (tokens) | stopped |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, runs in report["rows"].items():
-        cells = [_mean_sd([r["teacher_positions"] for r in runs], ".0f"), str(runs[0]["steps"]),
-                 *[_mean_sd([r[k] for r in runs]) for k in ("heldout_kl", "reverse_kl_per_token",
+        cells = [mean_sd([r["teacher_positions"] for r in runs], ".0f"), str(runs[0]["steps"]),
+                 *[mean_sd([r[k] for r in runs]) for k in ("heldout_kl", "reverse_kl_per_token",
                                                             "teacher_nll_per_token", "teacher_nll_per_byte")],
-                 _mean_sd([r["mean_student_tokens"] for r in runs], ".1f"),
-                 _mean_sd([r["stopped_fraction"] for r in runs], ".2f")]
+                 mean_sd([r["mean_student_tokens"] for r in runs], ".1f"),
+                 mean_sd([r["stopped_fraction"] for r in runs], ".2f")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Held-out KL: chunk-level P-KL to the teacher's full distribution on the last assistant turns of "
               f"{s['num_heldout']} held-out conversations (train-student's `--eval-cache`). Reverse KL/token and "
@@ -347,7 +348,7 @@ def _kd_then_note(report: dict) -> list[str]:
             "rollouts as the off-policy row's turns. Their teacher-scored column is the KD half's tokens plus both "
             "rounds' rollout tokens. The corpus row mixes the KD half's cache into the rounds' training at "
             "`--rollout-fraction 0.5` (no new teacher-scored tokens). Held-out KL after the KD half alone: "
-            f"{_mean_sd([r['kd_heldout_kl'] for r in runs])}.", ""]
+            f"{mean_sd([r['kd_heldout_kl'] for r in runs])}.", ""]
 
 
 def _wall_time(report: dict) -> str:

@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.quality_onpolicy import dump_caches, run_xtcache, trained_positions
+from bench.quality_onpolicy import dump_caches, mean_sd, run_xtcache, trained_positions
 
 log = logging.getLogger("bench.quality.on-policy-converged")
 KINDS = ("chat", "text")
@@ -230,10 +230,7 @@ def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, save: Path |
 
 
 def _cell(xs: list, fmt: str = ".3f") -> str:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "-"
-    return f"{statistics.fmean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}" if len(xs) > 1 else f"{xs[0]:{fmt}}"
+    return mean_sd(xs, fmt, "±")
 
 
 def verdicts(rows: dict) -> list[str]:
