@@ -712,9 +712,11 @@ def main(argv=None) -> None:
                    help="also write quality.md into docs/benchmarks.md's quality-table block (xtcache.app.docblock)")
     p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged"), default="table",
                    help="table: the full table (docs/benchmarks.md); on-policy: on-policy rounds against off-policy KD "
-                        "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block)")
-    p.add_argument("--from-report", help="with --section on-policy: render the table of this quality-on-policy.json "
-                                         "(an earlier run's) instead of running")
+                        "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block); "
+                        "on-policy-converged: rounds against continued off-policy KD from a converged student "
+                        "(bench/quality_onpolicy_converged.py; its quality-on-policy-converged block)")
+    p.add_argument("--from-report", help="with --section on-policy or on-policy-converged: render the table of this "
+                                         "quality-on-policy(-converged).json (an earlier run's) instead of running")
     p.add_argument("--add-rows", action="store_true",
                    help="with --section on-policy --from-report R: run only the rows R lacks (its settings, seeds "
                         "and setup) and write R's rows with them to --out's quality-on-policy.json")

@@ -146,8 +146,8 @@ def _train(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: list[str], 
     setup = p["setup"]
     cache, steps = (p["half_cache"], kd_half_steps(s)) if half else (p["off_cache"], ROUNDS * s.steps_per_round)
     run_xtcache("train-student", "--cache", str(cache), "--eval-cache", str(p["eval_cache"]), "--student",
-             str(setup.student_model), "--out", str(out), "--projection", str(p["projection"]), "--max-steps",
-             str(steps), "--train-on", "last-assistant", *_common(s, seed), *loss, log_file=log_file)
+                str(setup.student_model), "--out", str(out), "--projection", str(p["projection"]), "--max-steps",
+                str(steps), "--train-on", "last-assistant", *_common(s, seed), *loss, log_file=log_file)
     summary = json.loads((out / "summary.json").read_text())
     return {"hf": out / "hf", "heldout_kl": summary.get("final_eval_kl"),
             "teacher_positions": p["half_positions" if half else "off_positions"], "steps": steps}
@@ -160,13 +160,13 @@ def _rounds(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: str, extra
         shutil.rmtree(out)
     setup = p["setup"]
     run_xtcache("rounds", "--student", str(student or setup.student_model), "--teacher", str(setup.teacher_model),
-             "--prompts", str(prompts or p["train_prompts"]), "--rounds", str(ROUNDS), "--workdir", str(out),
-             "--engine", "hf", "--samples-per-prompt", str(s.samples_per_prompt), "--max-new-tokens",
-             str(s.max_new_tokens), "--seed", str(seed), "--steps-per-round", str(steps_per_round or s.steps_per_round),
-             "--loss", loss, "--train-on",
-             "last-assistant", "--projection", str(p["projection"]), "--eval-cache", str(p["eval_cache"]), "--",
-             *_without_seed(_common(s, seed)),
-             "--kd-weight", "1.0", "--ce-weight", "0.0", *_forward_unless_chosen(loss, extra), log_file=log_file)
+                "--prompts", str(prompts or p["train_prompts"]), "--rounds", str(ROUNDS), "--workdir", str(out),
+                "--engine", "hf", "--samples-per-prompt", str(s.samples_per_prompt), "--max-new-tokens",
+                str(s.max_new_tokens), "--seed", str(seed), "--steps-per-round", str(steps_per_round or s.steps_per_round),
+                "--loss", loss, "--train-on",
+                "last-assistant", "--projection", str(p["projection"]), "--eval-cache", str(p["eval_cache"]), "--",
+                *_without_seed(_common(s, seed)),
+                "--kd-weight", "1.0", "--ce-weight", "0.0", *_forward_unless_chosen(loss, extra), log_file=log_file)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     positions = sum(trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
     return {"hf": Path(metrics[-1]["hf_dir"]), "heldout_kl": metrics[-1].get("final_eval_kl"),

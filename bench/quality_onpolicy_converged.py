@@ -156,18 +156,18 @@ def converge(p: dict, out: Path, s: ConvergedSettings, seed: int, log_file: Path
         shutil.rmtree(out, ignore_errors=True)
         train_on = "last-assistant" if p["kind"] == "chat" else "all"  # text: whole documents
         run_xtcache("train-student", "--cache", str(p["converge_cache"]), "--eval-cache", str(p["eval_cache"]),
-                 "--student", str(p["setup"].student_model), "--out", str(out), "--projection", str(p["projection"]),
-                 "--max-steps", str(s.converge_steps), "--train-on", train_on, "--seed", str(seed), "--loss", "auto",
-                 *_flags(s.converge_lr, 5, 0.1), log_file=log_file)
+                    "--student", str(p["setup"].student_model), "--out", str(out), "--projection", str(p["projection"]),
+                    "--max-steps", str(s.converge_steps), "--train-on", train_on, "--seed", str(seed), "--loss", "auto",
+                    *_flags(s.converge_lr, 5, 0.1), log_file=log_file)
     return json.loads((out / "summary.json").read_text())
 
 
 def off_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, log_file: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     run_xtcache("train-student", "--cache", str(p["continue_cache"]), "--eval-cache", str(p["eval_cache"]), "--student",
-             str(start), "--out", str(out), "--projection", str(p["projection"]), "--max-steps", str(s.steps),
-             "--train-on", "last-assistant", "--seed", str(seed), "--loss", "auto", *_flags(s.lr, 2, 1.0),
-             log_file=log_file)
+                str(start), "--out", str(out), "--projection", str(p["projection"]), "--max-steps", str(s.steps),
+                "--train-on", "last-assistant", "--seed", str(seed), "--loss", "auto", *_flags(s.lr, 2, 1.0),
+                log_file=log_file)
     summary = json.loads((out / "summary.json").read_text())
     return {"hf": out / "hf", "heldout_kl": summary.get("final_eval_kl"), "start_kl": summary.get("initial_eval_kl"),
             "teacher_positions": p["continue_positions"]}
@@ -178,11 +178,11 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
     shutil.rmtree(out, ignore_errors=True)
     own, train = (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
     run_xtcache("rounds", "--student", str(start), "--teacher", str(p["setup"].teacher_model), "--prompts",
-             str(p["train_prompts"]), "--rounds", "2", "--workdir", str(out), "--engine", "hf", "--samples-per-prompt",
-             str(s.samples_per_prompt), "--max-new-tokens", str(s.max_new_tokens), "--seed", str(seed),
-             "--steps-per-round", str(s.steps // 2), "--train-on", "last-assistant", "--projection",
-             str(p["projection"]), "--eval-cache", str(p["eval_cache"]), *own, "--", *_flags(s.lr, 2, 1.0), *train,
-             log_file=log_file)
+                str(p["train_prompts"]), "--rounds", "2", "--workdir", str(out), "--engine", "hf", "--samples-per-prompt",
+                str(s.samples_per_prompt), "--max-new-tokens", str(s.max_new_tokens), "--seed", str(seed),
+                "--steps-per-round", str(s.steps // 2), "--train-on", "last-assistant", "--projection",
+                str(p["projection"]), "--eval-cache", str(p["eval_cache"]), *own, "--", *_flags(s.lr, 2, 1.0), *train,
+                log_file=log_file)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     positions = sum(trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
     return {"hf": Path(metrics[-1]["hf_dir"]), "heldout_kl": metrics[-1].get("final_eval_kl"),

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import typer
 
+from schemas.models import DRAWN_MODES
 from xtcache.app.store_commands import part_counts, rollout_summary
 from xtcache.cliconfig import command
 from xtcache.errors import ConfigError
@@ -118,7 +119,7 @@ class RoundsConfig:
                              "own options (--loss, --train-on, --projection, --eval-cache, --steps-per-round; "
                              "another P-KL divergence: --loss pkl -- --pkl-divergence D)")
         mode = self.dump_flags[self.dump_flags.index("--mode") + 1] if "--mode" in self.dump_flags[:-1] else "topk"
-        if self.loss == "reverse" and mode in ("sampled", "headtail"):
+        if self.loss == "reverse" and mode in DRAWN_MODES:
             raise ValueError(f"--loss reverse with --dump-args '--mode {mode}': the reverse KL takes the log of the "
                              "teacher's probabilities, which a drawn cache only estimates; use --mode topk or full, or "
                              "--loss auto (the forward KL, linear in the estimate)")

@@ -188,7 +188,7 @@ def on_policy_table(r: dict) -> str:
         "  * first-token KL to the teacher's full distribution, on the last assistant turns of "
         f"{fmt(r['eval_cache_docs'], 'd')}",
         "    held-out conversations (the demo's measure); off-policy KD: P-KL + 0.1 CE on the training conversations'",
-        f"    cache; from its step {r.get('kd_steps', '-')}, both arms at lr 1e-4: the same cache again, or "
+        f"    cache; from its step {r.get('kd_steps', '-')}, both arms at lr {FINE_TUNE[1]}: the same cache again, or "
         "`xtcache rounds` (the same",
         "    objective on the student's own answers to prompts cut from the same conversations)",
         "  ** xtcache policy-eval: the live teacher on the student's own samples for "
