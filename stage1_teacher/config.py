@@ -93,7 +93,7 @@ class StoreConfig:
     """fsspec storage options for remote stores (JSON object on the command line); also for --data unless
     --data-storage-options is given."""
     docs_per_part: int = 256
-    """Documents per store part (the unit of commit and of --resume)."""
+    """Documents per store part (the unit of commit and of --resume); where that many windows of targets could pass 8 GiB (full mode on a large vocabulary), a part also ends before the document that would take it past 1 GiB."""
     shard_index: int | None = None
     """This job's writer index in [0, --num-shards); default: from the launcher (Slurm array, Kubernetes
     indexed Job, RANK), else 0."""
@@ -194,10 +194,12 @@ def expand_globs(paths: list[str], storage_options: dict | None = None) -> list[
 
 
 def settings_for_fingerprint(cfg: TeacherDumpConfig, *, window_len: int, boundary_tokenizers: list[str],
-                             shard_plan: str = "", conversation: dict | None = None) -> dict:
+                             shard_plan: str = "", conversation: dict | None = None,
+                             part_positions: int | None = None) -> dict:
     """The capture settings that change what is stored (part of the cache key); with several jobs,
     the shard plan's fingerprint (which job writes which rows); for a conversation corpus, the
-    messages field, the teacher's chat template fingerprint and its end-of-turn candidate ids."""
+    messages field, the teacher's chat template fingerprint and its end-of-turn candidate ids; where parts
+    also end at a number of positions (plan.part_position_limit), that number."""
     c = cfg.capture
     return {
         "mode": c.mode, "top_k": c.top_k if c.mode in ("topk", "headtail") else None,
@@ -205,6 +207,7 @@ def settings_for_fingerprint(cfg: TeacherDumpConfig, *, window_len: int, boundar
         "seed": c.seed if c.mode in DRAWN_MODES else None,
         "max_seq_len": window_len, "window_overlap": c.window_overlap, "dtype": cfg.teacher.dtype,
         "docs_per_part": cfg.store.docs_per_part, "num_shards": cfg.store.num_shards,
+        **({"part_positions": part_positions} if part_positions else {}),
         **({"shard_plan": shard_plan} if cfg.store.num_shards > 1 else {}),
         "window_cut_tokenizers": boundary_tokenizers, "text_field": cfg.input.text_field,
         **({"conversation": conversation} if conversation else {}),

@@ -53,7 +53,7 @@ def dry_run(cfg: TeacherDumpConfig, plan: Plan) -> DryRun:
     docs = positions = windows = student_tokens = chunks = 0
     skipped: dict[str, int] = {}
     rows = iter_corpus(plan.corpus, plan=plan.shard_plan, job=cfg.store.shard_index)
-    for part in iter_parts(rows, prep, docs_per_part=cfg.store.docs_per_part):
+    for part in iter_parts(rows, prep, docs_per_part=cfg.store.docs_per_part, max_positions=plan.part_positions):
         for s in part.skipped:
             skipped[s.reason] = skipped.get(s.reason, 0) + 1
         for pd in part.docs:

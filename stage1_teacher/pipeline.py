@@ -203,7 +203,7 @@ class _Pipeline:
     def produce(self) -> None:
         cfg, plan, summary = self.cfg, self.plan, self.summary
         rows = iter_corpus(plan.corpus, plan=plan.shard_plan, job=cfg.store.shard_index)
-        for part in iter_parts(rows, self.prep, docs_per_part=cfg.store.docs_per_part):
+        for part in iter_parts(rows, self.prep, docs_per_part=cfg.store.docs_per_part, max_positions=plan.part_positions):
             with self.lock:
                 for s in part.skipped:
                     summary.skipped[s.reason] = summary.skipped.get(s.reason, 0) + 1

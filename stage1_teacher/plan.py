@@ -51,6 +51,23 @@ class Plan:
     messages_field: str | None = None  # conversation corpus: the field holding the messages
     corpus: Corpus | None = None  # --data, resolved once
     corpus_digests: object = None  # cache_inputs.ShareDigests: this job's files, checked against the store
+    part_positions: int | None = None  # parts also end at this many positions (part_position_limit)
+
+
+PART_BYTES = 1 << 30  # most target bytes of a limited part (several parts are in flight: queued, posted, written)
+LIMIT_FROM = 8 << 30  # the limit applies where --docs-per-part windows of targets could pass this
+TARGET_BYTES = 8  # per entry: an int32 id and a float32 value
+
+
+def part_position_limit(docs_per_part: int, window_len: int, k: int) -> int | None:
+    """Most positions of one part where `docs_per_part` documents of one window each could hold more than LIMIT_FROM
+    bytes of `k`-wide targets (full mode on a real vocabulary: 49,152 ids make 384 KiB a position, 2,730 positions
+    a part; a top-k of thousands), so that the parts in flight fit in memory; None elsewhere (parts end at
+    `docs_per_part` documents alone, and the store's fingerprint is what it was before the limit existed). A part
+    never splits a document."""
+    if docs_per_part * window_len * k * TARGET_BYTES <= LIMIT_FROM:
+        return None
+    return max(1, PART_BYTES // (k * TARGET_BYTES))
 
 
 def make_plan(cfg: TeacherDumpConfig, corpus: Corpus | None = None) -> Plan:
@@ -95,11 +112,11 @@ def make_plan(cfg: TeacherDumpConfig, corpus: Corpus | None = None) -> Plan:
             log.info("windows of %d tokens: the teacher's context (%d positions) less one", window_len, max_pos)
     if c.window_overlap > window_len - 3:
         raise ConfigError(f"--window-overlap {c.window_overlap}: must be below the window of {window_len} - 2")
-    part_bytes = cfg.store.docs_per_part * window_len * k * 8
-    if part_bytes > 8 << 30:
-        log.warning("one part may hold up to %.0f GiB of targets in memory (%d docs x %d tokens x %d ids); "
-                    "lower --docs-per-part if that does not fit", part_bytes / (1 << 30), cfg.store.docs_per_part,
-                    window_len, k)
+    part_positions = part_position_limit(cfg.store.docs_per_part, window_len, k)
+    if part_positions:
+        log.info("parts end at %d documents or %d positions (%.1f GiB of %d-wide targets held until a part is "
+                 "written), whichever comes first", cfg.store.docs_per_part, part_positions,
+                 part_positions * k * TARGET_BYTES / (1 << 30), k)
     boundary = sorted(s.fingerprint for s in students if not s.identity)
     s = cfg.store
     shards = obtain_plan(corpus, corpus.field, num_jobs=s.num_shards, job=s.shard_index,
@@ -108,7 +125,8 @@ def make_plan(cfg: TeacherDumpConfig, corpus: Corpus | None = None) -> Plan:
     if s.num_shards > 1:  # this job's own files, before the teacher's weights are hashed
         preflight.check_job_files(corpus, sorted({r.file for r in shards.jobs[s.shard_index]}))
     settings = settings_for_fingerprint(cfg, window_len=window_len, boundary_tokenizers=boundary,
-                                        shard_plan=shards.fingerprint, conversation=conversation)
+                                        shard_plan=shards.fingerprint, conversation=conversation,
+                                        part_positions=part_positions)
     settings["capture_engine"] = capture_identity(t)
     # one job: every byte's digest is in the key; several: each job checks its files against the store
     share = None if s.num_shards > 1 else share_digests(
@@ -124,7 +142,7 @@ def make_plan(cfg: TeacherDumpConfig, corpus: Corpus | None = None) -> Plan:
     return Plan(teacher_tok=teacher_tok, students=students, vocab_size=vocab_size, k=k,
                 window_len=window_len, max_model_len=max_model_len, cache_key=key, fingerprints=fingerprints,
                 settings=settings, out=out, shard_plan=shards, messages_field=messages_field, corpus_digests=share,
-                corpus=corpus)
+                corpus=corpus, part_positions=part_positions)
 
 
 def manifest_for(cfg: TeacherDumpConfig, plan: Plan):

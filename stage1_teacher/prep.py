@@ -349,8 +349,10 @@ def _is_identity(students: list[StudentSide], fp: str) -> bool:
     return any(s.fingerprint == fp and s.identity for s in students)
 
 
-def iter_parts(rows, preparer: Preparer, *, docs_per_part: int) -> Iterator[Part]:
-    """Parts of this writer's stream of rows (`corpus.iter_corpus` over its plan ranges), in order."""
+def iter_parts(rows, preparer: Preparer, *, docs_per_part: int, max_positions: int | None = None) -> Iterator[Part]:
+    """Parts of this writer's stream of rows (`corpus.iter_corpus` over its plan ranges), in order: each ends at
+    `docs_per_part` documents or, given `max_positions`, before the document that would take it past that many
+    positions (a longer document is a part of its own, with a warning: its targets are held in memory whole)."""
     pending: list[Document] = []
     skipped: list[Skipped] = []
     ready: list[PreparedDoc] = []
@@ -362,6 +364,33 @@ def iter_parts(rows, preparer: Preparer, *, docs_per_part: int) -> Iterator[Part
             (skipped if isinstance(item, Skipped) else ready).append(item)
         pending = []
 
+    longer = longest = 0  # documents longer than a part's limit (each a part of its own), the longest's positions
+
+    def take() -> int:
+        """How many of `ready` the next part holds; 0: not known yet (more documents may still fit)."""
+        nonlocal longer, longest
+        if max_positions is None:
+            return docs_per_part if len(ready) >= docs_per_part else 0
+        total = 0
+        for n, pd in enumerate(ready[:docs_per_part]):
+            total += pd.num_tokens
+            if total > max_positions:
+                if n == 0:
+                    if not longer:
+                        log.warning("%s row %d: %d positions, more than a part's %d: written as a part of its own, "
+                                    "its targets held in memory whole (said once; the count comes at the end)",
+                                    pd.doc.source, pd.doc.row, pd.num_tokens, max_positions)
+                    longer, longest = longer + 1, max(longest, pd.num_tokens)
+                return max(n, 1)
+        return docs_per_part if len(ready) >= docs_per_part else 0
+
+    def cut(n: int) -> Part:
+        nonlocal ready, skipped, part_index
+        part = Part(part_index, ready[:n], skipped)
+        ready, skipped = ready[n:], []
+        part_index += 1
+        return part
+
     for item in rows:
         if isinstance(item, Skipped):
             skipped.append(item)
@@ -369,17 +398,16 @@ def iter_parts(rows, preparer: Preparer, *, docs_per_part: int) -> Iterator[Part
         pending.append(item)
         if len(pending) >= TOKENIZE_BATCH:
             flush_pending()
-        while len(ready) >= docs_per_part:
-            yield Part(part_index, ready[:docs_per_part], skipped)
-            ready, skipped = ready[docs_per_part:], []
-            part_index += 1
+        while n := take():
+            yield cut(n)
     flush_pending()
     while ready:
-        yield Part(part_index, ready[:docs_per_part], skipped)
-        ready, skipped = ready[docs_per_part:], []
-        part_index += 1
+        yield cut(take() or len(ready))
     if skipped:
         yield Part(part_index, [], skipped)
+    if longer > 1:
+        log.warning("%d documents longer than a part's %d positions were written as parts of their own (the longest: "
+                    "%d positions)", longer, max_positions, longest)
 
 
 @dataclass

@@ -131,6 +131,42 @@ def test_full_mode_windows_store_each_row_once(teacher, corpus, toy_setup, tmp_p
     np.testing.assert_allclose(d.residual[1:160], np.exp(lp[:-1, V:]).sum(1), atol=1e-5)
 
 
+def test_full_mode_parts_end_at_a_position_limit_that_fits_memory(teacher, corpus, toy_setup, tmp_path, monkeypatch,
+                                                                  caplog):
+    """Where --docs-per-part windows of full-vocabulary targets could pass the part byte budget (1 GiB: 2,730
+    positions at 49,152 ids), parts also end at a number of positions, never inside a document, and the store holds
+    the same documents with the same targets as one cut by documents alone; the limit is in the store's settings."""
+    import logging
+
+    from stage1_teacher import plan
+
+    dump(teacher, corpus, tmp_path / "docs", [toy_setup.teacher_tokenizer], mode="full")
+    r1, by_docs = read_all(tmp_path / "docs")
+    V = r1.manifest.teacher_vocab_size
+    assert plan.part_position_limit(256, 2047, 49_152) == 2730
+    for k in (64, 128, 256):  # top-64, headtail's default 64 + 64, top-256: parts as before the limit
+        assert plan.part_position_limit(256, 2047, k) is None
+    assert "part_positions" not in r1.manifest.settings  # docs_per_part 8 x 160 x V x 8 B: under the budget
+    monkeypatch.setattr(plan, "LIMIT_FROM", 0)  # the limit applies ...
+    monkeypatch.setattr(plan, "PART_BYTES", 300 * V * plan.TARGET_BYTES)  # ... to parts of at most 300 positions
+    caplog.set_level(logging.INFO)
+    dump(teacher, corpus, tmp_path / "pos", [toy_setup.teacher_tokenizer], mode="full")
+    r2, by_pos = read_all(tmp_path / "pos")
+    assert r2.manifest.settings["part_positions"] == 300 and "or 300 positions" in caplog.text
+    assert len(by_pos) > len(by_docs)
+    assert [s.shard_id for s in by_pos] == [f"w00000-p{i:06d}" for i in range(len(by_pos))]
+    lengths = [[len(s.doc(i).teacher_ids) for i in range(s.num_docs)] for s in by_pos]
+    assert all(sum(n) <= 300 or len(n) == 1 for n in lengths)  # over the limit only as a document of its own
+    for n, after in zip(lengths, lengths[1:]):  # no part ends early: it has 8 documents or the next would not fit
+        assert len(n) == 8 or sum(n) + after[0] > 300, (n, after)
+    assert any(len(n) == 1 and n[0] > 300 for n in lengths) == ("written as a part of its own" in caplog.text)
+    docs1 = [s.doc(i) for s in by_docs for i in range(s.num_docs)]
+    docs2 = [s.doc(i) for s in by_pos for i in range(s.num_docs)]
+    assert [d.teacher_ids.tolist() for d in docs1] == [d.teacher_ids.tolist() for d in docs2]
+    for a, b in zip(docs1, docs2):
+        np.testing.assert_array_equal(a.topk_logprobs, b.topk_logprobs)
+
+
 def test_sampled_mode_is_seeded_and_counts_add_up(teacher, corpus, toy_setup, tmp_path):
     a = dump(teacher, corpus, tmp_path / "a", [toy_setup.student_tokenizer], mode="sampled", num_samples=12)
     dump(teacher, corpus, tmp_path / "b", [toy_setup.student_tokenizer], mode="sampled", num_samples=12,
