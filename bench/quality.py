@@ -5,6 +5,7 @@
     python bench/quality.py --section on-policy      # only the on-policy rows (bench/quality_onpolicy.py), ~28 min
     python bench/quality.py --section on-policy-converged  # rounds vs continued KD from a converged student, ~40 min
     python bench/quality.py --teacher real           # the real tier's rows (bench/quality_real.py), about 1 h
+    python bench/quality.py --teacher real --section modes  # one tokenizer, a row per store mode, about 1 h
 
 Every row trains the same student for the same steps, on the same windows in the same order,
 with the same optimizer (AdamW, warmup + cosine), through the product's own trainer: what
@@ -76,7 +77,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DOC_BLOCKS = {"quality-table": "docs/benchmarks.md", "quality-on-policy": "docs/on-policy.md",
-              "quality-on-policy-converged": "docs/on-policy.md", "quality-real": "README.md"}  # --write-docs: block -> file
+              "quality-on-policy-converged": "docs/on-policy.md", "quality-real": "README.md",
+              "quality-real-modes": "docs/losses.md"}  # --write-docs: block -> file
 
 log = logging.getLogger("bench.quality")
 
@@ -710,8 +712,11 @@ def main(argv=None) -> None:
                         "quality-real block)")
     p.add_argument("--write-docs", action="store_true",
                    help="also write quality.md into docs/benchmarks.md's quality-table block (xtcache.app.docblock)")
-    p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged"), default="table",
-                   help="table: the full table (docs/benchmarks.md); on-policy: on-policy rounds against off-policy KD "
+    p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged", "modes"), default="table",
+                   help="table: the full table (docs/benchmarks.md; with --teacher real, README.md's quality-real "
+                        "block); modes (--teacher real only): one tokenizer, a row per store mode (top-k 8/32/64, "
+                        "sampled, head + tail, full) against CE only (docs/losses.md's quality-real-modes block); "
+                        "on-policy: on-policy rounds against off-policy KD "
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block); "
                         "on-policy-converged: rounds against continued off-policy KD from a converged student "
                         "(bench/quality_onpolicy_converged.py; its quality-on-policy-converged block)")
@@ -725,6 +730,8 @@ def main(argv=None) -> None:
         return on_policy_section(args)
     if args.section == "on-policy-converged":
         return converged_section(args)
+    if args.section == "modes" and args.teacher != "real":
+        p.error("--section modes is the real teacher's: add --teacher real")
     if args.teacher == "real":
         return real_section(args)
     if args.write_docs and args.quick:
@@ -758,21 +765,23 @@ def _bench_logging() -> None:
 
 
 def real_section(args) -> None:
-    """`--teacher real`: bench/quality_real.py's rows, its table printed and written (quality-real.md)."""
-    from bench.quality_real import QUICK, RealSettings, run_real
+    """`--teacher real`: bench/quality_real.py's rows (MAIN, or MODES with --section modes), its table printed and
+    written (quality-real.md or quality-real-modes.md)."""
+    from bench.quality_real import MAIN, MODES, QUICK, RealSettings, modes_markdown, run_real
     from bench.quality_real import markdown as real_markdown
 
+    block = "quality-real-modes" if args.section == "modes" else "quality-real"
     if args.write_docs:
         from xtcache.app.docblock import require_blocks
 
-        require_blocks(REPO, {"quality-real": DOC_BLOCKS["quality-real"]})
+        require_blocks(REPO, {block: DOC_BLOCKS[block]})
     _bench_logging()
     given = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("lr", args.lr)) if v is not None}
     s = QUICK if args.quick else RealSettings(**given)
-    report = run_real(Path(args.workdir) / "real", s)
+    report = run_real(Path(args.workdir) / "real", s, MODES if args.section == "modes" else MAIN)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "quality-real.json").write_text(json.dumps(report, indent=2, default=str))
-    _publish(args, "quality-real", real_markdown(report))
+    (Path(args.out) / f"{block}.json").write_text(json.dumps(report, indent=2, default=str))
+    _publish(args, block, (modes_markdown if args.section == "modes" else real_markdown)(report))
 
 
 def _publish(args, block: str, md: str) -> None:

@@ -284,6 +284,11 @@ def mean_sd(xs: list, fmt: str = ".3f", sep: str = "+-") -> str:
     return f"{statistics.fmean(xs):{fmt}} {sep} {statistics.stdev(xs):{fmt}}" if len(xs) > 1 else f"{xs[0]:{fmt}}"
 
 
+def mean_pm(xs: list, fmt: str = ".3f") -> str:
+    """`mean_sd` as the doc blocks of the other sections write it: 'mean ± sd'."""
+    return mean_sd(xs, fmt, "±")
+
+
 def _spread_notes(rows: dict) -> list[str]:
     """For each measure: which row pairs differ by more than the sum of their standard deviations."""
     notes = []

@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.quality_onpolicy import dump_caches, mean_sd, run_xtcache, trained_positions
+from bench.quality_onpolicy import dump_caches, mean_pm, run_xtcache, trained_positions
 
 log = logging.getLogger("bench.quality.on-policy-converged")
 KINDS = ("chat", "text")
@@ -229,10 +229,6 @@ def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, save: Path |
     return report
 
 
-def _cell(xs: list, fmt: str = ".3f") -> str:
-    return mean_sd(xs, fmt, "±")
-
-
 def verdicts(rows: dict) -> list[str]:
     """Each on-policy row against continued off-policy KD, paired by seed."""
     base_name = ROWS[0][0]
@@ -291,11 +287,11 @@ def markdown(report: dict) -> str:
                   "reverse KL/token | sample length (tokens) | stopped |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for name, runs in rows.items():
             kl = [r.get("heldout_kl") for r in runs]
-            lines.append(f"| {name} | {_cell([r.get('teacher_positions') for r in runs], '.0f')} | {_cell(kl, '.4f')} | "
-                         + " | ".join(_cell([r[k] for r in runs]) for k in ("reverse_kl_per_sequence",
+            lines.append(f"| {name} | {mean_pm([r.get('teacher_positions') for r in runs], '.0f')} | {mean_pm(kl, '.4f')} | "
+                         + " | ".join(mean_pm([r[k] for r in runs]) for k in ("reverse_kl_per_sequence",
                                                                               "teacher_nll_per_byte", "reverse_kl_per_token"))
-                         + f" | {_cell([r['mean_student_tokens'] for r in runs], '.1f')} | "
-                           f"{_cell([r['stopped_fraction'] for r in runs], '.2f')} |")
+                         + f" | {mean_pm([r['mean_student_tokens'] for r in runs], '.1f')} | "
+                           f"{mean_pm([r['stopped_fraction'] for r in runs], '.2f')} |")
         first = rows["converged student"][0]
         lines += ["", f"policy-eval: {first['samples']} samples ({s['eval_prompts']} held-out prompts x {s['eval_samples']}), "
                   f"cap {first['max_new_tokens']} tokens (twice the teacher's mean length, "

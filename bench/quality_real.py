@@ -39,6 +39,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.quality_onpolicy import mean_pm
+
 log = logging.getLogger("bench.quality.real")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,6 +67,20 @@ class RealRow:
     cross: bool
     flags: tuple[str, ...]  # train-student flags of the row (the store and student are the bench's)
     seeds: int = 1  # run on seeds 0 .. seeds - 1 (at most --seeds)
+    store: str = "train"  # the training store (STORES)
+
+
+# training stores: name -> teacher-dump flags. "train" holds both students' alignment groups; the others (the modes
+# section) only the teacher's own tokenizer. Every one is written from the same training documents.
+STORES = {
+    "train": ("--mode", "topk", "--top-k", "64"),
+    "topk8": ("--mode", "topk", "--top-k", "8"),
+    "topk32": ("--mode", "topk", "--top-k", "32"),
+    "sampled16": ("--mode", "sampled", "--num-samples", "16"),
+    "sampled64": ("--mode", "sampled", "--num-samples", "64"),
+    "headtail4x16": ("--mode", "headtail", "--top-k", "4", "--num-samples", "16"),
+    "full": ("--mode", "full"),
+}
 
 
 ROWS = [
@@ -74,8 +90,8 @@ ROWS = [
     RealRow("cross: P-KL chunk means, decayed-pieces map, CE 0.1", True,
             ("--loss", "pkl", "--chunk-rows", "mean", "--projection", "{proj_all}", "--pkl-divergence", "forward",
              "--ce-weight", "0.1")),
-    RealRow("same tokenizer: CE only", False, ("--loss", "ce", "--ce-weight", "1.0")),
-    RealRow("same tokenizer: KL top-64 + rest (defaults)", False, ("--loss", "auto")),
+    RealRow("same tokenizer: CE only", False, ("--loss", "ce", "--ce-weight", "1.0"), seeds=3),
+    RealRow("same tokenizer: KL top-64 + rest (defaults)", False, ("--loss", "auto"), seeds=3),
     # candidates for top-1 agreement across tokenizers (docs/losses.md, "Defaults measured on a real pair"); appended,
     # not inserted: a run's directory is its row's index, so the finished runs above stay reusable
     RealRow("cross: P-KL forward-reverse, first rows, first-piece map, CE 1.0", True,
@@ -84,7 +100,16 @@ ROWS = [
             ("--loss", "pkl", "--pkl-divergence", "reverse", "--ce-weight", "1.0"), seeds=3),
     RealRow("cross: P-KL defaults (forward-reverse, first rows, first-piece map, CE 0.5)", True, ("--loss", "auto"),
             seeds=5),
+    # the modes section (`--section modes`): one tokenizer, each store mode with train-student's defaults for it
+    RealRow("same tokenizer: top-8 + rest", False, ("--loss", "auto"), seeds=3, store="topk8"),
+    RealRow("same tokenizer: top-32 + rest", False, ("--loss", "auto"), seeds=3, store="topk32"),
+    RealRow("same tokenizer: sampled, 16 draws", False, ("--loss", "auto"), seeds=3, store="sampled16"),
+    RealRow("same tokenizer: sampled, 64 draws", False, ("--loss", "auto"), seeds=3, store="sampled64"),
+    RealRow("same tokenizer: head 4 + 16 tail draws", False, ("--loss", "auto"), seeds=3, store="headtail4x16"),
+    RealRow("same tokenizer: full vocabulary", False, ("--loss", "auto"), seeds=3, store="full"),
 ]
+MAIN = ROWS[:8]  # README.md's quality-real block
+MODES = [ROWS[3], ROWS[4], *ROWS[8:]]  # docs/losses.md's quality-real-modes block: CE only and every store mode
 # the cross-tokenizer P-KL defaults a run without a "defaults" record ran under (before forward-reverse at CE 0.5)
 EARLIER_DEFAULTS = {"--ce-weight": "1.0", "--pkl-divergence": "forward"}
 
@@ -121,16 +146,19 @@ def _first_lines(src: Path, dst: Path, n: int) -> Path:
     return dst
 
 
-def prepare(work: Path, s: RealSettings, log_file: Path) -> dict:
-    """The real tier, the two stores (reused when complete) and both projection maps."""
+def prepare(work: Path, s: RealSettings, log_file: Path, stores: tuple[str, ...] = ("train",)) -> dict:
+    """The real tier, the held-out store and the training `stores` (each reused when complete), both projection maps."""
+    from xtcache.app.store_commands import store_summary
     from xtcache.errors import StoreError
     from xtcache.store import CacheReader
     from xtcache.testing.real import build_real_models
 
     m = build_real_models()
-    p = {"models": m, "work": work}
-    for name, src, n, mode in (("train", m.train_jsonl, s.train_docs, ("--mode", "topk", "--top-k", "64")),
-                               ("held", m.heldout_jsonl, s.heldout_docs, ("--mode", "full"))):
+    p = {"models": m, "work": work, "stores": {}}
+    plans = [("held", m.heldout_jsonl, s.heldout_docs, ("--mode", "full"), (m.llama3_tokenizer, m.teacher))]
+    plans += [(name, m.train_jsonl, s.train_docs, STORES[name],
+               (m.llama3_tokenizer, m.teacher) if name == "train" else (m.teacher,)) for name in stores]
+    for name, src, n, mode, tokenizers in plans:
         store = work / "stores" / f"{name}-{n}"
         try:
             complete = CacheReader(str(store)).is_complete()
@@ -138,16 +166,17 @@ def prepare(work: Path, s: RealSettings, log_file: Path) -> dict:
             complete = False
         if not complete:
             shutil.rmtree(store, ignore_errors=True)
-            data = _first_lines(src, work / "data" / f"{name}-{n}.jsonl", n)
+            data = _first_lines(src, work / "data" / f"{'held' if name == 'held' else 'train'}-{n}.jsonl", n)
             t0 = time.perf_counter()
-            _xtcache("teacher-dump", "--teacher", m.teacher, "--student-tokenizer", m.llama3_tokenizer,
-                     "--student-tokenizer", m.teacher, "--data", data, "--out", store, "--dtype", "float32", *mode,
-                     log_file=log_file)
+            _xtcache("teacher-dump", "--teacher", m.teacher, *[a for t in tokenizers for a in ("--student-tokenizer", t)],
+                     "--data", data, "--out", store, "--dtype", "float32", *mode, log_file=log_file)
             log.info("store %s written in %.0f s", store, time.perf_counter() - t0)
         reader = CacheReader(str(store))
         positions = sum(int(reader.doc_pos_offsets(sh.shard_id)[-1]) for sh in reader.shards)
-        p[name] = {"path": store, "positions": positions, "bytes_per_position": reader.total_bytes() / positions,
-                   "tokenizer_bytes": reader.loc.du("teacher_tokenizer")}  # the copy a store carries: fixed size
+        p["stores"][name] = {"path": store, "positions": positions, "bytes_per_position": reader.total_bytes() / positions,
+                             "teacher_bytes_per_position": store_summary(str(store)).total_array_bytes / positions,
+                             "tokenizer_bytes": reader.loc.du("teacher_tokenizer"),  # the copy a store carries: fixed size
+                             "dump": list(mode)}
     for pieces in ("first", "all"):
         out = work / f"llama3-to-smollm2-{pieces}.safetensors"
         if not out.exists():
@@ -173,7 +202,7 @@ def train(p: dict, row: RealRow, s: RealSettings, seed: int, log_file: Path) -> 
     flags = [f.format(proj_all=p["proj_all"]) for f in row.flags]
     if row.cross and "--projection" not in flags and "ce" not in flags:
         flags += ["--projection", str(p["proj_first"])]
-    argv = ["--cache", p["train"]["path"], "--student", student(p, row.cross, seed), "--out", out, "--seed", seed,
+    argv = ["--cache", p["stores"][row.store]["path"], "--student", student(p, row.cross, seed), "--out", out, "--seed", seed,
             "--seq-len", s.seq_len, "--micro-batch-size", s.micro_batch_size, "--max-steps", s.steps, "--lr", s.lr,
             "--warmup-steps", s.warmup_steps, "--zero-stage", 2, *flags]
     record = out / "bench_row.json"  # the run's flags and defaults: a finished run of the same meaning is reused
@@ -214,7 +243,7 @@ def grade(p: dict, hf_dir: Path, cross: bool, s: RealSettings) -> dict:
     key = ("evals", cross)
     if key not in p:  # the held-out full store's rows renormalised over the tokenizer's ids
         p[key] = [{**b, "teacher_residual": torch.zeros_like(b["teacher_residual"])}
-                  for b in batches(str(p["held"]["path"]), tok, bs, s.eval_batches)]
+                  for b in batches(str(p["stores"]["held"]["path"]), tok, bs, s.eval_batches)]
     if cross:
         ops = {pc: ProjectionOperator(ProjectionMap.load(p[f"proj_{pc}"]).to_torch_sparse(49_152))
                for pc in ("first", "all")}
@@ -245,11 +274,11 @@ def grade(p: dict, hf_dir: Path, cross: bool, s: RealSettings) -> dict:
     return out
 
 
-def run_real(work: Path, s: RealSettings, rows: list[RealRow] = ROWS) -> dict:
+def run_real(work: Path, s: RealSettings, rows: list[RealRow] = MAIN) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     log_file = work / "commands.log"
     t0 = time.perf_counter()
-    p = prepare(work, s, log_file)
+    p = prepare(work, s, log_file, tuple(dict.fromkeys(r.store for r in rows)))
     t_prep = time.perf_counter() - t0
     results = []
     for seed in range(s.seeds):
@@ -257,23 +286,16 @@ def run_real(work: Path, s: RealSettings, rows: list[RealRow] = ROWS) -> dict:
             if seed >= row.seeds:
                 continue
             run = train(p, row, s, seed, log_file)
-            rec = {"row": row.name, "cross": row.cross, "seed": seed, "train_s": run["train_s"], "reused": run["reused"],
+            rec = {"row": row.name, "cross": row.cross, "store": row.store, "seed": seed, "train_s": run["train_s"],
+                   "reused": run["reused"],
                    **grade(p, run["hf_dir"], row.cross, s)}
             results.append(rec)
             log.info("%s", json.dumps(rec))
-    stores = {k: {key: p[k][key] for key in ("positions", "bytes_per_position", "tokenizer_bytes")}
-              for k in ("train", "held")}
+    stores = {k: {key: v for key, v in st.items() if key != "path"} for k, st in p["stores"].items()}
     from bench.quality import machine
 
     return {"settings": asdict(s), "results": results, "stores": stores, "prepare_s": t_prep,
             "wall_s": time.perf_counter() - t0, "machine": machine(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
-
-
-def _cell(values: list[float], fmt: str = ".3f") -> str:
-    if not values:
-        return "n/a"
-    mean = statistics.fmean(values)
-    return format(mean, fmt) + (f" ± {statistics.stdev(values):{fmt}}" if len(values) > 1 else "")
 
 
 def markdown(report: dict) -> str:
@@ -292,8 +314,8 @@ def markdown(report: dict) -> str:
     for name in names:
         rs = [r for r in res if r["row"] == name]
         cm = [r["kl_chunk_mean"] for r in rs if "kl_chunk_mean" in r]
-        out.append(f"| {name} | {len(rs)} | {_cell([r['kl'] for r in rs])} | {_cell(cm) if cm else '-'} | "
-                   f"{_cell([r['ce'] for r in rs])} | {_cell([r['top1'] for r in rs])} |")
+        out.append(f"| {name} | {len(rs)} | {mean_pm([r['kl'] for r in rs])} | {mean_pm(cm) if cm else '-'} | "
+                   f"{mean_pm([r['ce'] for r in rs])} | {mean_pm([r['top1'] for r in rs])} |")
     reused = sorted({(r["row"], r["seed"]) for r in res if r.get("reused")}, key=lambda x: (x[1], x[0]))
     if reused:
         out += ["", f"{len(reused)} of the {len(res)} runs (seed {', '.join(sorted({str(sd) for _, sd in reused}))}) "
@@ -325,3 +347,44 @@ def paired_notes(res: list[dict]) -> list[str]:
             verdict = f"not won: {', '.join(lost)}" if lost else "won on all three"
             notes.append(f"{name} vs CE only, paired by seed: " + "; ".join(parts) + f" ({verdict})")
     return notes
+
+
+def share_of_full_gain(rs: list[dict], ce: dict, full: dict) -> list[float]:
+    """Per seed: the part of the full-vocabulary store's held-out KL gain over CE only that a row recovers (seeds
+    where the full store gained nothing have no share)."""
+    return [(ce[r["seed"]]["kl"] - r["kl"]) / (ce[r["seed"]]["kl"] - full[r["seed"]]["kl"])
+            for r in rs if r["seed"] in ce and r["seed"] in full and ce[r["seed"]]["kl"] > full[r["seed"]]["kl"]]
+
+
+def modes_markdown(report: dict) -> str:
+    """The modes section: one tokenizer, a row per training store, graded like the main table, with each row's share
+    of the full-vocabulary store's KL gain over CE only (paired by seed) and its store's bytes per position."""
+    s, res, stores = report["settings"], report["results"], report["stores"]
+    ce = {r["seed"]: r for r in res if r["row"].endswith("CE only")}
+    full = {r["seed"]: r for r in res if r["store"] == "full"}
+    out = [f"Measured {report['date']} on {report['machine']}; SmolLM2-135M-Instruct teacher, fresh tiny Llama students on "
+           f"its own vocabulary (49,152 ids), {s['steps']} steps x {s['micro_batch_size']} windows x {s['seq_len']} tokens "
+           f"at lr {s['lr']:g}, train-student's defaults for each store (`--loss auto`), {s['train_docs']} training "
+           f"documents ({stores['train']['positions']:,} positions) and {s['heldout_docs']} held-out documents of the "
+           f"Python language reference; total {report['wall_s'] / 60:.0f} min.", "",
+           "| row | teacher-dump | B/position | seeds | held-out KL | share of the full store's gain | held-out CE | "
+           "top-1 agreement |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    names = sorted(dict.fromkeys(r["row"] for r in res),
+                   key=lambda n: float("-inf") if n.endswith("CE only") else
+                   -stores[next(r["store"] for r in res if r["row"] == n)]["teacher_bytes_per_position"])
+    for name in names:
+        rs = [r for r in res if r["row"] == name]
+        st = stores[rs[0]["store"]]
+        ce_row = name.endswith("CE only")
+        shares = [] if ce_row else [100 * x for x in share_of_full_gain(rs, ce, full)]
+        share = mean_pm(shares, ".0f") + "%" if shares else "-"
+        out.append(f"| {name} | {'-' if ce_row else '`' + ' '.join(st['dump']) + '`'} | "
+                   f"{'-' if ce_row else format(st['teacher_bytes_per_position'], '.1f')} | {len(rs)} | "
+                   f"{mean_pm([r['kl'] for r in rs])} | {share} | {mean_pm([r['ce'] for r in rs])} | "
+                   f"{mean_pm([r['top1'] for r in rs])} |")
+    out += ["", "B/position: the teacher arrays of the store (`xtcache inspect`'s array table), without the teacher "
+            "tokenizer every store carries and the alignment arrays. Held-out KL: the token-level KL(teacher || student) "
+            "over the full vocabulary on the held-out documents, against a full-vocabulary store of them. Share: "
+            "(KL of CE only - KL of the row) / (KL of CE only - KL of the full-vocabulary row), paired by seed.", ""]
+    out += [f"- {n}" for n in paired_notes(res)]
+    return "\n".join(out) + "\n"
