@@ -78,7 +78,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DOC_BLOCKS = {"quality-table": "docs/benchmarks.md", "quality-on-policy": "docs/on-policy.md",
               "quality-on-policy-converged": "docs/on-policy.md", "quality-real": "README.md",
-              "quality-real-modes": "docs/losses.md"}  # --write-docs: block -> file
+              "quality-real-modes": "docs/losses.md", "quality-real-cross": "docs/losses.md"}  # --write-docs: block -> file
 
 log = logging.getLogger("bench.quality")
 
@@ -712,10 +712,13 @@ def main(argv=None) -> None:
                         "quality-real block)")
     p.add_argument("--write-docs", action="store_true",
                    help="also write quality.md into docs/benchmarks.md's quality-table block (xtcache.app.docblock)")
-    p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged", "modes"), default="table",
+    p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged", "modes", "cross"),
+                   default="table",
                    help="table: the full table (docs/benchmarks.md; with --teacher real, README.md's quality-real "
                         "block); modes (--teacher real only): one tokenizer, a row per store mode (top-k 8/32/64, "
                         "sampled, head + tail, full) against CE only (docs/losses.md's quality-real-modes block); "
+                        "cross (--teacher real only): the Llama-3 student's CE only, the defaults and the mix weighted "
+                        "towards the reverse KL, five seeds each (docs/losses.md's quality-real-cross block); "
                         "on-policy: on-policy rounds against off-policy KD "
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block); "
                         "on-policy-converged: rounds against continued off-policy KD from a converged student "
@@ -730,8 +733,8 @@ def main(argv=None) -> None:
         return on_policy_section(args)
     if args.section == "on-policy-converged":
         return converged_section(args)
-    if args.section == "modes" and args.teacher != "real":
-        p.error("--section modes is the real teacher's: add --teacher real")
+    if args.section in ("modes", "cross") and args.teacher != "real":
+        p.error(f"--section {args.section} is the real teacher's: add --teacher real")
     if args.teacher == "real":
         return real_section(args)
     if args.write_docs and args.quick:
@@ -765,12 +768,13 @@ def _bench_logging() -> None:
 
 
 def real_section(args) -> None:
-    """`--teacher real`: bench/quality_real.py's rows (MAIN, or MODES with --section modes), its table printed and
-    written (quality-real.md or quality-real-modes.md)."""
-    from bench.quality_real import MAIN, MODES, QUICK, RealSettings, modes_markdown, run_real
+    """`--teacher real`: bench/quality_real.py's rows (MAIN, MODES with --section modes, CROSS with --section cross),
+    its table printed and written (quality-real.md, quality-real-modes.md or quality-real-cross.md)."""
+    from bench.quality_real import CROSS, MAIN, MODES, QUICK, RealSettings, modes_markdown, run_real
     from bench.quality_real import markdown as real_markdown
 
-    block = "quality-real-modes" if args.section == "modes" else "quality-real"
+    rows, block = {"modes": (MODES, "quality-real-modes"), "cross": (CROSS, "quality-real-cross")}.get(
+        args.section, (MAIN, "quality-real"))
     if args.write_docs:
         from xtcache.app.docblock import require_blocks
 
@@ -778,7 +782,7 @@ def real_section(args) -> None:
     _bench_logging()
     given = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("lr", args.lr)) if v is not None}
     s = QUICK if args.quick else RealSettings(**given)
-    report = run_real(Path(args.workdir) / "real", s, MODES if args.section == "modes" else MAIN)
+    report = run_real(Path(args.workdir) / "real", s, rows)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"{block}.json").write_text(json.dumps(report, indent=2, default=str))
     _publish(args, block, (modes_markdown if args.section == "modes" else real_markdown)(report))

@@ -32,6 +32,7 @@ class TermSpec:
     projection: ProjectionOperator | None = None
     is_cap: float = 0.0  # rkl-pg: cap of the truncated importance ratio (0: no ratio)
     divergence: str = "forward"  # pkl: forward, reverse, jsd or forward-reverse (projected._kl_terms)
+    reverse_weight: float = 0.5  # pkl forward-reverse: (1 - w) forward + w reverse
 
 
 @dataclass
@@ -244,7 +245,8 @@ def _block_terms(spec: TermSpec, z_rows: Tensor, blk: Block, teacher: dict) -> t
         kd = losses.projected_kl(zt, lse, ids, log_p, p_rest, spec.projection, num_chunks=blk.num_chunks,
                                  student_chunk=blk.student_chunk, teacher_chunk=blk.teacher_chunk,
                                  inv_student_rows=blk.inv_student_rows, teacher_row_weight=blk.teacher_row_weight,
-                                 pkl_divergence=spec.divergence, beta=spec.beta)
+                                 pkl_divergence=spec.divergence, beta=spec.beta,
+                                 reverse_weight=spec.reverse_weight)
     else:
         vocab = zt.shape[1]
         log_q = (zt.gather(1, ids.clamp(min=0)) - lse[:, None]).masked_fill(~valid, -math.inf)  # [m, k]

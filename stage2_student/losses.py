@@ -286,7 +286,8 @@ def _augmented_csr(s: Tensor, t: Tensor, val: Tensor, v_s: int, v_t: int, t_coun
 
 def projected_kl(zt: Tensor, lse: Tensor, ids: Tensor, log_p: Tensor, p_rest: Tensor, projection: ProjectionOperator,
                  *, num_chunks: int, student_chunk: Tensor, teacher_chunk: Tensor, inv_student_rows: Tensor,
-                 teacher_row_weight: Tensor, pkl_divergence: str = "forward", beta: float = 0.5) -> Tensor:
+                 teacher_row_weight: Tensor, pkl_divergence: str = "forward", beta: float = 0.5,
+                 reverse_weight: float = 0.5) -> Tensor:
     """Projected KL of whole chunks [C] (docs/losses.md), with sparse matmuls by W and an exact rest.
 
     zt, lse: the chunks' student rows at temperature [P, V_s] and their log-sum-exp [P];
@@ -302,7 +303,7 @@ def projected_kl(zt: Tensor, lse: Tensor, ids: Tensor, log_p: Tensor, p_rest: Te
     1 - sum(q_c), so it keeps its digits at any outside mass.
 
     `pkl_divergence`: forward (KL(p_c || q_c), the default), reverse (KL(q_c || p_c)), jsd (generalized
-    JSD(beta)) or forward-reverse (the mean of forward and reverse), over the same buckets.
+    JSD(beta)) or forward-reverse ((1 - w) forward + w reverse, w = `reverse_weight`), over the same buckets.
     """
     n_c = num_chunks
     dev = zt.device
@@ -347,5 +348,5 @@ def projected_kl(zt: Tensor, lse: Tensor, ids: Tensor, log_p: Tensor, p_rest: Te
     if pkl_divergence == "jsd":
         return divergence("jsd", log_p_all, log_q_all, beta=beta)
     if pkl_divergence == "forward-reverse":
-        return 0.5 * (forward + divergence("rkl", log_p_all, log_q_all))
+        return (1.0 - reverse_weight) * forward + reverse_weight * divergence("rkl", log_p_all, log_q_all)
     raise ValueError(f"--pkl-divergence {pkl_divergence!r}: use forward, reverse, jsd or forward-reverse")

@@ -113,6 +113,7 @@ CE_WEIGHT_SAME, CE_WEIGHT_CROSS = 0.1, 0.5
 # --pkl-divergence's default: the mean of the forward and reverse KL won all three held-out measures against CE
 # alone on five seeds of the real pair at CE 0.5, where the forward KL alone did not win top-1 (docs/losses.md)
 PKL_DIVERGENCE = "forward-reverse"
+PKL_REVERSE_WEIGHT = 0.5  # --pkl-reverse-weight's default: forward-reverse is the mean of the two
 
 
 def default_divergence(kind: str | None, caps: Capabilities) -> str:
@@ -157,7 +158,8 @@ class Objective:
                  dynamic_scaling: bool = False, temperature: float = 1.0, jsd_beta: float = 0.5,
                  alm_tau: float = 100.0, projection: ProjectionOperator | None = None, teacher_tail: str = "ghost",
                  measure_agreement: bool = True, row_chunk: int = ROW_CHUNK, with_ce: bool = True,
-                 is_cap: float = 0.0, chunk_rows: str = "first", pkl_divergence: str = "forward"):
+                 is_cap: float = 0.0, chunk_rows: str = "first", pkl_divergence: str = "forward",
+                 pkl_reverse_weight: float | None = None):
         if kind is not None and kind not in KINDS:
             raise ValueError(f"--loss {kind!r}: use {', '.join(KINDS)}")
         if teacher_tail not in ("ghost", "uniform"):
@@ -173,6 +175,9 @@ class Objective:
         if pkl_divergence != "forward" and kind != "pkl":
             raise ConfigError(f"--pkl-divergence {pkl_divergence}: applies to --loss pkl (across tokenizers); with one "
                               "tokenizer use --loss rkl or --loss jsd")
+        if pkl_reverse_weight is not None and pkl_divergence != "forward-reverse":
+            raise ConfigError(f"--pkl-reverse-weight {pkl_reverse_weight:g}: weighs the reverse KL of --pkl-divergence "
+                              f"forward-reverse, not of {pkl_divergence}")
         if kind == "pkl" and projection is None:
             raise ProjectionError("--loss pkl needs a projection map (--projection, or built from both tokenizers)")
         self.kind, self.projection = kind, projection
@@ -181,7 +186,8 @@ class Objective:
         self.with_ce = with_ce  # False: this teacher's pass skips CE (another teacher's pass computes it)
         self.chunk_rows = chunk_rows  # pkl: "first" compares each chunk's first student and teacher rows only
         self.spec = TermSpec(kind, float(temperature), jsd_beta, alm_tau, teacher_tail, projection, float(is_cap),
-                             pkl_divergence)
+                             pkl_divergence,
+                             PKL_REVERSE_WEIGHT if pkl_reverse_weight is None else float(pkl_reverse_weight))
         cross = kind in ("pkl", "alm")
         self.measure_agreement = measure_agreement and kind is not None and (not cross or projection is not None)
 
@@ -199,6 +205,7 @@ class Objective:
                   jsd_beta=loss_cfg.jsd_beta, alm_tau=loss_cfg.alm_tau, projection=projection,
                   is_cap=loss_cfg.is_cap if kind == "rkl-pg" else 0.0, chunk_rows=loss_cfg.chunk_rows,
                   pkl_divergence=loss_cfg.pkl_divergence or default_divergence(kind, caps),
+                  pkl_reverse_weight=loss_cfg.pkl_reverse_weight,
                   measure_agreement=kind != "rkl-pg" or caps.same_tokenizer or projection is not None)
         kw.update(overrides)
         return cls(kind, **kw)

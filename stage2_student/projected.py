@@ -147,14 +147,15 @@ def _teacher(spec, blk, teacher: dict, v_t: int, cdt) -> tuple[Tensor, Tensor, T
 
 
 def _kl_terms(blk, q_at: Tensor, q_rest: Tensor, p_at: Tensor, w_e: Tensor, p_rest_c: Tensor,
-              no_rest: Tensor, divergence: str = "forward", beta: float = 0.5) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              no_rest: Tensor, divergence: str = "forward", beta: float = 0.5,
+              reverse_weight: float = 0.5) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(divergence of each chunk [C] unscaled by T^2, its derivative by q at the stored entries [M, k] and
     outside K_c [C], <pbar_c, G_c> [C]) from q_c and p_c at each entry's (chunk, id) [M, k], q_r [C], w_e
     [M, k], p_r [C] and the chunks whose K_c holds every column with entries [C]. `divergence`: forward
-    (KL(p || q), P-KL), reverse (KL(q || p)), jsd (generalized JSD(beta)) or forward-reverse (their mean)."""
-    if divergence == "forward-reverse":  # every output is linear in the divergence: the mean of the two's
+    (KL(p || q), P-KL), reverse (KL(q || p)), jsd (generalized JSD(beta)) or forward-reverse ((1 - w) forward + w reverse, w = `reverse_weight`)."""
+    if divergence == "forward-reverse":  # every output is linear in the divergence: the same mix of the two's
         both = (_kl_terms(blk, q_at, q_rest, p_at, w_e, p_rest_c, no_rest, kind) for kind in ("forward", "reverse"))
-        return tuple(0.5 * (f + r) for f, r in zip(*both))
+        return tuple((1.0 - reverse_weight) * f + reverse_weight * r for f, r in zip(*both))
     cdt, dev = q_at.dtype, q_at.device
     drop = no_rest & (p_rest_c > 0)  # as losses.drop_unreachable_rest
     scale = torch.where(drop, 1.0 / (1.0 - p_rest_c.clamp(max=1.0 - 1e-7)), torch.ones_like(p_rest_c))  # [C]
@@ -306,7 +307,7 @@ def _support_forward(spec, z: Tensor, blk, teacher: dict, mats, union: Tensor, s
     p_at = torch.zeros(n_k * n_c, dtype=z.dtype, device=z.device).index_add_(0, flat, w_e.view(-1))[sup.cell]
     no_rest = _support_no_rest(in_k, sup, mats)
     kl, d_e, d_rest, _ = _kl_terms(blk, q_at, _by_chunk(q_rest_rows, blk), p_at, w_e, p_rest_c, no_rest,
-                                   spec.divergence, spec.beta)
+                                   spec.divergence, spec.beta, spec.reverse_weight)
     h = torch.zeros(n_k * n_c, dtype=z.dtype, device=z.device).index_add_(0, flat, d_e.view(-1)).view(n_k, n_c)
     dot = (h[:, sc] * q_rows).sum(dim=0) + d_rest[sc] * q_rest_rows  # [m] <softmax(u_i), G_c>
     ce = -(label_logit - lse1[blk.ce_rows]).sum() if has_ce else z.new_zeros(())
@@ -405,7 +406,8 @@ def _dense_parts(spec, p_bar: Tensor, blk, teacher: dict, mats) -> tuple[Tensor,
     no_rest = _no_rest(ids, at, blk, has, n_cols, unmapped, q.shape)
     p_at = q.index_put_(at, w_e, accumulate=True)[at]  # [M, k] p_c at each entry's id (q is 0 on K_c)
     del q
-    kl, d_e, d_rest, dot = _kl_terms(blk, q_at, q_rest, p_at, w_e, p_rest_c, no_rest, spec.divergence, spec.beta)
+    kl, d_e, d_rest, dot = _kl_terms(blk, q_at, q_rest, p_at, w_e, p_rest_c, no_rest, spec.divergence, spec.beta,
+                                     spec.reverse_weight)
     return kl, (at, d_e, d_rest, dot)
 
 

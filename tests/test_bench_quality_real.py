@@ -59,3 +59,14 @@ def test_a_measure_better_on_every_seed_but_within_its_spread_is_not_won():
 def test_every_mode_row_has_a_store_and_the_table_has_ce_only_and_full():
     assert {r.store for r in MODES} <= set(STORES)
     assert any(r.name.endswith("CE only") for r in MODES) and any(r.store == "full" for r in MODES)
+
+
+def test_the_cross_section_runs_ce_only_the_defaults_and_the_candidate_on_the_same_seeds_and_store():
+    """`--section cross` pairs every KD row with CE only by seed: one store, one student vocabulary, equal seeds."""
+    from bench.quality_real import CROSS, resolved
+
+    assert [r.cross for r in CROSS] == [True] * 3 and {r.store for r in CROSS} == {"train"}
+    assert CROSS[0].name.endswith("CE only") and len({r.seeds for r in CROSS}) == 1
+    defaults = {"--ce-weight": "0.5", "--pkl-divergence": "forward-reverse", "--pkl-reverse-weight": "0.5"}
+    assert resolved(list(CROSS[1].flags), True, defaults) == {**defaults, "--loss": "pkl"}
+    assert resolved(list(CROSS[2].flags), True, defaults)["--pkl-reverse-weight"] == "0.75"

@@ -10,6 +10,7 @@ import torch
 
 from stage2_student.objective import Objective
 from tests.test_losses import _same_batch
+from xtcache.errors import ConfigError
 
 
 def _assert_equals_autograd(obj, prep, logits, weights, kd, ce, g) -> None:
@@ -86,7 +87,7 @@ def test_closed_form_equals_the_autograd_recompute(case, monkeypatch):
 # projected KL (stage2_student/projected.py)
 
 
-def _pkl_case(case: str, gen, chunk_rows: str = "mean", pkl_divergence: str = "forward"):
+def _pkl_case(case: str, gen, chunk_rows: str = "mean", pkl_divergence: str = "forward", **objective_kw):
     """(objective, batch, logits) of a cross-tokenizer micro-batch: chunks of 1, 2 and 3 student rows and of
     1 and 2 teacher rows over two sequences, CE-only and unlabelled positions, stored-id padding, a teacher row
     with no stored id, a stored id no student token maps to, an unmapped student token; "no rest": W maps every
@@ -133,7 +134,7 @@ def _pkl_case(case: str, gen, chunk_rows: str = "mean", pkl_divergence: str = "f
     temperature = 2.0 if "T=2" in case else 1.0
     obj = Objective("pkl", projection=losses.ProjectionOperator(w.to_sparse()), temperature=temperature,
                     teacher_tail="uniform" if "uniform" in case else "ghost", row_chunk=5,
-                    chunk_rows=chunk_rows, pkl_divergence=pkl_divergence)  # mean: every row of chunks of 1-3 student
+                    chunk_rows=chunk_rows, pkl_divergence=pkl_divergence, **objective_kw)  # mean: every row of chunks of 1-3 student
     # and 1-2 teacher rows
     logits = torch.randn(2, 12, v_s, generator=gen, dtype=torch.float64) * 3
     if case != "no rest":  # teacher id 5, stored by row 2: every student token onto it at e^-30, q below the floor
@@ -209,6 +210,37 @@ def test_projected_reverse_kl_and_jsd_closed_form_equal_the_autograd_recompute(c
             forward, _, _ = _pkl_case(case, torch.Generator().manual_seed(47), chunk_rows=chunk_rows)
             kd_forward, _ = forward.terms(logits.clone(), forward.prepare(batch, vocab=logits.shape[-1]))
             assert not torch.allclose(kd.detach(), kd_forward)
+
+
+def test_pkl_reverse_weight_mixes_the_forward_and_reverse_kl_by_its_weight(monkeypatch):
+    """--pkl-reverse-weight w: the forward-reverse P-KL's values and gradient are (1 - w) times the forward P-KL's
+    plus w times the reverse P-KL's (each its own objective), on the closed form and under autograd alike."""
+    from stage2_student import projected
+
+    monkeypatch.setattr(projected, "SUPPORT_BELOW", 1.0)
+
+    def terms(divergence, **kw):
+        obj, batch, logits = _pkl_case("topk", torch.Generator().manual_seed(53), pkl_divergence=divergence, **kw)
+        prep = obj.prepare(batch, vocab=logits.shape[-1])
+        z = logits.clone().requires_grad_(True)
+        kd, ce = obj.terms(z, prep)
+        (g,) = torch.autograd.grad(kd.sum(), z)
+        return obj, prep, logits, kd.detach(), ce, g
+
+    _, _, _, kd_f, _, g_f = terms("forward")
+    _, _, _, kd_r, _, g_r = terms("reverse")
+    for w in (0.5, 0.8):
+        obj, prep, logits, kd, ce, g = terms("forward-reverse", pkl_reverse_weight=w)
+        torch.testing.assert_close(kd, (1 - w) * kd_f + w * kd_r)
+        torch.testing.assert_close(g, (1 - w) * g_f + w * g_r)
+        weights = torch.ones(prep.chunks, dtype=torch.float64)
+        z = logits.clone().requires_grad_(True)
+        kd2, ce2 = obj.terms(z, prep)
+        (g2,) = torch.autograd.grad(kd2.sum() + 0.7 * ce2, z)
+        _assert_equals_autograd(obj, prep, logits, weights, kd2, ce2, g2)
+    with pytest.raises(ConfigError, match=r"^--pkl-reverse-weight 0.8: weighs the reverse KL of --pkl-divergence "
+                                          r"forward-reverse, not of reverse$"):
+        Objective("pkl", projection=obj.projection, pkl_divergence="reverse", pkl_reverse_weight=0.8)
 
 
 def _wide_pkl_case(gen, dtype, chunk_rows: str):

@@ -233,7 +233,7 @@ def test_the_default_loss_is_the_forward_kl_on_the_stored_support_for_either_tok
     assert given[given.index("--loss") + 1] == "pkl" and given.count("--pkl-divergence") == 1
     with pytest.raises(ValueError, match="--pkl-divergence: set by xtcache rounds"):
         RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", train_args=["--pkl-divergence", "jsd"])
-    with pytest.raises(ValueError, match=r"--loss reverse with --dump-args '--mode sampled': .*--loss auto"):
+    with pytest.raises(ValueError, match=r"--loss reverse with --dump-args '--mode sampled': .*--loss forward \(the default"):
         RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", loss="reverse",
                      dump_args="--mode sampled --num-samples 8")
 

@@ -46,6 +46,7 @@ def test_round_trip_through_json():
 
 @pytest.mark.parametrize("bad, flag", [
     ({"grad_accum": 0}, "--grad-accum"), ({"loss": "mse"}, "--loss"), ({"jsd_beta": 1.0}, "--jsd-beta"),
+    ({"pkl_reverse_weight": 1.0}, "--pkl-reverse-weight"),
     ({"eval_fraction": 0.1, "eval_cache": "x"}, "--eval-fraction"), ({"warmup_steps": 5, "max_steps": 3}, "--warmup"),
     ({"zero_stage": 4}, "--zero-stage"), ({"storage_options": "[1]"}, "--storage-options"),
     ({"loss": "ce", "ce_weight": 0.0}, "--ce-weight"),

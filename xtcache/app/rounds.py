@@ -122,7 +122,7 @@ class RoundsConfig:
         if self.loss == "reverse" and mode in DRAWN_MODES:
             raise ValueError(f"--loss reverse with --dump-args '--mode {mode}': the reverse KL takes the log of the "
                              "teacher's probabilities, which a drawn cache only estimates; use --mode topk or full, or "
-                             "--loss auto (the forward KL, linear in the estimate)")
+                             "--loss forward (the default: the forward KL, linear in the estimate)")
         owned = {"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume"}
         clash = sorted({a.split("=")[0] for a in self.dump_flags} & owned)
         if clash:
