@@ -77,8 +77,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DOC_BLOCKS = {"quality-table": "docs/benchmarks.md", "quality-on-policy": "docs/on-policy.md",
-              "quality-on-policy-converged": "docs/on-policy.md", "quality-real": "README.md",
-              "quality-real-modes": "docs/losses.md", "quality-real-cross": "docs/losses.md"}  # --write-docs: block -> file
+              "quality-on-policy-converged": "docs/on-policy.md", "quality-real": "docs/losses.md",
+              "quality-real-modes": "docs/losses.md", "quality-real-cross": "README.md"}  # --write-docs: block -> file
 
 log = logging.getLogger("bench.quality")
 
@@ -708,23 +708,24 @@ def main(argv=None) -> None:
     p.add_argument("--heldout-docs", type=int, default=Settings.heldout_docs, help="the first N held-out documents")
     p.add_argument("--teacher", choices=("toy", "real"), default="toy",
                    help="toy: the demo's toy teacher (the full table); real: SmolLM2-135M-Instruct with students on "
-                        "its own and on the Llama-3 vocabulary (bench/quality_real.py; --write-docs writes README.md's "
+                        "its own and on the Llama-3 vocabulary (bench/quality_real.py; --write-docs writes docs/losses.md's "
                         "quality-real block)")
     p.add_argument("--write-docs", action="store_true",
                    help="also write quality.md into docs/benchmarks.md's quality-table block (xtcache.app.docblock)")
     p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged", "modes", "cross"),
                    default="table",
-                   help="table: the full table (docs/benchmarks.md; with --teacher real, README.md's quality-real "
+                   help="table: the full table (docs/benchmarks.md; with --teacher real, docs/losses.md's quality-real "
                         "block); modes (--teacher real only): one tokenizer, a row per store mode (top-k 8/32/64, "
                         "sampled, head + tail, full) against CE only (docs/losses.md's quality-real-modes block); "
                         "cross (--teacher real only): the Llama-3 student's CE only, the defaults and the mix weighted "
-                        "towards the reverse KL, five seeds each (docs/losses.md's quality-real-cross block); "
+                        "towards the reverse KL, five seeds each (README.md's quality-real-cross block); "
                         "on-policy: on-policy rounds against off-policy KD "
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block); "
                         "on-policy-converged: rounds against continued off-policy KD from a converged student "
                         "(bench/quality_onpolicy_converged.py; its quality-on-policy-converged block)")
-    p.add_argument("--from-report", help="with --section on-policy or on-policy-converged: render the table of this "
-                                         "quality-on-policy(-converged).json (an earlier run's) instead of running")
+    p.add_argument("--from-report", help="render the table of this report (an earlier run's JSON: "
+                                         "quality-on-policy(-converged).json, or with --teacher real its section's "
+                                         "quality-real(-modes, -cross).json) instead of running")
     p.add_argument("--add-rows", action="store_true",
                    help="with --section on-policy --from-report R: run only the rows R lacks (its settings, seeds "
                         "and setup) and write R's rows with them to --out's quality-on-policy.json")
@@ -782,9 +783,12 @@ def real_section(args) -> None:
     _bench_logging()
     given = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("lr", args.lr)) if v is not None}
     s = QUICK if args.quick else RealSettings(**given)
-    report = run_real(Path(args.workdir) / "real", s, rows)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"{block}.json").write_text(json.dumps(report, indent=2, default=str))
+    if args.from_report:  # an earlier run's table, rendered again (its figures unchanged; rows under their current names)
+        report = {**json.loads(Path(args.from_report).read_text()), "rendered_from": args.from_report}
+    else:
+        report = run_real(Path(args.workdir) / "real", s, rows)
+        (Path(args.out) / f"{block}.json").write_text(json.dumps(report, indent=2, default=str))
     _publish(args, block, (modes_markdown if args.section == "modes" else real_markdown)(report))
 
 

@@ -1,6 +1,7 @@
 """The quality bench on the real tier: a trained teacher, real student vocabularies, documentation text.
 
-    python bench/quality.py --teacher real            # the table below (README.md, block quality-real)
+    python bench/quality.py --teacher real            # the table below (docs/losses.md, block quality-real)
+    python bench/quality.py --teacher real --section cross  # the defaults against CE only (README.md, quality-real-cross)
     python bench/quality.py --teacher real --quick    # a smoke run: few steps, one seed
 
 The teacher is SmolLM2-135M-Instruct (49,152 ids), the corpus the Python language reference
@@ -85,7 +86,7 @@ STORES = {
 
 ROWS = [
     RealRow("cross: CE only", True, ("--loss", "ce", "--ce-weight", "1.0"), seeds=5),
-    RealRow("cross: P-KL forward, first rows, first-piece map, CE 1.0 (the earlier defaults)", True,
+    RealRow("cross: P-KL forward, first rows, first-piece map, CE 1.0 (the first real-pair defaults)", True,
             ("--loss", "pkl", "--pkl-divergence", "forward", "--ce-weight", "1.0"), seeds=3),
     RealRow("cross: P-KL chunk means, decayed-pieces map, CE 0.1", True,
             ("--loss", "pkl", "--chunk-rows", "mean", "--projection", "{proj_all}", "--pkl-divergence", "forward",
@@ -98,8 +99,9 @@ ROWS = [
             ("--loss", "pkl", "--pkl-divergence", "forward-reverse", "--ce-weight", "1.0"), seeds=3),
     RealRow("cross: P-KL reverse, first rows, first-piece map, CE 1.0", True,
             ("--loss", "pkl", "--pkl-divergence", "reverse", "--ce-weight", "1.0"), seeds=3),
-    RealRow("cross: P-KL defaults (forward-reverse, first rows, first-piece map, CE 0.5)", True, ("--loss", "auto"),
-            seeds=5),
+    RealRow("cross: P-KL forward-reverse, reverse weight 0.5, first rows, first-piece map, CE 0.5 (the second defaults)",
+            True, ("--loss", "pkl", "--pkl-divergence", "forward-reverse", "--pkl-reverse-weight", "0.5", "--ce-weight",
+                   "0.5"), seeds=5),
     # the modes section (`--section modes`): one tokenizer, each store mode with train-student's defaults for it
     RealRow("same tokenizer: top-8 + rest", False, ("--loss", "auto"), seeds=3, store="topk8"),
     RealRow("same tokenizer: top-32 + rest", False, ("--loss", "auto"), seeds=3, store="topk32"),
@@ -107,14 +109,19 @@ ROWS = [
     RealRow("same tokenizer: sampled, 64 draws", False, ("--loss", "auto"), seeds=3, store="sampled64"),
     RealRow("same tokenizer: head 4 + 16 tail draws", False, ("--loss", "auto"), seeds=3, store="headtail4x16"),
     RealRow("same tokenizer: full vocabulary", False, ("--loss", "auto"), seeds=3, store="full"),
-    # a mix weighted towards the reverse KL, for top-1 agreement across tokenizers (docs/losses.md)
-    RealRow("cross: P-KL forward-reverse, reverse weight 0.75, first rows, first-piece map, CE 0.5", True,
-            ("--loss", "pkl", "--pkl-divergence", "forward-reverse", "--pkl-reverse-weight", "0.75",
-             "--ce-weight", "0.5"), seeds=5),
+    # the mix weighted towards the reverse KL: top-1 agreement across tokenizers won (docs/losses.md), the defaults since
+    RealRow("cross: P-KL defaults (forward-reverse, reverse weight 0.75, first rows, first-piece map, CE 0.5)", True,
+            ("--loss", "auto"), seeds=5),
 ]
-MAIN = ROWS[:8]  # README.md's quality-real block
+MAIN = [*ROWS[:8], ROWS[14]]  # docs/losses.md's quality-real block
 MODES = [ROWS[3], ROWS[4], *ROWS[8:14]]  # docs/losses.md's quality-real-modes block: CE only and every store mode
-CROSS = [ROWS[0], ROWS[7], ROWS[14]]  # docs/losses.md's quality-real-cross block: the top-1 candidate beside both
+CROSS = [ROWS[0], ROWS[7], ROWS[14]]  # README.md's quality-real-cross block: the defaults, the earlier mix, CE only
+# rows renamed since a report was written: old name -> current name (a report is rendered under the current names)
+RENAMED = {
+    "cross: P-KL forward, first rows, first-piece map, CE 1.0 (the earlier defaults)": ROWS[1].name,
+    "cross: P-KL defaults (forward-reverse, first rows, first-piece map, CE 0.5)": ROWS[7].name,
+    "cross: P-KL forward-reverse, reverse weight 0.75, first rows, first-piece map, CE 0.5": ROWS[14].name,
+}
 # the cross-tokenizer P-KL defaults a run without a "defaults" record ran under (before forward-reverse at CE 0.5)
 EARLIER_DEFAULTS = {"--ce-weight": "1.0", "--pkl-divergence": "forward"}
 
@@ -213,7 +220,7 @@ def train(p: dict, row: RealRow, s: RealSettings, seed: int, log_file: Path) -> 
             "--warmup-steps", s.warmup_steps, "--zero-stage", 2, *flags]
     record = out / "bench_row.json"  # the run's flags and defaults: a finished run of the same meaning is reused
     argv = list(map(str, argv))
-    if record.exists() and (out / "summary.json").exists() and _same_run(json.loads(record.read_text()), argv, row.cross):
+    if record.exists() and (out / "summary.json").exists() and same_run(json.loads(record.read_text()), argv, row.cross):
         log.info("%s seed %d: reusing the finished run in %s", row.name, seed, out)
         summary = json.loads((out / "summary.json").read_text())
         return {"hf_dir": out / "hf", "train_s": None, "steps_per_s": summary.get("steps_per_s"), "reused": True}
@@ -226,10 +233,11 @@ def train(p: dict, row: RealRow, s: RealSettings, seed: int, log_file: Path) -> 
             "reused": False}
 
 
-def _same_run(record, argv: list[str], cross: bool) -> bool:
+def same_run(record, argv: list[str], cross: bool) -> bool:
     """Whether a finished run's record (its argv and the defaults it ran under; a bare argv list: the earlier
     defaults) means the row's argv under the current defaults."""
     done, defaults = (record, EARLIER_DEFAULTS) if isinstance(record, list) else (record["argv"], record["defaults"])
+    defaults = {"--pkl-reverse-weight": "0.5", **defaults}  # a record from before the weight: the mean
     return resolved(done, cross, defaults) == resolved(argv, cross, current_defaults())
 
 
@@ -304,8 +312,13 @@ def run_real(work: Path, s: RealSettings, rows: list[RealRow] = MAIN) -> dict:
             "wall_s": time.perf_counter() - t0, "machine": machine(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
 
 
+def current_names(results: list[dict]) -> list[dict]:
+    """A report's runs with each row under its current name (RENAMED: a report written before a rename)."""
+    return [{**r, "row": RENAMED.get(r["row"], r["row"])} for r in results]
+
+
 def markdown(report: dict) -> str:
-    s, res = report["settings"], report["results"]
+    s, res = report["settings"], current_names(report["results"])
     names = sorted(dict.fromkeys(r["row"] for r in res), key=lambda n: n.startswith("same"))  # cross rows first
     train = report["stores"]["train"]
     out = [f"Measured {report['date']} on {report['machine']}; SmolLM2-135M-Instruct teacher, fresh tiny Llama students, "
@@ -365,7 +378,7 @@ def share_of_full_gain(rs: list[dict], ce: dict, full: dict) -> list[float]:
 def modes_markdown(report: dict) -> str:
     """The modes section: one tokenizer, a row per training store, graded like the main table, with each row's share
     of the full-vocabulary store's KL gain over CE only (paired by seed) and its store's bytes per position."""
-    s, res, stores = report["settings"], report["results"], report["stores"]
+    s, res, stores = report["settings"], current_names(report["results"]), report["stores"]
     ce = {r["seed"]: r for r in res if r["row"].endswith("CE only")}
     full = {r["seed"]: r for r in res if r["store"] == "full"}
     out = [f"Measured {report['date']} on {report['machine']}; SmolLM2-135M-Instruct teacher, fresh tiny Llama students on "

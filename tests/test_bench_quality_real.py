@@ -61,12 +61,28 @@ def test_every_mode_row_has_a_store_and_the_table_has_ce_only_and_full():
     assert any(r.name.endswith("CE only") for r in MODES) and any(r.store == "full" for r in MODES)
 
 
-def test_the_cross_section_runs_ce_only_the_defaults_and_the_candidate_on_the_same_seeds_and_store():
-    """`--section cross` pairs every KD row with CE only by seed: one store, one student vocabulary, equal seeds."""
-    from bench.quality_real import CROSS, resolved
+def test_the_cross_section_runs_ce_only_and_both_mixes_on_the_same_seeds_and_store():
+    """`--section cross` pairs every KD row with CE only by seed: one store, one student vocabulary, equal seeds; the
+    half-and-half mix is pinned by its flags, the defaults row follows train-student's defaults (reverse weight 0.75)."""
+    from bench.quality_real import CROSS, current_defaults, resolved
 
     assert [r.cross for r in CROSS] == [True] * 3 and {r.store for r in CROSS} == {"train"}
     assert CROSS[0].name.endswith("CE only") and len({r.seeds for r in CROSS}) == 1
-    defaults = {"--ce-weight": "0.5", "--pkl-divergence": "forward-reverse", "--pkl-reverse-weight": "0.5"}
-    assert resolved(list(CROSS[1].flags), True, defaults) == {**defaults, "--loss": "pkl"}
-    assert resolved(list(CROSS[2].flags), True, defaults)["--pkl-reverse-weight"] == "0.75"
+    now = current_defaults()
+    assert resolved(list(CROSS[1].flags), True, now)["--pkl-reverse-weight"] == "0.5"
+    assert resolved(list(CROSS[2].flags), True, now) == {"--loss": "pkl", "--ce-weight": "0.5",
+                                                          "--pkl-divergence": "forward-reverse",
+                                                          "--pkl-reverse-weight": "0.75"}
+
+
+def test_a_finished_run_is_reused_only_for_a_row_of_the_same_meaning_across_renames_and_new_defaults(tmp_path):
+    """A run recorded before the reverse weight existed ran the half-and-half mix; the renamed rows of an earlier
+    report render under their current names."""
+    from bench.quality_real import ROWS, current_names, same_run
+
+    old = {"argv": ["--loss", "auto", "--seed", "0"], "defaults": {"--ce-weight": "0.5",
+                                                                   "--pkl-divergence": "forward-reverse"}}
+    assert same_run(old, [*ROWS[7].flags, "--seed", "0"], True)
+    assert not same_run(old, [*ROWS[14].flags, "--seed", "0"], True)
+    renamed = current_names([{"row": "cross: P-KL defaults (forward-reverse, first rows, first-piece map, CE 0.5)"}])
+    assert renamed == [{"row": ROWS[7].name}]

@@ -358,7 +358,8 @@ def test_defaults_are_forward_reverse_p_kl_with_half_ce_on_exact_caches_and_forw
     proj = ProjectionOperator(torch.eye(4, dtype=torch.float64).to_sparse())
     for mode in ("topk", "full"):  # exact teacher log-probs: the real pair's measured default (docs/losses.md)
         obj = Objective.from_config(LossConfig(), Capabilities(same_tokenizer=False, mode=mode), proj)
-        assert (obj.kind, obj.spec.divergence, obj.ce_weight) == ("pkl", "forward-reverse", 0.5)
+        assert (obj.kind, obj.spec.divergence, obj.spec.reverse_weight, obj.ce_weight) == ("pkl", "forward-reverse",
+                                                                                          0.75, 0.5)
     for mode in ("sampled", "headtail"):  # an estimated teacher: the forward KL is linear in it, the reverse is not
         obj = Objective.from_config(LossConfig(), Capabilities(same_tokenizer=False, mode=mode), proj)
         assert (obj.kind, obj.spec.divergence) == ("pkl", "forward")
