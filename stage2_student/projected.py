@@ -152,7 +152,8 @@ def _kl_terms(blk, q_at: Tensor, q_rest: Tensor, p_at: Tensor, w_e: Tensor, p_re
     """(divergence of each chunk [C] unscaled by T^2, its derivative by q at the stored entries [M, k] and
     outside K_c [C], <pbar_c, G_c> [C]) from q_c and p_c at each entry's (chunk, id) [M, k], q_r [C], w_e
     [M, k], p_r [C] and the chunks whose K_c holds every column with entries [C]. `divergence`: forward
-    (KL(p || q), P-KL), reverse (KL(q || p)), jsd (generalized JSD(beta)) or forward-reverse ((1 - w) forward + w reverse, w = `reverse_weight`)."""
+    (KL(p || q), P-KL), reverse (KL(q || p)), jsd (generalized JSD(beta)) or forward-reverse ((1 - w) forward
+    + w reverse, w = `reverse_weight`)."""
     if divergence == "forward-reverse":  # every output is linear in the divergence: the same mix of the two's
         both = (_kl_terms(blk, q_at, q_rest, p_at, w_e, p_rest_c, no_rest, kind) for kind in ("forward", "reverse"))
         return tuple((1.0 - reverse_weight) * f + reverse_weight * r for f, r in zip(*both))

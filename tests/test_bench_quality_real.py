@@ -75,7 +75,7 @@ def test_the_cross_section_runs_ce_only_and_both_mixes_on_the_same_seeds_and_sto
                                                           "--pkl-reverse-weight": "0.75"}
 
 
-def test_a_finished_run_is_reused_only_for_a_row_of_the_same_meaning_across_renames_and_new_defaults(tmp_path):
+def test_a_finished_run_is_reused_only_for_a_row_of_the_same_meaning_across_renames_and_new_defaults():
     """A run recorded before the reverse weight existed ran the half-and-half mix; the renamed rows of an earlier
     report render under their current names."""
     from bench.quality_real import ROWS, current_names, same_run
