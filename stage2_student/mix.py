@@ -98,6 +98,13 @@ class TeacherMix:
     def num_teachers(self) -> int:
         return len(self.objectives)
 
+    def describe(self) -> dict:
+        """The resolved loss (`Objective.describe`); several teachers: each one's, and how they combine."""
+        if len(self.objectives) == 1 and self.num_views == 1:
+            return self.objectives[0].describe()
+        return {"teachers": [o.describe() for o in self.objectives], "combine": self.combine, "weights": self.lam,
+                "score": self.score, "alpha": self.alpha}
+
     @property
     def staleness_cap(self) -> float:
         """The ratio cap the staleness metric counts against: rkl-pg's --is-cap, else onpolicy.STALENESS_CAP."""

@@ -211,6 +211,27 @@ class Objective:
         kw.update(overrides)
         return cls(kind, **kw)
 
+    def describe(self) -> dict:
+        """The resolved loss, the settings that shape it and no others (defaults filled in): what
+        train-student's summary.json records as `objective`, and what `xtcache rounds` compares between rounds."""
+        spec, kind = self.spec, self.kind
+        out = {"kind": kind, "ce_weight": self.ce_weight}
+        if kind is None:
+            return out
+        out.update(kd_weight=self.kd_weight, dynamic_scaling=self.dynamic_scaling, temperature=spec.temperature,
+                   teacher_tail=spec.tail)
+        if kind == "pkl":
+            out.update(pkl_divergence=spec.divergence, chunk_rows=self.chunk_rows)
+            if spec.divergence == "forward-reverse":
+                out["pkl_reverse_weight"] = spec.reverse_weight
+        if kind == "jsd" or kind == "pkl" and spec.divergence == "jsd":
+            out["jsd_beta"] = spec.beta
+        if kind == "alm":
+            out["alm_tau"] = spec.tau
+        if kind == "rkl-pg":
+            out["is_cap"] = spec.is_cap
+        return out
+
     def to(self, device) -> "Objective":
         """Put the objective's own tensors (the projection W) on the trainer's device."""
         if self.projection is not None:

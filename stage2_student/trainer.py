@@ -266,7 +266,7 @@ class Trainer:
             "final_eval_ce": final["ce"] if final else None,
             "final_eval_top1_agree": final["top1_agree"] if final else None,
             "first_eval": evals[0] if evals else None,
-            "kd_loss": self.data.objective.kind, "metrics": str(self.metrics_path.resolve()),
+            "kd_loss": self.data.objective.kind, "objective": self.data.objective.describe(), "metrics": str(self.metrics_path.resolve()),
             "teachers": self._teacher_summary(evals, final),
             "hf_dir": str(hf_dir.resolve()), "checkpoints": str((self.out / checkpoint.CKPT_DIR).resolve()),
             "data": self.data.info, "student_params": self.num_params, **peak_memory(),

@@ -368,6 +368,16 @@ def test_defaults_are_forward_reverse_p_kl_with_half_ce_on_exact_caches_and_forw
     given = Objective.from_config(LossConfig(pkl_divergence="forward", ce_weight=1.0),
                                   Capabilities(same_tokenizer=False, mode="topk"), proj)
     assert (given.spec.divergence, given.ce_weight) == ("forward", 1.0)
+    # what summary.json records and `xtcache rounds` compares: the resolved settings of the loss and no others
+    cross = Objective.from_config(LossConfig(), Capabilities(same_tokenizer=False, mode="topk"), proj)
+    assert cross.describe() == {"kind": "pkl", "ce_weight": 0.5, "kd_weight": 1.0, "dynamic_scaling": False,
+                                "temperature": 1.0, "teacher_tail": "ghost", "pkl_divergence": "forward-reverse",
+                                "chunk_rows": "first", "pkl_reverse_weight": 0.75}
+    assert same.describe() == {"kind": "kl", "ce_weight": 0.1, "kd_weight": 1.0, "dynamic_scaling": False,
+                               "temperature": 1.0, "teacher_tail": "ghost"}
+    assert "pkl_reverse_weight" not in given.describe()  # forward alone has no reverse weight
+    ce = Objective.from_config(LossConfig(loss="ce"), Capabilities(same_tokenizer=True, mode="topk"))
+    assert ce.describe() == {"kind": None, "ce_weight": 1.0}
 
 
 def test_pkl_divergence_applies_to_projected_kl_only():

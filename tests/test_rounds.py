@@ -91,6 +91,9 @@ def test_two_rounds_chain_policies_checkpoints_and_print_their_commands(vllm_run
     assert f"--init-from {workdir}/round-000/train/checkpoints/step{steps}" in commands[5]
     metrics = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [m["round"] for m in metrics] == [0, 1]
+    for r in (0, 1):  # the loss each round resolved, recorded beside its command (compared between rounds)
+        objective = json.loads((workdir / f"round-{r:03d}" / "done" / "train-student.json").read_text())["objective"]
+        assert (objective["kind"], objective["pkl_divergence"], objective["ce_weight"]) == ("pkl", "forward", 0.1)
     assert [m["step"] for m in metrics] == [steps, 2 * steps] and all(m["train_steps"] == steps for m in metrics)
     assert all(m["rollouts"] == 2 and m["teacher_positions"] > 0 for m in metrics)
     assert metrics[0]["policy"] != metrics[1]["policy"]  # the second round's rollouts come from the trained student
@@ -325,6 +328,43 @@ def test_a_stage_started_with_other_settings_starts_again_from_nothing(tmp_path)
     assert not train.exists()  # another command: its output would mix both settings
     started = json.loads((round_dir(cfg, 0) / "started" / "train-student.json").read_text())
     assert started["command"] == stage_command(fixed, 0, "train-student")
+
+
+def test_a_round_resolving_another_loss_from_the_same_settings_is_refused_naming_the_change_and_way_out(tmp_path):
+    """An xtcache upgrade between runs of one work directory may change a default that the same command resolves:
+    the later round's recorded objective differs from the earlier one's, and the driver stops naming both."""
+    from xtcache.app.rounds import check_objective, loss_settings, round_dir
+    from xtcache.errors import ConfigError
+
+    cfg = _cfg(tmp_path, rounds=3)
+
+    def done(r: int, objective: dict | None, c=cfg) -> dict:
+        record = {"stage": "train-student", "round": r, "command": [], "outputs": {}, "objective": objective,
+                  "loss_settings": loss_settings(c)}
+        path = round_dir(cfg, r) / "done" / "train-student.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+        (round_dir(cfg, r) / "train").mkdir(exist_ok=True)
+        return record
+
+    was = {"kind": "pkl", "ce_weight": 0.5, "pkl_divergence": "forward-reverse", "pkl_reverse_weight": 0.5}
+    done(0, was)
+    check_objective(cfg, 1, done(1, was))  # the same loss: goes on
+    now = {**was, "pkl_reverse_weight": 0.75}
+    with pytest.raises(ConfigError) as refused:
+        check_objective(cfg, 2, done(2, now))
+    message, d = str(refused.value), round_dir(cfg, 2)
+    assert message.startswith("round 2 train-student resolved another loss than round 0 from the same settings "
+                              "(pkl_reverse_weight 0.5 -> 0.75): the xtcache that ran round 0 filled in other defaults")
+    assert "pin round 0's values after `--` (--pkl-reverse-weight 0.5)" in message
+    assert f"rm -r {d / 'train'} {d / 'done' / 'train-student.json'};" in message
+    # the flags after -- changed on purpose for the later rounds (allowed while they had not run): not compared
+    pinned = _cfg(tmp_path, rounds=3, train_args=["--pkl-reverse-weight", "0.75"])
+    check_objective(pinned, 2, done(2, now, pinned))
+    check_objective(cfg, 2, done(2, None))  # a round of an xtcache that recorded no objective: nothing to compare
+    done(0, None)  # an earlier round without one is passed over: round 1 is compared
+    with pytest.raises(ConfigError, match="^round 2 train-student resolved another loss than round 1 "):
+        check_objective(cfg, 2, done(2, now))
 
 
 def test_a_run_failed_in_train_student_reruns_with_the_fixed_flag(chat, tmp_path):

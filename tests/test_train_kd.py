@@ -68,6 +68,8 @@ def test_projected_kl_beats_ce_only_on_heldout_kl(tmp_path, toy_setup, kd_caches
     assert final_kd < 0.6 * first_kl, (first_kl, final_kd)
     assert final_kd < final_ce, (final_kd, final_ce)
     assert kd["summary"]["kd_loss"] == "pkl" and ce["summary"]["kd_loss"] is None
+    assert kd["summary"]["objective"]["kind"] == "pkl" and kd["summary"]["objective"]["ce_weight"] == 0.1
+    assert ce["summary"]["objective"] == {"kind": None, "ce_weight": 1.0}
     # the evaluation's KL is the same measure whatever the training loss, and says what it is
     assert kd["summary"]["eval_kl_definition"] == ce["summary"]["eval_kl_definition"]
     assert "lower bound" in kd["summary"]["eval_kl_definition"]

@@ -278,8 +278,56 @@ def run_stage(cfg: RoundsConfig, r: int, stage: str) -> dict:
     restart_if_changed(cfg, r, stage, command)
     run_xtcache(cfg, [*command, *resume_flags(cfg, r, stage)])
     done = {"stage": stage, "round": r, "command": command, "outputs": stage_outputs(cfg, r, stage)}
+    if stage == "train-student":
+        done["objective"] = json.loads((round_dir(cfg, r) / "train" / "summary.json").read_text()).get("objective")
+        done["loss_settings"] = loss_settings(cfg)
     _write_atomic(done_path, json.dumps(done, indent=1))
     return done
+
+
+def loss_settings(cfg: RoundsConfig) -> dict:
+    """The settings a round's train-student resolves its loss from: rounds' --loss and the flags after `--`."""
+    return {"loss": cfg.loss, "train_args": list(cfg.train_args)}
+
+
+# the resolved objective's settings (`Objective.describe`) as train-student's flags, to pin one
+OBJECTIVE_FLAGS = {"ce_weight": "--ce-weight", "kd_weight": "--kd-weight", "temperature": "--temperature",
+                   "pkl_divergence": "--pkl-divergence", "pkl_reverse_weight": "--pkl-reverse-weight",
+                   "chunk_rows": "--chunk-rows", "jsd_beta": "--jsd-beta", "alm_tau": "--alm-tau", "is_cap": "--is-cap",
+                   "kind": "--loss", "dynamic_scaling": "--dynamic-scaling"}
+
+
+def _pin(key: str, value) -> str:
+    flag = OBJECTIVE_FLAGS[key]
+    if isinstance(value, bool):
+        return flag if value else flag.replace("--", "--no-", 1)
+    return f"{flag} {value}"
+
+
+def check_objective(cfg: RoundsConfig, r: int, done: dict) -> None:
+    """Round r's train-student must train the loss that the first earlier round run with the same loss settings
+    trained: the same command resolving to another objective means the xtcache that ran the earlier round
+    filled in other defaults (an upgrade between runs of one work directory); refused, naming the settings."""
+    mine = done.get("objective")
+    if mine is None:
+        return  # a round finished by an xtcache that did not record its objective
+    for q in range(r):
+        path = round_dir(cfg, q) / "done" / "train-student.json"
+        was = json.loads(path.read_text()) if path.exists() else {}
+        if was.get("objective") is None or was.get("loss_settings") != done.get("loss_settings"):
+            continue
+        if was["objective"] == mine:
+            return
+        keys = sorted(k for k in set(was["objective"]) | set(mine) if was["objective"].get(k) != mine.get(k))
+        diff = "; ".join(f"{k} {was['objective'].get(k)} -> {mine.get(k)}" for k in keys)
+        pins = [_pin(k, was["objective"][k]) for k in keys if k in OBJECTIVE_FLAGS and k != "kind"
+                and was["objective"].get(k) is not None and not (k == "pkl_divergence" and cfg.loss in DIVERGENCES)]
+        pin = f"pin round {q}'s values after `--` ({', '.join(pins)}) and redo round {r}'s training" if pins else \
+            f"redo round {r}'s training with the xtcache that ran round {q}"
+        raise ConfigError(
+            f"round {r} train-student resolved another loss than round {q} from the same settings ({diff}): the "
+            f"xtcache that ran round {q} filled in other defaults. To go on as round {q} trained, {pin}: "
+            f"rm -r {shlex.join(redo_paths(cfg, r, 'train-student'))}; or use another --workdir")
 
 
 def round_metrics(cfg: RoundsConfig, r: int) -> dict:
@@ -424,7 +472,8 @@ def run_rounds(cfg: RoundsConfig) -> list[dict]:
     metrics = []
     for r in range(cfg.rounds):
         for stage in STAGES:
-            run_stage(cfg, r, stage)
+            done = run_stage(cfg, r, stage)
+        check_objective(cfg, r, done)
         metrics.append(round_metrics(cfg, r))
         _write_atomic(Path(cfg.workdir) / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics))
         log.info("round %d done: %s", r, json.dumps(metrics[-1]))
