@@ -322,12 +322,12 @@ def check_objective(cfg: RoundsConfig, r: int, done: dict) -> None:
         diff = "; ".join(f"{k} {was['objective'].get(k)} -> {mine.get(k)}" for k in keys)
         pins = [_pin(k, was["objective"][k]) for k in keys if k in OBJECTIVE_FLAGS and k != "kind"
                 and was["objective"].get(k) is not None and not (k == "pkl_divergence" and cfg.loss in DIVERGENCES)]
-        pin = f"pin round {q}'s values after `--` ({', '.join(pins)}) and redo round {r}'s training" if pins else \
-            f"redo round {r}'s training with the xtcache that ran round {q}"
+        again = f" with `-- {' '.join(pins)}` among the flags after -- to train as round {q} did" if pins else ""
         raise ConfigError(
             f"round {r} train-student resolved another loss than round {q} from the same settings ({diff}): the "
-            f"xtcache that ran round {q} filled in other defaults. To go on as round {q} trained, {pin}: "
-            f"rm -r {shlex.join(redo_paths(cfg, r, 'train-student'))}; or use another --workdir")
+            f"xtcache that ran round {q} filled in other defaults. Finish the run with that xtcache (after rm -r "
+            f"{shlex.join(redo_paths(cfg, r, 'train-student'))}), or start the rounds again in another "
+            f"--workdir{again}")
 
 
 def round_metrics(cfg: RoundsConfig, r: int) -> dict:
