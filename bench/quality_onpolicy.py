@@ -115,7 +115,7 @@ def prepare(work: Path, s: OnPolicySettings, log_file: Path) -> dict:
          "eval_prompts": _prompts(setup.heldout_jsonl, work / "prompts-heldout.jsonl", range(s.eval_prompts)),
          "half_prompts": _prompts(setup.train_jsonl, work / "prompts-train-half.jsonl", range(s.prompts // 2)),
          "off_cache": work / "cache-off", "half_cache": work / "cache-off-half", "eval_cache": work / "cache-heldout",
-         "projection": work / "projection.npz"}
+         "projection": work / "projection.safetensors"}
     topk = ["--mode", "topk", "--top-k", str(s.top_k)]
     dump_caches(setup, [(off_data, p["off_cache"], topk), (half_data, p["half_cache"], topk),
                         (setup.heldout_jsonl, p["eval_cache"], ["--mode", "full"])], p["projection"], log_file)

@@ -116,7 +116,7 @@ def prepare(kind: str, work: Path, s: ConvergedSettings, log_file: Path) -> dict
 
     work.mkdir(parents=True, exist_ok=True)
     setup = _setup(kind, work, s)
-    p = {"setup": setup, "kind": kind, "projection": work / "projection.npz", "eval_cache": work / "cache-heldout",
+    p = {"setup": setup, "kind": kind, "projection": work / "projection.safetensors", "eval_cache": work / "cache-heldout",
          "converge_cache": work / "cache-converge", "continue_cache": work / "cache-continue"}
     if kind == "chat":
         rows = [json.loads(x) for x in setup.train_jsonl.read_text().splitlines()]
