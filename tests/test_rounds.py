@@ -356,7 +356,8 @@ def test_a_round_resolving_another_loss_from_the_same_settings_is_refused_naming
     message, d = str(refused.value), round_dir(cfg, 2)
     assert message.startswith("round 2 train-student resolved another loss than round 0 from the same settings "
                               "(pkl_reverse_weight 0.5 -> 0.75): the xtcache that ran round 0 filled in other defaults")
-    assert f"Finish the run with that xtcache (after rm -r {d / 'train'} {d / 'done' / 'train-student.json'})" in message
+    redo = f"{d / 'train'} {d / 'done' / 'train-student.json'}"
+    assert f"Finish the run with that xtcache (after rm -r {redo})" in message
     assert message.endswith("in another --workdir with `-- --pkl-reverse-weight 0.5` among the flags after -- to train "
                             "as round 0 did")
     # the flags after -- changed on purpose for the later rounds (allowed while they had not run): not compared

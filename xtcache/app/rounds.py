@@ -294,7 +294,7 @@ def loss_settings(cfg: RoundsConfig) -> dict:
 OBJECTIVE_FLAGS = {"ce_weight": "--ce-weight", "kd_weight": "--kd-weight", "temperature": "--temperature",
                    "pkl_divergence": "--pkl-divergence", "pkl_reverse_weight": "--pkl-reverse-weight",
                    "chunk_rows": "--chunk-rows", "jsd_beta": "--jsd-beta", "alm_tau": "--alm-tau", "is_cap": "--is-cap",
-                   "kind": "--loss", "dynamic_scaling": "--dynamic-scaling"}
+                   "dynamic_scaling": "--dynamic-scaling"}  # the kind is rounds' own --loss: not pinned after --
 
 
 def _pin(key: str, value) -> str:
@@ -320,7 +320,7 @@ def check_objective(cfg: RoundsConfig, r: int, done: dict) -> None:
             return
         keys = sorted(k for k in set(was["objective"]) | set(mine) if was["objective"].get(k) != mine.get(k))
         diff = "; ".join(f"{k} {was['objective'].get(k)} -> {mine.get(k)}" for k in keys)
-        pins = [_pin(k, was["objective"][k]) for k in keys if k in OBJECTIVE_FLAGS and k != "kind"
+        pins = [_pin(k, was["objective"][k]) for k in keys if k in OBJECTIVE_FLAGS
                 and was["objective"].get(k) is not None and not (k == "pkl_divergence" and cfg.loss in DIVERGENCES)]
         again = f" with `-- {' '.join(pins)}` among the flags after -- to train as round {q} did" if pins else ""
         raise ConfigError(
