@@ -92,9 +92,12 @@ def test_gpu_wheels_are_the_tested_versions_and_cover_what_the_image_lacks():
 def test_gpu_check_names_a_distribution_missing_from_image_and_wheels(monkeypatch):
     import bench.gpu_check as gpu_check
 
-    assert gpu_check.missing_on_bare_image() == []
+    # The scan reads the modules this process loaded: a test worker may hold test-only helpers (moto's S3), so
+    # only the difference is asserted here; the fresh gpu_check processes above assert "none" outright.
+    before = set(gpu_check.missing_on_bare_image())
     monkeypatch.setattr(gpu_wheels, "WHEELS", [w for w in gpu_wheels.WHEELS if not w.startswith(("zarr", "hjson"))])
-    assert gpu_check.missing_on_bare_image() == ["hjson", "zarr"]  # zarr imported by the store, hjson by deepspeed
+    added = set(gpu_check.missing_on_bare_image()) - before
+    assert added == {"hjson", "zarr"}  # zarr imported by the store, hjson by deepspeed
 
 
 def test_gpu_wheels_refuses_a_folder_missing_a_wheel_holding_two_versions_or_over_the_limit(tmp_path, monkeypatch):
