@@ -39,3 +39,35 @@ def test_a_row_beats_on_a_measure_only_when_lower_on_every_seed_beyond_the_paire
     rows[ON] = _runs([30, 31, 32], [1.2, 1.2, 1.2], [2.30, 2.31, 2.32])
     (line,) = verdicts(rows)
     assert "**beats it on neither, held-out KL higher beyond the spread**" in line
+
+
+def test_end_probabilities_read_each_answer_after_its_prompt_one_row_per_answer_token_after_the_first(
+        toy_setup, tmp_path):
+    """A fake teacher whose logits give the end-of-turn id the logit log(position): the probabilities returned
+    are those of the rows that predict answer tokens 2..n, after the prompt in the teacher's own template."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.onpolicy_end_hazard import end_probabilities
+    from xtcache.chat.render import render
+    from xtcache.testing.chat import chat_tokenizer
+
+    tok = chat_tokenizer(toy_setup.teacher_tokenizer, "chatml", tmp_path / "t")
+    V, end = len(tok), tok.eos_token_id
+
+    def teacher(input_ids):
+        n = input_ids.shape[1]
+        logits = torch.full((1, n, V), -1e4)
+        logits[0, :, 0] = 0.0  # one other id at logit 0: P(end) at row j = j / (j + 1)
+        logits[0, :, end] = torch.log(torch.arange(n, dtype=torch.float64) + 1e-9).float()
+        return SimpleNamespace(logits=logits)
+
+    prompt = {"messages": [{"role": "user", "content": "what is the cache?"}]}
+    prefix = len(tok(render(tok, prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+    answers = ["the cache stores teacher log-probs", "x", ""]
+    out = end_probabilities(teacher, tok, prompt, answers)
+    n = len(tok(answers[0], add_special_tokens=False)["input_ids"])
+    assert [a for a, _ in out] == answers[:1] and n >= 2  # answers of fewer than two tokens are skipped
+    rows = torch.arange(prefix, prefix + n - 1, dtype=torch.float64)
+    assert torch.allclose(torch.as_tensor(out[0][1]), rows / (rows + 1), atol=1e-5)

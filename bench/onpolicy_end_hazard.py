@@ -1,0 +1,111 @@
+"""Where on-policy chat answers get shorter: the teacher's end-of-turn probability along answers written by the
+teacher itself and by the students of `bench/quality.py --section on-policy-converged` (its chat work directory).
+
+    python bench/onpolicy_end_hazard.py --workdir WORK/on-policy-converged/chat --write-docs  # 2 min on 2 CPU cores
+
+Each model answers the section's held-out prompts (4 samples each, temperature 1, draw seed 1, at most 103
+student tokens: policy-eval's sampler). The teacher (transformers, float32) reads every answer after the
+prompt in its own template and gives, at each answer token after the first, its probability of ending the turn
+there instead (`eos_token`, the template's end-of-turn marker). The table: per model, the mean of that
+probability per answer, then over answers, and over each answer's second half; answers' mean characters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+DOC_BLOCKS = {"onpolicy-end-hazard": "docs/on-policy.md"}  # --write-docs: block -> file
+HEAD = ["| model | seed | answers | mean characters | teacher P(end), mean over answers | second halves |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |"]
+
+
+def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str]) -> list:
+    """(answer, the teacher's P(end of turn) in place of each of its tokens after the first) per answer of at
+    least two teacher tokens."""
+    import torch
+
+    from xtcache.chat.render import render
+
+    end = tokenizer.eos_token_id
+    prefix = tokenizer(render(tokenizer, prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    out = []
+    for text in answers:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) < 2:
+            continue
+        with torch.inference_mode():
+            logits = teacher(input_ids=torch.tensor([prefix + ids])).logits[0].double()
+        p_end = torch.softmax(logits, dim=-1)[:, end].numpy()
+        out.append((text, p_end[len(prefix):len(prefix) + len(ids) - 1]))  # row j predicts token j + 1
+    return out
+
+
+def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) -> list[str]:
+    """The table's rows (markdown), each printed as it is measured."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stage1_teacher.onpolicy.policy_eval import read_prompts, sample_student
+    from xtcache.tokenizer import load_tokenizer
+
+    teacher_dir = work / "chat" / "teacher"
+    tokenizer = load_tokenizer(str(teacher_dir), "teacher tokenizer")
+    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32,
+                                                   use_safetensors=True).eval()
+    prompts_path = work / "prompts-heldout.jsonl"
+    rows = [json.loads(line) for line in prompts_path.read_text().splitlines() if line.strip()]
+    from bench.quality_onpolicy_converged import ROWS
+
+    off = next(i for i, (_, how, _) in enumerate(ROWS) if how == "off")
+    on = next(i for i, (_, how, flags) in enumerate(ROWS) if how == "on" and not flags)  # rounds' defaults
+    models = [("teacher", "-", teacher_dir)]
+    for seed in seeds:
+        runs = work / "runs"
+        models += [("converged student", seed, work / f"converged-s{seed}" / "hf"),
+                   ("continued off-policy KD", seed, runs / f"row{off}-seed{seed}" / "hf"),
+                   ("on-policy rounds (rounds' defaults)", seed, runs / f"row{on}-seed{seed}" / "round-001" / "train" / "hf")]
+    table = []
+    for name, seed, path in models:
+        if not path.is_dir():
+            raise SystemExit(f"{path}: missing; run bench/quality.py --section on-policy-converged first")
+        tok = load_tokenizer(str(path), "model tokenizer")
+        _, texts = sample_student(str(path), tok, read_prompts(str(prompts_path), tok), samples_per_prompt=samples,
+                                  max_new_tokens=cap, seed=1)
+        per, second, chars = [], [], []
+        for row, answers in zip(rows, texts):
+            for text, p in end_probabilities(teacher, tokenizer, row, answers):
+                per.append(p.mean())
+                second.append(p[len(p) // 2:].mean())
+                chars.append(len(text))
+        table.append(f"| {name} | {seed} | {len(per)} | {np.mean(chars):.1f} | {np.mean(per):.4f} | "
+                     f"{np.mean(second):.4f} |")
+        print(table[-1], flush=True)
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", required=True, help="the chat work directory of the on-policy-converged section")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--write-docs", action="store_true", help="replace docs/on-policy.md's onpolicy-end-hazard block")
+    args = p.parse_args()
+    from xtcache.app.docblock import require_blocks, write_block
+
+    if args.write_docs:
+        require_blocks(REPO, DOC_BLOCKS)
+    print("\n".join(HEAD))
+    rows = hazard_rows(Path(args.workdir), [int(s) for s in args.seeds.split(",")])
+    if args.write_docs:
+        write_block(REPO / DOC_BLOCKS["onpolicy-end-hazard"], "onpolicy-end-hazard", "\n".join([*HEAD, *rows]))
+
+
+if __name__ == "__main__":
+    main()
