@@ -140,6 +140,9 @@ def test_summary_is_the_ratio_of_sums():
     assert r["stopped_fraction"] == pytest.approx(2 / 3)
     # delta-method standard error of sum(r) / sum(n): residuals r_i - R n_i = 2 - 1, 1 - 2
     assert r["reverse_kl_per_token_se"] == pytest.approx(math.sqrt(2.0 / 2) / 3)
+    # and of the teacher's NLL per byte, 12 / 10 = 1.2: residuals 5 - 1.2 * 4, 7 - 1.2 * 6; mean bytes 5
+    assert r["teacher_nll_per_byte_se"] == pytest.approx(math.sqrt((0.2 ** 2 + 0.2 ** 2) / 1 / 2) / 5)
+    assert r["teacher_nll_per_token_se"] == pytest.approx(math.sqrt((1.0 ** 2 + 1.0 ** 2) / 1 / 2) / 3)
 
 
 def test_bad_prompts_are_refused_in_one_line(chat, tmp_path):

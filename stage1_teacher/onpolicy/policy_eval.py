@@ -21,8 +21,12 @@ the live teacher scores them, and the report gives the per-token reverse KL and 
        r_i                    = log p_s(y_i) - log p_t(y_i)
        reverse_kl_per_token   = sum_i r_i / sum_i n_i       (ratio estimator; se by the delta method)
        reverse_kl_per_sequence = mean_i r_i                  (se: the sample standard deviation / sqrt(N))
-       teacher_nll_per_token  = sum_i -log p_t(y_i) / sum_i n_i
-       teacher_nll_per_byte   = sum_i -log p_t(y_i) / sum_i bytes_i   (UTF-8 bytes of the completion text)
+       teacher_nll_per_token  = sum_i -log p_t(y_i) / sum_i n_i                (se by the delta method)
+       teacher_nll_per_byte   = sum_i -log p_t(y_i) / sum_i bytes_i   (UTF-8 bytes of the completion text; se too)
+
+   Every standard error counts the samples as independent; the samples of one prompt are not quite, so
+   they understate the noise a little. Two students compared on a few hundred samples can differ by
+   sampling alone: compare seeds.
 
    `reverse_kl_per_token` is a Monte-Carlo estimate of KL(p_s || p_t) over whole completions divided
    by the mean student length. The teacher side is the probability of the teacher's own
@@ -223,6 +227,15 @@ def sample_conversations(prompts: list, texts: list[list[str]]) -> list[dict]:
             for p, ts in zip(prompts, texts) for t in ts]
 
 
+def ratio_se(ys: list[float], xs: list[float]) -> float:
+    """Delta-method standard error of sum(ys) / sum(xs) over iid pairs (samples of one prompt counted as
+    independent)."""
+    n, total = len(ys), sum(xs)
+    ratio = sum(ys) / total
+    var = sum((y - ratio * x) ** 2 for y, x in zip(ys, xs)) / max(1, n - 1)
+    return math.sqrt(var / n) / (total / n)
+
+
 def summarize(scores: list[SampleScore]) -> dict:
     """The report's measures over the scored samples (see the module docstring)."""
     done = [s for s in scores if s.scored]
@@ -231,21 +244,20 @@ def summarize(scores: list[SampleScore]) -> dict:
     out = {"samples": len(scores), "scored": n, "unscored": len(scores) - n,
            "mean_student_tokens": tokens / n if n else float("nan"),
            "stopped_fraction": sum(s.stopped for s in scores) / len(scores) if scores else float("nan")}
+    measures = ("reverse_kl_per_token", "reverse_kl_per_sequence", "teacher_nll_per_token", "teacher_nll_per_byte")
     if n == 0 or tokens == 0:
-        return {**out, "reverse_kl_per_token": float("nan"), "reverse_kl_per_token_se": float("nan"),
-                "reverse_kl_per_sequence": float("nan"), "reverse_kl_per_sequence_se": float("nan"),
-                "teacher_nll_per_token": float("nan"), "teacher_nll_per_byte": float("nan")}
+        return {**out, **{k + tail: float("nan") for k in measures for tail in ("", "_se")}}
     r = [s.student_logprob - s.teacher_logprob for s in done]
-    ratio = sum(r) / tokens
-    mean_n = tokens / n
-    var = sum((ri - ratio * s.student_tokens) ** 2 for ri, s in zip(r, done)) / max(1, n - 1)
-    nll = -sum(s.teacher_logprob for s in done)
-    nbytes = sum(s.text_bytes for s in done)
+    nll = [-s.teacher_logprob for s in done]
+    lengths = [float(s.student_tokens) for s in done]
+    nbytes = [float(s.text_bytes) for s in done]
     per_seq = sum(r) / n
     seq_var = sum((ri - per_seq) ** 2 for ri in r) / max(1, n - 1)
-    return {**out, "reverse_kl_per_token": ratio, "reverse_kl_per_token_se": math.sqrt(var / n) / mean_n,
+    per_byte = (sum(nll) / sum(nbytes), ratio_se(nll, nbytes)) if sum(nbytes) else (float("nan"), float("nan"))
+    return {**out, "reverse_kl_per_token": sum(r) / tokens, "reverse_kl_per_token_se": ratio_se(r, lengths),
             "reverse_kl_per_sequence": per_seq, "reverse_kl_per_sequence_se": math.sqrt(seq_var / n),
-            "teacher_nll_per_token": nll / tokens, "teacher_nll_per_byte": nll / nbytes if nbytes else float("nan")}
+            "teacher_nll_per_token": sum(nll) / tokens, "teacher_nll_per_token_se": ratio_se(nll, lengths),
+            "teacher_nll_per_byte": per_byte[0], "teacher_nll_per_byte_se": per_byte[1]}
 
 
 def teacher_lengths(teacher: str, prompts_path: str, student_tokenizer, *, samples_per_prompt: int,
@@ -332,10 +344,8 @@ def _run(cfg: PolicyEvalConfig) -> None:
     for key in ("prompts", "samples", "max_new_tokens", "unscored", "mean_student_tokens", "stopped_fraction",
                 *lengths):
         typer.echo(f"{key:<26}{report[key]:.4g}" if isinstance(report[key], float) else f"{key:<26}{report[key]}")
-    for key in ("reverse_kl_per_token", "reverse_kl_per_sequence"):
+    for key in ("reverse_kl_per_token", "reverse_kl_per_sequence", "teacher_nll_per_token", "teacher_nll_per_byte"):
         typer.echo(f"{key:<26}{report[key]:.4f} +- {report[key + '_se']:.4f} (standard error)")
-    for key in ("teacher_nll_per_token", "teacher_nll_per_byte"):
-        typer.echo(f"{key:<26}{report[key]:.4f}")
     if cfg.out:
         with open(cfg.out, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
