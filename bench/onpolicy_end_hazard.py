@@ -13,7 +13,6 @@ probability per answer, then over answers, and over each answer's second half; a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ HEAD = ["| model | seed | answers | mean characters | teacher P(end), mean over 
         "| --- | ---: | ---: | ---: | ---: | ---: |"]
 
 
-def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str]) -> list:
+def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str], device="cpu") -> list:
     """(answer, the teacher's P(end of turn) in place of each of its tokens after the first) per answer of at
     least two teacher tokens."""
     import torch
@@ -41,8 +40,8 @@ def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str]) -> l
         if len(ids) < 2:
             continue
         with torch.inference_mode():
-            logits = teacher(input_ids=torch.tensor([prefix + ids])).logits[0].double()
-        p_end = torch.softmax(logits, dim=-1)[:, end].numpy()
+            logits = teacher(input_ids=torch.tensor([prefix + ids], device=device)).logits[0].double()
+        p_end = torch.softmax(logits, dim=-1)[:, end].cpu().numpy()
         out.append((text, p_end[len(prefix):len(prefix) + len(ids) - 1]))  # row j predicts token j + 1
     return out
 
@@ -50,20 +49,13 @@ def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str]) -> l
 def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) -> list[str]:
     """The table's rows (markdown), each printed as it is measured."""
     import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM
 
-    from stage1_teacher.onpolicy.policy_eval import read_prompts, sample_student
+    from bench.quality_onpolicy_converged import ROWS
+    from stage1_teacher.onpolicy.policy_eval import TeacherScorer, read_prompts, sample_student
     from xtcache.tokenizer import load_tokenizer
 
     teacher_dir = work / "chat" / "teacher"
-    tokenizer = load_tokenizer(str(teacher_dir), "teacher tokenizer")
-    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32,
-                                                   use_safetensors=True).eval()
-    prompts_path = work / "prompts-heldout.jsonl"
-    rows = [json.loads(line) for line in prompts_path.read_text().splitlines() if line.strip()]
-    from bench.quality_onpolicy_converged import ROWS
-
+    prompts_path = str(work / "prompts-heldout.jsonl")
     off = next(i for i, (_, how, _) in enumerate(ROWS) if how == "off")
     on = next(i for i, (_, how, flags) in enumerate(ROWS) if how == "on" and not flags)  # rounds' defaults
     models = [("teacher", "-", teacher_dir)]
@@ -72,22 +64,27 @@ def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) 
         models += [("converged student", seed, work / f"converged-s{seed}" / "hf"),
                    ("continued off-policy KD", seed, runs / f"row{off}-seed{seed}" / "hf"),
                    ("on-policy rounds (rounds' defaults)", seed, runs / f"row{on}-seed{seed}" / "round-001" / "train" / "hf")]
+    scorer = TeacherScorer(str(teacher_dir))  # the live teacher as policy-eval loads it
     table = []
-    for name, seed, path in models:
-        if not path.is_dir():
-            raise SystemExit(f"{path}: missing; run bench/quality.py --section on-policy-converged first")
-        tok = load_tokenizer(str(path), "model tokenizer")
-        _, texts = sample_student(str(path), tok, read_prompts(str(prompts_path), tok), samples_per_prompt=samples,
-                                  max_new_tokens=cap, seed=1)
-        per, second, chars = [], [], []
-        for row, answers in zip(rows, texts):
-            for text, p in end_probabilities(teacher, tokenizer, row, answers):
-                per.append(p.mean())
-                second.append(p[len(p) // 2:].mean())
-                chars.append(len(text))
-        table.append(f"| {name} | {seed} | {len(per)} | {np.mean(chars):.1f} | {np.mean(per):.4f} | "
-                     f"{np.mean(second):.4f} |")
-        print(table[-1], flush=True)
+    try:
+        for name, seed, path in models:
+            if not path.is_dir():
+                raise SystemExit(f"{path}: missing; run bench/quality.py --section on-policy-converged first")
+            tok = load_tokenizer(str(path), "model tokenizer")
+            prompts = read_prompts(prompts_path, tok)
+            _, texts = sample_student(str(path), tok, prompts, samples_per_prompt=samples, max_new_tokens=cap, seed=1)
+            per, second, chars = [], [], []
+            for prompt, answers in zip(prompts, texts):
+                for text, p in end_probabilities(scorer.model, scorer.tokenizer, prompt.conversation, answers,
+                                                 scorer.device):
+                    per.append(p.mean())
+                    second.append(p[len(p) // 2:].mean())
+                    chars.append(len(text))
+            table.append(f"| {name} | {seed} | {len(per)} | {np.mean(chars):.1f} | {np.mean(per):.4f} | "
+                         f"{np.mean(second):.4f} |")
+            print(table[-1], flush=True)
+    finally:
+        scorer.close()
     return table
 
 
