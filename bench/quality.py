@@ -727,8 +727,10 @@ def main(argv=None) -> None:
                                          "quality-on-policy(-converged).json, or with --teacher real its section's "
                                          "quality-real(-modes, -cross).json) instead of running")
     p.add_argument("--add-rows", action="store_true",
-                   help="with --section on-policy --from-report R: run only the rows R lacks (its settings, seeds "
-                        "and setup) and write R's rows with them to --out's quality-on-policy.json")
+                   help="with --from-report R and --section on-policy: run only the rows R lacks (its settings, seeds "
+                        "and setup) and write R's rows with them to --out's quality-on-policy.json; --section "
+                        "on-policy-converged: R's trained runs (in --workdir, R's training settings) are kept, "
+                        "measured again where R's sample count is not the settings', and only the rows R lacks train")
     args = p.parse_args(argv)
     if args.section == "on-policy":
         return on_policy_section(args)
@@ -843,10 +845,16 @@ def converged_section(args) -> None:
     _bench_logging()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.from_report:
+    s = QUICK if args.quick else ConvergedSettings(**({"seeds": args.seeds} if args.seeds else {}))
+    if args.add_rows and not args.from_report:
+        raise SystemExit("--add-rows: give --from-report (the report whose rows are reused)")
+    if args.add_rows:  # the earlier report's runs (in --workdir) kept, measured again where needed, rows it lacks run
+        base = {**json.loads(Path(args.from_report).read_text()), "rendered_from": args.from_report}
+        report = run_converged(Path(args.workdir) / "on-policy-converged", s, base=base,
+                               save=out / "quality-on-policy-converged.json")
+    elif args.from_report:
         report = json.loads(Path(args.from_report).read_text())
     else:
-        s = QUICK if args.quick else ConvergedSettings(**({"seeds": args.seeds} if args.seeds else {}))
         report = run_converged(Path(args.workdir) / "on-policy-converged", s,
                                save=out / "quality-on-policy-converged.json")
     _publish(args, "quality-on-policy-converged", markdown(report))

@@ -58,7 +58,8 @@ class ConvergedSettings:
     samples_per_prompt: int = 2
     max_new_tokens: int = 64
     eval_prompts: int = 32
-    eval_samples: int = 3  # 96 samples per student
+    chat_eval_samples: int = 12  # 384 samples per student: 96 left seed 0's lead within sampling noise
+    text_eval_samples: int = 3  # 96: text samples run to 421 tokens
     top_k: int = 16
     seeds: int = 3
     chat_train: int = 560  # conversations: prompts, converge, continue
@@ -66,14 +67,21 @@ class ConvergedSettings:
     text_continue: int = 100  # continuation prefix + completion rows (about 60 student tokens each)
 
 
-QUICK = ConvergedSettings(converge_steps=20, steps=4, prompts=6, eval_prompts=6, eval_samples=1, seeds=1,
-                          chat_train=120, chat_continue=12, text_continue=12)
+QUICK = ConvergedSettings(converge_steps=20, steps=4, prompts=6, eval_prompts=6, chat_eval_samples=1,
+                          text_eval_samples=1, seeds=1, chat_train=120, chat_continue=12, text_continue=12)
+EVAL_SETTINGS = ("eval_prompts", "chat_eval_samples", "text_eval_samples", "eval_samples")  # measure, not train
 
-# name, kind, `xtcache rounds` flags (on-policy rows; each row's flags after `--` go to train-student)
+# name, kind, `xtcache rounds` flags (on-policy rows; each row's flags after `--` go to train-student; its
+# --rounds, --steps-per-round and --samples-per-prompt replace the section's), the kinds it runs on. Rows are
+# appended, never reordered: a row's runs live in runs/row{index}-seed{seed} of the work directory.
 ROWS = [
-    ("continued off-policy KD (train-student defaults)", "off", []),
-    ("on-policy rounds, reverse P-KL, no CE", "on", ["--loss", "reverse", "--", "--ce-weight", "0.0"]),
-    ("on-policy rounds (rounds' defaults: forward P-KL + 0.1 CE)", "on", []),
+    ("continued off-policy KD (train-student defaults)", "off", [], KINDS),
+    ("on-policy rounds, reverse P-KL, no CE", "on", ["--loss", "reverse", "--", "--ce-weight", "0.0"], KINDS),
+    ("on-policy rounds (rounds' defaults: forward P-KL + 0.1 CE)", "on", [], KINDS),
+    ("on-policy rounds, `--loss auto` (0.25 forward + 0.75 reverse P-KL, CE 0.5)", "on", ["--loss", "auto"], ("chat",)),
+    ("on-policy rounds (defaults), full-vocabulary teacher caches", "on", ["--dump-args", "--mode full"], ("chat",)),
+    ("on-policy rounds (defaults), 4 rounds of 4 steps, 1 sample a prompt", "on",
+     ["--rounds", "4", "--steps-per-round", "4", "--samples-per-prompt", "1"], ("chat",)),
 ]
 MEASURES = (("reverse_kl_per_sequence", "reverse KL/sequence"), ("teacher_nll_per_byte", "teacher NLL/byte"))
 
@@ -173,16 +181,28 @@ def off_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int,
             "teacher_positions": p["continue_positions"]}
 
 
+def rounds_plan(s: ConvergedSettings, own: list[str]) -> list[str]:
+    """`xtcache rounds` flags of a row: the section's rounds, steps a round and samples a prompt, each replaced
+    by the row's own value where it gives one, then the row's other flags ((flag, value) pairs)."""
+    plan = {"--rounds": "2", "--steps-per-round": str(s.steps // 2), "--samples-per-prompt": str(s.samples_per_prompt)}
+    rest = []
+    for flag, value in zip(own[::2], own[1::2], strict=True):
+        if flag in plan:
+            plan[flag] = value
+        else:
+            rest += [flag, value]
+    return [x for kv in plan.items() for x in kv] + rest
+
+
 def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, flags: list[str],
               log_file: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     own, train = (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
     run_xtcache("rounds", "--student", str(start), "--teacher", str(p["setup"].teacher_model), "--prompts",
-                str(p["train_prompts"]), "--rounds", "2", "--workdir", str(out), "--engine", "hf", "--samples-per-prompt",
-                str(s.samples_per_prompt), "--max-new-tokens", str(s.max_new_tokens), "--seed", str(seed),
-                "--steps-per-round", str(s.steps // 2), "--train-on", "last-assistant", "--projection",
-                str(p["projection"]), "--eval-cache", str(p["eval_cache"]), *own, "--", *_flags(s.lr, 2, 1.0), *train,
-                log_file=log_file)
+                str(p["train_prompts"]), "--workdir", str(out), "--engine", "hf", *rounds_plan(s, own),
+                "--max-new-tokens", str(s.max_new_tokens), "--seed", str(seed), "--train-on", "last-assistant",
+                "--projection", str(p["projection"]), "--eval-cache", str(p["eval_cache"]), "--",
+                *_flags(s.lr, 2, 1.0), *train, log_file=log_file)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     positions = sum(trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
     return {"hf": Path(metrics[-1]["hf_dir"]), "heldout_kl": metrics[-1].get("final_eval_kl"),
@@ -190,40 +210,97 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
             "retokenized": [m.get("retokenized_turns") for m in metrics]}
 
 
+def eval_samples(kind: str, s: ConvergedSettings) -> int:
+    return s.chat_eval_samples if kind == "chat" else s.text_eval_samples
+
+
 def measure(p: dict, student: Path, s: ConvergedSettings) -> dict:
     from stage1_teacher.onpolicy.policy_eval import policy_eval
 
     report, _ = policy_eval(str(student), str(p["setup"].teacher_model), str(p["eval_prompts"]),
-                            samples_per_prompt=s.eval_samples, max_new_tokens=0, seed=0)
+                            samples_per_prompt=eval_samples(p["kind"], s), max_new_tokens=0, seed=0)
     return {k: report[k] for k in ("reverse_kl_per_sequence", "reverse_kl_per_token", "teacher_nll_per_byte",
                                    "teacher_nll_per_token", "mean_student_tokens", "stopped_fraction",
-                                   "teacher_mean_student_tokens", "max_new_tokens", "samples")}
+                                   "teacher_mean_student_tokens", "max_new_tokens", "samples",
+                                   "teacher_nll_per_byte_se")}
 
 
-def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, save: Path | None = None) -> dict:
-    """Every kind, seed and row; the report (per-seed values), written to `save` after every run."""
-    t0 = time.perf_counter()
-    report = {"settings": asdict(s), "kinds": {}}
+def _trained_kl(run: Path) -> float | None:
+    """The held-out KL a finished run recorded last (train-student's summary, or rounds' last round)."""
+    if (run / "summary.json").exists():
+        return json.loads((run / "summary.json").read_text()).get("final_eval_kl")
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return metrics[-1].get("final_eval_kl")
+
+
+def _remeasure(p: dict, row: dict, run: Path, kl_key: str, s: ConvergedSettings) -> dict:
+    """An earlier report's row measured again from its student in the work directory (train-student's export, or
+    the last round's): refused unless that run is the row's (the held-out KL it recorded is the report's)."""
+    kl = _trained_kl(run) if run.exists() else None
+    if kl is None or row.get(kl_key) is None or abs(kl - row[kl_key]) > 1e-9:
+        raise SystemExit(f"{run}: not the run of the report's row (held-out KL {kl} against {row.get(kl_key)}): "
+                         "give the --workdir of the report's run")
+    metrics = run / "metrics.jsonl"
+    student = run / "hf" if (run / "summary.json").exists() else \
+        Path(json.loads(metrics.read_text().splitlines()[-1])["hf_dir"])
+    return {**row, **measure(p, student, s)}
+
+
+def _train_settings(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k not in EVAL_SETTINGS}
+
+
+def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, base: dict | None = None,
+                  save: Path | None = None) -> dict:
+    """Every kind, seed and row; the report (per-seed values), written to `save` after every run. With `base` (an
+    earlier report of the same training settings, its runs in `work`): its rows are kept, measured again where
+    their sample count is not this run's, and only the rows it lacks train."""
+    if base and _train_settings(base["settings"]) != _train_settings(asdict(s)):
+        raise SystemExit("--add-rows: the report was trained with other settings than these")
+    report = {"settings": asdict(s), "kinds": {}, "wall_s": (base or {}).get("wall_s", 0.0)}
+    if base:
+        report["added_to"], report["added_s"] = base.get("rendered_from", "an earlier report"), 0.0
+    earlier = {kind: {name: {r["seed"]: r for r in runs} for name, runs in rows.items()}
+               for kind, rows in (base or {}).get("kinds", {}).items()}
     for kind in kinds:
         kw = work / kind
         log_file = kw / "commands.log"
         kw.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
         p = prepare(kind, kw, s, log_file)
-        rows = report["kinds"][kind] = {"converged student": [], **{name: [] for name, _, _ in ROWS}}
+        n = eval_samples(kind, s) * s.eval_prompts
+        had = earlier.get(kind, {})
+        rows = report["kinds"][kind] = {"converged student": [],
+                                        **{name: [] for name, _, _, on in ROWS if kind in on}}
         for seed in range(s.seeds):
             conv = converge(p, kw / f"converged-s{seed}", s, seed, log_file)
             start = kw / f"converged-s{seed}" / "hf"
-            rows["converged student"].append({"seed": seed, "converge_kl": conv.get("final_eval_kl"),
-                                              **measure(p, start, s)})
-            for i, (name, how, flags) in enumerate(ROWS):
-                log.info("%s seed %d: %s", kind, seed, name)
+            old = had.get("converged student", {}).get(seed)
+            if old is None:
+                rows["converged student"].append({"seed": seed, "converge_kl": conv.get("final_eval_kl"),
+                                                  **measure(p, start, s)})
+            else:
+                rows["converged student"].append(old if old["samples"] == n else _remeasure(
+                    p, old, kw / f"converged-s{seed}", "converge_kl", s))
+            for i, (name, how, flags, on) in enumerate(ROWS):
+                if kind not in on:
+                    continue
                 out = kw / "runs" / f"row{i}-seed{seed}"
-                r = off_policy(p, start, out, s, seed, log_file) if how == "off" else \
-                    on_policy(p, start, out, s, seed, flags, log_file)
-                rows[name].append({"seed": seed, **{k: v for k, v in r.items() if k != "hf"}, **measure(p, r["hf"], s)})
-                if "start_kl" in r:  # the converged student on the rows' measure (text converged on whole documents)
-                    rows["converged student"][-1]["heldout_kl"] = r["start_kl"]
-                report["wall_s"] = time.perf_counter() - t0
+                old = had.get(name, {}).get(seed)
+                if old is not None:
+                    rows[name].append(old if old["samples"] == n else _remeasure(p, old, out, "heldout_kl", s))
+                else:
+                    log.info("%s seed %d: %s", kind, seed, name)
+                    r = off_policy(p, start, out, s, seed, log_file) if how == "off" else \
+                        on_policy(p, start, out, s, seed, flags, log_file)
+                    rows[name].append({"seed": seed, **{k: v for k, v in r.items() if k != "hf"},
+                                       **measure(p, r["hf"], s)})
+                    if "start_kl" in r:  # the converged student on the rows' measure (text converged on documents)
+                        rows["converged student"][-1]["heldout_kl"] = r["start_kl"]
+                dt, t = time.perf_counter() - t, time.perf_counter()
+                report["wall_s"] += dt
+                if base:
+                    report["added_s"] += dt
                 if save:
                     save.write_text(json.dumps(report, indent=2, default=str))
     return report
@@ -293,10 +370,16 @@ def markdown(report: dict) -> str:
                          + f" | {mean_pm([r['mean_student_tokens'] for r in runs], '.1f')} | "
                            f"{mean_pm([r['stopped_fraction'] for r in runs], '.2f')} |")
         first = rows["converged student"][0]
-        lines += ["", f"policy-eval: {first['samples']} samples ({s['eval_prompts']} held-out prompts x {s['eval_samples']}), "
+        se = [r.get("teacher_nll_per_byte_se") for r in rows["converged student"]]
+        se = f"; the teacher NLL/byte of one student has a standard error of about {statistics.fmean(se):.3f}" \
+            if all(x is not None for x in se) else ""
+        lines += ["", f"policy-eval: {first['samples']} samples ({s['eval_prompts']} held-out prompts x "
+                  f"{first['samples'] // s['eval_prompts']}{se}), "
                   f"cap {first['max_new_tokens']} tokens (twice the teacher's mean length, "
                   f"{first['teacher_mean_student_tokens']:.1f} student tokens). Teacher-scored tokens: the trained "
                   "(last-assistant) student tokens of the caches a row trained on after convergence (on-policy: both "
                   "rounds' rollouts).", "", *verdicts(rows), ""]
-    lines.append(f"Wall time {report.get('wall_s', 0) / 60:.1f} min.")
+    lines.append(f"Wall time {report.get('wall_s', 0) / 60:.1f} min" + (
+        f", {report['added_s'] / 60:.1f} of them adding rows and measures to an earlier run's report "
+        f"({report['added_to']})." if report.get("added_to") else "."))
     return "\n".join(lines)

@@ -5,7 +5,13 @@ within, lower or higher beyond the two rows' spread."""
 
 from __future__ import annotations
 
-from bench.quality_onpolicy_converged import ROWS, text_rows, verdicts
+import json
+from dataclasses import asdict, replace
+
+import pytest
+
+import bench.quality_onpolicy_converged as conv
+from bench.quality_onpolicy_converged import ROWS, ConvergedSettings, rounds_plan, text_rows, verdicts
 
 OFF, ON = ROWS[0][0], ROWS[1][0]
 
@@ -71,3 +77,80 @@ def test_end_probabilities_read_each_answer_after_its_prompt_one_row_per_answer_
     assert [a for a, _ in out] == answers[:1] and n >= 2  # answers of fewer than two tokens are skipped
     rows = torch.arange(prefix, prefix + n - 1, dtype=torch.float64)
     assert torch.allclose(torch.as_tensor(out[0][1]), rows / (rows + 1), atol=1e-5)
+
+
+def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
+    """A row's own --rounds, --steps-per-round and --samples-per-prompt replace the section's; every row keeps
+    the equal-cost rule: rounds x steps = the section's steps, rounds x samples = 2 rounds' worth."""
+    s = ConvergedSettings()
+    assert rounds_plan(s, []) == ["--rounds", "2", "--steps-per-round", "8", "--samples-per-prompt", "2"]
+    assert rounds_plan(s, ["--loss", "auto", "--rounds", "4"])[:2] == ["--rounds", "4"]
+    assert rounds_plan(s, ["--loss", "auto", "--rounds", "4"])[-2:] == ["--loss", "auto"]
+    for _, how, flags, _ in ROWS:
+        if how == "on":
+            own = flags[:flags.index("--")] if "--" in flags else flags
+            plan = dict(zip(rounds_plan(s, own)[::2], rounds_plan(s, own)[1::2], strict=True))
+            rounds = int(plan["--rounds"])
+            assert rounds * int(plan["--steps-per-round"]) == s.steps
+            assert rounds * int(plan["--samples-per-prompt"]) == 2 * s.samples_per_prompt
+
+
+def _fake_stages(monkeypatch, calls):
+    """The section's stages replaced: prepare and converge read nothing, a trained run writes its held-out KL
+    where train-student and rounds write it, and a measure records which student it graded."""
+    def prepare(kind, work, s, log_file):
+        return {"kind": kind}
+
+    def converge(p, out, s, seed, log_file):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps({"final_eval_kl": 2.0 + seed}))
+        return {"final_eval_kl": 2.0 + seed}
+
+    def on_policy(p, start, out, s, seed, flags, log_file):
+        calls.append(("train", out.name))
+        return {"hf": out / "hf", "heldout_kl": 1.0, "teacher_positions": 10}
+
+    def measure(p, student, s):
+        calls.append(("measure", str(student)))
+        return {"samples": conv.eval_samples(p["kind"], s) * s.eval_prompts}
+
+    monkeypatch.setattr(conv, "prepare", prepare)
+    monkeypatch.setattr(conv, "converge", converge)
+    monkeypatch.setattr(conv, "on_policy", on_policy)
+    monkeypatch.setattr(conv, "measure", measure)
+
+
+def test_adding_rows_keeps_a_reports_runs_measures_them_again_at_a_new_sample_count_and_trains_only_new_rows(
+        tmp_path, monkeypatch):
+    s = ConvergedSettings(seeds=1, chat_eval_samples=12, text_eval_samples=3)
+    earlier = replace(s, chat_eval_samples=3)
+    base_rows = {kind: {"converged student": [{"seed": 0, "converge_kl": 2.0, "samples": 96}],
+                        **{name: [{"seed": 0, "heldout_kl": 1.5 + i, "samples": 96}]
+                           for i, (name, _, _, _) in enumerate(ROWS[:3])}} for kind in conv.KINDS}
+    base = {"settings": {**asdict(earlier), "eval_samples": 3}, "kinds": base_rows, "wall_s": 60.0}
+    for kind in conv.KINDS:  # the earlier run's trained rows, where the section leaves them
+        runs = tmp_path / "w" / kind / "runs"
+        (runs / "row0-seed0").mkdir(parents=True)
+        (runs / "row0-seed0" / "summary.json").write_text(json.dumps({"final_eval_kl": 1.5}))
+        for i in (1, 2):
+            (runs / f"row{i}-seed0").mkdir()
+            (runs / f"row{i}-seed0" / "metrics.jsonl").write_text(
+                json.dumps({"final_eval_kl": 1.5 + i, "hf_dir": f"/students/{kind}{i}"}) + "\n")
+    calls = []
+    _fake_stages(monkeypatch, calls)
+    report = conv.run_converged(tmp_path / "w", s, base=base)
+    measured = [c[1] for c in calls if c[0] == "measure"]
+    assert measured[:4] == [str(tmp_path / "w/chat/converged-s0/hf"), str(tmp_path / "w/chat/runs/row0-seed0/hf"),
+                            "/students/chat1", "/students/chat2"]  # each earlier chat run, graded at 384
+    assert [c[1] for c in calls if c[0] == "train"] == [f"row{i}-seed0" for i in range(3, len(ROWS))]
+    assert not [m for m in measured if "text" in m]  # text: already at its 96 samples, kept as it was
+    assert report["kinds"]["text"] == base_rows["text"]
+    assert report["kinds"]["chat"][ROWS[1][0]][0]["heldout_kl"] == 2.5  # the earlier figures kept beside the new
+    assert all(r[0]["samples"] == 384 for r in report["kinds"]["chat"].values())
+    assert set(report["kinds"]["chat"]) == {"converged student", *(name for name, *_ in ROWS)}
+
+    (tmp_path / "w/chat/runs/row2-seed0/metrics.jsonl").write_text(json.dumps({"final_eval_kl": 9.9}) + "\n")
+    with pytest.raises(SystemExit, match="row2-seed0: not the run of the report's row"):
+        conv.run_converged(tmp_path / "w", s, base=base)
+    with pytest.raises(SystemExit, match="trained with other settings"):
+        conv.run_converged(tmp_path / "w", replace(s, lr=1e-3), base=base)
