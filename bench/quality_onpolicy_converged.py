@@ -82,6 +82,10 @@ ROWS = [
     ("on-policy rounds (defaults), full-vocabulary teacher caches", "on", ["--dump-args", "--mode full"], ("chat",)),
     ("on-policy rounds (defaults), 4 rounds of 4 steps, 1 sample a prompt", "on",
      ["--rounds", "4", "--steps-per-round", "4", "--samples-per-prompt", "1"], ("chat",)),
+    # GKD's lambda: half the micro-batches from half the continuation cache, half the rollouts (1 sample a prompt)
+    ("on-policy rounds (defaults), 1 sample a prompt, mixed 1:1 with half the continuation cache", "on",
+     ["--samples-per-prompt", "1", "--", "--corpus-cache", "{continue_half_cache}", "--rollout-fraction", "0.5"],
+     ("chat",)),
 ]
 MEASURES = (("reverse_kl_per_sequence", "reverse KL/sequence"), ("teacher_nll_per_byte", "teacher NLL/byte"))
 
@@ -125,14 +129,16 @@ def prepare(kind: str, work: Path, s: ConvergedSettings, log_file: Path) -> dict
     work.mkdir(parents=True, exist_ok=True)
     setup = _setup(kind, work, s)
     p = {"setup": setup, "kind": kind, "projection": work / "projection.safetensors", "eval_cache": work / "cache-heldout",
-         "converge_cache": work / "cache-converge", "continue_cache": work / "cache-continue"}
+         "converge_cache": work / "cache-converge", "continue_cache": work / "cache-continue",
+         "continue_half_cache": work / "cache-continue-half"}
     if kind == "chat":
         rows = [json.loads(x) for x in setup.train_jsonl.read_text().splitlines()]
         n, c = s.prompts, s.chat_continue
         p["train_prompts"] = write_prompts(rows, work / "prompts-train.jsonl", range(n))
         p["eval_prompts"] = write_prompts(setup.heldout_jsonl, work / "prompts-heldout.jsonl", range(s.eval_prompts))
         converge = write_chat_jsonl(work / "converge.jsonl", rows[n:len(rows) - c])
-        cont = write_chat_jsonl(work / "continue.jsonl", rows[len(rows) - c:])
+        cont_rows = rows[len(rows) - c:]
+        cont = write_chat_jsonl(work / "continue.jsonl", cont_rows)
         heldout = setup.heldout_jsonl
     else:
         docs = [json.loads(x)["text"] for x in setup.train_jsonl.read_text().splitlines()]
@@ -146,9 +152,11 @@ def prepare(kind: str, work: Path, s: ConvergedSettings, log_file: Path) -> dict
         converge = write_chat_jsonl(work / "converge.jsonl", [{"text": d} for d in docs[first:len(docs) - 40]])
         cont = write_chat_jsonl(work / "continue.jsonl", cont_rows)
         heldout = write_chat_jsonl(work / "heldout.jsonl", held[:s.eval_prompts])
+    half = write_chat_jsonl(work / "continue-half.jsonl", cont_rows[:len(cont_rows) // 2])  # the mixed rows' corpus
     topk = ["--mode", "topk", "--top-k", str(s.top_k)]
     dump_caches(setup, [(converge, p["converge_cache"], topk), (cont, p["continue_cache"], topk),
-                        (heldout, p["eval_cache"], ["--mode", "full"])], p["projection"], log_file)
+                        (heldout, p["eval_cache"], ["--mode", "full"]), (half, p["continue_half_cache"], topk)],
+                p["projection"], log_file)
     p["continue_positions"] = trained_positions(p["continue_cache"])
     return p
 
@@ -198,6 +206,8 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
               log_file: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     own, train = (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
+    mixed = "--corpus-cache" in train  # its corpus: a cache of the section's, named by its key in braces
+    train = [str(p[a[1:-1]]) if a.startswith("{") else a for a in train]
     run_xtcache("rounds", "--student", str(start), "--teacher", str(p["setup"].teacher_model), "--prompts",
                 str(p["train_prompts"]), "--workdir", str(out), "--engine", "hf", *rounds_plan(s, own),
                 "--max-new-tokens", str(s.max_new_tokens), "--seed", str(seed), "--train-on", "last-assistant",
@@ -205,6 +215,8 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
                 *_flags(s.lr, 2, 1.0), *train, log_file=log_file)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     positions = sum(trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
+    if mixed:  # the corpus cache counted whole: at most what the rounds read of it
+        positions += trained_positions(Path(train[train.index("--corpus-cache") + 1]))
     return {"hf": Path(metrics[-1]["hf_dir"]), "heldout_kl": metrics[-1].get("final_eval_kl"),
             "teacher_positions": positions, "staleness": [m.get("stale_mean_abs_log_ratio") for m in metrics],
             "retokenized": [m.get("retokenized_turns") for m in metrics]}
@@ -377,8 +389,8 @@ def markdown(report: dict) -> str:
                   f"{first['samples'] // s['eval_prompts']}{se}), "
                   f"cap {first['max_new_tokens']} tokens (twice the teacher's mean length, "
                   f"{first['teacher_mean_student_tokens']:.1f} student tokens). Teacher-scored tokens: the trained "
-                  "(last-assistant) student tokens of the caches a row trained on after convergence (on-policy: both "
-                  "rounds' rollouts).", "", *verdicts(rows), ""]
+                  "(last-assistant) student tokens of the caches a row trained on after convergence (on-policy: every "
+                  "round's rollouts; a mixed row: its corpus cache counted whole, at most what it read).", "", *verdicts(rows), ""]
     lines.append(f"Wall time {report.get('wall_s', 0) / 60:.1f} min" + (
         f", {report['added_s'] / 60:.1f} of them adding rows and measures to an earlier run's report "
         f"({report['added_to']})." if report.get("added_to") else "."))

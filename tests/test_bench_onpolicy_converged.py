@@ -81,18 +81,20 @@ def test_end_probabilities_read_each_answer_after_its_prompt_one_row_per_answer_
 
 def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
     """A row's own --rounds, --steps-per-round and --samples-per-prompt replace the section's; every row keeps
-    the equal-cost rule: rounds x steps = the section's steps, rounds x samples = 2 rounds' worth."""
+    the equal-cost rule: rounds x steps = the section's steps, rounds x samples = 2 rounds' worth (a row mixed
+    1:1 with a corpus cache: half of it)."""
     s = ConvergedSettings()
     assert rounds_plan(s, []) == ["--rounds", "2", "--steps-per-round", "8", "--samples-per-prompt", "2"]
     assert rounds_plan(s, ["--loss", "auto", "--rounds", "4"])[:2] == ["--rounds", "4"]
     assert rounds_plan(s, ["--loss", "auto", "--rounds", "4"])[-2:] == ["--loss", "auto"]
     for _, how, flags, _ in ROWS:
         if how == "on":
-            own = flags[:flags.index("--")] if "--" in flags else flags
+            own, train = (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
             plan = dict(zip(rounds_plan(s, own)[::2], rounds_plan(s, own)[1::2], strict=True))
             rounds = int(plan["--rounds"])
+            share = float(train[train.index("--rollout-fraction") + 1]) if "--corpus-cache" in train else 1.0
             assert rounds * int(plan["--steps-per-round"]) == s.steps
-            assert rounds * int(plan["--samples-per-prompt"]) == 2 * s.samples_per_prompt
+            assert rounds * int(plan["--samples-per-prompt"]) == 2 * s.samples_per_prompt * share
 
 
 def _fake_stages(monkeypatch, calls):
