@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from xtcache.cliconfig import flatten, from_flat
+from xtcache.errors import ConfigError
 
 PKL_DIVERGENCES = ("forward", "reverse", "jsd", "forward-reverse")
 """`--pkl-divergence` choices (stage2_student.projected)."""
@@ -297,7 +298,13 @@ def deepspeed_config(cfg: TrainConfig, num_params: int | None = None) -> dict:
     """
     base: dict = {}
     if cfg.deepspeed.deepspeed:
-        base = json.loads(Path(cfg.deepspeed.deepspeed).read_text())
+        path = cfg.deepspeed.deepspeed
+        try:
+            base = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"--deepspeed {path}: not JSON ({err})") from None
+        if not isinstance(base, dict):
+            raise ConfigError(f"--deepspeed {path}: a DeepSpeed config is a JSON object, not {type(base).__name__}")
     o = cfg.optim
     base.pop("train_batch_size", None)
     base["train_micro_batch_size_per_gpu"] = cfg.loader.micro_batch_size

@@ -369,28 +369,57 @@ def test_a_round_resolving_another_loss_from_the_same_settings_is_refused_naming
         check_objective(cfg, 2, done(2, now))
 
 
-def test_a_run_failed_in_train_student_reruns_with_the_fixed_flag(chat, tmp_path):
-    """The failure's advice holds: the rerun with the fixed train-student flag keeps the finished generate and
-    teacher-dump and trains (--engine hf, 1 round of 1 prompt x 1 sample of 4 tokens, 1 step)."""
+def test_every_rounds_commands_are_built_before_anything_runs_and_a_refusal_names_round_stage_and_flag(tmp_path):
+    """A typo or a refused value after `--` or in --dump-args, or a path they name that is missing, fails the
+    run before round 0's generate, naming the round, the stage, the flag and where it came from; the paths
+    the rounds write themselves (the work directory's) are not required to exist yet."""
+    from xtcache.app.rounds import check_commands, run_rounds
+    from xtcache.errors import ConfigError
+
+    for d in ("S", "T"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "p.jsonl").write_text("")
+    base = {"student": str(tmp_path / "S"), "teacher": str(tmp_path / "T"), "prompts": [str(tmp_path / "p.jsonl")]}
+    check_commands(_cfg(tmp_path, **base, train_args=["--lr", "1e-4"], dump_args="--top-k 8"))  # all well
+    refused = [
+        ({"train_args": ["--lr", "-1"]}, "round 0 train-student would be refused: --lr -1.0: must be positive "
+                                          "(from the flags after --); nothing has run"),
+        ({"train_args": ["--lrr", "1e-4"]}, "round 0 train-student would be refused: No such option: --lrr"),
+        ({"dump_args": "--top-k 0"}, "round 0 teacher-dump would be refused: --top-k 0: must be at least 1 "
+                                     "(from --dump-args)"),
+        ({"train_args": ["--deepspeed", str(tmp_path / "ds.json")]},
+         f"round 0 train-student would be refused: --deepspeed {tmp_path / 'ds.json'}: no such file"),
+        ({"max_new_tokens": 0}, "round 0 generate would be refused: --max-new-tokens 0"),
+    ]
+    for kw, says in refused:
+        cfg = _cfg(tmp_path, **{**base, **kw})
+        with pytest.raises(ConfigError) as err:
+            run_rounds(cfg)
+        assert str(err.value).startswith(says), str(err.value)
+        assert not (tmp_path / "w").exists()  # nothing ran, nothing was recorded
+
+
+def test_a_run_failed_in_train_student_reruns_after_the_fix(chat, tmp_path):
+    """The failure's advice holds: a train-student stage that fails at run time (a --deepspeed file that is not
+    JSON: it exists, so the check before round 0 passes it) fails the run with train-student's one-line error
+    and the advice; the rerun with the file fixed keeps the finished generate and teacher-dump and trains
+    (--engine hf, 1 round of 1 prompt x 1 sample of 4 tokens, 1 step)."""
     setup, prompts = chat
     one = tmp_path / "prompt.jsonl"
     one.write_text(prompts.read_text().splitlines(keepends=True)[0])
-    workdir = tmp_path / "w"
-
-    def rounds(lr: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "xtcache.app.cli", "rounds", "--student", str(setup.student_model), "--teacher",
-               str(setup.teacher_model), "--prompts", str(one), "--rounds", "1", "--workdir", str(workdir),
-               "--engine", "hf", "--samples-per-prompt", "1", "--max-new-tokens", "4", "--steps-per-round", "1",
-               "--", "--seq-len", "64", "--micro-batch-size", "1", "--zero-stage", "0", "--lr", lr]
-        return subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
-
-    failed = rounds("-1")
-    assert failed.returncode == 2 and "--lr -1.0: must be positive" in failed.stderr, failed.stderr[-3000:]
+    workdir, ds = tmp_path / "w", tmp_path / "ds.json"
+    cmd = [sys.executable, "-m", "xtcache.app.cli", "rounds", "--student", str(setup.student_model), "--teacher",
+           str(setup.teacher_model), "--prompts", str(one), "--rounds", "1", "--workdir", str(workdir),
+           "--engine", "hf", "--samples-per-prompt", "1", "--max-new-tokens", "4", "--steps-per-round", "1",
+           "--", "--seq-len", "64", "--micro-batch-size", "1", "--zero-stage", "0", "--lr", "1e-3", "--deepspeed",
+           str(ds)]
+    ds.write_text('{"zero_optimization": ')
+    failed = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    assert failed.returncode == 2 and f"--deepspeed {ds}: not JSON" in failed.stderr, failed.stderr[-3000:]
     assert "fix the cause and rerun xtcache rounds" in failed.stderr
-    fixed = rounds("1e-3")
+    ds.write_text("{}")
+    fixed = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-3000:]
     stages = [c.split()[1] for c in (workdir / "commands.sh").read_text().splitlines()]
     assert stages == ["generate", "teacher-dump", "train-student", "train-student"]  # finished stages kept
-    done = json.loads((workdir / "round-000" / "done" / "train-student.json").read_text())
-    assert done["command"][done["command"].index("--lr") + 1] == "1e-3"
-
+    assert (workdir / "round-000" / "done" / "train-student.json").exists()

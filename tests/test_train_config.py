@@ -93,6 +93,16 @@ def test_deepspeed_config_follows_flags(tmp_path):
     assert ds["optimizer"]["params"]["torch_adam"] is True and ds["bf16"] == {"enabled": True}
 
 
+@pytest.mark.parametrize("text, says", [("{\"zero_optimization\": ", "not JSON"), ("[1, 2]", "a DeepSpeed config is a JSON object, not list")])
+def test_a_deepspeed_file_that_is_not_a_json_object_is_named(tmp_path, text, says):
+    from xtcache.errors import ConfigError
+
+    (tmp_path / "ds.json").write_text(text)
+    cfg = TrainConfig.from_flat({"cache": "c", "student": "s", "out": "o", "deepspeed": str(tmp_path / "ds.json")})
+    with pytest.raises(ConfigError, match=f"--deepspeed {tmp_path / 'ds.json'}: {says}"):
+        deepspeed_config(cfg)
+
+
 def test_warmup_then_cosine():
     cfg = TrainConfig.from_flat({"cache": "c", "student": "s", "out": "o", "warmup_steps": 4, "max_steps": 14,
                                  "min_lr_ratio": 0.1})

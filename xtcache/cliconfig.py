@@ -272,14 +272,16 @@ def require_path(flag: str, path: str, kind: str = "dir") -> None:
         raise ConfigError(f"{flag} {path}: {'not a file' if os.path.exists(path) else 'no such file'}")
 
 
-def check_paths(cfg: Any, paths: dict[str, str]) -> None:
-    """`require_path` on each path given for a leaf of `paths` (leaf name -> "dir" or "file")."""
+def check_paths(cfg: Any, paths: dict[str, str], *, only: Callable[[str], bool] | None = None) -> None:
+    """`require_path` on each path given for a leaf of `paths` (leaf name -> "dir" or "file"), or on those of
+    them `only` accepts."""
     leaves = leaf_fields(type(cfg))
     for name, kind in paths.items():
         leaf = leaves[name]
         value = getattr(getattr(cfg, leaf.section) if leaf.section else cfg, name)
         for path in [] if value is None else value if isinstance(value, list) else [value]:
-            require_path(leaf.flag, path, kind)
+            if only is None or only(path):
+                require_path(leaf.flag, path, kind)
 
 
 def _option(leaf: Leaf, panel: str | None):
@@ -332,7 +334,7 @@ def command(cls: type, run: Callable[[Any], None], *, name: str, help: str,
         params.append(inspect.Parameter(leaf.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                         annotation=annotation, default=option))
 
-    def callback(ctx: typer.Context, config: Optional[str] = None, **given: Any) -> None:
+    def build(ctx: typer.Context, config: Optional[str] = None, **given: Any) -> Any:
         values = read_config_file(cls, config) if config else {}
         for key, value in given.items():
             source = getattr(ctx.get_parameter_source(key), "name", "")  # typer may ship its own click enum
@@ -340,9 +342,12 @@ def command(cls: type, run: Callable[[Any], None], *, name: str, help: str,
                 values[key] = value
         values.update({leaf.name: list(ctx.args) for leaf in leaves.values() if leaf.after_dashes and ctx.args})
         try:
-            cfg = from_flat(cls, values)
+            return from_flat(cls, values)
         except (ValueError, TypeError, *on_error) as err:
             raise ConfigError(str(err)) from None
+
+    def callback(ctx: typer.Context, config: Optional[str] = None, **given: Any) -> None:
+        cfg = build(ctx, config, **given)
         check_paths(cfg, paths)
         run(cfg)
 
@@ -350,6 +355,24 @@ def command(cls: type, run: Callable[[Any], None], *, name: str, help: str,
     callback.__doc__ = help
     callback.required = [leaf.name for leaf in leaves.values() if leaf.default is dataclasses.MISSING]  # for clidoc
     callback.config_class = cls  # tests/test_doc_commands.py builds the documented commands' configs
+    callback.build, callback.paths = build, paths  # config_of: the config of a command line, not run
     callback.__signature__ = inspect.Signature(params)
     callback.__annotations__ = {p.name: p.annotation for p in params}
     return callback
+
+
+def config_of(cmd: Callable, argv: list[str]) -> tuple[Any, dict[str, str]]:
+    """(config, its path leaves) that `cmd`, a `command(...)` callable, would build from `argv`, without running
+    it or checking its paths; ConfigError naming the flag for an unknown flag, a value of the wrong type or one
+    the config's checks refuse."""
+    import typer
+
+    app = typer.Typer()
+    app.command()(cmd)
+    try:
+        ctx = typer.main.get_command(app).make_context(cmd.__name__, list(argv))
+    except Exception as err:  # click's usage errors (typer may ship its own click): the message names the flag
+        if not hasattr(err, "format_message"):
+            raise
+        raise ConfigError(err.format_message()) from None
+    return cmd.build(ctx, **ctx.params), cmd.paths

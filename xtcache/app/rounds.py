@@ -26,7 +26,11 @@ to redo it.
 Per-round metrics go to W/metrics.jsonl (TensorBoard: each train/ writes its own), and a table is
 printed at the end. docs/on-policy.md, "Rounds".
 
-This module composes the stages' command lines only: it imports no stage.
+Before any stage runs, every round's three command lines are built into their stages' configs, as the
+stages will build them (`check_commands`): a typo or a refused value in --dump-args or after `--`, or a
+path they name that does not exist, fails the run there, not after round 0's generate and teacher-dump.
+This module composes the stages' command lines and reads their command-line definitions only: it runs no
+stage in its own process.
 """
 
 from __future__ import annotations
@@ -465,8 +469,37 @@ def check_settings(cfg: RoundsConfig) -> None:
     _write_atomic(path, json.dumps(asdict(cfg), indent=1))
 
 
+FLAGS_FROM = {"generate": "xtcache rounds' own options", "teacher-dump": "--dump-args",
+              "train-student": "the flags after --"}
+
+
+def check_commands(cfg: RoundsConfig) -> None:
+    """Each stage's command of every round built into its config as the stage will build it, and the paths
+    it names outside the work directory checked (those inside are the rounds' own outputs): ConfigError
+    naming the round, the stage, the flag and where it came from, before anything runs."""
+    from stage1_teacher.cli import generate, teacher_dump
+    from stage2_student.cli import train_student
+    from xtcache.cliconfig import check_paths, config_of
+
+    commands = {"generate": generate, "teacher-dump": teacher_dump, "train-student": train_student}
+    work = Path(cfg.workdir).resolve()
+    for r in range(cfg.rounds):
+        for stage in STAGES:
+            args = stage_command(cfg, r, stage)[1:]
+            if stage == "teacher-dump":  # its --data, the round's rollouts, is not written yet: the prompts stand in
+                at = args.index("--data")
+                args[at:at + 2] = [a for p in cfg.prompts for a in ("--data", p)]
+            try:
+                built, paths = config_of(commands[stage], args)
+                check_paths(built, paths, only=lambda path: not Path(path).resolve().is_relative_to(work))
+            except ConfigError as err:
+                raise ConfigError(f"round {r} {stage} would be refused: {err} (from {FLAGS_FROM[stage]}); "
+                                  "nothing has run") from None
+
+
 def run_rounds(cfg: RoundsConfig) -> list[dict]:
     """All rounds, skipping finished stages; returns the per-round metrics (also WORKDIR/metrics.jsonl)."""
+    check_commands(cfg)
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
     check_settings(cfg)
     metrics = []
