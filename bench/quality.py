@@ -3,7 +3,7 @@
     python bench/quality.py                          # the full table (docs/benchmarks.md), about 15 min on 2 CPU cores
     python bench/quality.py --quick                  # a smoke run: few documents and steps, one seed
     python bench/quality.py --section on-policy      # only the on-policy rows (bench/quality_onpolicy.py), ~28 min
-    python bench/quality.py --section on-policy-converged  # rounds vs continued KD from a converged student, ~40 min
+    python bench/quality.py --section on-policy-converged  # rounds vs continued KD from a converged student, ~75 min
     python bench/quality.py --teacher real           # the real tier's rows (bench/quality_real.py), about 1 h
     python bench/quality.py --teacher real --section modes  # one tokenizer, a row per store mode, about 1 h
 

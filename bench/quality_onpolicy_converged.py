@@ -1,7 +1,9 @@
 """The converged section of the quality bench (issue 38): on-policy rounds against continued off-policy KD,
 from a converged off-policy student, at equal optimizer steps and (about) equal teacher-scored tokens.
 
-    python bench/quality.py --section on-policy-converged     # both kinds, 3 seeds: about 30 min on 2 idle CPU cores
+    python bench/quality.py --section on-policy-converged     # both kinds, 3 seeds: about 75 min on 2 CPU cores
+    python bench/quality.py --section on-policy-converged --from-report R.json --add-rows --workdir W
+        # R's runs (trained in W) kept: graded again where the sample count changed, only the rows R lacks trained
 
 Two setups, each cross-tokenizer, each stage an `xtcache` subprocess as a user runs it:
 - chat: the ChatML-style Qwen2 teacher of `xtcache.testing.chat.build_chat_setup` pre-trained on 560
@@ -22,7 +24,9 @@ fresh optimizer at a constant `lr` after 2 warmup steps:
 | others | `xtcache rounds` with the row's flags |
 
 The continuation rows are sized so that their trained teacher tokens are about those of the rounds'
-rollouts (the table gives both). Measures: `xtcache policy-eval` on held-out prompts (its default cap,
+rollouts (the table gives both); the chat-only rows vary one setting of the rounds each (ROWS), the mixed
+one training half its micro-batches on half the continuation cache. Measures: `xtcache policy-eval` on
+held-out prompts (chat: 32 x 12 samples, text: 32 x 3, its samples running to 421 tokens; its default cap,
 twice the teacher's mean sample length; the same seed for every row, so each row's samples are drawn
 with the same generators): reverse KL per sequence and teacher NLL per byte of the student's own
 samples, and the held-out KL (train-student's `--eval-cache`: the teacher's full distribution on
@@ -270,8 +274,8 @@ def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, base: dict |
     if base and _train_settings(base["settings"]) != _train_settings(asdict(s)):
         raise SystemExit("--add-rows: the report was trained with other settings than these")
     report = {"settings": asdict(s), "kinds": {}, "wall_s": (base or {}).get("wall_s", 0.0)}
-    if base:
-        report["added_to"], report["added_s"] = base.get("rendered_from", "an earlier report"), 0.0
+    if base:  # the wall time of each run that made the report: the first, then each --add-rows
+        report["runs_s"] = [*(base.get("runs_s") or [base.get("wall_s", 0.0)]), 0.0]
     earlier = {kind: {name: {r["seed"]: r for r in runs} for name, runs in rows.items()}
                for kind, rows in (base or {}).get("kinds", {}).items()}
     for kind in kinds:
@@ -312,7 +316,7 @@ def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, base: dict |
                 dt, t = time.perf_counter() - t, time.perf_counter()
                 report["wall_s"] += dt
                 if base:
-                    report["added_s"] += dt
+                    report["runs_s"][-1] += dt
                 if save:
                     save.write_text(json.dumps(report, indent=2, default=str))
     return report
@@ -391,7 +395,8 @@ def markdown(report: dict) -> str:
                   f"{first['teacher_mean_student_tokens']:.1f} student tokens). Teacher-scored tokens: the trained "
                   "(last-assistant) student tokens of the caches a row trained on after convergence (on-policy: every "
                   "round's rollouts; a mixed row: its corpus cache counted whole, at most what it read).", "", *verdicts(rows), ""]
+    runs = report.get("runs_s") or []
     lines.append(f"Wall time {report.get('wall_s', 0) / 60:.1f} min" + (
-        f", {report['added_s'] / 60:.1f} of them adding rows and measures to an earlier run's report "
-        f"({report['added_to']})." if report.get("added_to") else "."))
+        f" in all: the first run {runs[0] / 60:.1f} min, then `--add-rows` runs of "
+        + ", ".join(f"{x / 60:.1f}" for x in runs[1:]) + " min." if len(runs) > 1 else "."))
     return "\n".join(lines)

@@ -150,6 +150,7 @@ def test_adding_rows_keeps_a_reports_runs_measures_them_again_at_a_new_sample_co
     assert report["kinds"]["chat"][ROWS[1][0]][0]["heldout_kl"] == 2.5  # the earlier figures kept beside the new
     assert all(r[0]["samples"] == 384 for r in report["kinds"]["chat"].values())
     assert set(report["kinds"]["chat"]) == {"converged student", *(name for name, *_ in ROWS)}
+    assert report["runs_s"][0] == 60.0 and len(report["runs_s"]) == 2  # the earlier run's wall time, then this one's
 
     (tmp_path / "w/chat/runs/row2-seed0/metrics.jsonl").write_text(json.dumps({"final_eval_kl": 9.9}) + "\n")
     with pytest.raises(SystemExit, match="row2-seed0: not the run of the report's row"):
