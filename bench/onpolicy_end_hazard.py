@@ -46,30 +46,39 @@ def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str], devi
     return out
 
 
+def hazard_models(work: Path, seeds: list[int]) -> list[tuple[str, object, Path]]:
+    """(name, seed, model directory) of the teacher and, per seed, the section's converged student and its
+    continued off-policy KD and rounds' defaults rows; SystemExit naming a run that is not there."""
+    from bench.quality_onpolicy_converged import ROWS, finished_run
+
+    off = next(i for i, (_, how, _, _) in enumerate(ROWS) if how == "off")
+    on = next(i for i, (_, how, flags, _) in enumerate(ROWS) if how == "on" and not flags)  # rounds' defaults
+    models = [("teacher", "-", work / "chat" / "teacher")]
+    for seed in seeds:
+        for name, run in (("converged student", work / f"converged-s{seed}"),
+                          ("continued off-policy KD", work / "runs" / f"row{off}-seed{seed}"),
+                          ("on-policy rounds (rounds' defaults)", work / "runs" / f"row{on}-seed{seed}")):
+            student = finished_run(run)[1]
+            if student is None or not student.is_dir():
+                raise SystemExit(f"{run}: no finished run there; run bench/quality.py --section on-policy-converged "
+                                 "first")
+            models.append((name, seed, student))
+    return models
+
+
 def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) -> list[str]:
     """The table's rows (markdown), each printed as it is measured."""
     import numpy as np
 
-    from bench.quality_onpolicy_converged import ROWS
     from stage1_teacher.onpolicy.policy_eval import TeacherScorer, read_prompts, sample_student
     from xtcache.tokenizer import load_tokenizer
 
-    teacher_dir = work / "chat" / "teacher"
     prompts_path = str(work / "prompts-heldout.jsonl")
-    off = next(i for i, (_, how, _) in enumerate(ROWS) if how == "off")
-    on = next(i for i, (_, how, flags) in enumerate(ROWS) if how == "on" and not flags)  # rounds' defaults
-    models = [("teacher", "-", teacher_dir)]
-    for seed in seeds:
-        runs = work / "runs"
-        models += [("converged student", seed, work / f"converged-s{seed}" / "hf"),
-                   ("continued off-policy KD", seed, runs / f"row{off}-seed{seed}" / "hf"),
-                   ("on-policy rounds (rounds' defaults)", seed, runs / f"row{on}-seed{seed}" / "round-001" / "train" / "hf")]
-    scorer = TeacherScorer(str(teacher_dir))  # the live teacher as policy-eval loads it
+    models = hazard_models(work, seeds)
+    scorer = TeacherScorer(str(models[0][2]))  # the live teacher as policy-eval loads it
     table = []
     try:
         for name, seed, path in models:
-            if not path.is_dir():
-                raise SystemExit(f"{path}: missing; run bench/quality.py --section on-policy-converged first")
             tok = load_tokenizer(str(path), "model tokenizer")
             prompts = read_prompts(prompts_path, tok)
             _, texts = sample_student(str(path), tok, prompts, samples_per_prompt=samples, max_new_tokens=cap, seed=1)

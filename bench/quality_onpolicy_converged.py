@@ -156,11 +156,13 @@ def prepare(kind: str, work: Path, s: ConvergedSettings, log_file: Path) -> dict
         converge = write_chat_jsonl(work / "converge.jsonl", [{"text": d} for d in docs[first:len(docs) - 40]])
         cont = write_chat_jsonl(work / "continue.jsonl", cont_rows)
         heldout = write_chat_jsonl(work / "heldout.jsonl", held[:s.eval_prompts])
-    half = write_chat_jsonl(work / "continue-half.jsonl", cont_rows[:len(cont_rows) // 2])  # the mixed rows' corpus
     topk = ["--mode", "topk", "--top-k", str(s.top_k)]
-    dump_caches(setup, [(converge, p["converge_cache"], topk), (cont, p["continue_cache"], topk),
-                        (heldout, p["eval_cache"], ["--mode", "full"]), (half, p["continue_half_cache"], topk)],
-                p["projection"], log_file)
+    dumps = [(converge, p["converge_cache"], topk), (cont, p["continue_cache"], topk),
+             (heldout, p["eval_cache"], ["--mode", "full"])]
+    if any("{continue_half_cache}" in flags for _, _, flags, on in ROWS if kind in on):  # a mixed row's corpus
+        half = write_chat_jsonl(work / "continue-half.jsonl", cont_rows[:len(cont_rows) // 2])
+        dumps.append((half, p["continue_half_cache"], topk))
+    dump_caches(setup, dumps, p["projection"], log_file)
     p["continue_positions"] = trained_positions(p["continue_cache"])
     return p
 
@@ -241,24 +243,26 @@ def measure(p: dict, student: Path, s: ConvergedSettings) -> dict:
                                    "teacher_nll_per_byte_se")}
 
 
-def _trained_kl(run: Path) -> float | None:
-    """The held-out KL a finished run recorded last (train-student's summary, or rounds' last round)."""
+def finished_run(run: Path) -> tuple[float | None, Path | None]:
+    """(the held-out KL a finished run recorded last, its student; None where not recorded): train-student's
+    summary and export, or the last round of `xtcache rounds` (its metrics.jsonl)."""
     if (run / "summary.json").exists():
-        return json.loads((run / "summary.json").read_text()).get("final_eval_kl")
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return metrics[-1].get("final_eval_kl")
+        return json.loads((run / "summary.json").read_text()).get("final_eval_kl"), run / "hf"
+    metrics = run / "metrics.jsonl"
+    rounds = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+    if not rounds:
+        return None, None
+    last = rounds[-1]
+    return last.get("final_eval_kl"), Path(last["hf_dir"]) if "hf_dir" in last else None
 
 
 def _remeasure(p: dict, row: dict, run: Path, kl_key: str, s: ConvergedSettings) -> dict:
-    """An earlier report's row measured again from its student in the work directory (train-student's export, or
-    the last round's): refused unless that run is the row's (the held-out KL it recorded is the report's)."""
-    kl = _trained_kl(run) if run.exists() else None
-    if kl is None or row.get(kl_key) is None or abs(kl - row[kl_key]) > 1e-9:
+    """An earlier report's row measured again from its student in the work directory: refused unless that run
+    is the row's (the held-out KL it recorded is the report's)."""
+    kl, student = finished_run(run)
+    if kl is None or student is None or row.get(kl_key) is None or abs(kl - row[kl_key]) > 1e-9:
         raise SystemExit(f"{run}: not the run of the report's row (held-out KL {kl} against {row.get(kl_key)}): "
                          "give the --workdir of the report's run")
-    metrics = run / "metrics.jsonl"
-    student = run / "hf" if (run / "summary.json").exists() else \
-        Path(json.loads(metrics.read_text().splitlines()[-1])["hf_dir"])
     return {**row, **measure(p, student, s)}
 
 

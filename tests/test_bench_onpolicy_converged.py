@@ -157,3 +157,27 @@ def test_adding_rows_keeps_a_reports_runs_measures_them_again_at_a_new_sample_co
         conv.run_converged(tmp_path / "w", s, base=base)
     with pytest.raises(SystemExit, match="trained with other settings"):
         conv.run_converged(tmp_path / "w", replace(s, lr=1e-3), base=base)
+
+
+def test_the_hazard_bench_reads_the_teacher_and_each_seeds_three_students_from_the_sections_runs(tmp_path):
+    """Its models are the section's runs found as the section writes them: the converged student's and continued
+    KD's exports, the rounds' last round's export; a run that did not finish is named."""
+    from bench.onpolicy_end_hazard import hazard_models
+
+    off = next(i for i, (_, how, _, _) in enumerate(ROWS) if how == "off")
+    on = next(i for i, (_, how, flags, _) in enumerate(ROWS) if how == "on" and not flags)
+    for run in (tmp_path / "converged-s0", tmp_path / "runs" / f"row{off}-seed0"):
+        (run / "hf").mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"final_eval_kl": 2.0}))
+    rounds = tmp_path / "runs" / f"row{on}-seed0"
+    (rounds / "round-001" / "train" / "hf").mkdir(parents=True)
+    (rounds / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "final_eval_kl": 2.0, "hf_dir": str(
+        rounds / f"round-{r:03d}" / "train" / "hf")}) + "\n" for r in (0, 1)))
+    assert hazard_models(tmp_path, [0]) == [
+        ("teacher", "-", tmp_path / "chat" / "teacher"),
+        ("converged student", 0, tmp_path / "converged-s0" / "hf"),
+        ("continued off-policy KD", 0, tmp_path / "runs" / f"row{off}-seed0" / "hf"),
+        ("on-policy rounds (rounds' defaults)", 0, rounds / "round-001" / "train" / "hf")]
+    (rounds / "metrics.jsonl").write_text("")  # a run killed before its first round ended
+    with pytest.raises(SystemExit, match=f"row{on}-seed0: no finished run there"):
+        hazard_models(tmp_path, [0])
