@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import textwrap
@@ -89,8 +90,10 @@ except ImportError:  # pragma: no cover
     _UnionType = typing.Union
 
 
+@functools.lru_cache(maxsize=None)
 def _docstrings(cls: type) -> dict[str, str]:
-    """Field name -> its docstring (whitespace folded to one line), from the class source."""
+    """Field name -> its docstring (whitespace folded to one line), from the class source (parsed once a class:
+    every config built and every path check reads it; callers only read the dict)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
@@ -361,16 +364,22 @@ def command(cls: type, run: Callable[[Any], None], *, name: str, help: str,
     return callback
 
 
-def config_of(cmd: Callable, argv: list[str]) -> tuple[Any, dict[str, str]]:
-    """(config, its path leaves) that `cmd`, a `command(...)` callable, would build from `argv`, without running
-    it or checking its paths; ConfigError naming the flag for an unknown flag, a value of the wrong type or one
-    the config's checks refuse."""
+@functools.lru_cache(maxsize=None)
+def _click_command(cmd: Callable):
+    """The click command typer makes of `cmd` (built once: `xtcache rounds` parses three a round)."""
     import typer
 
     app = typer.Typer()
     app.command()(cmd)
+    return typer.main.get_command(app)
+
+
+def config_of(cmd: Callable, argv: list[str]) -> tuple[Any, dict[str, str]]:
+    """(config, its path leaves) that `cmd`, a `command(...)` callable, would build from `argv`, without running
+    it or checking its paths; ConfigError naming the flag for an unknown flag, a value of the wrong type or one
+    the config's checks refuse."""
     try:
-        ctx = typer.main.get_command(app).make_context(cmd.__name__, list(argv))
+        ctx = _click_command(cmd).make_context(cmd.__name__, list(argv))
     except Exception as err:  # click's usage errors (typer may ship its own click): the message names the flag
         if not hasattr(err, "format_message"):
             raise
