@@ -13,8 +13,8 @@ Every such command resolves to a command of the typer app (`python -m stage2_stu
 launchers are `xtcache train-student`), click parses its arguments as a shell would hand them over
 (no unknown flag, no missing value, no extra argument, values of the flag's type), and a full
 command of a `--config` command (no `...` in it) gives the settings it needs, with values its
-config accepts (`--loss pkll`, a missing `--student` fail). `xtcache rounds`' `--dump-args` and its
-flags after `--` are checked as teacher-dump's and train-student's. The short ones run: every
+config accepts (`--loss pkll`, a missing `--student` fail). `xtcache rounds`' `--dump-args`, `--generate-args`
+and its flags after `--` are checked as teacher-dump's, generate's and train-student's. The short ones run: every
 documented command's `--help`, the README walkthrough's stage 1 on the toy artifacts (teacher-dump,
 `cache ls`, inspect, verify, projection build), the prompt file section of docs/on-policy.md, and
 docs/train-student.example.yaml through `train-student --config`.
@@ -235,9 +235,10 @@ def test_every_documented_command_is_a_command_of_the_app_with_its_flags(doc, mo
     if path == ["rounds"]:
         ts, ts_path, _ = resolve(("train-student",))
         check(ts, ts_path, passed, partial=True)
-        if "--dump-args" in rest:
-            td, td_path, _ = resolve(("teacher-dump",))
-            check(td, td_path, shlex.split(rest[rest.index("--dump-args") + 1]), partial=True)
+        for flag, stage in (("--dump-args", "teacher-dump"), ("--generate-args", "generate")):
+            if flag in rest:
+                sub, sub_path, _ = resolve((stage,))
+                check(sub, sub_path, shlex.split(rest[rest.index(flag) + 1]), partial=True)
 
 
 def test_the_extraction_finds_the_documented_commands():

@@ -19,6 +19,7 @@ path and its check are tests/test_stage1_vllm.py's); the hf run is 3 prompts x 2
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -254,6 +255,20 @@ def test_teacher_dump_flags_of_every_round_and_the_check_trusted_after_round_0(t
         _cfg(tmp_path, dump_args="--out elsewhere")
 
 
+def test_generate_flags_of_every_round_and_the_ones_rounds_sets_itself_refused(tmp_path):
+    from xtcache.app.rounds import stage_command
+
+    cfg = _cfg(tmp_path, generate_args="--top-p 0.9 --dtype float32")
+    for r in (0, 1):
+        args = stage_command(cfg, r, "generate")
+        assert args[-4:] == ["--top-p", "0.9", "--dtype", "float32"]
+        assert args[args.index("--seed") + 1] == str(r)  # rounds' own flags stay where they were
+    for flag in ("--seed=3", "--samples-per-prompt 8", "--num-shards 2", "--out x", "--no-resume"):
+        with pytest.raises(ValueError, match=rf"^--generate-args '{flag}': {flag.split()[0].split('=')[0]} set by "
+                                             "xtcache rounds itself"):
+            _cfg(tmp_path, generate_args=flag)
+
+
 def test_a_workdir_refuses_other_settings_changed_outputs_and_owned_flags(killed_run, chat, tmp_path):
     import shutil
 
@@ -283,7 +298,7 @@ def _finish(cfg, r: int, stage: str) -> None:
     (round_dir(cfg, r) / {"generate": "rollouts", "teacher-dump": "cache", "train-student": "train"}[stage]).mkdir()
 
 
-def test_a_rerun_may_change_the_settings_of_unfinished_stages_and_a_refusal_names_the_setting_and_way_out(tmp_path):
+def test_a_rerun_may_change_the_settings_of_unfinished_stages_and_a_refusal_names_the_setting_and_way_out(tmp_path, caplog):
     import shutil
 
     from xtcache.app.rounds import check_settings
@@ -313,6 +328,14 @@ def test_a_rerun_may_change_the_settings_of_unfinished_stages_and_a_refusal_name
     with pytest.raises(ConfigError, match=r"^--workdir \S+: no --dump-args -> --dump-args '--top-k 8' changes round 0 "
                                           r"teacher-dump, which has finished"):
         check_settings(_cfg(tmp_path, max_new_tokens=9, train_args=["--lr", "1e-3"], dump_args="--top-k 8"))
+    with pytest.raises(ConfigError, match=r"^--workdir \S+: no --generate-args -> --generate-args '--top-p 0.9' "
+                                          r"changes round 0 generate, which has finished"):
+        check_settings(_cfg(tmp_path, max_new_tokens=9, train_args=["--lr", "1e-3"], generate_args="--top-p 0.9"))
+    settings = tmp_path / "w" / "rounds.json"  # as an xtcache without --generate-args recorded it: no change
+    settings.write_text(json.dumps({k: v for k, v in json.loads(settings.read_text()).items() if k != "generate_args"}))
+    with caplog.at_level(logging.INFO, logger="xtcache.app.rounds"):
+        check_settings(_cfg(tmp_path, max_new_tokens=9, train_args=["--lr", "1e-3"]))
+    assert "settings changed" not in caplog.text
 
 
 def test_a_stage_started_with_other_settings_starts_again_from_nothing(tmp_path):
@@ -370,7 +393,7 @@ def test_a_round_resolving_another_loss_from_the_same_settings_is_refused_naming
 
 
 def test_every_rounds_commands_are_built_before_anything_runs_and_a_refusal_names_round_stage_and_flag(tmp_path):
-    """A typo or a refused value after `--` or in --dump-args, or a path they name that is missing, fails the
+    """A typo or a refused value after `--`, in --generate-args or --dump-args, or a path they name that is missing, fails the
     run before round 0's generate, naming the round, the stage, the flag and where it came from; the paths
     the rounds write themselves (the work directory's) are not required to exist yet."""
     from xtcache.app.rounds import check_commands, run_rounds
@@ -390,6 +413,8 @@ def test_every_rounds_commands_are_built_before_anything_runs_and_a_refusal_name
         ({"train_args": ["--deepspeed", str(tmp_path / "ds.json")]},
          f"round 0 train-student would be refused: --deepspeed {tmp_path / 'ds.json'}: no such file"),
         ({"max_new_tokens": 0}, "round 0 generate would be refused: --max-new-tokens 0"),
+        ({"generate_args": "--top-p 1.5"}, "round 0 generate would be refused: --top-p 1.5: must be in (0, 1] (from "
+                                           "xtcache rounds' own options or --generate-args)"),
     ]
     for kw, says in refused:
         cfg = _cfg(tmp_path, **{**base, **kw})

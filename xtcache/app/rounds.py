@@ -27,7 +27,7 @@ Per-round metrics go to W/metrics.jsonl (TensorBoard: each train/ writes its own
 printed at the end. docs/on-policy.md, "Rounds".
 
 Before any stage runs, every round's three command lines are built into their stages' configs, as the
-stages will build them (`check_commands`): a typo or a refused value in --dump-args or after `--`, or a
+stages will build them (`check_commands`): a typo or a refused value in --generate-args, --dump-args or after `--`, or a
 path they name that does not exist, fails the run there, not after round 0's generate and teacher-dump.
 This module composes the stages' command lines and reads their command-line definitions only: it runs no
 stage in its own process.
@@ -61,6 +61,9 @@ STAGES = ("generate", "teacher-dump", "train-student")
 ROLLOUT_CE_WEIGHT = 0.1  # train-student --ce-weight on a round's rollouts unless given after `--` (docs/on-policy.md)
 SETTINGS_FILE = "rounds.json"
 DIVERGENCES = {"forward": "kl", "reverse": "rkl"}  # rounds' --loss -> train-student's same-tokenizer loss
+# generate's flags that rounds sets itself (its own options, the round's paths) or that would split a round's one job
+GENERATE_OWNED = frozenset({"--student", "--data", "--out", "--engine", "--resume", "--samples-per-prompt",
+                            "--max-new-tokens", "--temperature", "--seed", "--shard-index", "--num-shards", "--no-resume"})
 
 
 @dataclass(kw_only=True)
@@ -97,10 +100,16 @@ class RoundsConfig:
     """train-student --projection (cross-tokenizer)."""
     eval_cache: str | None = None
     """train-student --eval-cache: a held-out store, for the table's final eval KL."""
+    generate_args: str = ""
+    """Extra generate flags of every round, one shell-quoted string (e.g. '--top-p 0.95 --dtype bfloat16 --gpu-memory-utilization 0.5')."""
     dump_args: str = ""
     """Extra teacher-dump flags of every round, one shell-quoted string (e.g. '--top-k 32 --dtype bfloat16 --mode sampled')."""
     train_args: list[str] = field(default_factory=list, metadata={"after_dashes": True})
     """Flags after `--`: passed to every train-student command (e.g. -- --lr 1e-5 --seq-len 1024)."""
+
+    @property
+    def generate_flags(self) -> list[str]:
+        return shlex.split(self.generate_args)
 
     @property
     def dump_flags(self) -> list[str]:
@@ -127,7 +136,13 @@ class RoundsConfig:
             raise ValueError(f"--loss reverse with --dump-args '--mode {mode}': the reverse KL takes the log of the "
                              "teacher's probabilities, which a drawn cache only estimates; use --mode topk or full, or "
                              "--loss forward (the default: the forward KL, linear in the estimate)")
-        owned = {"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume"}
+        clash = sorted({a.split("=")[0] for a in self.generate_flags} & GENERATE_OWNED)
+        if clash:
+            raise ValueError(f"--generate-args {self.generate_args!r}: {', '.join(clash)} set by xtcache rounds itself "
+                             "(--student: round 0's, then each round's export; the prompts, the round's rollouts, "
+                             "--engine, and its own --samples-per-prompt, --max-new-tokens, --temperature, --seed; "
+                             "one generate job a round)")
+        owned = {"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume", "--no-resume"}
         clash = sorted({a.split("=")[0] for a in self.dump_flags} & owned)
         if clash:
             raise ValueError(f"--dump-args {self.dump_args!r}: {', '.join(clash)} set by xtcache rounds "
@@ -146,7 +161,7 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
         return ["generate", "--student", policy, *[a for p in cfg.prompts for a in ("--data", p)],
                 "--out", str(d / "rollouts"), "--engine", cfg.engine, "--samples-per-prompt",
                 str(cfg.samples_per_prompt), "--max-new-tokens", str(cfg.max_new_tokens), "--temperature",
-                str(cfg.temperature), "--seed", str(cfg.seed + r)]
+                str(cfg.temperature), "--seed", str(cfg.seed + r), *cfg.generate_flags]
     if stage == "teacher-dump":
         args = ["teacher-dump", "--teacher", cfg.teacher, "--student-tokenizer", cfg.student, "--data",
                 str(d / "rollouts" / "parts" / "*.jsonl"), "--out", str(d / "cache"), "--engine", cfg.engine]
@@ -414,7 +429,7 @@ def _flags(key: str, value) -> str:
     flag = "--rounds" if key == "rounds" else "--" + key.replace("_", "-")
     if value is None or value == [] and key != "prompts":
         return f"no {flag}"
-    if key == "dump_args":
+    if key in ("generate_args", "dump_args"):
         return f"{flag} {shlex.quote(value)}" if value else f"no {flag}"
     return " ".join(f"{flag} {shlex.quote(str(v))}" for v in (value if isinstance(value, list) else [value]))
 
@@ -443,8 +458,9 @@ def check_settings(cfg: RoundsConfig) -> None:
     path = Path(cfg.workdir) / SETTINGS_FILE
     if path.exists():
         recorded = json.loads(path.read_text())
-        dump_args = recorded.get("dump_args") or ""  # a work directory without extra teacher-dump flags has none
-        recorded["dump_args"] = shlex.join(dump_args) if isinstance(dump_args, list) else dump_args
+        for key in ("generate_args", "dump_args"):  # a work directory without extra stage flags has none
+            extra = recorded.get(key) or ""
+            recorded[key] = shlex.join(extra) if isinstance(extra, list) else extra
         mine = asdict(cfg)
         changed = sorted(k for k in set(recorded) | set(mine) if k != "rounds" and recorded.get(k) != mine.get(k))
         if changed:
@@ -469,7 +485,7 @@ def check_settings(cfg: RoundsConfig) -> None:
     _write_atomic(path, json.dumps(asdict(cfg), indent=1))
 
 
-FLAGS_FROM = {"generate": "xtcache rounds' own options", "teacher-dump": "--dump-args",
+FLAGS_FROM = {"generate": "xtcache rounds' own options or --generate-args", "teacher-dump": "--dump-args",
               "train-student": "the flags after --"}
 
 
