@@ -32,7 +32,7 @@ import numpy as np
 from schemas.roles import LAST_ASSISTANT, ROLE_ASSISTANT, ROLE_USER
 from stage1_teacher.corpus import Document, Skipped
 from stage1_teacher.onpolicy.sampled import attach_sampled
-from stage1_teacher.onpolicy.splice import skipped_ids, splice_batch, text_splice
+from stage1_teacher.onpolicy.splice import splice_batch, text_splice
 from stage1_teacher.windows import Window, plan_windows, window_tokens
 from xtcache.align.chunks import align_batch, align_offsets, batch_or_each, identity_alignment
 from xtcache.align.tokenizer import encode_flat, tokenizer_info
@@ -57,7 +57,6 @@ class StudentSide:
     identity: bool
     info: object = None
     markers: object = None  # conversation corpora: the tokenizer's end-of-turn candidate ids
-    skipped: object = None  # bool [V + 1]: the ids its decode leaves out (`splice.skipped_ids`); with `info`
     appended: int = 0  # tokens the tokenizer appends after a text (an end-of-sequence); with `info`
 
 
@@ -136,7 +135,7 @@ class Preparer:
         for s in students:
             if not s.identity:
                 s.info = s.info or tokenizer_info(s.tokenizer)
-                s.skipped, s.appended = skipped_ids(s.tokenizer, s.info), appended_specials(s.tokenizer)
+                s.appended = appended_specials(s.tokenizer)
 
     def prepare(self, docs: list[Document]) -> list[PreparedDoc | Skipped]:
         """Tokenize (both sides, in Rust batches), align (one vectorized walk per student) and plan windows."""
@@ -300,7 +299,8 @@ class Preparer:
             elif side.fingerprint in by_fp:
                 fp = side.fingerprint
                 by_fp[fp] = attach_sampled(by_fp[fp], sampled, i in (spliced or {}).get(fp, ()), markers=side.markers,
-                                           text=not self.conversation, untrained=side.skipped)
+                                           text=not self.conversation,
+                                           untrained=None if side.info is None else side.info.control)
 
     def _align_convs(self, live, convs, docs, s_rend, t_rend, name) -> list:
         """ConversationAlignments of conversations `live` (their Renderings `s_rend`, `t_rend`, in that

@@ -54,6 +54,33 @@ def test_specials_map_by_role(toy_map, student_tokenizer, teacher_tokenizer):
     assert toy_map.indices[s.bos_token_id, 0] == -1  # the teacher has no BOS: reported, empty
 
 
+def test_control_tokens_are_never_decomposed_by_the_text_of_their_name(student_tokenizer, teacher_tokenizer):
+    """An added token marked special but not a special id (Llama-3's 250 <|reserved_special_token_N|>, the `<s>`
+    of a tokenizer whose bos is another) is a control token: it maps to the teacher's token of the same text or
+    nowhere (its probability then counts in the rest bucket), never onto the teacher's `<` as the first piece of
+    its name, where a student could meet the teacher's `<` with probability on control tokens; a teacher's
+    control token is not credited to the student token spelling the start of its name either."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    s, t = copy.deepcopy(student_tokenizer), copy.deepcopy(teacher_tokenizer)
+    s.add_tokens([AddedToken("<|reserved_special_token_0|>", special=True), AddedToken("<tool_call>", special=True)],
+                 special_tokens=True)
+    t.add_tokens([AddedToken("<tool_call>", special=True), AddedToken("<file_sep>", special=True)],
+                 special_tokens=True)
+    reserved, s_call = s.convert_tokens_to_ids(["<|reserved_special_token_0|>", "<tool_call>"])
+    t_call, t_sep = t.convert_tokens_to_ids(["<tool_call>", "<file_sep>"])
+    assert reserved not in s.all_special_ids and t_sep not in t.all_special_ids  # the case under test
+    assert tokenizer_info(s).control[reserved] and not tokenizer_info(s).special[reserved]
+    pm = build_projection(s, t)
+    assert np.all(pm.indices[reserved] == -1) and pm.weights[reserved].sum() == 0
+    assert "<|reserved_special_token_0|>" in pm.notes["specials_without_counterpart"]
+    assert pm.indices[s_call, 0] == t_call and pm.weights[s_call, 0] == 1.0 and pm.exact[s_call]
+    for teacher_id, rows in ((t_call, [s_call]), (t_sep, [])):
+        assert np.flatnonzero((pm.indices == teacher_id).any(axis=1)).tolist() == rows
+
+
 @pytest.mark.parametrize("pieces", ["first", "all"])
 def test_digit_groups_decompose_into_their_first_piece(pieces, student_tokenizer, teacher_tokenizer):
     # student groups digits 1-3, the teacher splits them: "12" -> "1" alone (pieces first: the first teacher token

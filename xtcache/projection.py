@@ -11,7 +11,11 @@ W is built from the tokenizers alone:
    student pieces (scaled by `reverse_scale`). With `pieces="first"` (the default) only the first
    piece counts: a student token stands for the first teacher token of its text, the event that
    P-KL's first rows compare (docs/losses.md); with `pieces="all"` piece j is weighted `decay**j`;
-3. special tokens map by role (bos, eos, pad, unk); a role the teacher lacks leaves an empty row;
+3. control tokens (special ids, and every added token marked special: Llama-3's 250 reserved tokens)
+   map to the teacher's token of the same text, else by role (bos, eos, pad, unk), else nowhere (an
+   empty row: their probability counts in the rest bucket). They are never decomposed: the text of
+   their name (`<|reserved_special_token_0|>`) is not what they stand for, and a row on the teacher's
+   `<` would let a student meet the teacher's `<` with probability on control tokens;
 4. rows are cut to the top k and renormalized.
 
 Vocabulary sizes are `len(tokenizer)`: lm_head columns beyond it (Qwen3 pads 151,669 tokens to
@@ -209,7 +213,7 @@ def _lookup(tok, info: TokenizerInfo, pieces: list[bytes]) -> dict[bytes, int]:
     names = tok.convert_ids_to_tokens(list(range(info.vocab_size)))
     out: dict[bytes, int] = {}
     for i, p in enumerate(pieces):
-        if not p or info.special[i] or i == info.unk_id:
+        if not p or info.control[i] or i == info.unk_id:
             continue
         fallback = len(names[i] or "") == 6 and names[i].startswith("<0x")
         if p not in out or (not fallback and out[p] < 0):
@@ -236,7 +240,7 @@ def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float =
     s_lookup = _lookup(student_tok, s_info, s_pieces)
     rows, cols, vals = [], [], []
     exact = np.zeros(v_s, dtype=bool)
-    ordinary = [i for i in range(v_s) if not s_info.special[i] and i != s_info.unk_id]
+    ordinary = [i for i in range(v_s) if not s_info.control[i] and i != s_info.unk_id]
     rest = []
     for i in ordinary:
         t = t_lookup.get(s_pieces[i]) if s_pieces[i] else None
@@ -245,10 +249,10 @@ def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float =
         else:
             exact[i] = True
             rows.append(i), cols.append(t), vals.append(1.0)
-    # special tokens (and unk) by role
+    # control tokens (and unk): the teacher's of the same text, else by role
     unmatched_specials = []
-    t_special_by_text = {t_pieces[j]: j for j in np.flatnonzero(t_info.role).tolist()}
-    for i in np.flatnonzero(s_info.role).tolist():
+    t_special_by_text = {t_pieces[j]: j for j in np.flatnonzero((t_info.role != 0) | t_info.control).tolist()}
+    for i in np.flatnonzero((s_info.role != 0) | s_info.control).tolist():
         bits = int(s_info.role[i]) & (ROLE_BOS | ROLE_EOS | ROLE_PAD | ROLE_UNK)
         same = t_special_by_text.get(s_pieces[i])
         match = [same] if same is not None else np.flatnonzero(t_info.role & bits).tolist()
@@ -265,7 +269,7 @@ def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float =
             rows.append(i), cols.append(t), vals.append(decay ** j)
     # reverse: every ordinary teacher token's text in student tokens, credited back
     max_s = max((len(p) for p in s_lookup), default=1)
-    t_ordinary = [i for i in range(v_t) if not t_info.special[i] and i != t_info.unk_id and t_pieces[i]]
+    t_ordinary = [i for i in range(v_t) if not t_info.control[i] and i != t_info.unk_id and t_pieces[i]]
     rev = _decompose(t_pieces, t_ordinary, student_tok, s_lookup, s_pieces, max_s)
     rest_set = set(rest)
     for t, ids in rev.items():
@@ -281,8 +285,9 @@ def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float =
         "specials_without_counterpart": [student_tok.convert_ids_to_tokens(int(i)) for i in unmatched_specials],
     }
     if unmatched_specials:
-        log.warning("student special tokens with no teacher counterpart (empty rows): %s",
-                    notes["specials_without_counterpart"])
+        names = notes["specials_without_counterpart"]
+        log.warning("%d student control tokens with no teacher counterpart (empty rows), e.g. %s", len(names),
+                    names[:10])
     unmapped = sorted(set(empty.tolist()) - set(unmatched_specials))
     notes["unmapped_tokens"] = [student_tok.convert_ids_to_tokens(int(i)) for i in unmapped]
     if unmapped:

@@ -45,7 +45,7 @@ def attach_sampled(record: AlignmentRecord, sampled: Sampled, spliced: bool = Fa
     the sampled ids were `spliced` into the record (`stage1_teacher.onpolicy.splice`). `markers`: the
     student's end-of-turn candidates, untrained in a turn cut by --max-new-tokens. `text`: a text rollout,
     whose text holds no stop token: a completion that stopped is compared without its last sampled id.
-    `untrained`: bool [V + 1], the special ids (`splice.skipped_ids`); one sampled inside the turn, not as
+    `untrained`: bool [V + 1], the ids a decode leaves out (`TokenizerInfo.control`); one sampled inside the turn, not as
     its stop token, keeps its place but gets the template role: no loss trains it (the teacher's text has
     nothing there to score it against, and CE on it would teach the student to sample it again)."""
     ids, roles = np.asarray(record.student_ids), np.asarray(record.student_role)

@@ -103,21 +103,11 @@ def replaced_text(data: bytes) -> tuple[str, np.ndarray]:
     return "".join(chars), np.concatenate([*starts, [len(data)]]).astype(np.int64)
 
 
-def skipped_ids(tokenizer, info) -> np.ndarray:
-    """bool [V + 1]: the ids a tokenizer's decode leaves out with skip_special_tokens (as `generate` wrote the
-    text): its special ids and every added token marked special (`<s>` of some BPE tokenizers is only that)."""
-    out = info.special.copy()
-    extra = [i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
-             if getattr(t, "special", False) and 0 <= i < out.shape[0] - 1]
-    out[extra] = True
-    return out
-
-
 def sampled_offsets(info, body: np.ndarray, text: str, skipped: np.ndarray) -> np.ndarray | None:
     """int64 [n, 2] character offsets in `text` of the sampled ids `body` when they spell it: their bytes are
     its UTF-8 bytes, or decode to it with invalid runs replaced by U+FFFD (byte tokens sampled out of order,
     a character cut by --max-new-tokens); None otherwise. Special tokens sampled inside the text (`skipped`,
-    `skipped_ids`) stand for no characters, as the decoded text leaves them out: each gets an empty span
+    the tokenizer's `TokenizerInfo.control`) stand for no characters, as the decoded text leaves them out: each gets an empty span
     where it was sampled."""
     special = skipped[body]
     lens = np.where(special, 0, np.diff(info.piece_start)[body])
@@ -169,7 +159,7 @@ def splice_rollouts(side: Renderings, rows: list, info, skipped: np.ndarray) -> 
     """`side` (one student's Renderings of a batch of conversations) with the generated turn of each
     rollout row spliced in, and per conversation whether the sampled ids replaced other tokens there.
     `rows[d]`: conversation d's (message count, sampled ids), None for a row that is no rollout of
-    this student (its `TokenizerInfo` `info`, its `skipped_ids`). A turn they do not spell keeps the
+    this student (its `TokenizerInfo` `info`, and `info.control` as `skipped`). A turn they do not spell keeps the
     rendering's tokens (False)."""
     spliced = [False] * len(side)
     starts = np.cumsum(side.counts) - side.counts
@@ -200,7 +190,7 @@ def splice_batch(side: Renderings, live: list[int], docs: list, convs: list[dict
             if docs[i].sampled is not None and docs[i].sampled.chat == student.fingerprint else None for i in live]
     if not any(rows):
         return side, set()
-    side, flags = splice_rollouts(side, rows, student.info, student.skipped)
+    side, flags = splice_rollouts(side, rows, student.info, student.info.control)
     return side, {i for i, f in zip(live, flags) if f}
 
 
@@ -209,10 +199,10 @@ def text_splice(student, text: str, prefix_chars: int, sampled, ids: np.ndarray,
     """A text rollout's student (ids, offsets) with the ids `sampled` (a `corpus.Sampled`) spliced in (module
     docstring), or None when they do not spell the completion byte for byte, or already are the re-tokenized
     ids `ids` / `offsets` (the whole text's encoding, special tokens added, offsets as `encode_flat` gives
-    them). `student`: a `prep.StudentSide` (its tokenizer, `info`, `skipped` and `appended`). A plain-text
+    them). `student`: a `prep.StudentSide` (its tokenizer, `info` and `appended`). A plain-text
     store's alignment checks every token's bytes against the text, so a completion with U+FFFD for invalid
     UTF-8, or with a special token inside, keeps the re-tokenized ids."""
-    info, skipped = student.info, student.skipped
+    info, skipped = student.info, student.info.control
     body = np.asarray(sampled.ids, dtype=np.int64)
     if sampled.stop_reason == "stop" and body.shape[0] and skipped[body[-1]]:
         body = body[:-1]  # the stop token: the text does not hold it

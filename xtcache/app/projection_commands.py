@@ -85,7 +85,9 @@ def build(
     typer.echo(format_report(pm, s_tok, t_tok))
     missing = pm.notes.get("specials_without_counterpart") or []
     if missing:
-        typer.echo(f"  student special tokens without a teacher counterpart: {missing}")
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        typer.echo(f"  student control tokens without a teacher counterpart (empty rows: their probability counts in "
+                   f"the rest bucket): {len(missing)}, {', '.join(missing[:10])}{more}")
     typer.echo(f"wrote {cfg.out}")
 
 
