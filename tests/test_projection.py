@@ -38,7 +38,7 @@ def test_build_on_toy_tokenizers(toy_map, student_tokenizer, teacher_tokenizer):
     # every student id maps somewhere, except specials with no teacher counterpart, which are reported
     reported = set(student_tokenizer.convert_tokens_to_ids(pm.notes["specials_without_counterpart"]))
     assert set(empty.tolist()) == reported and pm.notes["unmapped_tokens"] == []
-    assert reported <= set(student_tokenizer.all_special_ids)
+    assert reported <= set(np.flatnonzero(tokenizer_info(student_tokenizer).control).tolist())
     # exact rows: one teacher id that spells the same bytes, weight 1
     for r in np.flatnonzero(pm.exact)[:200]:
         assert pm.weights[r, 0] == 1.0 and np.all(pm.indices[r, 1:] == -1)
@@ -65,20 +65,24 @@ def test_control_tokens_are_never_decomposed_by_the_text_of_their_name(student_t
     from tokenizers import AddedToken
 
     s, t = copy.deepcopy(student_tokenizer), copy.deepcopy(teacher_tokenizer)
-    s.add_tokens([AddedToken("<|reserved_special_token_0|>", special=True), AddedToken("<tool_call>", special=True)],
-                 special_tokens=True)
-    t.add_tokens([AddedToken("<tool_call>", special=True), AddedToken("<file_sep>", special=True)],
-                 special_tokens=True)
-    reserved, s_call = s.convert_tokens_to_ids(["<|reserved_special_token_0|>", "<tool_call>"])
-    t_call, t_sep = t.convert_tokens_to_ids(["<tool_call>", "<file_sep>"])
-    assert reserved not in s.all_special_ids and t_sep not in t.all_special_ids  # the case under test
+    s.add_tokens([AddedToken("<|reserved_special_token_0|>", special=True), AddedToken("<tool_call>", special=True),
+                  AddedToken("<think>", special=True)], special_tokens=True)
+    t.add_tokens([AddedToken("<tool_call>", special=True), AddedToken("12zq", special=True)], special_tokens=True)
+    t.add_tokens([AddedToken("<think>", special=False)])  # an ordinary added token in the teacher
+    reserved, s_call, s_think, s_12 = s.convert_tokens_to_ids(["<|reserved_special_token_0|>", "<tool_call>", "<think>",
+                                                               "12"])
+    t_call, t_ctrl, t_think = t.convert_tokens_to_ids(["<tool_call>", "12zq", "<think>"])
+    assert reserved not in s.all_special_ids and t_ctrl not in t.all_special_ids  # the case under test
     assert tokenizer_info(s).control[reserved] and not tokenizer_info(s).special[reserved]
     pm = build_projection(s, t)
     assert np.all(pm.indices[reserved] == -1) and pm.weights[reserved].sum() == 0
     assert "<|reserved_special_token_0|>" in pm.notes["specials_without_counterpart"]
-    assert pm.indices[s_call, 0] == t_call and pm.weights[s_call, 0] == 1.0 and pm.exact[s_call]
-    for teacher_id, rows in ((t_call, [s_call]), (t_sep, [])):
-        assert np.flatnonzero((pm.indices == teacher_id).any(axis=1)).tolist() == rows
+    for student_id, teacher_id in ((s_call, t_call), (s_think, t_think)):  # the teacher's token of the same text
+        assert pm.indices[student_id, 0] == teacher_id and pm.weights[student_id, 0] == 1.0 and pm.exact[student_id]
+    # "12" is no teacher token (the teacher splits digits): the teacher tokens whose text starts with it are
+    # credited to its row, but not the control token "12zq"
+    assert not pm.exact[s_12] and t_ctrl not in pm.indices[s_12]
+    assert not (pm.indices == t_ctrl).any()
 
 
 @pytest.mark.parametrize("pieces", ["first", "all"])
@@ -156,6 +160,18 @@ def test_to_torch_sparse_with_padded_lm_head(student_tokenizer, teacher_tokenize
         toy_map.to_torch_sparse(v_t - 1)
 
 
+def test_a_map_of_the_format_before_control_tokens_is_refused_naming_the_rebuild(toy_map, tmp_path):
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "old.safetensors"
+    save_file({"indices": toy_map.indices, "weights": toy_map.weights}, str(path), metadata={
+        "format": "xtcache-projection/1", "student_fingerprint": "s", "teacher_fingerprint": "t",
+        "teacher_vocab_size": str(toy_map.teacher_vocab_size)})
+    with pytest.raises(ProjectionError, match=r"format xtcache-projection/1, which this xtcache no longer reads: its "
+                                              r"control-token rows .* build it again with `xtcache projection build`"):
+        ProjectionMap.load(path)
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda ind, w: (ind[:, :3], w), "same"),
     (lambda ind, w: (np.where(ind == 5, 10**7, ind), w), "outside the teacher vocabulary"),
@@ -168,7 +184,7 @@ def test_malformed_maps_raise(toy_map, tmp_path, mutate, match):
     ind, w = mutate(toy_map.indices.copy(), toy_map.weights.copy())
     path = tmp_path / "bad.safetensors"
     save_file({"indices": ind, "weights": w}, str(path), metadata={
-        "format": "xtcache-projection/1", "student_fingerprint": "s", "teacher_fingerprint": "t",
+        "format": "xtcache-projection/2", "student_fingerprint": "s", "teacher_fingerprint": "t",
         "teacher_vocab_size": str(toy_map.teacher_vocab_size)})
     with pytest.raises(ProjectionError, match=match):
         ProjectionMap.load(path)

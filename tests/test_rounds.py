@@ -263,7 +263,7 @@ def test_generate_flags_of_every_round_and_the_ones_rounds_sets_itself_refused(t
         args = stage_command(cfg, r, "generate")
         assert args[-4:] == ["--top-p", "0.9", "--dtype", "float32"]
         assert args[args.index("--seed") + 1] == str(r)  # rounds' own flags stay where they were
-    for flag in ("--seed=3", "--samples-per-prompt 8", "--num-shards 2", "--out x", "--no-resume"):
+    for flag in ("--seed=3", "--samples-per-prompt 8", "--num-shards 2", "--out x", "--no-resume", "--config g.yaml"):
         with pytest.raises(ValueError, match=rf"^--generate-args '{flag}': {flag.split()[0].split('=')[0]} set by "
                                              "xtcache rounds itself"):
             _cfg(tmp_path, generate_args=flag)
@@ -333,6 +333,7 @@ def test_a_rerun_may_change_the_settings_of_unfinished_stages_and_a_refusal_name
         check_settings(_cfg(tmp_path, max_new_tokens=9, train_args=["--lr", "1e-3"], generate_args="--top-p 0.9"))
     settings = tmp_path / "w" / "rounds.json"  # as an xtcache without --generate-args recorded it: no change
     settings.write_text(json.dumps({k: v for k, v in json.loads(settings.read_text()).items() if k != "generate_args"}))
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="xtcache.app.rounds"):
         check_settings(_cfg(tmp_path, max_new_tokens=9, train_args=["--lr", "1e-3"]))
     assert "settings changed" not in caplog.text

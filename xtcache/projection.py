@@ -39,7 +39,9 @@ from xtcache.errors import ProjectionError
 
 log = logging.getLogger(__name__)
 
-FORMAT = "xtcache-projection/1"
+FORMAT = "xtcache-projection/2"
+# /1: written before control tokens were kept out of decomposition (their rows could point at the teacher's `<`)
+OLD_FORMATS = {"xtcache-projection/1": "its control-token rows may stand for the teacher's `<` (docs/losses.md, P-KL)"}
 ROLE_NAMES = {ROLE_BOS: "bos", ROLE_EOS: "eos", ROLE_PAD: "pad", ROLE_UNK: "unk"}
 
 
@@ -99,6 +101,10 @@ class ProjectionMap:
                 arrays = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as e:  # safetensors raises its own error types for non-safetensors files
             raise ProjectionError(f"{path} is not a safetensors projection map ({e})") from None
+        if meta.get("format") in OLD_FORMATS:
+            raise ProjectionError(f"{path}: a projection map of format {meta['format']}, which this xtcache no longer "
+                                  f"reads: {OLD_FORMATS[meta['format']]}; build it again with `xtcache projection "
+                                  "build` (or `xtcache projection import` a NeMo-RL map again)")
         if meta.get("format") != FORMAT or not {"indices", "weights"} <= set(arrays):
             raise ProjectionError(f"{path} is not an xtcache projection map (format {meta.get('format')!r}, "
                                   f"arrays {sorted(arrays)}): build one with `xtcache projection build` or "
@@ -255,6 +261,8 @@ def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float =
     for i in np.flatnonzero((s_info.role != 0) | s_info.control).tolist():
         bits = int(s_info.role[i]) & (ROLE_BOS | ROLE_EOS | ROLE_PAD | ROLE_UNK)
         same = t_special_by_text.get(s_pieces[i])
+        if same is None and s_pieces[i] in t_lookup and t_info.added[t_lookup[s_pieces[i]]]:
+            same = t_lookup[s_pieces[i]]  # the teacher's added token of that text, not marked special there
         match = [same] if same is not None else np.flatnonzero(t_info.role & bits).tolist()
         if match:
             rows.append(i), cols.append(match[0]), vals.append(1.0)

@@ -63,7 +63,8 @@ SETTINGS_FILE = "rounds.json"
 DIVERGENCES = {"forward": "kl", "reverse": "rkl"}  # rounds' --loss -> train-student's same-tokenizer loss
 # generate's flags that rounds sets itself (its own options, the round's paths) or that would split a round's one job
 GENERATE_OWNED = frozenset({"--student", "--data", "--out", "--engine", "--resume", "--samples-per-prompt",
-                            "--max-new-tokens", "--temperature", "--seed", "--shard-index", "--num-shards", "--no-resume"})
+                            "--max-new-tokens", "--temperature", "--seed", "--shard-index", "--num-shards", "--no-resume",
+                            "--config"})
 
 
 @dataclass(kw_only=True)
@@ -141,12 +142,14 @@ class RoundsConfig:
             raise ValueError(f"--generate-args {self.generate_args!r}: {', '.join(clash)} set by xtcache rounds itself "
                              "(--student: round 0's, then each round's export; the prompts, the round's rollouts, "
                              "--engine, and its own --samples-per-prompt, --max-new-tokens, --temperature, --seed; "
-                             "one generate job a round)")
-        owned = {"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume", "--no-resume"}
+                             "one generate job a round; no --config file, which could set any of them)")
+        owned = {"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume", "--no-resume",
+                 "--shard-index", "--num-shards", "--config"}
         clash = sorted({a.split("=")[0] for a in self.dump_flags} & owned)
         if clash:
             raise ValueError(f"--dump-args {self.dump_args!r}: {', '.join(clash)} set by xtcache rounds "
-                             "itself (--teacher, --student, the round's rollouts and cache, --engine)")
+                             "itself (--teacher, --student, the round's rollouts and cache, --engine; one teacher-dump "
+                             "job a round; no --config file, which could set any of them)")
 
 
 def round_dir(cfg: RoundsConfig, r: int) -> Path:
