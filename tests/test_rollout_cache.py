@@ -180,6 +180,34 @@ def test_generated_turns_are_spliced_exactly_when_their_ids_spell_the_rendered_t
             assert ids[np.isfinite(lp)].tolist() == rows[key]["sampled_ids"]
 
 
+def test_the_tokens_before_the_turn_are_the_ids_generate_prompted_with(rollouts):
+    """The context the student trains its first answer token after is the one it sampled after: the stored
+    ids up to the generated turn are `generate`'s prompt ids (the generation prompt encoded alone), also
+    where encoding the whole rendering merges the prompt's last newlines otherwise (some rows of each store
+    here: checked, so that the test can fail)."""
+    from schemas.roles import LAST_ASSISTANT
+    from stage1_teacher.corpus import Document
+    from stage1_teacher.onpolicy.rollouts import prompt_of
+    from xtcache.chat.render import render
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, parts, store, clean_parts, clean_store = rollouts
+    tok = load_tokenizer(setup.student_model)
+    for where, cache in ((parts, store), (clean_parts, clean_store)):
+        rows, (_, _, _, docs) = _rows(where), _group(cache, setup)
+        merged = 0
+        for key, row in rows.items():
+            prompt = {k: v for k, v in row.items() if k in ("messages", "tools")}
+            prompt["messages"] = prompt["messages"][:-1]
+            want = prompt_of(Document("p.jsonl", 0, json.dumps(prompt), conversation=True), tok).token_ids
+            ids, roles, _ = docs[key]
+            first = int(np.argmax(roles & LAST_ASSISTANT))
+            assert ids[:first].tolist() == want, key
+            whole = tok(render(tok, {**prompt, "messages": row["messages"]}), add_special_tokens=False)["input_ids"]
+            merged += whole[:len(want)] != want
+        assert merged >= 1
+
+
 def test_sampled_ids_that_spell_the_turn_are_spliced_others_counted(rollouts, tmp_path):
     from xtcache.app.store_commands import store_summary
     from xtcache.tokenizer import load_tokenizer

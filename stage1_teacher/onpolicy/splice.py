@@ -25,6 +25,13 @@ text: ids that decode to other text, a stop token other than the template's mark
 changes the text in other ways than trimming it. A special token the student sampled inside its turn
 (a weak student's `<s>`) stands for no text: it is kept where it was sampled, with an empty span
 (`sampled.attach_sampled` gives it the template role: no loss trains it).
+The tokens before the turn are the ones `generate` prompted with: the generation prompt rendered and
+encoded alone (`generation_prompt`, as `rollouts.prompt_of` does). Encoding the whole rendering can
+tokenize the prompt's end otherwise, merged with what follows (the Llama-3-style toy student's `ĊĊ`
+before a digit, `Ċ Ċ` before a letter); the student would then train its first answer token after a
+context it never reads when it samples. Where the rendering's text up to the turn is the generation
+prompt's, its tokens there are replaced by the prompt's (the turn's own counts stay as they were: a
+rollout whose turn ids were already the sampled ones is not counted as spliced).
 The rendered text is never changed, so the alignment (`xtcache.chat.layout.align_conversations`) runs on the spliced tokens as on any others.
 
 A text rollout (a prefix and its completion, `prefix_chars`, no template) is spliced whole by
@@ -46,7 +53,7 @@ import numpy as np
 
 from xtcache.align.bytes import text_bytes
 from xtcache.align.tokenizer import encode_with_offsets
-from xtcache.chat.render import Rendering, Renderings
+from xtcache.chat.render import ConversationError, Rendering, Renderings, render
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class Splice:
     hi: int
     ids: np.ndarray  # int64 [n] the sampled ids, stop token left out
     offsets: np.ndarray  # int64 [n, 2] their character offsets in the rendering
+    prompt: tuple[np.ndarray, np.ndarray] | None = None  # the ids (and offsets) prompted with, replacing [0, lo)
 
 
 def piece_bytes(info, ids: np.ndarray) -> bytes:
@@ -120,11 +128,15 @@ def sampled_offsets(info, body: np.ndarray, text: str, skipped: np.ndarray) -> n
     return _char_spans(byte_of_char, lens)
 
 
-def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndarray) -> Splice | None:
+def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndarray,
+                prompt: tuple[str, np.ndarray, np.ndarray] | None = None) -> Splice | None:
     """How the sampled ids of message `last_msg` (the generated turn) replace its content's tokens in
     rendering `r`; None when they do not spell the content (see the module) or the content is empty.
     The ids spell the message's own text; where the template trimmed its whitespace, the tokens that
-    stand for the trimmed characters only get an empty span at the content's edge."""
+    stand for the trimmed characters only get an empty span at the content's edge. `prompt`: the text, ids and
+    offsets `generate` prompted with (the generation prompt's text encoded alone); where that text is the
+    rendering's up to the content and the rendering tokenizes it otherwise (a merge across the content's
+    start: `ĊĊ` before a digit, `Ċ Ċ` before a letter), those ids replace the rendering's there too."""
     k = next((k for k, (m, field, _) in enumerate(r.located.texts) if m == last_msg and field == 1), None)
     if k is None or r.located.at[k] < 0 or r.located.width[k] == 0:
         return None
@@ -152,33 +164,52 @@ def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndar
     off = sampled_offsets(info, body, message, skipped)
     if off is None:
         return None
-    return Splice(lo, hi, body, a + np.clip(off, skip, skip + b - a) - skip)
+    off = a + np.clip(off, skip, skip + b - a) - skip
+    if prompt is not None and prompt[0] == r.text[:a] and not np.array_equal(r.ids[:lo], prompt[1]):
+        return Splice(lo, hi, body, off, prompt[1:])
+    return Splice(lo, hi, body, off)
 
 
 def splice_rollouts(side: Renderings, rows: list, info, skipped: np.ndarray) -> tuple[Renderings, list[bool]]:
     """`side` (one student's Renderings of a batch of conversations) with the generated turn of each
     rollout row spliced in, and per conversation whether the sampled ids replaced other tokens there.
-    `rows[d]`: conversation d's (message count, sampled ids), None for a row that is no rollout of
-    this student (its `TokenizerInfo` `info`, and `info.control` as `skipped`). A turn they do not spell keeps the
-    rendering's tokens (False)."""
+    `rows[d]`: conversation d's (message count, sampled ids, the generation prompt as `turn_splice` takes it
+    or None), None for a row that is no rollout of this student (its `TokenizerInfo` `info`, and
+    `info.control` as `skipped`). A turn they do not spell keeps the rendering's tokens (False)."""
     spliced = [False] * len(side)
     starts = np.cumsum(side.counts) - side.counts
     counts = side.counts.copy()
     ids, offs, cut = [], [], 0
     for d, row in enumerate(rows):
-        sp = None if row is None else turn_splice(side[d], row[0] - 1, row[1], info, skipped)
-        if sp is None or np.array_equal(side[d].ids[sp.lo:sp.hi], sp.ids):
+        sp = None if row is None else turn_splice(side[d], row[0] - 1, row[1], info, skipped, row[2])
+        if sp is None:
             continue
-        spliced[d] = True
-        at = int(starts[d])
-        ids += [side.ids[cut:at + sp.lo], sp.ids]
-        offs += [side.offsets[cut:at + sp.lo], sp.offsets]
+        spliced[d] = not np.array_equal(side[d].ids[sp.lo:sp.hi], sp.ids)
+        if not spliced[d] and sp.prompt is None:
+            continue
+        at, lo = int(starts[d]), 0 if sp.prompt is not None else sp.lo
+        new_ids, new_offs = (sp.ids, sp.offsets) if sp.prompt is None else (
+            np.concatenate([sp.prompt[0], sp.ids]), np.concatenate([sp.prompt[1], sp.offsets]))
+        ids += [side.ids[cut:at + lo], new_ids]
+        offs += [side.offsets[cut:at + lo], new_offs]
         cut = at + sp.hi
-        counts[d] += sp.ids.shape[0] - (sp.hi - sp.lo)
-    if not any(spliced):
+        counts[d] += new_ids.shape[0] - (sp.hi - lo)
+    if not ids:
         return side, spliced
     return Renderings(side.texts, np.concatenate([*ids, side.ids[cut:]]), np.concatenate([*offs, side.offsets[cut:]]),
                       counts, side.located, side.marker_ids), spliced
+
+
+def generation_prompt(tokenizer, conv: dict) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """The text, ids and character offsets `generate` prompted a rollout's student with
+    (`stage1_teacher.onpolicy.rollouts.prompt_of`: the conversation before its generated turn, rendered with
+    the generation prompt and encoded alone), or None where the template refuses it."""
+    try:
+        text = render(tokenizer, {**conv, "messages": conv["messages"][:-1]}, add_generation_prompt=True)
+    except ConversationError:
+        return None
+    ids, offsets = encode_with_offsets(tokenizer, text, add_special_tokens=False, side="student tokenizer")
+    return text, np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
 
 
 def splice_batch(side: Renderings, live: list[int], docs: list, convs: list[dict],
@@ -186,7 +217,7 @@ def splice_batch(side: Renderings, live: list[int], docs: list, convs: list[dict
     """`splice_rollouts` for the conversations `live` of a prep batch (`side`: their renderings by
     `student`, a `prep.StudentSide`, in that order): the rows `docs[i]` that `student` sampled, and
     the set of those `i` spliced."""
-    rows = [(len(convs[i]["messages"]), docs[i].sampled.ids)
+    rows = [(len(convs[i]["messages"]), docs[i].sampled.ids, generation_prompt(student.tokenizer, convs[i]))
             if docs[i].sampled is not None and docs[i].sampled.chat == student.fingerprint else None for i in live]
     if not any(rows):
         return side, set()
