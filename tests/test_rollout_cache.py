@@ -481,3 +481,22 @@ def test_special_tokens_sampled_inside_a_turn_are_kept_where_they_were_sampled(r
     assert totals["sampled_same_text"] >= 2 and totals["sampled_mismatch"] == totals["sampled_same_text"]
     assert store_summary(str(store)).conversation[fp]["misaligned_chars"] == 0
     assert _cli("verify", store).returncode == 0
+
+
+def test_a_text_rollout_with_an_id_past_the_vocabulary_keeps_the_re_tokenized_ids(student_tokenizer):
+    """A sampled stop id outside the tokenizer (an lm_head padded past it) is no id of this student: nothing is
+    spliced, and it is not looked up (it used to index the special-id mask first: IndexError)."""
+    from types import SimpleNamespace
+
+    from stage1_teacher.corpus.rows import Sampled
+    from stage1_teacher.onpolicy.splice import text_splice
+    from xtcache.align.tokenizer import encode_with_offsets, tokenizer_info
+
+    tok, info = student_tokenizer, tokenizer_info(student_tokenizer)
+    prefix, completion = "The cache stores ", "ids and log-probs."
+    body = tok(completion, add_special_tokens=False)["input_ids"]
+    ids, offsets = encode_with_offsets(tok, prefix + completion, add_special_tokens=True, side="student tokenizer")
+    student = SimpleNamespace(tokenizer=tok, info=info, appended=0)
+    for stop in (info.vocab_size, info.vocab_size + 5):
+        sampled = Sampled(ids=(*body, stop), logprobs=(-0.1,) * (len(body) + 1), chat="c", stop_reason="stop")
+        assert text_splice(student, prefix + completion, len(prefix), sampled, ids, offsets) is None

@@ -235,10 +235,12 @@ def text_splice(student, text: str, prefix_chars: int, sampled, ids: np.ndarray,
     UTF-8, or with a special token inside, keeps the re-tokenized ids."""
     info, skipped = student.info, student.info.control
     body = np.asarray(sampled.ids, dtype=np.int64)
+    if np.any((body < 0) | (body >= info.vocab_size)):
+        return None  # ids of no token of this tokenizer (an lm_head padded past it)
     if sampled.stop_reason == "stop" and body.shape[0] and skipped[body[-1]]:
         body = body[:-1]  # the stop token: the text does not hold it
     completion = text[prefix_chars:]
-    if body.shape[0] == 0 or np.any((body < 0) | (body >= info.vocab_size)) or skipped[body].any():
+    if body.shape[0] == 0 or skipped[body].any():
         return None
     if piece_bytes(info, body) != completion.encode("utf-8"):
         return None
