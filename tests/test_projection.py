@@ -55,7 +55,7 @@ def test_specials_map_by_role(toy_map, student_tokenizer, teacher_tokenizer):
 
 
 def test_control_tokens_are_never_decomposed_by_the_text_of_their_name(student_tokenizer, teacher_tokenizer):
-    """An added token marked special but not a special id (Llama-3's 250 <|reserved_special_token_N|>, the `<s>`
+    """An added token marked special but not a special id (Llama-3's 251 <|reserved_special_token_N|>, the `<s>`
     of a tokenizer whose bos is another) is a control token: it maps to the teacher's token of the same text or
     nowhere (its probability then counts in the rest bucket), never onto the teacher's `<` as the first piece of
     its name, where a student could meet the teacher's `<` with probability on control tokens; a teacher's

@@ -11,7 +11,7 @@ W is built from the tokenizers alone:
    student pieces (scaled by `reverse_scale`). With `pieces="first"` (the default) only the first
    piece counts: a student token stands for the first teacher token of its text, the event that
    P-KL's first rows compare (docs/losses.md); with `pieces="all"` piece j is weighted `decay**j`;
-3. control tokens (special ids, and every added token marked special: Llama-3's 250 reserved tokens)
+3. control tokens (special ids, and every added token marked special: Llama-3's 251 reserved tokens)
    map to the teacher's token of the same text, else by role (bos, eos, pad, unk), else nowhere (an
    empty row: their probability counts in the rest bucket). They are never decomposed: the text of
    their name (`<|reserved_special_token_0|>`) is not what they stand for, and a row on the teacher's
