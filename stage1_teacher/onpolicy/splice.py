@@ -25,8 +25,8 @@ text: ids that decode to other text, a stop token other than the template's mark
 changes the text in other ways than trimming it. A special token the student sampled inside its turn
 (a weak student's `<s>`) stands for no text: it is kept where it was sampled, with an empty span
 (`sampled.attach_sampled` gives it the template role: no loss trains it).
-The tokens before the turn are the ones `generate` prompted with: the generation prompt rendered and
-encoded alone (`generation_prompt`, as `rollouts.prompt_of` does). Encoding the whole rendering can
+For a turn that trains on its sampled ids (spliced, or already the rendering's), the tokens before the
+turn are the ones `generate` prompted with: the generation prompt rendered and encoded alone (`generation_prompt`, as `rollouts.prompt_of` does). Encoding the whole rendering can
 tokenize the prompt's end otherwise, merged with what follows (the Llama-3-style toy student's `ĊĊ`
 before a digit, `Ċ Ċ` before a letter); the student would then train its first answer token after a
 context it never reads when it samples. Where the rendering's text up to the turn is the generation
