@@ -261,8 +261,9 @@ def build_projection(student_tok, teacher_tok, *, top_k: int = 4, decay: float =
     for i in np.flatnonzero((s_info.role != 0) | s_info.control).tolist():
         bits = int(s_info.role[i]) & (ROLE_BOS | ROLE_EOS | ROLE_PAD | ROLE_UNK)
         same = t_special_by_text.get(s_pieces[i])
-        if same is None and s_pieces[i] in t_lookup and t_info.added[t_lookup[s_pieces[i]]]:
-            same = t_lookup[s_pieces[i]]  # the teacher's added token of that text, not marked special there
+        added = t_lookup.get(s_pieces[i])
+        if same is None and added is not None and t_info.added[added]:
+            same = added  # the teacher's added token of that text, not marked special there
         match = [same] if same is not None else np.flatnonzero(t_info.role & bits).tolist()
         if match:
             rows.append(i), cols.append(match[0]), vals.append(1.0)

@@ -61,10 +61,18 @@ STAGES = ("generate", "teacher-dump", "train-student")
 ROLLOUT_CE_WEIGHT = 0.1  # train-student --ce-weight on a round's rollouts unless given after `--` (docs/on-policy.md)
 SETTINGS_FILE = "rounds.json"
 DIVERGENCES = {"forward": "kl", "reverse": "rkl"}  # rounds' --loss -> train-student's same-tokenizer loss
-# generate's flags that rounds sets itself (its own options, the round's paths) or that would split a round's one job
+# generate's and teacher-dump's flags that rounds sets itself (its own options, the round's paths), that would split a
+# round's one job, or (--config) a file that could set any of them
 GENERATE_OWNED = frozenset({"--student", "--data", "--out", "--engine", "--resume", "--samples-per-prompt",
                             "--max-new-tokens", "--temperature", "--seed", "--shard-index", "--num-shards", "--no-resume",
                             "--config"})
+DUMP_OWNED = frozenset({"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume", "--no-resume",
+                        "--shard-index", "--num-shards", "--config"})
+
+
+def flag_names(args: list[str]) -> set[str]:
+    """The flags among command-line arguments, `--flag=value` read as `--flag`."""
+    return {a.split("=")[0] for a in args}
 
 
 @dataclass(kw_only=True)
@@ -127,7 +135,7 @@ class RoundsConfig:
             raise ValueError("--prompts: give at least one prompt file")
         owned = {"--cache", "--student", "--out", "--max-steps", "--resume", "--init-from", "--loss", "--train-on",
                  "--projection", "--eval-cache"} | ({"--pkl-divergence"} if self.loss in DIVERGENCES else set())
-        clash = sorted({a.split("=")[0] for a in self.train_args} & owned)
+        clash = sorted(flag_names(self.train_args) & owned)
         if clash:
             raise ValueError(f"extra train-student flags {', '.join(clash)}: set by xtcache rounds itself; use its "
                              "own options (--loss, --train-on, --projection, --eval-cache, --steps-per-round; "
@@ -137,15 +145,13 @@ class RoundsConfig:
             raise ValueError(f"--loss reverse with --dump-args '--mode {mode}': the reverse KL takes the log of the "
                              "teacher's probabilities, which a drawn cache only estimates; use --mode topk or full, or "
                              "--loss forward (the default: the forward KL, linear in the estimate)")
-        clash = sorted({a.split("=")[0] for a in self.generate_flags} & GENERATE_OWNED)
+        clash = sorted(flag_names(self.generate_flags) & GENERATE_OWNED)
         if clash:
             raise ValueError(f"--generate-args {self.generate_args!r}: {', '.join(clash)} set by xtcache rounds itself "
                              "(--student: round 0's, then each round's export; the prompts, the round's rollouts, "
                              "--engine, and its own --samples-per-prompt, --max-new-tokens, --temperature, --seed; "
                              "one generate job a round; no --config file, which could set any of them)")
-        owned = {"--teacher", "--student-tokenizer", "--data", "--out", "--engine", "--resume", "--no-resume",
-                 "--shard-index", "--num-shards", "--config"}
-        clash = sorted({a.split("=")[0] for a in self.dump_flags} & owned)
+        clash = sorted(flag_names(self.dump_flags) & DUMP_OWNED)
         if clash:
             raise ValueError(f"--dump-args {self.dump_args!r}: {', '.join(clash)} set by xtcache rounds "
                              "itself (--teacher, --student, the round's rollouts and cache, --engine; one teacher-dump "
@@ -168,8 +174,7 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
     if stage == "teacher-dump":
         args = ["teacher-dump", "--teacher", cfg.teacher, "--student-tokenizer", cfg.student, "--data",
                 str(d / "rollouts" / "parts" / "*.jsonl"), "--out", str(d / "cache"), "--engine", cfg.engine]
-        own = {a.split("=")[0] for a in cfg.dump_flags}
-        if cfg.engine == "vllm" and r > 0 and not own & {"--no-fast-path", "--trust-check-from"}:
+        if cfg.engine == "vllm" and r > 0 and not flag_names(cfg.dump_flags) & {"--no-fast-path", "--trust-check-from"}:
             # the same teacher every round: round 0's first-batch check holds
             args += ["--trust-check-from", str(round_dir(cfg, 0) / "cache")]
         return [*args, *cfg.dump_flags]
@@ -182,7 +187,7 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
         args += ["--projection", cfg.projection]
     if cfg.eval_cache:
         args += ["--eval-cache", cfg.eval_cache]
-    if "--ce-weight" not in {a.split("=")[0] for a in cfg.train_args}:
+    if "--ce-weight" not in flag_names(cfg.train_args):
         # on the student's own fresh samples CE has no expected gradient: a small anchor, not train-student's
         # cross-tokenizer corpus default (docs/on-policy.md: measured with the forward KL)
         args += ["--ce-weight", str(ROLLOUT_CE_WEIGHT)]
