@@ -52,13 +52,19 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: the first visible GPU (refused without one); cpu: hide every GPU, float32")
     p.add_argument("--docs", type=int, default=64, help="held-out documents captured and timed")
-    p.add_argument("--steps", type=int, default=20, help="student optimizer steps")
+    p.add_argument("--steps", type=int, default=20,
+                   help="student optimizer steps of each train-student run; 0: no train-student runs (their rows say so)")
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--workdir", default=str(REPO / ".xtcache_gpu_check"))
     p.add_argument("--write-docs", action="store_true",
                    help="with --device cuda: also write the table into docs/gpu.md (gpu-check); a CPU run only prints")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps < 0:
+        p.error(f"--steps {args.steps}: must be 0 (no train-student runs) or more")
+    if args.steps == 0 and args.write_docs:
+        p.error("--write-docs --steps 0: the docs' table has the train-student rows; give --steps 1 or more")
+    return args
 
 
 def device_setup(device: str) -> tuple[str, str]:
@@ -214,8 +220,6 @@ OPTIONAL_MODULES = {"vllm", "s3fs", "gguf"}  # extras: vLLM (skipped without it)
 def table(device_name: str, dtype: str, vllm: str | None, cap: dict | None, hf: dict, head: dict, runs: list[dict],
           identical: bool, missing: list[str], mem: dict | None) -> str:
     gap = head["gap"]
-    summary = runs[0]
-    peak = summary.get("peak_memory_mib")
     skipped = "not run: vLLM does not import here"
     rows = [("device", device_name), ("teacher dtype", dtype), ("vLLM", vllm or "absent")]
     if cap is not None:
@@ -243,12 +247,18 @@ def table(device_name: str, dtype: str, vllm: str | None, cap: dict | None, hf: 
     rows.append(("device memory total, MiB: NVML / CUDA runtime (budget's estimate)",
                  f"{mem['nvml'] / 2**20:,.0f} / {mem['runtime'] / 2**20:,.0f} ({mem['estimate'] / 2**20:,.0f})"
                  if mem else "-"))
-    rows += [
-        ("train-student step time, s (P-KL, ZeRO-2)", f"{1 / summary['steps_per_s']:.3f}"),
-        ("train-student peak memory, MiB", f"{peak:,.0f} ({summary.get('peak_memory_kind', '?')})" if peak else "-"),
-        ("two --deterministic runs, same seed", "bit-identical" if identical else "DIFFER"),
-        ("imports outside a bare image + gpu_wheels", ", ".join(missing) or "none"),
-    ]
+    if runs:
+        summary = runs[0]
+        peak = summary.get("peak_memory_mib")
+        rows += [
+            ("train-student step time, s (P-KL, ZeRO-2)", f"{1 / summary['steps_per_s']:.3f}"),
+            ("train-student peak memory, MiB", f"{peak:,.0f} ({summary.get('peak_memory_kind', '?')})" if peak else "-"),
+            ("two --deterministic runs, same seed", "bit-identical" if identical else "DIFFER")]
+    else:
+        rows += [(what, "not run: --steps 0") for what in ("train-student step time, s (P-KL, ZeRO-2)",
+                                                           "train-student peak memory, MiB",
+                                                           "two --deterministic runs, same seed")]
+    rows.append(("imports outside a bare image + gpu_wheels", ", ".join(missing) or "none"))
     width = max(len(r[0]) for r in rows)
     return "\n".join([f"| {'gpu_check':<{width}} | value |", f"| {'-' * width} | --- |"] +
                      [f"| {k:<{width}} | {v} |" for k, v in rows])
@@ -278,8 +288,8 @@ def main(argv=None) -> None:
     hf = hf_captures(setup, teacher, corpus, args, dtype, work)  # of xtcache has touched CUDA before vLLM
     head = head_rows(teacher, texts, dtype, device)
     store = work / ("store" if cap is not None else "hf-topk")
-    runs = [train(setup, store, args, dtype, work / f"student{i}") for i in range(2)]
-    identical = same_weights(work / "student0", work / "student1")
+    runs = [train(setup, store, args, dtype, work / f"student{i}") for i in range(2)] if args.steps else []
+    identical = same_weights(work / "student0", work / "student1") if runs else None
     missing = missing_on_bare_image()
     device_name = "CPU" if device == "cpu" else _cuda_name()
     positions = cap["positions"] if cap is not None else None
@@ -292,7 +302,7 @@ def main(argv=None) -> None:
     if args.write_docs:
         write_docs(args.device, device_name, stamp, text)
     failed = [what for what, bad in (("the head's gap exceeds the check's tolerance", not head["gap"]["passes"]),
-                                     ("two --deterministic runs differ", not identical),
+                                     ("two --deterministic runs differ", identical is False),
                                      (f"imports missing on a bare image: {', '.join(missing)}", bool(missing))) if bad]
     if failed:
         raise SystemExit("gpu_check: " + "; ".join(failed))

@@ -23,6 +23,9 @@ def _train(cfg: TrainConfig) -> None:
     import json
     import os
 
+    from stage2_student.config import deepspeed_config
+
+    deepspeed_config(cfg)  # a --deepspeed file that is not a JSON object fails here, before DeepSpeed is imported
     from stage2_student.trainer import train  # lazy: loads torch only when called
 
     summary = train(cfg)

