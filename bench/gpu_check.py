@@ -218,7 +218,7 @@ OPTIONAL_MODULES = {"vllm", "s3fs", "gguf"}  # extras: vLLM (skipped without it)
 
 
 def table(device_name: str, dtype: str, vllm: str | None, cap: dict | None, hf: dict, head: dict, runs: list[dict],
-          identical: bool, missing: list[str], mem: dict | None) -> str:
+          identical: bool | None, missing: list[str], mem: dict | None) -> str:
     gap = head["gap"]
     skipped = "not run: vLLM does not import here"
     rows = [("device", device_name), ("teacher dtype", dtype), ("vLLM", vllm or "absent")]

@@ -141,8 +141,9 @@ def has_cuda() -> bool:
 # run alone at the end. The plain demo goes second: it builds its own artifacts, so the other worker
 # runs it while the first builds the suite's toy setup (a lock: a second test needing it would wait).
 LONGEST_FIRST = ["test_rounds.py", "test_demo.py", "test_stage1_vllm.py", "test_demo_chat.py", "test_s3_walkthrough.py", "test_real_teacher.py",
-                 "test_train_distributed.py", "test_generate.py", "test_stage1_dump.py", "test_train_multi.py",
-                 "test_gpu_check.py", "test_chat.py", "test_policy_eval.py", "test_shard_plan.py", "test_rollout_cache.py", "test_train_kd.py", "test_store_transient.py"]
+                 "test_train_distributed.py", "test_device_stage2.py", "test_generate.py", "test_stage1_dump.py",
+                 "test_train_multi.py", "test_gpu_check.py", "test_chat.py", "test_policy_eval.py", "test_shard_plan.py",
+                 "test_codec_v3.py", "test_rollout_cache.py", "test_train_kd.py", "test_store_transient.py"]
 
 
 def pytest_collection_modifyitems(config, items):
