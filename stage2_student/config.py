@@ -315,6 +315,9 @@ def deepspeed_config(cfg: TrainConfig, num_params: int | None = None) -> dict:
     base["optimizer"] = {"type": "AdamW", "params": {
         "lr": o.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": o.weight_decay, "torch_adam": True}}
     zero = base.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"--deepspeed {cfg.deepspeed.deepspeed}: zero_optimization is a JSON object, "
+                          f"not {type(zero).__name__}")
     zero.setdefault("stage", cfg.deepspeed.zero_stage)
     if num_params:
         bucket = int(min(5e8, max(num_params, 1_000_000)))

@@ -93,7 +93,8 @@ def test_deepspeed_config_follows_flags(tmp_path):
     assert ds["optimizer"]["params"]["torch_adam"] is True and ds["bf16"] == {"enabled": True}
 
 
-@pytest.mark.parametrize("text, says", [("{\"zero_optimization\": ", "not JSON"), ("[1, 2]", "a DeepSpeed config is a JSON object, not list")])
+@pytest.mark.parametrize("text, says", [("{\"zero_optimization\": ", "not JSON"), ("[1, 2]", "a DeepSpeed config is a JSON object, not list"),
+                                        ("{\"zero_optimization\": 2}", "zero_optimization is a JSON object, not int")])
 def test_a_deepspeed_file_that_is_not_a_json_object_is_named(tmp_path, text, says):
     from xtcache.errors import ConfigError
 
