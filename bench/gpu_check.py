@@ -247,17 +247,17 @@ def table(device_name: str, dtype: str, vllm: str | None, cap: dict | None, hf: 
     rows.append(("device memory total, MiB: NVML / CUDA runtime (budget's estimate)",
                  f"{mem['nvml'] / 2**20:,.0f} / {mem['runtime'] / 2**20:,.0f} ({mem['estimate'] / 2**20:,.0f})"
                  if mem else "-"))
+    train_rows = ("train-student step time, s (P-KL, ZeRO-2)", "train-student peak memory, MiB",
+                  "two --deterministic runs, same seed")
     if runs:
         summary = runs[0]
         peak = summary.get("peak_memory_mib")
-        rows += [
-            ("train-student step time, s (P-KL, ZeRO-2)", f"{1 / summary['steps_per_s']:.3f}"),
-            ("train-student peak memory, MiB", f"{peak:,.0f} ({summary.get('peak_memory_kind', '?')})" if peak else "-"),
-            ("two --deterministic runs, same seed", "bit-identical" if identical else "DIFFER")]
+        values = (f"{1 / summary['steps_per_s']:.3f}",
+                  f"{peak:,.0f} ({summary.get('peak_memory_kind', '?')})" if peak else "-",
+                  "bit-identical" if identical else "DIFFER")
     else:
-        rows += [(what, "not run: --steps 0") for what in ("train-student step time, s (P-KL, ZeRO-2)",
-                                                           "train-student peak memory, MiB",
-                                                           "two --deterministic runs, same seed")]
+        values = ("not run: --steps 0",) * len(train_rows)
+    rows += zip(train_rows, values)
     rows.append(("imports outside a bare image + gpu_wheels", ", ".join(missing) or "none"))
     width = max(len(r[0]) for r in rows)
     return "\n".join([f"| {'gpu_check':<{width}} | value |", f"| {'-' * width} | --- |"] +
