@@ -718,7 +718,7 @@ def main(argv=None) -> None:
                         "block); modes (--teacher real only): one tokenizer, a row per store mode (top-k 8/32/64, "
                         "sampled, head + tail, full) against CE only (docs/losses.md's quality-real-modes block); "
                         "cross (--teacher real only): the Llama-3 student's CE only, the defaults and the mix weighted "
-                        "towards the reverse KL, five seeds each (README.md's quality-real-cross block); "
+                        "towards the reverse KL, eight seeds each (README.md's quality-real-cross block); "
                         "on-policy: on-policy rounds against off-policy KD "
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block); "
                         "on-policy-converged: rounds against continued off-policy KD from a converged student "

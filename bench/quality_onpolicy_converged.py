@@ -82,7 +82,10 @@ ROWS = [
     ("continued off-policy KD (train-student defaults)", "off", [], KINDS),
     ("on-policy rounds, reverse P-KL, no CE", "on", ["--loss", "reverse", "--", "--ce-weight", "0.0"], KINDS),
     ("on-policy rounds (rounds' defaults: forward P-KL + 0.1 CE)", "on", [], KINDS),
-    ("on-policy rounds, `--loss auto` (0.25 forward + 0.75 reverse P-KL, CE 0.5)", "on", ["--loss", "auto"], ("chat",)),
+    # train-student's cross-tokenizer defaults of the time, pinned since the defaults moved to the half-and-half mix
+    ("on-policy rounds, `--loss auto` (0.25 forward + 0.75 reverse P-KL, CE 0.5)", "on",
+     ["--loss", "auto", "--", "--pkl-divergence", "forward-reverse", "--pkl-reverse-weight", "0.75", "--ce-weight", "0.5"],
+     ("chat",)),
     ("on-policy rounds (defaults), full-vocabulary teacher caches", "on", ["--dump-args", "--mode full"], ("chat",)),
     ("on-policy rounds (defaults), 4 rounds of 4 steps, 1 sample a prompt", "on",
      ["--rounds", "4", "--steps-per-round", "4", "--samples-per-prompt", "1"], ("chat",)),

@@ -1,7 +1,7 @@
 """The quality bench on the real tier: a trained teacher, real student vocabularies, documentation text.
 
     python bench/quality.py --teacher real            # the table below (docs/losses.md, block quality-real)
-    python bench/quality.py --teacher real --section cross  # the defaults against CE only (README.md, quality-real-cross)
+    python bench/quality.py --teacher real --section cross  # the defaults and the 0.75 mix against CE only (README.md)
     python bench/quality.py --teacher real --quick    # a smoke run: few steps, one seed
 
 The teacher is SmolLM2-135M-Instruct (49,152 ids), the corpus the Python language reference
@@ -56,7 +56,7 @@ class RealSettings:
     train_docs: int = 100
     heldout_docs: int = 8
     eval_batches: int = 8
-    seeds: int = 5  # at most: each row runs on its own number of seeds (RealRow.seeds)
+    seeds: int = 8  # at most: each row runs on its own number of seeds (RealRow.seeds)
 
 
 QUICK = RealSettings(steps=4, warmup_steps=1, train_docs=6, heldout_docs=2, eval_batches=1, seeds=1)
@@ -85,7 +85,7 @@ STORES = {
 
 
 ROWS = [
-    RealRow("cross: CE only", True, ("--loss", "ce", "--ce-weight", "1.0"), seeds=5),
+    RealRow("cross: CE only", True, ("--loss", "ce", "--ce-weight", "1.0"), seeds=8),
     RealRow("cross: P-KL forward, first rows, first-piece map, CE 1.0 (the first real-pair defaults)", True,
             ("--loss", "pkl", "--pkl-divergence", "forward", "--ce-weight", "1.0"), seeds=3),
     RealRow("cross: P-KL chunk means, decayed-pieces map, CE 0.1", True,
@@ -99,9 +99,9 @@ ROWS = [
             ("--loss", "pkl", "--pkl-divergence", "forward-reverse", "--ce-weight", "1.0"), seeds=3),
     RealRow("cross: P-KL reverse, first rows, first-piece map, CE 1.0", True,
             ("--loss", "pkl", "--pkl-divergence", "reverse", "--ce-weight", "1.0"), seeds=3),
-    RealRow("cross: P-KL forward-reverse, reverse weight 0.5, first rows, first-piece map, CE 0.5 (the second defaults)",
-            True, ("--loss", "pkl", "--pkl-divergence", "forward-reverse", "--pkl-reverse-weight", "0.5", "--ce-weight",
-                   "0.5"), seeds=5),
+    # the half-and-half mix: the second defaults, and the defaults again since the control-token fix (docs/losses.md)
+    RealRow("cross: P-KL defaults (forward-reverse, reverse weight 0.5, first rows, first-piece map, CE 0.5)", True,
+            ("--loss", "auto"), seeds=8),
     # the modes section (`--section modes`): one tokenizer, each store mode with train-student's defaults for it
     RealRow("same tokenizer: top-8 + rest", False, ("--loss", "auto"), seeds=3, store="topk8"),
     RealRow("same tokenizer: top-32 + rest", False, ("--loss", "auto"), seeds=3, store="topk32"),
@@ -109,18 +109,22 @@ ROWS = [
     RealRow("same tokenizer: sampled, 64 draws", False, ("--loss", "auto"), seeds=3, store="sampled64"),
     RealRow("same tokenizer: head 4 + 16 tail draws", False, ("--loss", "auto"), seeds=3, store="headtail4x16"),
     RealRow("same tokenizer: full vocabulary", False, ("--loss", "auto"), seeds=3, store="full"),
-    # the mix weighted towards the reverse KL: top-1 agreement across tokenizers won (docs/losses.md), the defaults since
-    RealRow("cross: P-KL defaults (forward-reverse, reverse weight 0.75, first rows, first-piece map, CE 0.5)", True,
-            ("--loss", "auto"), seeds=5),
+    # the mix weighted towards the reverse KL: the third defaults, until the control-token fix (docs/losses.md)
+    RealRow("cross: P-KL forward-reverse, reverse weight 0.75, first rows, first-piece map, CE 0.5 (the third defaults)",
+            True, ("--loss", "pkl", "--pkl-divergence", "forward-reverse", "--pkl-reverse-weight", "0.75", "--ce-weight",
+                   "0.5"), seeds=8),
 ]
 MAIN = [*ROWS[:8], ROWS[14]]  # docs/losses.md's quality-real block
 MODES = [ROWS[3], ROWS[4], *ROWS[8:14]]  # docs/losses.md's quality-real-modes block: CE only and every store mode
-CROSS = [ROWS[0], ROWS[7], ROWS[14]]  # README.md's quality-real-cross block: the defaults, the earlier mix, CE only
+CROSS = [ROWS[0], ROWS[7], ROWS[14]]  # README.md's quality-real-cross block: CE only, the defaults, the 0.75 mix
 # rows renamed since a report was written: old name -> current name (a report is rendered under the current names)
 RENAMED = {
     "cross: P-KL forward, first rows, first-piece map, CE 1.0 (the earlier defaults)": ROWS[1].name,
     "cross: P-KL defaults (forward-reverse, first rows, first-piece map, CE 0.5)": ROWS[7].name,
     "cross: P-KL forward-reverse, reverse weight 0.75, first rows, first-piece map, CE 0.5": ROWS[14].name,
+    "cross: P-KL defaults (forward-reverse, reverse weight 0.75, first rows, first-piece map, CE 0.5)": ROWS[14].name,
+    "cross: P-KL forward-reverse, reverse weight 0.5, first rows, first-piece map, CE 0.5 (the second defaults)":
+        ROWS[7].name,
 }
 # the cross-tokenizer P-KL defaults a run without a "defaults" record ran under (before forward-reverse at CE 0.5)
 EARLIER_DEFAULTS = {"--ce-weight": "1.0", "--pkl-divergence": "forward"}

@@ -87,7 +87,7 @@ class LossConfig:
     pkl_divergence: str | None = None
     """--loss pkl: the divergence between the teacher's and the projected student's distributions over the stored support and the rest: forward (KL(teacher || student), mass covering), reverse (KL(student || teacher), mode seeking: on-policy rollouts), jsd (generalized JSD with --jsd-beta) or forward-reverse ((1 - w) forward + w reverse, w = --pkl-reverse-weight; the default on top-k and full caches: measured on the real pair, docs/losses.md); docs/on-policy.md."""
     pkl_reverse_weight: float | None = None
-    """--pkl-divergence forward-reverse: the weight w of the reverse KL in (1 - w) forward + w reverse, strictly between 0 and 1 (default 0.75, measured on the real pair: docs/losses.md; 0.5 is the mean; towards 1 more mode seeking)."""
+    """--pkl-divergence forward-reverse: the weight w of the reverse KL in (1 - w) forward + w reverse, strictly between 0 and 1 (default 0.5, the mean, measured on the real pair: docs/losses.md; towards 1 more mode seeking)."""
     is_cap: float = 2.0
     """--loss rkl-pg: cap C of the truncated importance ratio min(p_student / p_sampler, C) per chunk (>= 1; 0: no ratio, for rollouts sampled by the weights being trained)."""
     projection: list[str] = field(default_factory=list)

@@ -63,13 +63,16 @@ def test_every_mode_row_has_a_store_and_the_table_has_ce_only_and_full():
 
 def test_the_cross_section_runs_ce_only_and_both_mixes_on_the_same_seeds_and_store():
     """`--section cross` pairs every KD row with CE only by seed: one store, one student vocabulary, equal seeds; the
-    half-and-half mix is pinned by its flags, the defaults row follows train-student's defaults (reverse weight 0.75)."""
+    defaults row follows train-student's defaults (reverse weight 0.5), the 0.75 mix is pinned by its flags."""
     from bench.quality_real import CROSS, current_defaults, resolved
 
     assert [r.cross for r in CROSS] == [True] * 3 and {r.store for r in CROSS} == {"train"}
     assert CROSS[0].name.endswith("CE only") and len({r.seeds for r in CROSS}) == 1
     now = current_defaults()
-    assert resolved(list(CROSS[1].flags), True, now)["--pkl-reverse-weight"] == "0.5"
+    assert CROSS[1].flags == ("--loss", "auto") and now["--pkl-reverse-weight"] == "0.5"
+    assert resolved(list(CROSS[1].flags), True, now) == {"--loss": "pkl", "--ce-weight": "0.5",
+                                                          "--pkl-divergence": "forward-reverse",
+                                                          "--pkl-reverse-weight": "0.5"}
     assert resolved(list(CROSS[2].flags), True, now) == {"--loss": "pkl", "--ce-weight": "0.5",
                                                           "--pkl-divergence": "forward-reverse",
                                                           "--pkl-reverse-weight": "0.75"}
@@ -86,3 +89,15 @@ def test_a_finished_run_is_reused_only_for_a_row_of_the_same_meaning_across_rena
     assert not same_run(old, [*ROWS[14].flags, "--seed", "0"], True)
     renamed = current_names([{"row": "cross: P-KL defaults (forward-reverse, first rows, first-piece map, CE 0.5)"}])
     assert renamed == [{"row": ROWS[7].name}]
+    # the defaults moved from the 0.75 mix back to the half-and-half one: each finished run stays with its objective
+    under_075 = {"argv": ["--loss", "auto", "--seed", "3"], "defaults": {"--ce-weight": "0.5",
+                 "--pkl-divergence": "forward-reverse", "--pkl-reverse-weight": "0.75"}}
+    pinned_05 = {"argv": ["--loss", "pkl", "--pkl-divergence", "forward-reverse", "--pkl-reverse-weight", "0.5",
+                          "--ce-weight", "0.5", "--seed", "3"], "defaults": under_075["defaults"]}
+    assert same_run(under_075, [*ROWS[14].flags, "--seed", "3"], True)
+    assert not same_run(under_075, [*ROWS[7].flags, "--seed", "3"], True)
+    assert same_run(pinned_05, [*ROWS[7].flags, "--seed", "3"], True)
+    assert not same_run(pinned_05, [*ROWS[14].flags, "--seed", "3"], True)
+    was = ["cross: P-KL defaults (forward-reverse, reverse weight 0.75, first rows, first-piece map, CE 0.5)",
+           "cross: P-KL forward-reverse, reverse weight 0.5, first rows, first-piece map, CE 0.5 (the second defaults)"]
+    assert [r["row"] for r in current_names([{"row": n} for n in was])] == [ROWS[14].name, ROWS[7].name]

@@ -359,7 +359,7 @@ def test_defaults_are_forward_reverse_p_kl_with_half_ce_on_exact_caches_and_forw
     for mode in ("topk", "full"):  # exact teacher log-probs: the real pair's measured default (docs/losses.md)
         obj = Objective.from_config(LossConfig(), Capabilities(same_tokenizer=False, mode=mode), proj)
         assert (obj.kind, obj.spec.divergence, obj.spec.reverse_weight, obj.ce_weight) == ("pkl", "forward-reverse",
-                                                                                          0.75, 0.5)
+                                                                                          0.5, 0.5)
     for mode in ("sampled", "headtail"):  # an estimated teacher: the forward KL is linear in it, the reverse is not
         obj = Objective.from_config(LossConfig(), Capabilities(same_tokenizer=False, mode=mode), proj)
         assert (obj.kind, obj.spec.divergence) == ("pkl", "forward")
@@ -372,7 +372,7 @@ def test_defaults_are_forward_reverse_p_kl_with_half_ce_on_exact_caches_and_forw
     cross = Objective.from_config(LossConfig(), Capabilities(same_tokenizer=False, mode="topk"), proj)
     assert cross.describe() == {"kind": "pkl", "ce_weight": 0.5, "kd_weight": 1.0, "dynamic_scaling": False,
                                 "temperature": 1.0, "teacher_tail": "ghost", "pkl_divergence": "forward-reverse",
-                                "chunk_rows": "first", "pkl_reverse_weight": 0.75}
+                                "chunk_rows": "first", "pkl_reverse_weight": 0.5}
     assert same.describe() == {"kind": "kl", "ce_weight": 0.1, "kd_weight": 1.0, "dynamic_scaling": False,
                                "temperature": 1.0, "teacher_tail": "ghost"}
     assert "pkl_reverse_weight" not in given.describe()  # forward alone has no reverse weight
