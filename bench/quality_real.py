@@ -225,9 +225,12 @@ def train(p: dict, row: RealRow, s: RealSettings, seed: int, log_file: Path) -> 
     record = out / "bench_row.json"  # the run's flags and defaults: a finished run of the same meaning is reused
     argv = list(map(str, argv))
     if record.exists() and (out / "summary.json").exists() and same_run(json.loads(record.read_text()), argv, row.cross):
-        log.info("%s seed %d: reusing the finished run in %s", row.name, seed, out)
         summary = json.loads((out / "summary.json").read_text())
-        return {"hf_dir": out / "hf", "train_s": None, "steps_per_s": summary.get("steps_per_s"), "reused": True}
+        if same_maps(summary, argv):
+            log.info("%s seed %d: reusing the finished run in %s", row.name, seed, out)
+            return {"hf_dir": out / "hf", "train_s": None, "steps_per_s": summary.get("steps_per_s"), "reused": True}
+        log.info("%s seed %d: the run in %s was trained through another projection map (or one its summary does not "
+                 "name): training it again", row.name, seed, out)
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
     _xtcache("train-student", *argv, log_file=log_file)
@@ -235,6 +238,17 @@ def train(p: dict, row: RealRow, s: RealSettings, seed: int, log_file: Path) -> 
     summary = json.loads((out / "summary.json").read_text())
     return {"hf_dir": out / "hf", "train_s": time.perf_counter() - t0, "steps_per_s": summary.get("steps_per_s"),
             "reused": False}
+
+
+def same_maps(summary: dict, argv: list[str]) -> bool:
+    """Whether a finished run read its --projection file as it is now (the digest its summary records): a map
+    built again, by an xtcache that builds maps otherwise, is another objective under the same flags."""
+    from xtcache.projection import ProjectionMap
+
+    if "--projection" not in argv:
+        return True
+    want = ProjectionMap.load(argv[argv.index("--projection") + 1]).digest()
+    return [m.get("sha256") for m in summary.get("data", {}).get("projections", [])] == [want]
 
 
 def same_run(record, argv: list[str], cross: bool) -> bool:

@@ -62,7 +62,8 @@ class StageData:
 
 def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, student_fp: str, model_vocab: int,
                     path: str | None = None):
-    """The projection W as a sparse [V_model, V_t] tensor, checked against both tokenizer fingerprints.
+    """The projection W as a sparse [V_model, V_t] tensor, checked against both tokenizer fingerprints, and where
+    it came from: {"cache", "map" (the --projection file, or "built"), "sha256" (`ProjectionMap.digest`)}.
 
     `path`: the --projection of the cache at `url`. Without one, W is built on the fly from the
     student tokenizer and the teacher tokenizer the store carries (`xtcache.store.tokenizer`), or,
@@ -88,12 +89,13 @@ def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, stu
                 "w.safetensors` and pass --projection w.safetensors")
         log.warning("no --projection: building the projection map from %s and the student tokenizer", where)
         pm = xproj.build_projection(student_tokenizer, teacher_tok)
+    source = {"cache": url, "map": str(path) if path else "built", "sha256": pm.digest()}
     w = pm.to_torch_sparse(manifest.teacher_vocab_size).coalesce()
     if model_vocab < w.shape[0]:
         raise ConfigError(f"the student model has {model_vocab} logits, fewer than its tokenizer's {w.shape[0]} tokens")
     if model_vocab > w.shape[0]:  # padded lm_head columns: rows that map nowhere
         w = torch.sparse_coo_tensor(w.indices(), w.values(), (model_vocab, w.shape[1])).coalesce()
-    return w
+    return w, source
 
 
 def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> StageData:
@@ -112,7 +114,7 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
         if len(fps) > 1 or len({m.teacher_vocab_size for m in manifests}) > 1:
             raise ConfigError("--teacher-combine mean-probs mixes distributions over one vocabulary, and the caches' "
                               "teachers have different tokenizers: use --teacher-combine sum, dynamic or select")
-    names, projections = _kinds_and_projections(cfg, manifests, caps, tokenizer, student_fp, combine)
+    names, projections, maps = _kinds_and_projections(cfg, manifests, caps, tokenizer, student_fp, combine)
     if cfg.loader.corpus_cache:
         _check_corpus(cfg, manifests[0], names[0], student_fp)
     weights = cfg.teacher_weights()
@@ -130,6 +132,8 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     if combine == "mean-probs":
         measures = [measures[0]] * len(cfg.cache)
     info = _run_info(cfg, manifests, caps, names, objective, weights, combine, student_fp, train.dataset)
+    if maps:  # which projection each cross-tokenizer cache was read through: a summary names its map by content
+        info["projections"] = maps
     # held-out batches from --eval-cache are measured over what that store holds (e.g. a full cache: exact)
     eval_caps = caps[0]
     if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
@@ -182,9 +186,10 @@ def _short(value) -> str:
 
 
 def _kinds_and_projections(cfg: TrainConfig, manifests, caps: list[Capabilities], tokenizer, student_fp: str,
-                           combine: str) -> tuple[list[str], list]:
+                           combine: str) -> tuple[list[str], list, list[dict]]:
     """Each cache's KD kind (`resolve_kind`) and projection operator (None for same-tokenizer caches,
-    and for cross-tokenizer ones without a map when the loss does not need one: logged)."""
+    and for cross-tokenizer ones without a map when the loss does not need one: logged), and the sources of the
+    maps loaded (`load_projection`)."""
     import deepspeed
     from transformers import AutoConfig
 
@@ -196,14 +201,14 @@ def _kinds_and_projections(cfg: TrainConfig, manifests, caps: list[Capabilities]
                           "in --cache order, or none to build them on the fly")
     model_vocab = AutoConfig.from_pretrained(cfg.student).vocab_size if cross else None
     device = deepspeed.get_accelerator().current_device_name()
-    names, projections = [], []
+    names, projections, maps = [], [], []
     for i, (m, c) in enumerate(zip(manifests, caps)):
         name = resolve_kind(cfg.loss.loss, c)
         projection = None
         if not c.same_tokenizer and (combine != "mean-probs" or i == 0):
             try:
-                w = load_projection(cfg, cfg.cache[i], m, tokenizer, student_fp, model_vocab,
-                                    paths[cross.index(i)] if paths else None)
+                w, source = load_projection(cfg, cfg.cache[i], m, tokenizer, student_fp, model_vocab,
+                                            paths[cross.index(i)] if paths else None)
             except ConfigError as e:
                 if name == "pkl":
                     raise ConfigError(f"{cfg.cache[i]}: {e}" if len(cfg.cache) > 1 else str(e)) from None
@@ -211,9 +216,10 @@ def _kinds_and_projections(cfg: TrainConfig, manifests, caps: list[Capabilities]
                             "measured", cfg.cache[i])
             else:
                 projection = ProjectionOperator(w).to(device)
+                maps.append(source)
         names.append(name)
         projections.append(projection)
-    return names, projections
+    return names, projections, maps
 
 
 def _run_info(cfg: TrainConfig, manifests, caps: list[Capabilities], names: list[str], objective: TeacherMix,

@@ -101,3 +101,23 @@ def test_a_finished_run_is_reused_only_for_a_row_of_the_same_meaning_across_rena
     was = ["cross: P-KL defaults (forward-reverse, reverse weight 0.75, first rows, first-piece map, CE 0.5)",
            "cross: P-KL forward-reverse, reverse weight 0.5, first rows, first-piece map, CE 0.5 (the second defaults)"]
     assert [r["row"] for r in current_names([{"row": n} for n in was])] == [ROWS[14].name, ROWS[7].name]
+
+
+def test_a_finished_run_is_reused_only_through_the_projection_map_it_trained_with(tmp_path, student_tokenizer,
+                                                                                  teacher_tokenizer):
+    """Same flags, another map file content (a map built again by an xtcache that builds them otherwise): trained
+    again; a summary that names no map (written before summaries did) cannot show it read this one."""
+    from bench.quality_real import same_maps
+    from xtcache.projection import build_projection
+
+    first, all_pieces = tmp_path / "first.safetensors", tmp_path / "all.safetensors"
+    build_projection(student_tokenizer, teacher_tokenizer, pieces="first").save(first)
+    build_projection(student_tokenizer, teacher_tokenizer, pieces="all").save(all_pieces)
+    argv = ["--loss", "auto", "--projection", str(first)]
+    trained = {"data": {"projections": [{"cache": "c", "map": str(first),
+                                         "sha256": build_projection(student_tokenizer, teacher_tokenizer).digest()}]}}
+    assert same_maps(trained, argv)
+    all_pieces.replace(first)  # the same path, another map
+    assert not same_maps(trained, argv)
+    assert not same_maps({"data": {}}, ["--projection", str(all_pieces.with_name("first.safetensors"))])
+    assert same_maps({"data": {}}, ["--loss", "ce"])  # no map given: nothing to compare (CE only)

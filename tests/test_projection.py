@@ -140,6 +140,19 @@ def test_save_load_and_fingerprints(toy_map, tmp_path, student_tokenizer, teache
     assert toy_map.teacher_fingerprint[:12] in str(e.value) and toy_map.student_fingerprint[:12] in str(e.value)
     with pytest.raises(ProjectionError, match="teacher tokenizer"):
         ProjectionMap.load(path, expect_teacher="0" * 64)
+    # the digest follows what the map says, not where it was built or saved: a round trip keeps it, a map built
+    # again from the tokenizers has it, one changed weight (or one exact flag) changes it
+    assert back.digest() == toy_map.digest() == build_projection(student_tokenizer, teacher_tokenizer, top_k=4).digest()
+    row = int(np.flatnonzero(toy_map.indices[:, 0] >= 0)[0])
+    for change in ("weights", "exact"):
+        other = ProjectionMap(toy_map.indices, toy_map.weights.copy(), toy_map.student_fingerprint,
+                              toy_map.teacher_fingerprint, exact=toy_map.exact.copy(),
+                              teacher_vocab_size=toy_map.teacher_vocab_size)
+        if change == "weights":
+            other.weights[row, 0] = np.nextafter(other.weights[row, 0], np.float32(0))
+        else:
+            other.exact[row] = ~other.exact[row]
+        assert other.digest() != toy_map.digest(), change
 
 
 def test_to_torch_sparse_with_padded_lm_head(student_tokenizer, teacher_tokenizer):

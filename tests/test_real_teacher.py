@@ -81,6 +81,11 @@ def test_documentation_text_distils_cross_tokenizer_from_the_real_teacher(models
     assert train[0]["kd_name"] == "pkl" and all(np.isfinite([r["loss"] for r in train]))
     assert train[-1]["kd"] < train[0]["kd"]  # the student moves toward the real teacher's distributions
     assert run["summary"]["final_eval_top1_agree"] is not None
+    # the summary names the map it trained through by its content: the file written by `projection build` above
+    from xtcache.projection import ProjectionMap
+
+    assert run["summary"]["data"]["projections"] == [{"cache": str(tmp_path / "store"), "map": str(proj),
+                                                      "sha256": ProjectionMap.load(proj).digest()}]
 
 
 def test_conversations_align_between_chatml_and_the_llama3_template(models, tmp_path):

@@ -76,3 +76,11 @@ def test_projected_kl_beats_ce_only_on_heldout_kl(tmp_path, toy_setup, kd_caches
     assert kd["eval"][-1]["objective_kd_name"] == "pkl" and ce["eval"][-1]["objective_kd"] is None
     assert all(r["valid_share"] > 0.5 for r in kd["train"])
     assert kd["train"][-1]["top1_agree"] > kd["train"][0]["top1_agree"]
+    # no --projection: both runs built the map from the two tokenizers; the summary says so and names it by content,
+    # the digest of a map built here again from the tokenizer files
+    from xtcache.projection import build_projection
+    from xtcache.tokenizer import load_tokenizer
+
+    again = build_projection(load_tokenizer(toy_setup.student_tokenizer), load_tokenizer(toy_setup.teacher_tokenizer))
+    for run in (kd, ce):
+        assert run["summary"]["data"]["projections"] == [{"cache": train, "map": "built", "sha256": again.digest()}]

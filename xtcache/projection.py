@@ -125,6 +125,16 @@ class ProjectionMap:
         except ProjectionError as e:
             raise ProjectionError(f"{path}: {e}") from None
 
+    def digest(self) -> str:
+        """sha256 of what the map says (format, teacher vocabulary, rows, weights, exact flags): two maps of one
+        digest project alike, wherever they were built or saved; a run's summary records it."""
+        import hashlib
+
+        h = hashlib.sha256(f"{FORMAT} {self.teacher_vocab_size} {self.indices.shape}".encode())
+        for a in (self.indices.astype("<i8"), self.weights.astype("<f4"), self.exact.astype(np.uint8)):
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()
+
     def to_torch_sparse(self, teacher_vocab: int):
         """W as a coalesced sparse COO fp32 tensor [V_s, teacher_vocab] (teacher_vocab may be the
         padded logit width; the padded columns stay empty)."""
