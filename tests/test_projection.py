@@ -252,6 +252,7 @@ def test_cli_build_inspect_import(toy_setup, tmp_path):
     res = xtcache("projection", "inspect", out, "--student-tokenizer", s, "--teacher-tokenizer", t)
     assert res.returncode == 0 and "rows with mapping" in res.stdout and "'</s>' -> '<|endoftext|>'" in res.stdout
     assert "  empty rows: '<s>'" in res.stdout, res.stdout  # the student's <s> has no teacher counterpart
+    assert f"  content sha256    {pm.digest()} " in res.stdout  # what a run's summary names its map by
     res = xtcache("projection", "inspect", out)  # no tokenizers: rows shown as ids
     assert res.returncode == 0 and "exact matches" in res.stdout and " -> " in res.stdout, res.stdout + res.stderr
     empty_ids = [int(i) for i in np.flatnonzero(pm.indices[:, 0] < 0)]

@@ -432,6 +432,7 @@ def format_report(pm: ProjectionMap, student_tok=None, teacher_tok=None, *, exam
         f"  exact matches     {c['exact_share']:.1%}",
         f"  rows with mapping {c['mapped_share']:.1%} ({c['empty_rows']} empty)",
         f"  entries per row   {c['mean_entries']:.2f}",
+        f"  content sha256    {pm.digest()} (train-student's summary.json: data.projections)",
     ]
     inexact = np.flatnonzero(~pm.exact & (pm.indices[:, 0] >= 0))
     exact = np.flatnonzero(pm.exact)
