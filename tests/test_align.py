@@ -229,6 +229,34 @@ def test_special_token_spelled_in_text_is_inexact(student_tokenizer, teacher_tok
     assert a.exact[a.char_end == 1].all() and a.exact[begin == 8].all()
 
 
+def test_an_added_control_token_spelled_in_text_is_inexact(student_tokenizer, teacher_tokenizer):
+    """An added token marked special but not among the tokenizer's special tokens (Llama-3's 251 reserved tokens
+    and its chat headers) is matched in plain text as one id, as `<|pad|>` is: a control token, not the text its
+    name spells, so its chunk is inexact; the same text without it stays exact."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    s_tok = copy.deepcopy(student_tokenizer)
+    s_tok.add_tokens([AddedToken("<|reserved_0|>", special=True)])
+    rid = s_tok.convert_tokens_to_ids("<|reserved_0|>")
+    assert rid not in s_tok.all_special_ids and s_tok.added_tokens_decoder[rid].special
+    info = tokenizer_info(s_tok)
+    assert info.control[rid] and not info.special[rid]
+    text = "a <|reserved_0|> b"
+    s_ids, t_ids, a = align_text(text, s_tok, teacher_tokenizer)
+    assert rid in s_ids.tolist() and rid not in t_ids.tolist()
+    check_partition(a, len(s_ids), len(t_ids))
+    begin = np.concatenate(([0], a.char_end[:-1]))
+    holds = (begin <= 2) & (a.char_end >= 16) & (a.char_end > begin)
+    assert holds.sum() == 1 and not a.exact[holds].any(), (a.exact, begin, a.char_end)
+    text_chunks = a.char_end > begin  # (a BOS alone is a chunk of no text, inexact on its own)
+    assert a.exact[text_chunks & (begin >= 16)].all() and a.exact[text_chunks & (a.char_end <= 1)].all()
+    _, _, plain = align_text("a reserved b", s_tok, teacher_tokenizer)
+    p_begin = np.concatenate(([0], plain.char_end[:-1]))
+    assert plain.exact[plain.char_end > p_begin].all()
+
+
 # --- SentencePiece style (Metaspace + byte fallback) against byte-level BPE -----------------------
 
 def test_sentencepiece_style_examples(sp_tokenizer, teacher_tokenizer):

@@ -14,7 +14,9 @@ its own with an empty other side. When a `TokenizerInfo` is given for a side, ev
 tokens is checked against the text: the tokens' bytes must reproduce `text[start:end]` (a leading
 space that the tokenizer itself inserts, as SentencePiece's `▁` and `add_prefix_space` do, is
 allowed where pre-tokenization starts). Offsets that fail the check raise `AlignmentError`
-instead of giving a wrong alignment.
+instead of giving a wrong alignment. A control token that the text spells (`<|pad|>`, or an added token
+marked special such as Llama-3's `<|reserved_special_token_0|>` and chat headers, matched in plain text as one
+id) and an unknown token make their chunk inexact: the token is not the text its name spells.
 
 This module holds `Alignment`, the chunk walk (`align_flat`) and its entry points, and the chunk
 statistics; the parts it walks over live beside it and are re-exported here:

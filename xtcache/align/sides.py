@@ -33,7 +33,7 @@ class Side:
     end: np.ndarray             # int64 [M]
     is_sep: np.ndarray          # bool  [M] separator tokens
     unk: np.ndarray             # bool  [M] unknown tokens: not compared with the text, chunk inexact
-    flagged: np.ndarray         # bool  [M] unknown or special token: its chunk is not exact
+    flagged: np.ndarray         # bool  [M] unknown or control token (TokenizerInfo.control): its chunk is not exact
     atom_end: np.ndarray        # int64 [A] content counts at this side's own clean cuts
     zero_slot: np.ndarray       # int64 [Z] content tokens before each zero-width token
     zero_role: np.ndarray       # int32 [Z]
@@ -48,7 +48,7 @@ def prepare_side(name, ids, offsets, counts, special, lens, base, info) -> Side:
         raise AlignmentError(f"{name} token ids outside the tokenizer's vocabulary of {info.vocab_size}: "
                              "ids and tokenizer do not belong together")
     if special is None:
-        special = info.special[ids] if info is not None else np.zeros(n, dtype=bool)
+        special = info.control[ids] if info is not None else np.zeros(n, dtype=bool)
     elif special.shape[0] != n:
         raise AlignmentError(f"{name} special mask has {special.shape[0]} entries for {n} tokens")
     doc = np.repeat(np.arange(n_docs), counts)
