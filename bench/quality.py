@@ -71,14 +71,15 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DOC_BLOCKS = {"quality-table": "docs/benchmarks.md", "quality-on-policy": "docs/on-policy.md",
               "quality-on-policy-converged": "docs/on-policy.md", "quality-real": "docs/losses.md",
-              "quality-real-modes": "docs/losses.md", "quality-real-cross": "README.md"}  # --write-docs: block -> file
+              "quality-real-modes": "docs/losses.md", "quality-real-cross": "README.md",
+              "quality-real-cross-qwen3": "docs/losses.md"}  # --write-docs: block -> file
 
 log = logging.getLogger("bench.quality")
 
@@ -712,13 +713,15 @@ def main(argv=None) -> None:
                         "quality-real block)")
     p.add_argument("--write-docs", action="store_true",
                    help="also write quality.md into docs/benchmarks.md's quality-table block (xtcache.app.docblock)")
-    p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged", "modes", "cross"),
+    p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged", "modes", "cross", "cross-qwen3"),
                    default="table",
                    help="table: the full table (docs/benchmarks.md; with --teacher real, docs/losses.md's quality-real "
                         "block); modes (--teacher real only): one tokenizer, a row per store mode (top-k 8/32/64, "
                         "sampled, head + tail, full) against CE only (docs/losses.md's quality-real-modes block); "
                         "cross (--teacher real only): the Llama-3 student's CE only, the defaults and the mix weighted "
                         "towards the reverse KL, eight seeds each (README.md's quality-real-cross block); "
+                        "cross-qwen3 (--teacher real only): CE only and the defaults for a student on the Qwen3 "
+                        "vocabulary, three seeds (docs/losses.md's quality-real-cross-qwen3 block); "
                         "on-policy: on-policy rounds against off-policy KD "
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block); "
                         "on-policy-converged: rounds against continued off-policy KD from a converged student "
@@ -736,7 +739,7 @@ def main(argv=None) -> None:
         return on_policy_section(args)
     if args.section == "on-policy-converged":
         return converged_section(args)
-    if args.section in ("modes", "cross") and args.teacher != "real":
+    if args.section in ("modes", "cross", "cross-qwen3") and args.teacher != "real":
         p.error(f"--section {args.section} is the real teacher's: add --teacher real")
     if args.teacher == "real":
         return real_section(args)
@@ -773,18 +776,20 @@ def _bench_logging() -> None:
 def real_section(args) -> None:
     """`--teacher real`: bench/quality_real.py's rows (MAIN, MODES with --section modes, CROSS with --section cross),
     its table printed and written (quality-real.md, quality-real-modes.md or quality-real-cross.md)."""
-    from bench.quality_real import CROSS, MAIN, MODES, QUICK, RealSettings, modes_markdown, run_real
+    from bench.quality_real import CROSS, CROSS_QWEN3, MAIN, MODES, QUICK, RealSettings, modes_markdown, run_real
     from bench.quality_real import markdown as real_markdown
 
-    rows, block = {"modes": (MODES, "quality-real-modes"), "cross": (CROSS, "quality-real-cross")}.get(
-        args.section, (MAIN, "quality-real"))
+    rows, block = {"modes": (MODES, "quality-real-modes"), "cross": (CROSS, "quality-real-cross"),
+                   "cross-qwen3": (CROSS_QWEN3, "quality-real-cross-qwen3")}.get(args.section, (MAIN, "quality-real"))
     if args.write_docs:
         from xtcache.app.docblock import require_blocks
 
         require_blocks(REPO, {block: DOC_BLOCKS[block]})
     _bench_logging()
     given = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("lr", args.lr)) if v is not None}
-    s = QUICK if args.quick else RealSettings(**given)
+    if args.section == "cross-qwen3":  # the second student vocabulary: three seeds unless --seeds says otherwise
+        given = {"seeds": 3, **given, "cross_student": "qwen3"}
+    s = replace(QUICK, **{k: v for k, v in given.items() if k == "cross_student"}) if args.quick else RealSettings(**given)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.from_report:  # an earlier run's table, rendered again (its figures unchanged; rows under their current names)
         report = {**json.loads(Path(args.from_report).read_text()), "rendered_from": args.from_report}

@@ -57,6 +57,7 @@ class RealSettings:
     heldout_docs: int = 8
     eval_batches: int = 8
     seeds: int = 8  # at most: each row runs on its own number of seeds (RealRow.seeds)
+    cross_student: str = "llama3"  # the cross rows' student vocabulary: llama3 (128,256 ids) or qwen3 (151,669)
 
 
 QUICK = RealSettings(steps=4, warmup_steps=1, train_docs=6, heldout_docs=2, eval_batches=1, seeds=1)
@@ -117,6 +118,8 @@ ROWS = [
 MAIN = [*ROWS[:8], ROWS[14]]  # docs/losses.md's quality-real block
 MODES = [ROWS[3], ROWS[4], *ROWS[8:14]]  # docs/losses.md's quality-real-modes block: CE only and every store mode
 CROSS = [ROWS[0], ROWS[7], ROWS[14]]  # README.md's quality-real-cross block: CE only, the defaults, the 0.75 mix
+CROSS_QWEN3 = [ROWS[0], ROWS[7]]  # docs/losses.md's quality-real-cross-qwen3 block: the defaults on a second vocabulary
+VOCABULARIES = {"llama3": "Llama-3 (128,256 ids)", "qwen3": "Qwen3 (151,669 ids)"}
 # rows renamed since a report was written: old name -> current name (a report is rendered under the current names)
 RENAMED = {
     "cross: P-KL forward, first rows, first-piece map, CE 1.0 (the earlier defaults)": ROWS[1].name,
@@ -171,10 +174,11 @@ def prepare(work: Path, s: RealSettings, log_file: Path, stores: tuple[str, ...]
     from xtcache.testing.real import build_real_models
 
     m = build_real_models()
-    p = {"models": m, "work": work, "stores": {}}
-    plans = [("held", m.heldout_jsonl, s.heldout_docs, ("--mode", "full"), (m.llama3_tokenizer, m.teacher))]
+    cross_tok = getattr(m, f"{s.cross_student}_tokenizer")
+    p = {"models": m, "work": work, "stores": {}, "cross_tok": cross_tok}
+    plans = [("held", m.heldout_jsonl, s.heldout_docs, ("--mode", "full"), (cross_tok, m.teacher))]
     plans += [(name, m.train_jsonl, s.train_docs, STORES[name],
-               (m.llama3_tokenizer, m.teacher) if name == "train" else (m.teacher,)) for name in stores]
+               (cross_tok, m.teacher) if name == "train" else (m.teacher,)) for name in stores]
     for name, src, n, mode, tokenizers in plans:
         store = work / "stores" / f"{name}-{n}"
         try:
@@ -195,9 +199,9 @@ def prepare(work: Path, s: RealSettings, log_file: Path, stores: tuple[str, ...]
                              "tokenizer_bytes": reader.loc.du("teacher_tokenizer"),  # the copy a store carries: fixed size
                              "dump": list(mode)}
     for pieces in ("first", "all"):
-        out = work / f"llama3-to-smollm2-{pieces}.safetensors"
+        out = work / f"{s.cross_student}-to-smollm2-{pieces}.safetensors"
         if not out.exists():
-            _xtcache("projection", "build", "--student-tokenizer", m.llama3_tokenizer, "--teacher-tokenizer",
+            _xtcache("projection", "build", "--student-tokenizer", cross_tok, "--teacher-tokenizer",
                      m.teacher, "--pieces", pieces, "--out", out, log_file=log_file)
         p[f"proj_{pieces}"] = out
     return p
@@ -209,7 +213,7 @@ def student(p: dict, cross: bool, seed: int) -> Path:
     m = p["models"]
     out = p["work"] / "students" / f"{'cross' if cross else 'same'}-seed{seed}"
     if not (out / "config.json").exists():
-        build_tiny_model("llama", m.llama3_tokenizer if cross else m.teacher, out, hidden=64, layers=2,
+        build_tiny_model("llama", p["cross_tok"] if cross else m.teacher, out, hidden=64, layers=2,
                          intermediate=192, seed=1 + seed)
     return out
 
@@ -271,7 +275,7 @@ def grade(p: dict, hf_dir: Path, cross: bool, s: RealSettings) -> dict:
 
     m = p["models"]
     bs = Settings(seq_len=s.seq_len, micro_batch_size=s.micro_batch_size)
-    tok = m.llama3_tokenizer if cross else m.teacher
+    tok = p["cross_tok"] if cross else m.teacher
     key = ("evals", cross)
     if key not in p:  # the held-out full store's rows renormalised over the tokenizer's ids
         p[key] = [{**b, "teacher_residual": torch.zeros_like(b["teacher_residual"])}
@@ -307,6 +311,8 @@ def grade(p: dict, hf_dir: Path, cross: bool, s: RealSettings) -> dict:
 
 
 def run_real(work: Path, s: RealSettings, rows: list[RealRow] = MAIN) -> dict:
+    if s.cross_student != "llama3":  # stores, students, maps and runs of another vocabulary: a directory of its own
+        work = work / s.cross_student
     work.mkdir(parents=True, exist_ok=True)
     log_file = work / "commands.log"
     t0 = time.perf_counter()
@@ -339,7 +345,9 @@ def markdown(report: dict) -> str:
     s, res = report["settings"], current_names(report["results"])
     names = sorted(dict.fromkeys(r["row"] for r in res), key=lambda n: n.startswith("same"))  # cross rows first
     train = report["stores"]["train"]
-    out = [f"Measured {report['date']} on {report['machine']}; SmolLM2-135M-Instruct teacher, fresh tiny Llama students, "
+    vocab = VOCABULARIES[s.get("cross_student", "llama3")]
+    out = [f"Measured {report['date']} on {report['machine']}; SmolLM2-135M-Instruct teacher, fresh tiny Llama students "
+           f"(cross rows: on the {vocab} vocabulary), "
            f"{s['steps']} steps x {s['micro_batch_size']} windows x {s['seq_len']} tokens at lr {s['lr']:g}, "
            f"{s['train_docs']} training and {s['heldout_docs']} held-out documents of the Python language reference; "
            f"training store top-64 + rest, {train['bytes_per_position']:.1f} B/position ("
