@@ -42,10 +42,9 @@ class TokenizerInfo:
     piece_data: np.ndarray  # uint8 [total bytes + 8 zero bytes of padding]
     piece_start: np.ndarray  # int64 [V + 2]
     role: np.ndarray  # int32 [V + 1]: role bits, 0 for ordinary tokens
-    special: np.ndarray  # bool [V + 1]: control tokens (all special ids except unk)
-    control: np.ndarray  # bool [V + 1]: what a decode with skip_special_tokens leaves out: `special` and every added
-    # token marked special (Llama-3's <|reserved_special_token_N|>, `<s>` of a tokenizer whose bos is another): never
-    # the text its name spells
+    control: np.ndarray  # bool [V + 1]: what a decode with skip_special_tokens leaves out: the special ids (but unk)
+    # and every added token marked special (Llama-3's <|reserved_special_token_N|>, `<s>` of a tokenizer whose bos is
+    # another): never the text its name spells
     added: np.ndarray  # bool [V + 1]: added tokens (matched literally in the text)
     unk_id: int  # -1 when the tokenizer has no unknown token
     metaspace: bool = False  # SentencePiece style: a literal "▁" in the text reads as a space
@@ -173,7 +172,7 @@ def _build_info(tokenizer) -> TokenizerInfo:
     control = special.copy()
     control[[int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special and 0 <= int(i) < vocab_size]] = True
     return TokenizerInfo(fingerprint=tokenizer_fingerprint(tokenizer), piece_data=piece_data,
-                         piece_start=piece_start, role=role, special=special, control=control, added=added_mask,
+                         piece_start=piece_start, role=role, control=control, added=added_mask,
                          unk_id=unk_id,
                          metaspace=metaspace and not byte_level,
                          trims_offsets=_untrim(spec.get("post_processor")) != spec.get("post_processor"))
