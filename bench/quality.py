@@ -789,7 +789,7 @@ def real_section(args) -> None:
     given = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("lr", args.lr)) if v is not None}
     if args.section == "cross-qwen3":  # the second student vocabulary: three seeds unless --seeds says otherwise
         given = {"seeds": 3, **given, "cross_student": "qwen3"}
-    s = replace(QUICK, **{k: v for k, v in given.items() if k == "cross_student"}) if args.quick else RealSettings(**given)
+    s = replace(QUICK, cross_student=given.get("cross_student", QUICK.cross_student)) if args.quick else RealSettings(**given)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.from_report:  # an earlier run's table, rendered again (its figures unchanged; rows under their current names)
         report = {**json.loads(Path(args.from_report).read_text()), "rendered_from": args.from_report}
