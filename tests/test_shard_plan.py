@@ -339,37 +339,28 @@ def test_four_jobs_write_the_same_documents_as_one(teacher, toy_setup, mixed_cor
     assert problems and all("outside writer" in p and "shard-plan ranges" in p for p in problems), problems
 
 
-def test_kill_and_resume_of_one_job_gives_the_same_store(teacher, toy_setup, mixed_corpus, one_job, tmp_path):
-    """SIGKILL job 1 of 2 (a real command-line process) after its first commits, resume it: the store
-    equals one job's run. Job 0 writes its share in this process first, with the same settings."""
+def test_kill_and_resume_of_one_job_gives_the_same_store(teacher, toy_setup, mixed_corpus, one_job, procs, tmp_path):
+    """SIGKILL job 1 of 2 (a real command-line process, forked from the worker's warm process) after its first
+    commits, resume it: the store equals one job's run. Job 0 writes its share in this process first, with the
+    same settings."""
     import signal
-    import subprocess
-    import sys
     import time
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
     data = [a for p in mixed_corpus for a in ("--data", p)]
     out = tmp_path / "two"
-    base = ["--teacher", teacher, "--student-tokenizer", str(toy_setup.student_tokenizer), *data, "--engine", "hf",
-            "--max-seq-len", "96", "--window-overlap", "16", "--docs-per-part", "1", "--top-k", "8", "--out", str(out),
-            "--num-shards", "2"]
-
-    def cli(*extra):
-        return subprocess.Popen([sys.executable, "-m", "xtcache.app.cli", "teacher-dump", *base, *extra], cwd=repo,
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
+    base = ["teacher-dump", "--teacher", teacher, "--student-tokenizer", str(toy_setup.student_tokenizer), *data,
+            "--engine", "hf", "--max-seq-len", "96", "--window-overlap", "16", "--docs-per-part", "1", "--top-k", "8",
+            "--out", str(out), "--num-shards", "2"]
     _dump(teacher, mixed_corpus, out, [toy_setup.student_tokenizer], docs_per_part=1, num_shards=2, shard_index=0)
-    p = cli("--shard-index", "1")
+    pid = procs.start(*base, "--shard-index", "1")
     deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None and len(list((out / "index").glob("w00001-*.json"))) < 2:
+    while time.time() < deadline and procs.poll(pid) is None and len(list((out / "index").glob("w00001-*.json"))) < 2:
         time.sleep(0.05)
-    assert p.poll() is None, "job 1 finished before it could be killed"
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    p = cli("--shard-index", "1", "--resume")
-    log = p.communicate(timeout=600)[0].decode()
+    assert procs.poll(pid) is None, "job 1 finished before it could be killed"
+    os.kill(pid, signal.SIGKILL)
+    assert procs.wait(pid).returncode == -signal.SIGKILL
+    p = procs.cli(*base, "--shard-index", "1", "--resume")
+    log = p.stdout + p.stderr
     assert p.returncode == 0 and "parts kept" in log, log[-3000:]
     _assert_same_docs(_store_docs(one_job[0]), _store_docs(out))
 
