@@ -44,10 +44,12 @@ class StageData:
     `measures[i]` the evaluation's KL to teacher i (None when it cannot be computed, e.g. a
     cross-tokenizer cache without a projection map), defined by `measure_definition`;
     `mixture_measure` the KL to the teachers' mixture (teachers sharing a vocabulary, else None).
+    `tokenizer` is the student tokenizer the caches were opened for (the export saves it beside the weights).
     """
 
     train: Any
     objective: TeacherMix
+    tokenizer: Any
     make_eval: Callable[[], Iterable[dict]] | None = None
     measures: list[Objective | None] = field(default_factory=list)
     measure_definition: str | None = None
@@ -139,7 +141,7 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
         eval_mode = CacheReader(cfg.eval.eval_cache[0], storage_options=cfg.loader.storage_options).manifest.mode
         eval_caps = Capabilities(same_tokenizer=caps[0].same_tokenizer, mode=eval_mode)
-    return StageData(train=train, objective=objective, make_eval=make_eval, measures=measures,
+    return StageData(train=train, objective=objective, tokenizer=tokenizer, make_eval=make_eval, measures=measures,
                      measure_definition=measure_definition(eval_caps) if measures[0] is not None else None,
                      mixture_measure=mixture, info=info)
 

@@ -58,7 +58,7 @@ class Trainer:
         self.cfg, self.data, self.rank, self.world = cfg, data, rank, world
         self.out, self.step, self._tb = Path(cfg.out), 0, None
         torch.manual_seed(cfg.seed)
-        self.tokenizer = load_tokenizer(cfg.student)
+        self.tokenizer = data.tokenizer
         self.num_params = count_parameters(cfg.student)
         self.ds_config = deepspeed_config(cfg, self.num_params)
         # read (and a layout the data stream cannot follow refused) before any expensive work

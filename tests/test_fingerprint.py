@@ -39,6 +39,20 @@ def test_tokenizer_fingerprint_stable_and_specific(toy_setup, teacher_tokenizer,
         fpm.tokenizer_fingerprint(tmp_path / "nothing")
 
 
+def test_a_tokenizer_changed_after_its_fingerprint_is_fingerprinted_again(toy_setup, tmp_path):
+    """A loaded tokenizer's fingerprint is kept for its serialisation, compared whole: the same object fingerprinted
+    again after a token was added gets the fingerprint of its saved file, not the one it had before."""
+    from xtcache.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(toy_setup.student_tokenizer)
+    before = fpm.tokenizer_fingerprint(tok)
+    assert fpm.tokenizer_fingerprint(tok) == before == fpm.tokenizer_fingerprint(toy_setup.student_tokenizer)
+    tok.add_tokens(["<added-after-the-fingerprint>"])
+    after = fpm.tokenizer_fingerprint(tok)
+    tok.save_pretrained(str(tmp_path / "changed"))
+    assert after != before and after == fpm.tokenizer_fingerprint(tmp_path / "changed")
+
+
 def test_model_fingerprint(toy_setup, tmp_path):
     fp = fpm.model_fingerprint(toy_setup.teacher_model)
     assert fp == _in_subprocess(

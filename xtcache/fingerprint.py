@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -23,6 +24,13 @@ from xtcache.file_digest import FileHasher
 from xtcache.location import file_system
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+# A process fingerprints the same loaded tokenizer several times (train-student: the loader of each cache,
+# the held-out check, the projection check). For a 128k-id vocabulary the canonical form costs about 1.2 s a
+# time, the backend's own serialisation 0.25 s: the last few serialisations, compared whole, keep their
+# fingerprints, so a tokenizer changed in between (an added token) is fingerprinted again.
+_RECENT_TOKENIZERS: OrderedDict[str, str] = OrderedDict()
+_RECENT_MAX = 4
 
 
 def canonical_json(obj: Any, *, ascii_only: bool = False) -> bytes:
@@ -68,7 +76,19 @@ def tokenizer_fingerprint(path_or_tokenizer: Any) -> str:
         if not hasattr(backend, "to_str"):
             raise XtcacheError(
                 f"cannot fingerprint {type(path_or_tokenizer).__name__}: pass a fast tokenizer or its directory")
-        content = json.loads(backend.to_str())
+        serialised = backend.to_str()
+        if serialised in _RECENT_TOKENIZERS:
+            _RECENT_TOKENIZERS.move_to_end(serialised)
+            return _RECENT_TOKENIZERS[serialised]
+        fingerprint = _tokenizer_sha256(json.loads(serialised))
+        _RECENT_TOKENIZERS[serialised] = fingerprint
+        while len(_RECENT_TOKENIZERS) > _RECENT_MAX:
+            _RECENT_TOKENIZERS.popitem(last=False)
+        return fingerprint
+    return _tokenizer_sha256(content)
+
+
+def _tokenizer_sha256(content: Any) -> str:
     if isinstance(content, dict):
         content = {**content, "truncation": None, "padding": None}
     return canonical_sha256(content)
