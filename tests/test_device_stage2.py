@@ -30,7 +30,10 @@ from xtcache.testing.devices import (
     to_fake,
 )
 
-N, V = 24, 32  # positions of the micro-batch (3 row blocks of 8), student vocabulary
+N, V = 24, 32  # positions of the micro-batch, student vocabulary
+# each objective's row_chunk: a block's budget of 2 x ROWS x V fp32 holds 8 rows of a top-k KL block, so the
+# 24 positions run as 3 blocks (the memory tests' row_chunk of 8 would give 24 blocks of one row each)
+ROWS = 72
 
 CASES = ["topk kl", "topk rkl", "topk jsd", "topk kl T=2", "topk kl T=2 uniform", "full", "sampled", "pkl topk", "pkl full", "pkl T=2",
          "alm", "rkl-pg", "rkl-pg ratio", "ce", "sum", "dynamic likelihood", "dynamic entropy", "dynamic max-prob", "select", "mean-probs"]
@@ -41,11 +44,11 @@ def _case(name: str):
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     if name.startswith("topk"):
         obj, batch = _memory_case("topk k=16", N, V, gen)
-        obj = Objective(name.split()[1], temperature=2.0 if "T=2" in name else 1.0, row_chunk=8,
+        obj = Objective(name.split()[1], temperature=2.0 if "T=2" in name else 1.0,
                         teacher_tail="uniform" if name.endswith("uniform") else "ghost")
     elif name == "pkl T=2":
         obj, batch = _memory_case("pkl topk", N, V, gen)
-        obj = Objective("pkl", projection=obj.projection, temperature=2.0, row_chunk=8)
+        obj = Objective("pkl", projection=obj.projection, temperature=2.0)
     elif name.split()[0] in ("sum", "dynamic", "select"):
         obj, batch = _two_teacher_case(N, V, gen, combine=name.split()[0])
         obj.score = name.split()[1] if name.startswith("dynamic") else obj.score
@@ -53,18 +56,20 @@ def _case(name: str):
     elif name.startswith("rkl-pg"):  # rollouts: the realized log-probs, and the sampling ones for the ratio
         obj, batch = _memory_case("alm", N, V, gen)
         cap = 2.0 if name.endswith("ratio") else 0.0
-        obj = Objective("rkl-pg", is_cap=cap, row_chunk=8)
+        obj = Objective("rkl-pg", is_cap=cap)
         batch["sampled_logprobs"] = -torch.rand(1, N, generator=gen) * 3
     elif name == "mean-probs":  # two teachers of one tokenizer, trained on their mixture
         (_, a), (_, b) = _memory_case("topk k=16", N, V, gen), _memory_case("topk k=16", N, V, gen)
         for view in (a, b):
             view["chunk_group"] = torch.arange(N)
-        obj, batch = TeacherMix([Objective("kl", row_chunk=8)], combine="mean-probs", weights=[0.7, 0.3]), \
+        obj, batch = TeacherMix([Objective("kl")], combine="mean-probs", weights=[0.7, 0.3]), \
             join_views([a, b], N)
     else:
         obj, batch = _memory_case(name, N, V, gen)
     batch["input_ids"] = torch.randint(0, V, (1, N), generator=gen)
     batch["attention_mask"] = torch.ones(1, N, dtype=torch.int64)
+    for o in _objectives(obj):
+        o.row_chunk = ROWS
     return obj, batch
 
 
@@ -110,6 +115,7 @@ def sparse_mm_on_fake_devices(monkeypatch):
 def test_objective_forward_and_backward_on_a_fake_accelerator(name, sparse_mm_on_fake_devices):
     obj, batch = _case(name)
     prep = obj.prepare(batch, vocab=V)  # host planning on the CPU batch, as the trainer does it
+    assert len(getattr(prep, "blocks", [None, None])) > 1  # block boundaries are crossed on the device
     with fake_accelerator():
         obj.to(FAKE_ACCELERATOR)
         prep.to(FAKE_ACCELERATOR)
