@@ -32,7 +32,8 @@ from xtcache.testing.devices import (
 
 N, V = 24, 32  # positions of the micro-batch, student vocabulary
 # each objective's row_chunk: a block's budget of 2 x ROWS x V fp32 holds 8 rows of a top-k KL block, so the
-# 24 positions run as 3 blocks (the memory tests' row_chunk of 8 would give 24 blocks of one row each)
+# 24 positions run as 3 blocks (full and P-KL: 5 blocks of up to 5 rows; CE alone: 2); the memory tests' row_chunk
+# of 8 would give 24 blocks of one row each
 ROWS = 72
 
 CASES = ["topk kl", "topk rkl", "topk jsd", "topk kl T=2", "topk kl T=2 uniform", "full", "sampled", "pkl topk", "pkl full", "pkl T=2",
@@ -115,7 +116,7 @@ def sparse_mm_on_fake_devices(monkeypatch):
 def test_objective_forward_and_backward_on_a_fake_accelerator(name, sparse_mm_on_fake_devices):
     obj, batch = _case(name)
     prep = obj.prepare(batch, vocab=V)  # host planning on the CPU batch, as the trainer does it
-    assert len(getattr(prep, "blocks", [None, None])) > 1  # block boundaries are crossed on the device
+    assert all(len(p.blocks) > 1 for p in getattr(prep, "preps", [prep]))  # block boundaries crossed on the device
     with fake_accelerator():
         obj.to(FAKE_ACCELERATOR)
         prep.to(FAKE_ACCELERATOR)

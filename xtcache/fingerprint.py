@@ -29,7 +29,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # the held-out check, the projection check). For a 128k-id vocabulary the canonical form costs about 1.2 s a
 # time, the backend's own serialisation 0.25 s: the last few serialisations, compared whole, keep their
 # fingerprints, so a tokenizer changed in between (an added token) is fingerprinted again.
-_RECENT_TOKENIZERS: OrderedDict[str, str] = OrderedDict()
+_RECENT_TOKENIZERS: OrderedDict[str, str] = OrderedDict()  # oldest first
 _RECENT_MAX = 4
 
 
@@ -77,13 +77,11 @@ def tokenizer_fingerprint(path_or_tokenizer: Any) -> str:
             raise XtcacheError(
                 f"cannot fingerprint {type(path_or_tokenizer).__name__}: pass a fast tokenizer or its directory")
         serialised = backend.to_str()
-        if serialised in _RECENT_TOKENIZERS:
-            _RECENT_TOKENIZERS.move_to_end(serialised)
-            return _RECENT_TOKENIZERS[serialised]
-        fingerprint = _tokenizer_sha256(json.loads(serialised))
-        _RECENT_TOKENIZERS[serialised] = fingerprint
-        while len(_RECENT_TOKENIZERS) > _RECENT_MAX:
-            _RECENT_TOKENIZERS.popitem(last=False)
+        fingerprint = _RECENT_TOKENIZERS.get(serialised)
+        if fingerprint is None:
+            fingerprint = _RECENT_TOKENIZERS[serialised] = _tokenizer_sha256(json.loads(serialised))
+            while len(_RECENT_TOKENIZERS) > _RECENT_MAX:
+                _RECENT_TOKENIZERS.popitem(last=False)
         return fingerprint
     return _tokenizer_sha256(content)
 
