@@ -49,10 +49,11 @@ def chat(toy_setup, tmp_path_factory):
 
 
 def _cmd(setup, prompts, workdir, *, engine: str = "hf", steps: int = STEPS, micro_batch: int = 2,
-         dump_args: str = "") -> list[str]:
+         dump_args: str = "", nproc: int = 1) -> list[str]:
     return [sys.executable, "-m", "xtcache.app.cli", "rounds", "--student", str(setup.student_model), "--teacher",
             str(setup.teacher_model), "--prompts", str(prompts), "--rounds", "2", "--workdir", str(workdir),
-            "--engine", engine, *(["--dump-args", dump_args] if dump_args else []), "--samples-per-prompt", "2", "--max-new-tokens", "8", "--steps-per-round", str(steps),
+            "--engine", engine, *(["--dump-args", dump_args] if dump_args else []), "--samples-per-prompt", "2",
+            "--max-new-tokens", "8", "--steps-per-round", str(steps), "--nproc-per-node", str(nproc),
             "--", "--seq-len", "64", "--micro-batch-size", str(micro_batch), "--zero-stage", "0", "--save-every", "1",
             "--lr", "1e-3"]
 
@@ -76,14 +77,15 @@ def _weights(workdir: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def vllm_run(chat, tmp_path_factory):
-    """Two rounds with vLLM generating and scoring (issue 26's test): 1 prompt x 2 samples, 1 step a round."""
+    """Two rounds with vLLM generating and scoring (issue 26's test): 1 prompt x 2 samples, 1 step a round, each
+    round's train-student under torchrun on two processes (one sample each)."""
     setup, prompts = chat
     root = tmp_path_factory.mktemp("vllm")
     one = root / "prompt.jsonl"
     one.write_text(prompts.read_text().splitlines(keepends=True)[0])
     workdir = root / "w"
-    proc = _run(_cmd(setup, one, workdir, engine="vllm", steps=1, micro_batch=1, dump_args="--no-fast-path"),
-                timeout=1800)  # a hang guard
+    proc = _run(_cmd(setup, one, workdir, engine="vllm", steps=1, micro_batch=1, dump_args="--no-fast-path",
+                     nproc=2), timeout=1800)  # a hang guard
     return workdir, proc.stdout + proc.stderr
 
 
@@ -91,7 +93,9 @@ def test_two_rounds_chain_policies_checkpoints_and_print_their_commands(vllm_run
     workdir, out = vllm_run
     steps = 1
     commands = (workdir / "commands.sh").read_text().splitlines()
-    assert [c.split()[1] for c in commands] == ["generate", "teacher-dump", "train-student"] * 2
+    torchrun = "torchrun --standalone --nproc-per-node 2 -m stage2_student"
+    assert [c.split()[1] for c in commands[::3] + commands[1::3]] == ["generate"] * 2 + ["teacher-dump"] * 2
+    assert all(c.startswith(f"{torchrun} --cache {workdir}/round-00{r}/cache ") for r, c in enumerate(commands[2::3]))
     assert all(f"$ {c}" in out for c in commands)
     assert sum("--engine vllm" in c for c in commands) == 4  # generate and teacher-dump, both rounds
     assert all(c.endswith("--no-fast-path") for c in commands if " teacher-dump " in c)
@@ -114,6 +118,9 @@ def test_two_rounds_chain_policies_checkpoints_and_print_their_commands(vllm_run
     assert "tokens scored" in out and "final student:" in out
     train1 = [json.loads(x) for x in (workdir / "round-001" / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in train1 if r["kind"] == "train"] == [steps + 1]  # continued, not restarted
+    for r in (0, 1):  # both rounds trained on two ranks
+        summary = json.loads((workdir / f"round-00{r}" / "train" / "summary.json").read_text())
+        assert summary["world_size"] == 2, summary
 
 
 def test_vllm_rounds_are_aligned_and_train_exactly_the_generated_turn(vllm_run, chat):
@@ -408,6 +415,84 @@ def test_a_round_resolving_another_loss_from_the_same_settings_is_refused_naming
     done(0, None)  # an earlier round without one is passed over: round 1 is compared
     with pytest.raises(ConfigError, match="^round 2 train-student resolved another loss than round 1 "):
         check_objective(cfg, 2, done(2, now))
+
+
+def test_train_student_on_several_processes_is_recorded_as_its_torchrun_command_and_checked_like_one(tmp_path,
+                                                                                                   monkeypatch):
+    """--nproc-per-node N: train-student's command is torchrun's with train-student's own flags (checked before
+    anything runs as those of one process are), and the process count is part of the finished stage's settings."""
+    from xtcache.app import rounds
+    from xtcache.errors import ConfigError
+
+    with pytest.raises(ValueError, match="--nproc-per-node 0: must be at least 1"):
+        _cfg(tmp_path, nproc_per_node=0)
+    one, two = _cfg(tmp_path), _cfg(tmp_path, nproc_per_node=2)
+    flags = rounds.stage_command(one, 1, "train-student")
+    assert rounds.stage_command(two, 1, "train-student") == [
+        "torchrun", "--standalone", "--nproc-per-node", "2", "-m", "stage2_student", *flags[1:]]
+    assert rounds.stage_flags(rounds.stage_command(two, 1, "train-student")) == flags[1:]
+    assert all(rounds.stage_command(two, 1, s) == rounds.stage_command(one, 1, s) for s in ("generate", "teacher-dump"))
+    for d in ("S", "T"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "p.jsonl").write_text("")
+    base = {"student": str(tmp_path / "S"), "teacher": str(tmp_path / "T"), "prompts": [str(tmp_path / "p.jsonl")],
+            "nproc_per_node": 2}
+    rounds.check_commands(_cfg(tmp_path, **base, train_args=["--lr", "1e-4"]))
+    with pytest.raises(ConfigError, match=r"^round 0 train-student would be refused: --lr -1.0: must be positive"):
+        rounds.check_commands(_cfg(tmp_path, **base, train_args=["--lr", "-1"]))
+    monkeypatch.setattr(rounds, "cuda_device_count", lambda: 1)  # a one-GPU machine: one process per GPU
+    with pytest.raises(ConfigError, match=r"^--nproc-per-node 2: this machine shows 1 GPUs, one for each "
+                                          r"train-student process .*; nothing has run$"):
+        rounds.check_commands(_cfg(tmp_path, **base))
+    rounds.check_settings(one)
+    for stage in rounds.STAGES:
+        _finish(one, 0, stage)
+    with pytest.raises(ConfigError, match=r"^--workdir \S+: --nproc-per-node 1 -> --nproc-per-node 2 changes round 0 "
+                                          r"train-student, which has finished"):
+        rounds.check_settings(two)
+
+
+FAKE_RANK = """import os, pathlib, sys, time
+pathlib.Path(sys.argv[sys.argv.index("--out") + 1], f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def test_a_killed_driver_leaves_no_torchrun_rank_running(tmp_path):
+    """The driver killed with SIGKILL while torchrun runs train-student's ranks: torchrun and both ranks end (here
+    each rank is a stand-in `stage2_student` that records its pid and sleeps)."""
+    import psutil
+
+    fake = tmp_path / "fake" / "stage2_student"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text(FAKE_RANK)
+    out = tmp_path / "train"
+    out.mkdir()
+    driver = ("import sys; from xtcache.app.rounds import RoundsConfig, run_xtcache; "
+              f"cfg = RoundsConfig(student='S', teacher='T', prompts=['p'], workdir={str(tmp_path)!r}, loss='auto'); "
+              f"run_xtcache(cfg, ['torchrun', '--standalone', '--nproc-per-node', '2', '-m', 'stage2_student', "
+              f"'--out', {str(out)!r}])")
+    env = {**cpu_env(), "PYTHONPATH": f"{fake.parent}{os.pathsep}{REPO}"}
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while len(list(out.glob("rank*.pid"))) < 2:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline, "torchrun's ranks did not start"
+            time.sleep(0.1)
+        ranks = [psutil.Process(int(p.read_text())) for p in sorted(out.glob("rank*.pid"))]
+        launcher = ranks[0].parent()
+        assert "torch.distributed.run" in " ".join(launcher.cmdline()) and launcher.parent().pid == proc.pid
+        time.sleep(1.0)  # the driver's watcher registers new descendants twice a second
+        proc.kill()
+    finally:
+        proc.wait()
+    _, alive = psutil.wait_procs([launcher, *ranks], timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    assert (tmp_path / "commands.sh").read_text() == (
+        f"torchrun --standalone --nproc-per-node 2 -m stage2_student --out {out}\n")
 
 
 def test_every_rounds_commands_are_built_before_anything_runs_and_a_refusal_names_round_stage_and_flag(tmp_path):

@@ -30,6 +30,11 @@ def cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+def cuda_device_count() -> int:
+    """The CUDA devices torch can see (CUDA_VISIBLE_DEVICES applies), counted through NVML: 0 without CUDA."""
+    return _nvml_count() if cuda_present() else 0
+
+
 def compute_device(index: int = 0):
     """cuda:<index> when a CUDA device is present, else the CPU (nothing is initialised)."""
     import torch

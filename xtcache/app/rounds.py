@@ -3,7 +3,8 @@
     xtcache rounds --student S --teacher T --prompts prompts.jsonl --rounds 3 --workdir W \\
         --steps-per-round 200 --train-on last-assistant -- --lr 1e-5 --seq-len 1024
 
-Round r (r = 0, 1, ...) runs three `xtcache` commands as subprocesses, under W/round-RRR/:
+Round r (r = 0, 1, ...) runs three `xtcache` commands as subprocesses, under W/round-RRR/ (train-student
+under `torchrun --standalone` with --nproc-per-node above 1):
 
 1. `generate --student S_r --out rollouts`: S_0 is --student, S_r is round r-1's export (train/hf);
 2. `teacher-dump --data 'rollouts/parts/*.jsonl' --out cache`: the teacher scores the rollouts in
@@ -35,12 +36,14 @@ stage in its own process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field, replace
@@ -51,8 +54,10 @@ import typer
 from schemas.models import DRAWN_MODES
 from xtcache.app.store_commands import part_counts, rollout_summary
 from xtcache.cliconfig import command
+from xtcache.devices import cuda_device_count
 from xtcache.errors import ConfigError
 from xtcache.fingerprint import sha256_file, tokenizer_fingerprint
+from xtcache.reaper import guard_children
 from xtcache.store import CacheReader
 from xtcache.tokenizer import load_tokenizer
 
@@ -113,6 +118,8 @@ class RoundsConfig:
     """Extra generate flags of every round, one shell-quoted string (e.g. '--top-p 0.95 --dtype bfloat16 --gpu-memory-utilization 0.5')."""
     dump_args: str = ""
     """Extra teacher-dump flags of every round, one shell-quoted string (e.g. '--top-k 32 --dtype bfloat16 --mode sampled')."""
+    nproc_per_node: int = 1
+    """train-student's processes (one per GPU): above 1, each round's train-student runs as `torchrun --standalone --nproc-per-node N -m stage2_student` with the same flags (the global batch grows with N)."""
     train_args: list[str] = field(default_factory=list, metadata={"after_dashes": True})
     """Flags after `--`: passed to every train-student command (e.g. -- --lr 1e-5 --seq-len 1024)."""
 
@@ -129,6 +136,8 @@ class RoundsConfig:
             raise ValueError(f"--rounds {self.rounds}: must be at least 1")
         if self.steps_per_round < 1:
             raise ValueError(f"--steps-per-round {self.steps_per_round}: must be at least 1")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
         if self.engine not in ("vllm", "hf"):
             raise ValueError(f"--engine {self.engine!r}: use vllm or hf")
         if not self.prompts:
@@ -162,8 +171,14 @@ def round_dir(cfg: RoundsConfig, r: int) -> Path:
     return Path(cfg.workdir) / f"round-{r:03d}"
 
 
+# how a round's train-student runs on several processes: torchrun's own rendezvous on this machine, each rank
+# `python -m stage2_student` with train-student's flags
+TORCHRUN = ("torchrun", "--standalone", "--nproc-per-node")
+
+
 def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
-    """The `xtcache` arguments of `stage` in round `r`, without its resume flag."""
+    """The command of `stage` in round `r`, without its resume flag: `xtcache` arguments (`train-student ...`), or
+    with --nproc-per-node above 1 train-student's torchrun command line (`torchrun ... -m stage2_student ...`)."""
     d = round_dir(cfg, r)
     if stage == "generate":
         policy = cfg.student if r == 0 else str(round_dir(cfg, r - 1) / "train" / "hf")
@@ -191,7 +206,19 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
         # on the student's own fresh samples CE has no expected gradient: a small anchor, not train-student's
         # cross-tokenizer corpus default (docs/on-policy.md: measured with the forward KL)
         args += ["--ce-weight", str(ROLLOUT_CE_WEIGHT)]
+    if cfg.nproc_per_node > 1:
+        return [*TORCHRUN, str(cfg.nproc_per_node), "-m", "stage2_student", *args[1:], *cfg.train_args]
     return [*args, *cfg.train_args]
+
+
+def stage_flags(command: list[str]) -> list[str]:
+    """A stage command's own flags: after the `xtcache` command name, or after torchrun's module."""
+    return command[command.index("stage2_student") + 1:] if command[0] == TORCHRUN[0] else command[1:]
+
+
+def shown(command: list[str]) -> str:
+    """A stage command as a shell runs it."""
+    return shlex.join(command) if command[0] == TORCHRUN[0] else "xtcache " + shlex.join(command)
 
 
 def loss_flags(cfg: RoundsConfig) -> list[str]:
@@ -263,17 +290,17 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _die_with_parent() -> None:
-    """In the child: receive SIGKILL when the driver dies, so a killed driver leaves no stage running."""
+def _die_with_parent(sig: int) -> None:
+    """In the child: receive `sig` when the driver dies, so a killed driver leaves no stage running."""
     import ctypes
 
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
 # A launcher's job index and process group: each stage reads them as its own (teacher-dump and generate as
 # their shard of a sharded job, train-student as one rank of a process group that never forms), while a
-# round's stage is one job of one process. A driver started inside a launcher's job (a Slurm array running
-# one rounds run per seed, a shell under torchrun) passes none of them on.
+# round's stage is a job of its own (one process, or torchrun's own process group). A driver started inside a
+# launcher's job (a Slurm array running one rounds run per seed, a shell under torchrun) passes none of them on.
 LAUNCHER_ENV = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_COUNT",
                 "JOB_COMPLETION_INDEX", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "MASTER_ADDR", "MASTER_PORT")
@@ -285,16 +312,25 @@ def stage_env(environ) -> dict[str, str]:
 
 
 def run_xtcache(cfg: RoundsConfig, args: list[str]) -> None:
-    """Print `xtcache ARGS`, append it to WORKDIR/commands.sh, run it; raise on a failed exit."""
-    line = "xtcache " + shlex.join(args)
+    """Print a stage's command, append it to WORKDIR/commands.sh, run it; raise on a failed exit.
+
+    On Linux the stage dies with the driver (PR_SET_PDEATHSIG): an `xtcache` stage by SIGKILL; torchrun by
+    SIGTERM, on which it stops its ranks, and its ranks are also guarded by xtcache's process watcher
+    (`xtcache.reaper`), which ends them should torchrun itself be killed first."""
+    line = shown(args)
     typer.echo(f"$ {line}", err=True)
     with open(Path(cfg.workdir) / "commands.sh", "a") as f:
         f.write(line + "\n")
     linux = sys.platform.startswith("linux")
     if not linux:
         log.warning("not Linux: a stage keeps running if this driver is killed; stop it before rerunning")
-    rc = subprocess.run([sys.executable, "-m", "xtcache.app.cli", *args], env=stage_env(os.environ),
-                        preexec_fn=_die_with_parent if linux else None).returncode
+    torchrun = args[0] == TORCHRUN[0]
+    argv = [sys.executable, "-m", "torch.distributed.run", *args[1:]] if torchrun else \
+        [sys.executable, "-m", "xtcache.app.cli", *args]
+    sig = signal.SIGTERM if torchrun else signal.SIGKILL
+    with guard_children() if torchrun else contextlib.nullcontext():
+        rc = subprocess.run(argv, env=stage_env(os.environ),
+                            preexec_fn=functools.partial(_die_with_parent, sig) if linux else None).returncode
     if rc != 0:
         raise ConfigError(f"{line}: exit {rc}; fix the cause and rerun xtcache rounds (finished stages are kept; "
                           "flags that change only unfinished stages may change)")
@@ -307,7 +343,7 @@ def run_stage(cfg: RoundsConfig, r: int, stage: str) -> dict:
     if done_path.exists():
         done = json.loads(done_path.read_text())
         if done["command"] != command:
-            raise ConfigError(f"{done_path}: round {r} {stage} was run as `xtcache {shlex.join(done['command'])}`, "
+            raise ConfigError(f"{done_path}: round {r} {stage} was run as `{shown(done['command'])}`, "
                               f"not as these settings give; to redo it: rm -r {shlex.join(redo_paths(cfg, r, stage))}"
                               "; or use another --workdir")
         if stage_outputs(cfg, r, stage) != done["outputs"]:
@@ -427,8 +463,8 @@ def restart_if_changed(cfg: RoundsConfig, r: int, stage: str, command: list[str]
     started = round_dir(cfg, r) / "started" / f"{stage}.json"
     output = round_dir(cfg, r) / OUTPUT_DIRS[stage]
     if started.exists() and json.loads(started.read_text())["command"] != command and output.exists():
-        log.warning("round %d %s: started as `xtcache %s`, now `xtcache %s`; starting it again (%s removed)", r,
-                    stage, shlex.join(json.loads(started.read_text())["command"]), shlex.join(command), output)
+        log.warning("round %d %s: started as `%s`, now `%s`; starting it again (%s removed)", r,
+                    stage, shown(json.loads(started.read_text())["command"]), shown(command), output)
         shutil.rmtree(output)
     _write_atomic(started, json.dumps({"stage": stage, "round": r, "command": command}, indent=1))
 
@@ -519,10 +555,14 @@ def check_commands(cfg: RoundsConfig) -> None:
     from xtcache.cliconfig import check_paths, config_of
 
     commands = {"generate": generate, "teacher-dump": teacher_dump, "train-student": train_student}
+    gpus = cuda_device_count()
+    if cfg.nproc_per_node > 1 and 0 < gpus < cfg.nproc_per_node:
+        raise ConfigError(f"--nproc-per-node {cfg.nproc_per_node}: this machine shows {gpus} GPUs, one for each "
+                          "train-student process (CUDA_VISIBLE_DEVICES applies); nothing has run")
     work = Path(cfg.workdir).resolve()
     for r in range(cfg.rounds):
         for stage in STAGES:
-            args = stage_command(cfg, r, stage)[1:]
+            args = stage_flags(stage_command(cfg, r, stage))
             if stage == "teacher-dump":  # its --data, the round's rollouts, is not written yet: the prompts stand in
                 at = args.index("--data")
                 args[at:at + 2] = [a for p in cfg.prompts for a in ("--data", p)]
@@ -540,7 +580,7 @@ def run_rounds(cfg: RoundsConfig) -> list[dict]:
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
     check_settings(cfg)
     if dropped := [f"{k}={os.environ[k]}" for k in LAUNCHER_ENV if k in os.environ]:
-        log.warning("each stage runs as one job of one process: its environment leaves out %s", ", ".join(dropped))
+        log.warning("each stage runs as a job of its own: its environment leaves out %s", ", ".join(dropped))
     metrics = []
     for r in range(cfg.rounds):
         for stage in STAGES:
