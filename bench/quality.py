@@ -729,6 +729,9 @@ def main(argv=None) -> None:
     p.add_argument("--from-report", help="render the table of this report (an earlier run's JSON: "
                                          "quality-on-policy(-converged).json, or with --teacher real its section's "
                                          "quality-real(-modes, -cross).json) instead of running")
+    p.add_argument("--rows", default=None,
+                   help="on-policy-converged: the indices of its ROWS to run, comma-separated (continued off-policy KD, "
+                        "0, always runs; default: every row)")
     p.add_argument("--add-rows", action="store_true",
                    help="with --from-report R and --section on-policy: run only the rows R lacks (its settings, seeds "
                         "and setup) and write R's rows with them to --out's quality-on-policy.json; --section "
@@ -853,15 +856,16 @@ def converged_section(args) -> None:
     s = QUICK if args.quick else ConvergedSettings(**({"seeds": args.seeds} if args.seeds else {}))
     if args.add_rows and not args.from_report:
         raise SystemExit("--add-rows: give --from-report (the report whose rows are reused)")
+    only = {int(i) for i in args.rows.split(",")} if args.rows else None
     if args.add_rows:  # the earlier report's runs (in --workdir) kept, measured again where needed, rows it lacks run
         base = {**json.loads(Path(args.from_report).read_text()), "rendered_from": args.from_report}
         report = run_converged(Path(args.workdir) / "on-policy-converged", s, base=base,
-                               save=out / "quality-on-policy-converged.json")
+                               save=out / "quality-on-policy-converged.json", only=only)
     elif args.from_report:
         report = json.loads(Path(args.from_report).read_text())
     else:
         report = run_converged(Path(args.workdir) / "on-policy-converged", s,
-                               save=out / "quality-on-policy-converged.json")
+                               save=out / "quality-on-policy-converged.json", only=only)
     _publish(args, "quality-on-policy-converged", markdown(report))
 
 

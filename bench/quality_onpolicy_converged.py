@@ -2,6 +2,7 @@
 from a converged off-policy student, at equal optimizer steps and (about) equal teacher-scored tokens.
 
     python bench/quality.py --section on-policy-converged     # both kinds, 3 seeds: about 75 min on 2 CPU cores
+    python bench/quality.py --section on-policy-converged --rows 2    # continued KD and ROWS[2] only
     python bench/quality.py --section on-policy-converged --from-report R.json --add-rows --workdir W
         # R's runs (trained in W) kept: graded again where the sample count changed, only the rows R lacks trained
 
@@ -274,10 +275,13 @@ def _train_settings(settings: dict) -> dict:
 
 
 def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, base: dict | None = None,
-                  save: Path | None = None) -> dict:
+                  save: Path | None = None, only: set[int] | None = None) -> dict:
     """Every kind, seed and row; the report (per-seed values), written to `save` after every run. With `base` (an
     earlier report of the same training settings, its runs in `work`): its rows are kept, measured again where
-    their sample count is not this run's, and only the rows it lacks train."""
+    their sample count is not this run's, and only the rows it lacks train. `only`: the indices of the ROWS that
+    run (continued off-policy KD, row 0, always: the rows are compared with it); a base report's rows are kept."""
+    if only is not None and not only <= set(range(len(ROWS))):
+        raise SystemExit(f"--rows {','.join(map(str, sorted(only)))}: the rows are 0 to {len(ROWS) - 1}")
     if base and _train_settings(base["settings"]) != _train_settings(asdict(s)):
         raise SystemExit("--add-rows: the report was trained with other settings than these")
     report = {"settings": asdict(s), "kinds": {}, "wall_s": (base or {}).get("wall_s", 0.0)}
@@ -293,8 +297,9 @@ def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, base: dict |
         p = prepare(kind, kw, s, log_file)
         n = eval_samples(kind, s) * s.eval_prompts
         had = earlier.get(kind, {})
-        rows = report["kinds"][kind] = {"converged student": [],
-                                        **{name: [] for name, _, _, on in ROWS if kind in on}}
+        chosen = [i for i, (name, _, _, on) in enumerate(ROWS)
+                  if kind in on and (only is None or i == 0 or i in only or name in had)]
+        rows = report["kinds"][kind] = {"converged student": [], **{ROWS[i][0]: [] for i in chosen}}
         for seed in range(s.seeds):
             conv = converge(p, kw / f"converged-s{seed}", s, seed, log_file)
             start = kw / f"converged-s{seed}" / "hf"
@@ -305,8 +310,8 @@ def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, base: dict |
             else:
                 rows["converged student"].append(old if old["samples"] == n else _remeasure(
                     p, old, kw / f"converged-s{seed}", "converge_kl", s))
-            for i, (name, how, flags, on) in enumerate(ROWS):
-                if kind not in on:
+            for i, (name, how, flags, _) in enumerate(ROWS):
+                if i not in chosen:
                     continue
                 out = kw / "runs" / f"row{i}-seed{seed}"
                 old = had.get(name, {}).get(seed)

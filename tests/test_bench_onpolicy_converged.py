@@ -181,3 +181,20 @@ def test_the_hazard_bench_reads_the_teacher_and_each_seeds_three_students_from_t
     (rounds / "metrics.jsonl").write_text("")  # a run killed before its first round ended
     with pytest.raises(SystemExit, match=f"row{on}-seed0: no finished run there"):
         hazard_models(tmp_path, [0])
+
+
+def test_rows_chosen_by_index_run_beside_continued_kd_and_an_unknown_index_is_refused(tmp_path, monkeypatch):
+    calls = []
+    _fake_stages(monkeypatch, calls)
+
+    def off_policy(p, start, out, s, seed, log_file):
+        calls.append(("train", out.name))
+        return {"hf": out / "hf", "heldout_kl": 1.0, "teacher_positions": 10}
+
+    monkeypatch.setattr(conv, "off_policy", off_policy)
+    report = conv.run_converged(tmp_path / "w", ConvergedSettings(seeds=2), only={2})
+    assert [c[1] for c in calls if c[0] == "train"] == ["row0-seed0", "row2-seed0", "row0-seed1", "row2-seed1"] * 2
+    for rows in report["kinds"].values():
+        assert list(rows) == ["converged student", ROWS[0][0], ROWS[2][0]] and all(len(r) == 2 for r in rows.values())
+    with pytest.raises(SystemExit, match=f"--rows 2,{len(ROWS)}: the rows are 0 to {len(ROWS) - 1}"):
+        conv.run_converged(tmp_path / "w", ConvergedSettings(seeds=1), only={2, len(ROWS)})
