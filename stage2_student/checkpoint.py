@@ -6,7 +6,8 @@
 
 A checkpoint is DeepSpeed's own directory plus, per rank, `trainer_state_rank{R}.json` (the
 versioned record below), `rng_rank{R}.pt` (torch RNG states, loaded with weights_only=True) and
-rank 0's `train_config.json`.
+rank 0's `train_config.json`, written last, after every rank's files: its presence marks the checkpoint
+complete (`xtcache rounds` resumes from the newest checkpoint that has it).
 
 Trainer-state record, version 2: {"version": 2, "step": int, "world": int, "loader": the
 loader's state_dict, "objective": the KD kind trained}. Version 1 (before the objective was its
@@ -111,6 +112,7 @@ def save(trainer) -> Path:
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, root / tag / f"rng_rank{trainer.rank}.pt")
+    dist.barrier()  # every rank's files are written before train_config.json marks the checkpoint complete
     if trainer.rank == 0:
         (root / tag / "train_config.json").write_text(trainer.cfg.to_json())
     dist.barrier()

@@ -418,12 +418,13 @@ def test_a_round_resolving_another_loss_from_the_same_settings_is_refused_naming
 
 
 def test_train_student_on_several_processes_is_recorded_as_its_torchrun_command_and_checked_like_one(tmp_path,
-                                                                                                   monkeypatch):
+                                                                                                   monkeypatch, caplog):
     """--nproc-per-node N: train-student's command is torchrun's with train-student's own flags (checked before
     anything runs as those of one process are), and the process count is part of the finished stage's settings."""
     from xtcache.app import rounds
     from xtcache.errors import ConfigError
 
+    monkeypatch.setattr(rounds, "cuda_device_count", lambda: 0)  # this CPU machine, also on a host with a GPU
     with pytest.raises(ValueError, match="--nproc-per-node 0: must be at least 1"):
         _cfg(tmp_path, nproc_per_node=0)
     one, two = _cfg(tmp_path), _cfg(tmp_path, nproc_per_node=2)
@@ -450,6 +451,11 @@ def test_train_student_on_several_processes_is_recorded_as_its_torchrun_command_
     with pytest.raises(ConfigError, match=r"^--workdir \S+: --nproc-per-node 1 -> --nproc-per-node 2 changes round 0 "
                                           r"train-student, which has finished"):
         rounds.check_settings(two)
+    settings = tmp_path / "w" / "rounds.json"  # as an xtcache before the option recorded it: one process, no change
+    settings.write_text(json.dumps({k: v for k, v in json.loads(settings.read_text()).items() if k != "nproc_per_node"}))
+    with caplog.at_level(logging.INFO, logger="xtcache.app.rounds"):
+        rounds.check_settings(one)
+    assert "settings changed" not in caplog.text
 
 
 FAKE_RANK = """import os, pathlib, sys, time
@@ -458,9 +464,11 @@ time.sleep(600)
 """
 
 
-def test_a_killed_driver_leaves_no_torchrun_rank_running(tmp_path):
+@pytest.mark.parametrize("launcher_too", [False, True], ids=["driver", "driver-and-torchrun"])
+def test_a_killed_driver_leaves_no_torchrun_rank_running(tmp_path, launcher_too):
     """The driver killed with SIGKILL while torchrun runs train-student's ranks: torchrun and both ranks end (here
-    each rank is a stand-in `stage2_student` that records its pid and sleeps)."""
+    each rank is a stand-in `stage2_student` that records its pid and sleeps). Killed alone, torchrun stops its
+    ranks (SIGTERM on the driver's death); killed with torchrun, the ranks are left to xtcache's process watcher."""
     import psutil
 
     fake = tmp_path / "fake" / "stage2_student"
@@ -486,6 +494,8 @@ def test_a_killed_driver_leaves_no_torchrun_rank_running(tmp_path):
         launcher = ranks[0].parent()
         assert "torch.distributed.run" in " ".join(launcher.cmdline()) and launcher.parent().pid == proc.pid
         time.sleep(1.0)  # the driver's watcher registers new descendants twice a second
+        if launcher_too:
+            launcher.kill()
         proc.kill()
     finally:
         proc.wait()

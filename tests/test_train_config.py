@@ -148,3 +148,35 @@ def test_trainer_state_of_the_previous_version_loads_and_a_newer_one_is_refused(
     (ckpt / "trainer_state_rank0.json").write_text(json.dumps({"version": 99, "step": 3, "world": 1, "loader": {}}))
     with pytest.raises(ConfigError, match="version 99"):
         read_trainer_state(ckpt / "trainer_state_rank0.json")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_checkpoint_is_marked_complete_only_after_every_rank_wrote_its_files(tmp_path, monkeypatch, rank):
+    """train_config.json (rank 0's, what `xtcache rounds` reads as "this checkpoint is complete") is written after
+    a barrier that every rank reaches only once its DeepSpeed files, trainer state and RNG are written."""
+    import types
+
+    import torch.distributed
+
+    from stage2_student import checkpoint
+
+    events = []
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: events.append("barrier"))
+
+    def save_checkpoint(root, tag, client_state):
+        (tmp_path / "checkpoints" / tag).mkdir(parents=True)
+        events.append("deepspeed")
+
+    trainer = types.SimpleNamespace(
+        out=tmp_path, step=3, world=2, rank=rank, engine=types.SimpleNamespace(save_checkpoint=save_checkpoint),
+        data=types.SimpleNamespace(train=types.SimpleNamespace(state_dict=lambda: {"next_micro_batch": 6}),
+                                   objective=types.SimpleNamespace(kind="kl")),
+        cfg=types.SimpleNamespace(to_json=lambda: "{}", checkpoint=types.SimpleNamespace(keep_checkpoints=0)))
+    real_write = type(tmp_path).write_text
+    monkeypatch.setattr(type(tmp_path), "write_text",
+                        lambda p, *a, **k: (events.append(p.name), real_write(p, *a, **k))[1])
+    monkeypatch.setattr("torch.save", lambda obj, path: events.append(path.name))
+    checkpoint.save(trainer)
+    mine = [f"trainer_state_rank{rank}.json", f"rng_rank{rank}.pt"]
+    assert events[:4] == ["barrier", "deepspeed", *mine]
+    assert events[4:] == (["barrier", "train_config.json", "barrier"] if rank == 0 else ["barrier", "barrier"])

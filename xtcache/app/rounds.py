@@ -290,11 +290,13 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _die_with_parent(sig: int) -> None:
-    """In the child: receive `sig` when the driver dies, so a killed driver leaves no stage running."""
+def _die_with_parent(sig: int):
+    """What a stage's child runs before its exec (`preexec_fn`): receive `sig` when the driver dies, so a killed
+    driver leaves no stage running. libc is loaded here, in the driver, not in the forked child."""
     import ctypes
 
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    return lambda: prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
 # A launcher's job index and process group: each stage reads them as its own (teacher-dump and generate as
@@ -330,7 +332,7 @@ def run_xtcache(cfg: RoundsConfig, args: list[str]) -> None:
     sig = signal.SIGTERM if torchrun else signal.SIGKILL
     with guard_children() if torchrun else contextlib.nullcontext():
         rc = subprocess.run(argv, env=stage_env(os.environ),
-                            preexec_fn=functools.partial(_die_with_parent, sig) if linux else None).returncode
+                            preexec_fn=_die_with_parent(sig) if linux else None).returncode
     if rc != 0:
         raise ConfigError(f"{line}: exit {rc}; fix the cause and rerun xtcache rounds (finished stages are kept; "
                           "flags that change only unfinished stages may change)")
@@ -518,6 +520,7 @@ def check_settings(cfg: RoundsConfig) -> None:
         for key in ("generate_args", "dump_args"):  # a work directory without extra stage flags has none
             extra = recorded.get(key) or ""
             recorded[key] = shlex.join(extra) if isinstance(extra, list) else extra
+        recorded.setdefault("nproc_per_node", 1)  # recorded before the option: one process
         mine = asdict(cfg)
         changed = sorted(k for k in set(recorded) | set(mine) if k != "rounds" and recorded.get(k) != mine.get(k))
         if changed:
@@ -555,8 +558,7 @@ def check_commands(cfg: RoundsConfig) -> None:
     from xtcache.cliconfig import check_paths, config_of
 
     commands = {"generate": generate, "teacher-dump": teacher_dump, "train-student": train_student}
-    gpus = cuda_device_count()
-    if cfg.nproc_per_node > 1 and 0 < gpus < cfg.nproc_per_node:
+    if cfg.nproc_per_node > 1 and 0 < (gpus := cuda_device_count()) < cfg.nproc_per_node:
         raise ConfigError(f"--nproc-per-node {cfg.nproc_per_node}: this machine shows {gpus} GPUs, one for each "
                           "train-student process (CUDA_VISIBLE_DEVICES applies); nothing has run")
     work = Path(cfg.workdir).resolve()
