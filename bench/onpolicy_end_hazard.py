@@ -7,7 +7,11 @@ Each model answers the section's held-out prompts (4 samples each, temperature 1
 student tokens: policy-eval's sampler). The teacher (transformers, float32) reads every answer after the
 prompt in its own template and gives, at each answer token after the first, its probability of ending the turn
 there instead (`eos_token`, the template's end-of-turn marker). The table: per model, the mean of that
-probability per answer, then over answers, and over each answer's second half; answers' mean characters.
+probability per answer, then over answers, and over each answer's second half; answers' mean characters. Then
+the ends expected per 100 characters of answer (the sum of those probabilities over the answer's tokens, per
+character: comparable across tokenizers), once by the teacher and once by the model itself, which reads its own
+answers in its own template and gives its own end-of-turn probability the same way: a model whose own figure is
+above the teacher's ends its answers sooner than the teacher would end them.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 DOC_BLOCKS = {"onpolicy-end-hazard": "docs/on-policy.md"}  # --write-docs: block -> file
-HEAD = ["| model | seed | answers | mean characters | teacher P(end), mean over answers | second halves |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |"]
+HEAD = ["| model | seed | answers | mean characters | teacher P(end), mean over answers | second halves | "
+        "ends per 100 characters: teacher | the model itself |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
 
 def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str], device="cpu") -> list:
@@ -69,6 +74,8 @@ def hazard_models(work: Path, seeds: list[int]) -> list[tuple[str, object, Path]
 def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) -> list[str]:
     """The table's rows (markdown), each printed as it is measured."""
     import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
 
     from stage1_teacher.onpolicy.policy_eval import TeacherScorer, read_prompts, sample_student
     from xtcache.tokenizer import load_tokenizer
@@ -82,15 +89,22 @@ def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) 
             tok = load_tokenizer(str(path), "model tokenizer")
             prompts = read_prompts(prompts_path, tok)
             _, texts = sample_student(str(path), tok, prompts, samples_per_prompt=samples, max_new_tokens=cap, seed=1)
-            per, second, chars = [], [], []
+            model = scorer.model if name == "teacher" else AutoModelForCausalLM.from_pretrained(
+                str(path), torch_dtype=torch.float32).eval()
+            per, second, chars, teacher_rate, own_rate = [], [], [], [], []
             for prompt, answers in zip(prompts, texts):
+                own = dict(end_probabilities(model, tok, prompt.conversation, answers))
                 for text, p in end_probabilities(scorer.model, scorer.tokenizer, prompt.conversation, answers,
                                                  scorer.device):
+                    if text not in own:  # one student token: no end probability after its first
+                        continue
                     per.append(p.mean())
                     second.append(p[len(p) // 2:].mean())
                     chars.append(len(text))
+                    teacher_rate.append(100 * p.sum() / len(text))
+                    own_rate.append(100 * own[text].sum() / len(text))
             table.append(f"| {name} | {seed} | {len(per)} | {np.mean(chars):.1f} | {np.mean(per):.4f} | "
-                         f"{np.mean(second):.4f} |")
+                         f"{np.mean(second):.4f} | {np.mean(teacher_rate):.3f} | {np.mean(own_rate):.3f} |")
             print(table[-1], flush=True)
     finally:
         scorer.close()
