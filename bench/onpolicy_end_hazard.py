@@ -11,7 +11,9 @@ probability per answer, then over answers, and over each answer's second half; a
 the ends expected per 100 characters of answer (the sum of those probabilities over the answer's tokens, per
 character: comparable across tokenizers), once by the teacher and once by the model itself, which reads its own
 answers in its own template and gives its own end-of-turn probability the same way: a model whose own figure is
-above the teacher's ends its answers sooner than the teacher would end them.
+above the teacher's ends its answers sooner than the teacher would end them. Last, of the answers that ended
+(the model sampled its end-of-turn marker), the teacher's negative log-probability of ending where they end: the
+stop decision's share of policy-eval's teacher NLL.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ if str(REPO) not in sys.path:
 
 DOC_BLOCKS = {"onpolicy-end-hazard": "docs/on-policy.md"}  # --write-docs: block -> file
 HEAD = ["| model | seed | answers | mean characters | teacher P(end), mean over answers | second halves | "
-        "ends per 100 characters: teacher | the model itself |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        "ends per 100 characters: teacher | the model itself | answers that ended | teacher NLL of their end (nats) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
 
 def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str], device="cpu") -> list:
-    """(answer, the teacher's P(end of turn) in place of each of its tokens after the first) per answer of at
-    least two teacher tokens."""
+    """(answer, the teacher's P(end of turn) in place of each of its tokens after the first, its P(end of turn)
+    right after the answer) per answer of at least two teacher tokens."""
     import torch
 
     from xtcache.chat.render import render
@@ -47,7 +49,8 @@ def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str], devi
         with torch.inference_mode():
             logits = teacher(input_ids=torch.tensor([prefix + ids], device=device)).logits[0].double()
         p_end = torch.softmax(logits, dim=-1)[:, end].cpu().numpy()
-        out.append((text, p_end[len(prefix):len(prefix) + len(ids) - 1]))  # row j predicts token j + 1
+        # row j predicts token j + 1: rows of answer tokens 2..n, then the row after the answer
+        out.append((text, p_end[len(prefix):len(prefix) + len(ids) - 1], float(p_end[len(prefix) + len(ids) - 1])))
     return out
 
 
@@ -88,14 +91,16 @@ def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) 
         for name, seed, path in models:
             tok = load_tokenizer(str(path), "model tokenizer")
             prompts = read_prompts(prompts_path, tok)
-            _, texts = sample_student(str(path), tok, prompts, samples_per_prompt=samples, max_new_tokens=cap, seed=1)
+            completions, texts = sample_student(str(path), tok, prompts, samples_per_prompt=samples,
+                                                max_new_tokens=cap, seed=1)
             model = scorer.model if name == "teacher" else AutoModelForCausalLM.from_pretrained(
                 str(path), torch_dtype=torch.float32).eval()
-            per, second, chars, teacher_rate, own_rate = [], [], [], [], []
-            for prompt, answers in zip(prompts, texts):
-                own = dict(end_probabilities(model, tok, prompt.conversation, answers))
-                for text, p in end_probabilities(scorer.model, scorer.tokenizer, prompt.conversation, answers,
-                                                 scorer.device):
+            per, second, chars, teacher_rate, own_rate, end_nll = [], [], [], [], [], []
+            for prompt, comps, answers in zip(prompts, completions, texts):
+                stopped = {text: c.stop_reason == "stop" for c, text in zip(comps, answers)}
+                own = {text: p for text, p, _ in end_probabilities(model, tok, prompt.conversation, answers)}
+                for text, p, last in end_probabilities(scorer.model, scorer.tokenizer, prompt.conversation, answers,
+                                                       scorer.device):
                     if text not in own:  # one student token: no end probability after its first
                         continue
                     per.append(p.mean())
@@ -103,8 +108,11 @@ def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) 
                     chars.append(len(text))
                     teacher_rate.append(100 * p.sum() / len(text))
                     own_rate.append(100 * own[text].sum() / len(text))
+                    if stopped[text]:
+                        end_nll.append(-np.log(max(last, 1e-30)))
             table.append(f"| {name} | {seed} | {len(per)} | {np.mean(chars):.1f} | {np.mean(per):.4f} | "
-                         f"{np.mean(second):.4f} | {np.mean(teacher_rate):.3f} | {np.mean(own_rate):.3f} |")
+                         f"{np.mean(second):.4f} | {np.mean(teacher_rate):.3f} | {np.mean(own_rate):.3f} | "
+                         f"{len(end_nll)} | {np.mean(end_nll):.2f} |")
             print(table[-1], flush=True)
     finally:
         scorer.close()

@@ -50,7 +50,8 @@ def test_a_row_beats_on_a_measure_only_when_lower_on_every_seed_beyond_the_paire
 def test_end_probabilities_read_each_answer_after_its_prompt_one_row_per_answer_token_after_the_first(
         toy_setup, tmp_path):
     """A fake teacher whose logits give the end-of-turn id the logit log(position): the probabilities returned
-    are those of the rows that predict answer tokens 2..n, after the prompt in the teacher's own template."""
+    are those of the rows that predict answer tokens 2..n, after the prompt in the teacher's own template, and
+    of the row after the answer."""
     from types import SimpleNamespace
 
     import torch
@@ -74,9 +75,11 @@ def test_end_probabilities_read_each_answer_after_its_prompt_one_row_per_answer_
     answers = ["the cache stores teacher log-probs", "x", ""]
     out = end_probabilities(teacher, tok, prompt, answers)
     n = len(tok(answers[0], add_special_tokens=False)["input_ids"])
-    assert [a for a, _ in out] == answers[:1] and n >= 2  # answers of fewer than two tokens are skipped
+    assert [a for a, _, _ in out] == answers[:1] and n >= 2  # answers of fewer than two tokens are skipped
     rows = torch.arange(prefix, prefix + n - 1, dtype=torch.float64)
     assert torch.allclose(torch.as_tensor(out[0][1]), rows / (rows + 1), atol=1e-5)
+    last = prefix + n - 1  # the row after the answer's last token: the teacher's P(end) where the answer ends
+    assert out[0][2] == pytest.approx(last / (last + 1), abs=1e-5)
 
 
 def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
