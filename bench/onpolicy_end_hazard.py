@@ -13,7 +13,9 @@ character: comparable across tokenizers), once by the teacher and once by the mo
 answers in its own template and gives its own end-of-turn probability the same way: a model whose own figure is
 above the teacher's ends its answers sooner than the teacher would end them. Last, of the answers that ended
 (the model sampled its end-of-turn marker), the teacher's negative log-probability of ending where they end: the
-stop decision's share of policy-eval's teacher NLL.
+stop decision's share of policy-eval's teacher NLL. And the teacher's NLL per byte over the first 60 characters
+of every answer that long (the tokens that end within them): answers compared over the same stretch, whatever
+their lengths.
 """
 
 from __future__ import annotations
@@ -21,20 +23,30 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 DOC_BLOCKS = {"onpolicy-end-hazard": "docs/on-policy.md"}  # --write-docs: block -> file
+HEAD_CHARS = 60  # the answers' first characters, where answers of every length are compared byte for byte
 HEAD = ["| model | seed | answers | mean characters | teacher P(end), mean over answers | second halves | "
-        "ends per 100 characters: teacher | the model itself | answers that ended | teacher NLL of their end (nats) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        "ends per 100 characters: teacher | the model itself | answers that ended | teacher NLL of their end (nats) | "
+        f"answers of {HEAD_CHARS}+ characters | teacher NLL/byte of their first {HEAD_CHARS} |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
 
-def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str], device="cpu") -> list:
-    """(answer, the teacher's P(end of turn) in place of each of its tokens after the first, its P(end of turn)
-    right after the answer) per answer of at least two teacher tokens."""
+class AnswerScore(NamedTuple):
+    text: str
+    inner: object  # the teacher's P(end of turn) in place of each answer token after the first
+    last: float  # its P(end of turn) right after the answer
+    head_nll: float | None  # its NLL of the answer's tokens within the first HEAD_CHARS characters (None: shorter)
+    head_bytes: int | None  # the UTF-8 bytes of those tokens' text
+
+
+def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str], device="cpu") -> list[AnswerScore]:
+    """Each answer of at least two teacher tokens, read by the teacher after the prompt in its own template."""
     import torch
 
     from xtcache.chat.render import render
@@ -43,14 +55,21 @@ def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str], devi
     prefix = tokenizer(render(tokenizer, prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
     out = []
     for text in answers:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
         if len(ids) < 2:
             continue
         with torch.inference_mode():
             logits = teacher(input_ids=torch.tensor([prefix + ids], device=device)).logits[0].double()
-        p_end = torch.softmax(logits, dim=-1)[:, end].cpu().numpy()
-        # row j predicts token j + 1: rows of answer tokens 2..n, then the row after the answer
-        out.append((text, p_end[len(prefix):len(prefix) + len(ids) - 1], float(p_end[len(prefix) + len(ids) - 1])))
+        logp = torch.log_softmax(logits, dim=-1).cpu()
+        p_end = logp[:, end].exp().numpy()
+        head_nll = head_bytes = None
+        if len(text) >= HEAD_CHARS:
+            head = [j for j, (_, stop) in enumerate(enc["offset_mapping"]) if stop <= HEAD_CHARS]
+            head_nll = -sum(float(logp[len(prefix) - 1 + j, ids[j]]) for j in head)  # row i predicts token i + 1
+            head_bytes = len(text[:enc["offset_mapping"][head[-1]][1]].encode()) if head else None
+        out.append(AnswerScore(text, p_end[len(prefix):len(prefix) + len(ids) - 1],
+                               float(p_end[len(prefix) + len(ids) - 1]), head_nll if head_bytes else None, head_bytes))
     return out
 
 
@@ -95,24 +114,27 @@ def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) 
                                                 max_new_tokens=cap, seed=1)
             model = scorer.model if name == "teacher" else AutoModelForCausalLM.from_pretrained(
                 str(path), torch_dtype=torch.float32).eval()
-            per, second, chars, teacher_rate, own_rate, end_nll = [], [], [], [], [], []
+            per, second, chars, teacher_rate, own_rate, end_nll, head = [], [], [], [], [], [], []
             for prompt, comps, answers in zip(prompts, completions, texts):
                 stopped = {text: c.stop_reason == "stop" for c, text in zip(comps, answers)}
-                own = {text: p for text, p, _ in end_probabilities(model, tok, prompt.conversation, answers)}
-                for text, p, last in end_probabilities(scorer.model, scorer.tokenizer, prompt.conversation, answers,
-                                                       scorer.device):
-                    if text not in own:  # one student token: no end probability after its first
+                own = {a.text: a.inner for a in end_probabilities(model, tok, prompt.conversation, answers)}
+                for a in end_probabilities(scorer.model, scorer.tokenizer, prompt.conversation, answers,
+                                           scorer.device):
+                    if a.text not in own:  # one student token: no end probability after its first
                         continue
-                    per.append(p.mean())
-                    second.append(p[len(p) // 2:].mean())
-                    chars.append(len(text))
-                    teacher_rate.append(100 * p.sum() / len(text))
-                    own_rate.append(100 * own[text].sum() / len(text))
-                    if stopped[text]:
-                        end_nll.append(-np.log(max(last, 1e-30)))
+                    per.append(a.inner.mean())
+                    second.append(a.inner[len(a.inner) // 2:].mean())
+                    chars.append(len(a.text))
+                    teacher_rate.append(100 * a.inner.sum() / len(a.text))
+                    own_rate.append(100 * own[a.text].sum() / len(a.text))
+                    if stopped[a.text]:
+                        end_nll.append(-np.log(max(a.last, 1e-30)))
+                    if a.head_nll is not None:
+                        head.append((a.head_nll, a.head_bytes))
+            head_nll, head_bytes = (sum(x) for x in zip(*head)) if head else (float("nan"), 1)
             table.append(f"| {name} | {seed} | {len(per)} | {np.mean(chars):.1f} | {np.mean(per):.4f} | "
                          f"{np.mean(second):.4f} | {np.mean(teacher_rate):.3f} | {np.mean(own_rate):.3f} | "
-                         f"{len(end_nll)} | {np.mean(end_nll):.2f} |")
+                         f"{len(end_nll)} | {np.mean(end_nll):.2f} | {len(head)} | {head_nll / head_bytes:.3f} |")
             print(table[-1], flush=True)
     finally:
         scorer.close()

@@ -6,6 +6,7 @@ within, lower or higher beyond the two rows' spread."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, replace
 
 import pytest
@@ -56,7 +57,7 @@ def test_end_probabilities_read_each_answer_after_its_prompt_one_row_per_answer_
 
     import torch
 
-    from bench.onpolicy_end_hazard import end_probabilities
+    from bench.onpolicy_end_hazard import HEAD_CHARS, end_probabilities
     from xtcache.chat.render import render
     from xtcache.testing.chat import chat_tokenizer
 
@@ -72,14 +73,24 @@ def test_end_probabilities_read_each_answer_after_its_prompt_one_row_per_answer_
 
     prompt = {"messages": [{"role": "user", "content": "what is the cache?"}]}
     prefix = len(tok(render(tok, prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"])
-    answers = ["the cache stores teacher log-probs", "x", ""]
+    long = "the cache stores the teacher's log-probs once, and many students read them again"
+    answers = ["the cache stores teacher log-probs", "x", "", long]
     out = end_probabilities(teacher, tok, prompt, answers)
     n = len(tok(answers[0], add_special_tokens=False)["input_ids"])
-    assert [a for a, _, _ in out] == answers[:1] and n >= 2  # answers of fewer than two tokens are skipped
+    assert [a.text for a in out] == [answers[0], long] and n >= 2  # answers of fewer than two tokens are skipped
     rows = torch.arange(prefix, prefix + n - 1, dtype=torch.float64)
-    assert torch.allclose(torch.as_tensor(out[0][1]), rows / (rows + 1), atol=1e-5)
+    assert torch.allclose(torch.as_tensor(out[0].inner), rows / (rows + 1), atol=1e-5)
     last = prefix + n - 1  # the row after the answer's last token: the teacher's P(end) where the answer ends
-    assert out[0][2] == pytest.approx(last / (last + 1), abs=1e-5)
+    assert out[0].last == pytest.approx(last / (last + 1), abs=1e-5)
+    assert out[0].head_nll is None  # shorter than HEAD_CHARS: not in the like-for-like stretch
+    # the long answer's tokens that end within its first HEAD_CHARS characters: token j is read at row
+    # prefix - 1 + j, where every id but 0 and the end has logit -1e4 against log-sum-exp log(1 + row)
+    enc = tok(long, add_special_tokens=False, return_offsets_mapping=True)
+    head = [j for j, (_, stop) in enumerate(enc["offset_mapping"]) if stop <= HEAD_CHARS]
+    assert 0 < len(head) < len(enc["input_ids"]) and all(i not in (0, end) for i in enc["input_ids"])
+    want = sum(1e4 + math.log(prefix + j) for j in head)  # row prefix - 1 + j: log(1 + row) = log(prefix + j)
+    assert out[1].head_nll == pytest.approx(want, rel=1e-6)
+    assert out[1].head_bytes == len(long[:enc["offset_mapping"][head[-1]][1]].encode())
 
 
 def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
