@@ -94,6 +94,10 @@ ROWS = [
     ("on-policy rounds (defaults), 1 sample a prompt, mixed 1:1 with half the continuation cache", "on",
      ["--samples-per-prompt", "1", "--", "--corpus-cache", "{continue_half_cache}", "--rollout-fraction", "0.5"],
      ("chat",)),
+    # as many rollouts from twice the prompts: the rounds' 24 and the first 24 continuation conversations' prompts
+    ("on-policy rounds (defaults), 48 prompts x 1 sample", "on",
+     ["--prompts", "{wide_prompts}", "--samples-per-prompt", "1"], ("chat",)),
+    ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE", "on", ["--", "--pkl-divergence", "jsd"], ("chat",)),
 ]
 MEASURES = (("reverse_kl_per_sequence", "reverse KL/sequence"), ("teacher_nll_per_byte", "teacher NLL/byte"))
 
@@ -130,6 +134,12 @@ def text_rows(docs: list[str], *, prefix: int = 240, completion: int = 180) -> l
     return rows
 
 
+def wide_prompt_rows(rows: int, prompts: int, cont: int) -> list[int]:
+    """The chat rows whose prompts a wide row samples: the rounds' `prompts` (the first rows) and as many of the
+    continuation conversations (the last `cont`): none of the rows the students converged on."""
+    return [*range(prompts), *range(rows - cont, rows - cont + min(prompts, cont))]
+
+
 def prepare(kind: str, work: Path, s: ConvergedSettings, log_file: Path) -> dict:
     """One kind's prompts, caches (converge, continue, held-out full) and projection (seed-independent)."""
     from xtcache.testing.chat import write_chat_jsonl, write_prompts
@@ -147,6 +157,7 @@ def prepare(kind: str, work: Path, s: ConvergedSettings, log_file: Path) -> dict
         converge = write_chat_jsonl(work / "converge.jsonl", rows[n:len(rows) - c])
         cont_rows = rows[len(rows) - c:]
         cont = write_chat_jsonl(work / "continue.jsonl", cont_rows)
+        p["wide_prompts"] = write_prompts(rows, work / "prompts-train-wide.jsonl", wide_prompt_rows(len(rows), n, c))
         heldout = setup.heldout_jsonl
     else:
         docs = [json.loads(x)["text"] for x in setup.train_jsonl.read_text().splitlines()]
@@ -199,12 +210,15 @@ def off_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int,
             "teacher_positions": p["continue_positions"]}
 
 
-def rounds_plan(s: ConvergedSettings, own: list[str]) -> list[str]:
+def rounds_plan(p: dict, s: ConvergedSettings, own: list[str]) -> list[str]:
     """`xtcache rounds` flags of a row: the section's rounds, steps a round and samples a prompt, each replaced
-    by the row's own value where it gives one, then the row's other flags ((flag, value) pairs)."""
-    plan = {"--rounds": "2", "--steps-per-round": str(s.steps // 2), "--samples-per-prompt": str(s.samples_per_prompt)}
+    by the row's own value where it gives one (a value in braces: the path of that key of `p`), then the row's
+    other flags ((flag, value) pairs)."""
+    plan = {"--prompts": str(p["train_prompts"]), "--rounds": "2", "--steps-per-round": str(s.steps // 2),
+            "--samples-per-prompt": str(s.samples_per_prompt)}
     rest = []
     for flag, value in zip(own[::2], own[1::2], strict=True):
+        value = str(p[value[1:-1]]) if value.startswith("{") else value
         if flag in plan:
             plan[flag] = value
         else:
@@ -218,8 +232,8 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
     own, train = (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
     mixed = "--corpus-cache" in train  # its corpus: a cache of the section's, named by its key in braces
     train = [str(p[a[1:-1]]) if a.startswith("{") else a for a in train]
-    run_xtcache("rounds", "--student", str(start), "--teacher", str(p["setup"].teacher_model), "--prompts",
-                str(p["train_prompts"]), "--workdir", str(out), "--engine", "hf", *rounds_plan(s, own),
+    run_xtcache("rounds", "--student", str(start), "--teacher", str(p["setup"].teacher_model),
+                "--workdir", str(out), "--engine", "hf", *rounds_plan(p, s, own),
                 "--max-new-tokens", str(s.max_new_tokens), "--seed", str(seed), "--train-on", "last-assistant",
                 "--projection", str(p["projection"]), "--eval-cache", str(p["eval_cache"]), "--",
                 *_flags(s.lr, 2, 1.0), *train, log_file=log_file)

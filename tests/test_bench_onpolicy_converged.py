@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 import pytest
 
 import bench.quality_onpolicy_converged as conv
-from bench.quality_onpolicy_converged import ROWS, ConvergedSettings, rounds_plan, text_rows, verdicts
+from bench.quality_onpolicy_converged import ROWS, ConvergedSettings, rounds_plan, text_rows, verdicts, wide_prompt_rows
 
 OFF, ON = ROWS[0][0], ROWS[1][0]
 
@@ -94,21 +94,34 @@ def test_end_probabilities_read_each_answer_after_its_prompt_one_row_per_answer_
 
 
 def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
-    """A row's own --rounds, --steps-per-round and --samples-per-prompt replace the section's; every row keeps
-    the equal-cost rule: rounds x steps = the section's steps, rounds x samples = 2 rounds' worth (a row mixed
-    1:1 with a corpus cache: half of it)."""
+    """A row's own --prompts, --rounds, --steps-per-round and --samples-per-prompt replace the section's (a value
+    in braces names a file of the kind's); every row keeps the equal-cost rule: rounds x steps = the section's
+    steps, rounds x prompts x samples = 2 rounds' worth (a row mixed 1:1 with a corpus cache: half of it)."""
     s = ConvergedSettings()
-    assert rounds_plan(s, []) == ["--rounds", "2", "--steps-per-round", "8", "--samples-per-prompt", "2"]
-    assert rounds_plan(s, ["--loss", "auto", "--rounds", "4"])[:2] == ["--rounds", "4"]
-    assert rounds_plan(s, ["--loss", "auto", "--rounds", "4"])[-2:] == ["--loss", "auto"]
+    p = {"train_prompts": "train.jsonl", "wide_prompts": "wide.jsonl"}
+    prompts = {"train.jsonl": s.prompts, "wide.jsonl": 2 * s.prompts}  # what prepare writes (test below)
+    assert rounds_plan(p, s, []) == ["--prompts", "train.jsonl", "--rounds", "2", "--steps-per-round", "8",
+                                     "--samples-per-prompt", "2"]
+    assert rounds_plan(p, s, ["--loss", "auto", "--rounds", "4"])[2:4] == ["--rounds", "4"]
+    assert rounds_plan(p, s, ["--loss", "auto", "--rounds", "4"])[-2:] == ["--loss", "auto"]
+    assert rounds_plan(p, s, ["--prompts", "{wide_prompts}"])[:2] == ["--prompts", "wide.jsonl"]
     for _, how, flags, _ in ROWS:
         if how == "on":
             own, train = (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
-            plan = dict(zip(rounds_plan(s, own)[::2], rounds_plan(s, own)[1::2], strict=True))
+            plan = dict(zip(rounds_plan(p, s, own)[::2], rounds_plan(p, s, own)[1::2], strict=True))
             rounds = int(plan["--rounds"])
             share = float(train[train.index("--rollout-fraction") + 1]) if "--corpus-cache" in train else 1.0
             assert rounds * int(plan["--steps-per-round"]) == s.steps
-            assert rounds * int(plan["--samples-per-prompt"]) == 2 * s.samples_per_prompt * share
+            assert (rounds * prompts[plan["--prompts"]] * int(plan["--samples-per-prompt"])
+                    == 2 * s.prompts * s.samples_per_prompt * share)
+
+
+def test_the_wide_rows_prompts_are_the_rounds_and_continuation_prompts_never_a_converged_conversation():
+    s = ConvergedSettings()
+    wide = wide_prompt_rows(s.chat_train, s.prompts, s.chat_continue)
+    converged = set(range(s.prompts, s.chat_train - s.chat_continue))  # prepare's converge.jsonl
+    assert len(set(wide)) == 2 * s.prompts and not converged & set(wide)
+    assert wide[:s.prompts] == list(range(s.prompts))
 
 
 def _fake_stages(monkeypatch, calls):
