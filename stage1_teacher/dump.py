@@ -42,7 +42,7 @@ def run_teacher_dump(cfg: TeacherDumpConfig, *, engines=None, progress: bool = T
     (tests); without it the engines are started here and always shut down before returning.
     """
     t_start = time.perf_counter()
-    place_job(cfg)
+    place_job(cfg.teacher.tensor_parallel_size)
     corpus = preflight.check_inputs(cfg)  # corpus rows and output location, before the teacher is hashed or loaded
     plan = make_plan(cfg, corpus)
     if cfg.dry_run:

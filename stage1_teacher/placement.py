@@ -1,5 +1,5 @@
-"""Where a `xtcache teacher-dump` job runs: its GPUs under a multi-job launcher, and its torch
-threads beside vLLM's CPU worker.
+"""Where a stage 1 job (`xtcache teacher-dump`, `xtcache generate`) runs: its GPUs under a multi-job
+launcher, and its torch threads beside vLLM's CPU worker.
 
     python -c "from stage1_teacher.placement import place_job, share_cpu_with_vllm"
 """
@@ -15,12 +15,13 @@ from xtcache.devices import job_devices
 log = logging.getLogger(__name__)
 
 
-def place_job(cfg) -> None:
-    """Under a launcher that starts several jobs per node, give this job its own GPUs (before
-    anything asks CUDA a question: the engine's workers inherit CUDA_VISIBLE_DEVICES)."""
+def place_job(tensor_parallel_size: int) -> None:
+    """Under a launcher that starts several jobs per node, give this job its own GPUs, as many as its
+    engine's `tensor_parallel_size` (before anything asks CUDA a question: the engine's workers, and
+    the HF engine's model, inherit CUDA_VISIBLE_DEVICES)."""
     if not devices.cuda_present():
         return
-    visible = job_devices(cfg.teacher.tensor_parallel_size)
+    visible = job_devices(tensor_parallel_size)
     if visible is not None:
         log.info("job with LOCAL_RANK %s of %s on this node: CUDA_VISIBLE_DEVICES=%s", os.environ["LOCAL_RANK"],
                  os.environ["LOCAL_WORLD_SIZE"], visible)

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import os
 import traceback
 
 import numpy as np
@@ -308,6 +309,48 @@ def test_too_few_gpus_for_a_node_s_jobs_is_refused():
 
     with pytest.raises(ConfigError, match="8 jobs on this node .* need 16 GPUs, and 8 are visible"):
         job_devices(2, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}, device_count=lambda: 8)
+
+
+class _Placed(Exception):
+    """Raised by the first step after a stage 1 job placed itself: the job stops there."""
+
+
+@pytest.mark.parametrize("command", ["teacher-dump", "generate"])
+def test_each_stage_1_job_takes_its_own_gpus_before_it_reads_anything(command, monkeypatch, tmp_path):
+    """Job 1 of 2 on a node with GPUs 4-7 visible: a teacher-dump job at --tensor-parallel-size 2 takes
+    6,7, a generate job (the student unsharded) takes 5, before the corpus is opened."""
+    import stage1_teacher.dump as dump
+    import stage1_teacher.onpolicy.generate as generate
+    import xtcache.devices
+
+    seen = []
+
+    def stop(*args, **kwargs):
+        seen.append(os.environ["CUDA_VISIBLE_DEVICES"])
+        raise _Placed
+
+    monkeypatch.setattr(xtcache.devices, "cuda_present", lambda: True)
+    for key, value in {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "WORLD_SIZE": "2",
+                       "CUDA_VISIBLE_DEVICES": "4,5,6,7"}.items():
+        monkeypatch.setenv(key, value)
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": "x"}) + "\n")
+    if command == "teacher-dump":
+        from stage1_teacher.config import build_config
+
+        monkeypatch.setattr(dump.preflight, "check_inputs", stop)
+        cfg = build_config({"teacher": "t", "student_tokenizer": ["s"], "data": [str(data)], "out": str(tmp_path / "store"), "engine": "vllm",
+                            "tensor_parallel_size": 2})
+        with pytest.raises(_Placed):
+            dump.run_teacher_dump(cfg, progress=False)
+    else:
+        from stage1_teacher.onpolicy.generate_config import build_generate_config
+
+        monkeypatch.setattr(generate, "open_corpus", stop)
+        cfg = build_generate_config({"student": "s", "data": [str(data)], "out": str(tmp_path / "r")})
+        with pytest.raises(_Placed):
+            generate.run_generate(cfg)
+    assert seen == ["6,7" if command == "teacher-dump" else "5"]
 
 
 # ----------------------------------------------------------------------------- one dtype, one runner

@@ -37,6 +37,7 @@ from stage1_teacher.onpolicy.rollouts import (
     write_part,
 )
 from stage1_teacher.onpolicy.samplers import HfSampler, VllmSampler
+from stage1_teacher.placement import place_job
 from stage1_teacher.shard_plan import obtain_plan
 from xtcache.errors import ConfigError, StoreError
 from xtcache.fingerprint import listing_fingerprint
@@ -124,6 +125,7 @@ def _open_writer(cfg: GenerateConfig, loc, writer: int):
 def run_generate(cfg: GenerateConfig) -> GenerateSummary:
     """Generate this job's parts of the rollouts (see the module docstring)."""
     o, w = cfg.output, cfg.output.shard_index
+    place_job(1)  # one GPU per job under a launcher's several jobs per node (the student runs unsharded)
     corpus = open_corpus(cfg)
     for f in corpus.files:  # before the student is loaded: refused in a second
         if f.size == 0:
