@@ -78,7 +78,8 @@ def _weights(workdir: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def vllm_run(chat, tmp_path_factory):
     """Two rounds with vLLM generating and scoring (issue 26's test): 1 prompt x 2 samples, 1 step a round, each
-    round's train-student under torchrun on two processes (one sample each)."""
+    round's stages under torchrun on two processes (generate and teacher-dump two jobs, train-student two ranks
+    with one sample each)."""
     setup, prompts = chat
     root = tmp_path_factory.mktemp("vllm")
     one = root / "prompt.jsonl"
@@ -93,9 +94,15 @@ def test_two_rounds_chain_policies_checkpoints_and_print_their_commands(vllm_run
     workdir, out = vllm_run
     steps = 1
     commands = (workdir / "commands.sh").read_text().splitlines()
-    torchrun = "torchrun --standalone --nproc-per-node 2 -m stage2_student"
-    assert [c.split()[1] for c in commands[::3] + commands[1::3]] == ["generate"] * 2 + ["teacher-dump"] * 2
-    assert all(c.startswith(f"{torchrun} --cache {workdir}/round-00{r}/cache ") for r, c in enumerate(commands[2::3]))
+    torchrun = "torchrun --standalone --nproc-per-node 2 -m"  # every stage on two processes
+    assert all(c.startswith(f"{torchrun} xtcache.app.cli ") for c in commands[::3] + commands[1::3])
+    assert [c.split()[6] for c in commands[::3] + commands[1::3]] == ["generate"] * 2 + ["teacher-dump"] * 2
+    assert all(c.startswith(f"{torchrun} stage2_student --cache {workdir}/round-00{r}/cache ")
+               for r, c in enumerate(commands[2::3]))
+    for r in (0, 1):  # generate and teacher-dump ran as two jobs each (the one prompt file: one job's share)
+        for stage_out in ("rollouts", "cache"):
+            assert sorted(p.name for p in (workdir / f"round-00{r}" / stage_out / "done").iterdir()) == [
+                "w00000.json", "w00001.json"], (r, stage_out)
     assert all(f"$ {c}" in out for c in commands)
     assert sum("--engine vllm" in c for c in commands) == 4  # generate and teacher-dump, both rounds
     assert all(c.endswith("--no-fast-path") for c in commands if " teacher-dump " in c)
@@ -417,22 +424,32 @@ def test_a_round_resolving_another_loss_from_the_same_settings_is_refused_naming
         check_objective(cfg, 2, done(2, now))
 
 
-def test_train_student_on_several_processes_is_recorded_as_its_torchrun_command_and_checked_like_one(tmp_path,
-                                                                                                   monkeypatch, caplog):
-    """--nproc-per-node N: train-student's command is torchrun's with train-student's own flags (checked before
-    anything runs as those of one process are), and the process count is part of the finished stage's settings."""
+def test_each_stage_on_several_processes_is_recorded_as_its_torchrun_command_and_checked_like_one(tmp_path,
+                                                                                              monkeypatch, caplog):
+    """--nproc-per-node N: each stage's command is torchrun's with the stage's own flags (checked before anything
+    runs as those of one process are): generate N jobs, teacher-dump N / TP jobs, train-student N ranks; an N that
+    TP does not divide is refused; the process count is part of the finished stages' settings."""
     from xtcache.app import rounds
     from xtcache.errors import ConfigError
 
     monkeypatch.setattr(rounds, "cuda_device_count", lambda: 0)  # this CPU machine, also on a host with a GPU
     with pytest.raises(ValueError, match="--nproc-per-node 0: must be at least 1"):
         _cfg(tmp_path, nproc_per_node=0)
+    with pytest.raises(ValueError, match="--nproc-per-node 3 with --dump-args '--tensor-parallel-size 2': teacher-dump "
+                                         "runs N / TP jobs of TP GPUs each; give an N that TP divides"):
+        _cfg(tmp_path, nproc_per_node=3, dump_args="--tensor-parallel-size 2")
+    with pytest.raises(ValueError, match="--tensor-parallel-size x: give a whole number"):
+        _cfg(tmp_path, dump_args="--tensor-parallel-size=x")
     one, two = _cfg(tmp_path), _cfg(tmp_path, nproc_per_node=2)
-    flags = rounds.stage_command(one, 1, "train-student")
-    assert rounds.stage_command(two, 1, "train-student") == [
-        "torchrun", "--standalone", "--nproc-per-node", "2", "-m", "stage2_student", *flags[1:]]
-    assert rounds.stage_flags(rounds.stage_command(two, 1, "train-student")) == flags[1:]
-    assert all(rounds.stage_command(two, 1, s) == rounds.stage_command(one, 1, s) for s in ("generate", "teacher-dump"))
+    launch = ["torchrun", "--standalone", "--nproc-per-node"]
+    for stage in rounds.STAGES:
+        flags = rounds.stage_command(one, 1, stage)
+        module = ["stage2_student"] if stage == "train-student" else ["xtcache.app.cli", stage]
+        assert rounds.stage_command(two, 1, stage) == [*launch, "2", "-m", *module, *flags[1:]]
+        assert rounds.stage_flags(rounds.stage_command(two, 1, stage)) == rounds.stage_flags(flags) == flags[1:]
+    tp = {"dump_args": "--tensor-parallel-size 2"}  # teacher-dump: N / TP jobs, TP GPUs each
+    assert rounds.stage_command(_cfg(tmp_path, nproc_per_node=2, **tp), 1, "teacher-dump")[0] == "teacher-dump"
+    assert rounds.stage_command(_cfg(tmp_path, nproc_per_node=4, **tp), 1, "teacher-dump")[:4] == [*launch, "2"]
     for d in ("S", "T"):
         (tmp_path / d).mkdir()
     (tmp_path / "p.jsonl").write_text("")
@@ -443,13 +460,13 @@ def test_train_student_on_several_processes_is_recorded_as_its_torchrun_command_
         rounds.check_commands(_cfg(tmp_path, **base, train_args=["--lr", "-1"]))
     monkeypatch.setattr(rounds, "cuda_device_count", lambda: 1)  # a one-GPU machine: one process per GPU
     with pytest.raises(ConfigError, match=r"^--nproc-per-node 2: this machine shows 1 GPUs, one for each "
-                                          r"train-student process .*; nothing has run$"):
+                                          r"process of a stage .*; nothing has run$"):
         rounds.check_commands(_cfg(tmp_path, **base))
     rounds.check_settings(one)
     for stage in rounds.STAGES:
         _finish(one, 0, stage)
     with pytest.raises(ConfigError, match=r"^--workdir \S+: --nproc-per-node 1 -> --nproc-per-node 2 changes round 0 "
-                                          r"train-student, which has finished"):
+                                          r"generate, which has finished"):
         rounds.check_settings(two)
     settings = tmp_path / "w" / "rounds.json"  # as an xtcache before the option recorded it: one process, no change
     settings.write_text(json.dumps({k: v for k, v in json.loads(settings.read_text()).items() if k != "nproc_per_node"}))

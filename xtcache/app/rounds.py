@@ -3,8 +3,9 @@
     xtcache rounds --student S --teacher T --prompts prompts.jsonl --rounds 3 --workdir W \\
         --steps-per-round 200 --train-on last-assistant -- --lr 1e-5 --seq-len 1024
 
-Round r (r = 0, 1, ...) runs three `xtcache` commands as subprocesses, under W/round-RRR/ (train-student
-under `torchrun --standalone` with --nproc-per-node above 1):
+Round r (r = 0, 1, ...) runs three `xtcache` commands as subprocesses, under W/round-RRR/ (each under
+`torchrun --standalone` with --nproc-per-node N above 1: generate as N jobs, one GPU each, teacher-dump as
+N / TP jobs of --tensor-parallel-size TP GPUs each, train-student on N ranks):
 
 1. `generate --student S_r --out rollouts`: S_0 is --student, S_r is round r-1's export (train/hf);
 2. `teacher-dump --data 'rollouts/parts/*.jsonl' --out cache`: the teacher scores the rollouts in
@@ -67,7 +68,7 @@ ROLLOUT_CE_WEIGHT = 0.1  # train-student --ce-weight on a round's rollouts unles
 SETTINGS_FILE = "rounds.json"
 DIVERGENCES = {"forward": "kl", "reverse": "rkl"}  # rounds' --loss -> train-student's same-tokenizer loss
 # generate's and teacher-dump's flags that rounds sets itself (its own options, the round's paths), that would split a
-# round's one job, or (--config) a file that could set any of them
+# round's stage otherwise than into its --nproc-per-node jobs, or (--config) a file that could set any of them
 GENERATE_OWNED = frozenset({"--student", "--data", "--out", "--engine", "--resume", "--samples-per-prompt",
                             "--max-new-tokens", "--temperature", "--seed", "--shard-index", "--num-shards", "--no-resume",
                             "--config"})
@@ -78,6 +79,17 @@ DUMP_OWNED = frozenset({"--teacher", "--student-tokenizer", "--data", "--out", "
 def flag_names(args: list[str]) -> set[str]:
     """The flags among command-line arguments, `--flag=value` read as `--flag`."""
     return {a.split("=")[0] for a in args}
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value of the last `flag` among command-line arguments (`--flag value` or `--flag=value`), or None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 @dataclass(kw_only=True)
@@ -119,7 +131,7 @@ class RoundsConfig:
     dump_args: str = ""
     """Extra teacher-dump flags of every round, one shell-quoted string (e.g. '--top-k 32 --dtype bfloat16 --mode sampled')."""
     nproc_per_node: int = 1
-    """train-student's processes (one per GPU): above 1, each round's train-student runs as `torchrun --standalone --nproc-per-node N -m stage2_student` with the same flags (the global batch grows with N)."""
+    """GPUs of this node that each stage uses, one process per GPU: above 1, each stage runs under `torchrun --standalone` with the same flags: generate as N jobs (one GPU each, the prompts split between them), teacher-dump as N / TP jobs (TP: its --tensor-parallel-size in --dump-args; TP GPUs each), train-student on N ranks (the global batch grows with N)."""
     train_args: list[str] = field(default_factory=list, metadata={"after_dashes": True})
     """Flags after `--`: passed to every train-student command (e.g. -- --lr 1e-5 --seq-len 1024)."""
 
@@ -131,6 +143,20 @@ class RoundsConfig:
     def dump_flags(self) -> list[str]:
         return shlex.split(self.dump_args)
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """teacher-dump's --tensor-parallel-size in --dump-args (1 when not given)."""
+        value = flag_value(self.dump_flags, "--tensor-parallel-size")
+        try:
+            return 1 if value is None else int(value)
+        except ValueError:
+            raise ValueError(f"--dump-args {self.dump_args!r}: --tensor-parallel-size {value}: give a whole number") \
+                from None
+
+    def jobs(self, stage: str) -> int:
+        """The processes `stage` runs on: --nproc-per-node, teacher-dump's divided by its tensor-parallel size."""
+        return self.nproc_per_node // self.tensor_parallel_size if stage == "teacher-dump" else self.nproc_per_node
+
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise ValueError(f"--rounds {self.rounds}: must be at least 1")
@@ -138,6 +164,12 @@ class RoundsConfig:
             raise ValueError(f"--steps-per-round {self.steps_per_round}: must be at least 1")
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--dump-args {self.dump_args!r}: --tensor-parallel-size must be at least 1")
+        if self.nproc_per_node % self.tensor_parallel_size:
+            raise ValueError(f"--nproc-per-node {self.nproc_per_node} with --dump-args '--tensor-parallel-size "
+                             f"{self.tensor_parallel_size}': teacher-dump runs N / TP jobs of TP GPUs each; give an N "
+                             "that TP divides")
         if self.engine not in ("vllm", "hf"):
             raise ValueError(f"--engine {self.engine!r}: use vllm or hf")
         if not self.prompts:
@@ -159,26 +191,39 @@ class RoundsConfig:
             raise ValueError(f"--generate-args {self.generate_args!r}: {', '.join(clash)} set by xtcache rounds itself "
                              "(--student: round 0's, then each round's export; the prompts, the round's rollouts, "
                              "--engine, and its own --samples-per-prompt, --max-new-tokens, --temperature, --seed; "
-                             "one generate job a round; no --config file, which could set any of them)")
+                             "its jobs: --nproc-per-node; no --config file, which could set any of them)")
         clash = sorted(flag_names(self.dump_flags) & DUMP_OWNED)
         if clash:
             raise ValueError(f"--dump-args {self.dump_args!r}: {', '.join(clash)} set by xtcache rounds "
-                             "itself (--teacher, --student, the round's rollouts and cache, --engine; one teacher-dump "
-                             "job a round; no --config file, which could set any of them)")
+                             "itself (--teacher, --student, the round's rollouts and cache, --engine; its jobs: "
+                             "--nproc-per-node; no --config file, which could set any of them)")
 
 
 def round_dir(cfg: RoundsConfig, r: int) -> Path:
     return Path(cfg.workdir) / f"round-{r:03d}"
 
 
-# how a round's train-student runs on several processes: torchrun's own rendezvous on this machine, each rank
-# `python -m stage2_student` with train-student's flags
+# how a round's stage runs on several processes: torchrun's own rendezvous on this machine, each process
+# `python -m stage2_student` with train-student's flags (a rank), or `python -m xtcache.app.cli generate ...` (a job
+# of a sharded generate or teacher-dump, its index from torchrun's RANK and WORLD_SIZE, its GPUs from LOCAL_RANK)
 TORCHRUN = ("torchrun", "--standalone", "--nproc-per-node")
+TRAIN_MODULE, CLI_MODULE = "stage2_student", "xtcache.app.cli"
 
 
 def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
     """The command of `stage` in round `r`, without its resume flag: `xtcache` arguments (`train-student ...`), or
-    with --nproc-per-node above 1 train-student's torchrun command line (`torchrun ... -m stage2_student ...`)."""
+    where the stage runs on several processes its torchrun command line (`torchrun ... -m stage2_student ...`,
+    `torchrun ... -m xtcache.app.cli generate ...`)."""
+    args = _stage_args(cfg, r, stage)
+    jobs = cfg.jobs(stage)
+    if jobs == 1:
+        return args
+    if stage == "train-student":
+        return [*TORCHRUN, str(jobs), "-m", TRAIN_MODULE, *args[1:]]
+    return [*TORCHRUN, str(jobs), "-m", CLI_MODULE, *args]
+
+
+def _stage_args(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
     d = round_dir(cfg, r)
     if stage == "generate":
         policy = cfg.student if r == 0 else str(round_dir(cfg, r - 1) / "train" / "hf")
@@ -206,14 +251,16 @@ def stage_command(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
         # on the student's own fresh samples CE has no expected gradient: a small anchor, not train-student's
         # cross-tokenizer corpus default (docs/on-policy.md: measured with the forward KL)
         args += ["--ce-weight", str(ROLLOUT_CE_WEIGHT)]
-    if cfg.nproc_per_node > 1:
-        return [*TORCHRUN, str(cfg.nproc_per_node), "-m", "stage2_student", *args[1:], *cfg.train_args]
     return [*args, *cfg.train_args]
 
 
 def stage_flags(command: list[str]) -> list[str]:
-    """A stage command's own flags: after the `xtcache` command name, or after torchrun's module."""
-    return command[command.index("stage2_student") + 1:] if command[0] == TORCHRUN[0] else command[1:]
+    """A stage command's own flags: after the `xtcache` command name, or after torchrun's module (and the command
+    name the xtcache module is given)."""
+    if command[0] != TORCHRUN[0]:
+        return command[1:]
+    at = command.index("-m") + 1
+    return command[at + 1:] if command[at] == TRAIN_MODULE else command[at + 2:]
 
 
 def shown(command: list[str]) -> str:
@@ -560,7 +607,7 @@ def check_commands(cfg: RoundsConfig) -> None:
     commands = {"generate": generate, "teacher-dump": teacher_dump, "train-student": train_student}
     if cfg.nproc_per_node > 1 and 0 < (gpus := cuda_device_count()) < cfg.nproc_per_node:
         raise ConfigError(f"--nproc-per-node {cfg.nproc_per_node}: this machine shows {gpus} GPUs, one for each "
-                          "train-student process (CUDA_VISIBLE_DEVICES applies); nothing has run")
+                          "process of a stage (CUDA_VISIBLE_DEVICES applies); nothing has run")
     work = Path(cfg.workdir).resolve()
     for r in range(cfg.rounds):
         for stage in STAGES:
