@@ -116,6 +116,23 @@ def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
                     == 2 * s.prompts * s.samples_per_prompt * share)
 
 
+def test_every_on_policy_rows_flags_are_ones_xtcache_rounds_takes(tmp_path):
+    """Each row's `xtcache rounds` command line, as on_policy builds it, is built into rounds' config without a
+    refusal (a row whose flags rounds refuses would fail only after the converged students had trained)."""
+    from xtcache.app.rounds import rounds
+    from xtcache.cliconfig import config_of
+
+    s = ConvergedSettings()
+    p = {key: str(tmp_path / key) for key in ("train_prompts", "wide_prompts", "continue_half_cache")}
+    for name, how, flags, _ in ROWS:
+        if how == "on":
+            own, train = (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
+            train = [p[a[1:-1]] if a.startswith("{") else a for a in train]
+            cfg, _ = config_of(rounds, ["--student", "S", "--teacher", "T", "--workdir", str(tmp_path / "w"),
+                                        *rounds_plan(p, s, own), "--", *train])
+            assert cfg.prompts == [p["wide_prompts"] if "{wide_prompts}" in own else p["train_prompts"]], name
+
+
 def test_the_wide_rows_prompts_are_the_rounds_and_continuation_prompts_never_a_converged_conversation():
     s = ConvergedSettings()
     wide = wide_prompt_rows(s.chat_train, s.prompts, s.chat_continue)

@@ -359,6 +359,9 @@ def command(cls: type, run: Callable[[Any], None], *, name: str, help: str,
     callback.required = [leaf.name for leaf in leaves.values() if leaf.default is dataclasses.MISSING]  # for clidoc
     callback.config_class = cls  # tests/test_doc_commands.py builds the documented commands' configs
     callback.build, callback.paths = build, paths  # config_of: the config of a command line, not run
+    # a command whose config takes the arguments after `--` lets click pass them on (ctx.args), unparsed
+    callback.context_settings = {"allow_extra_args": True, "ignore_unknown_options": True} \
+        if any(leaf.after_dashes for leaf in leaves.values()) else {}
     callback.__signature__ = inspect.Signature(params)
     callback.__annotations__ = {p.name: p.annotation for p in params}
     return callback
@@ -370,7 +373,7 @@ def _click_command(cmd: Callable):
     import typer
 
     app = typer.Typer()
-    app.command()(cmd)
+    app.command(context_settings=cmd.context_settings)(cmd)
     return typer.main.get_command(app)
 
 

@@ -51,8 +51,7 @@ cache_app.command("ls")(store_commands.cache_ls)
 app.add_typer(cache_app, name="cache")
 app.add_typer(projection_commands.app, name="projection")
 app.command("demo")(demo)
-app.command("rounds", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-    rounds.rounds)
+app.command("rounds", context_settings=rounds.rounds.context_settings)(rounds.rounds)
 
 
 @app.callback()
