@@ -117,9 +117,11 @@ def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) 
             per, second, chars, teacher_rate, own_rate, end_nll, head = [], [], [], [], [], [], []
             for prompt, comps, answers in zip(prompts, completions, texts):
                 stopped = {text: c.stop_reason == "stop" for c, text in zip(comps, answers)}
-                own = {a.text: a.inner for a in end_probabilities(model, tok, prompt.conversation, answers)}
-                for a in end_probabilities(scorer.model, scorer.tokenizer, prompt.conversation, answers,
-                                           scorer.device):
+                scored = end_probabilities(scorer.model, scorer.tokenizer, prompt.conversation, answers, scorer.device)
+                # the model itself reading its answers: for the teacher's own row, that reading
+                own = {a.text: a.inner for a in (scored if name == "teacher" else
+                                                 end_probabilities(model, tok, prompt.conversation, answers))}
+                for a in scored:
                     if a.text not in own:  # one student token: no end probability after its first
                         continue
                     per.append(a.inner.mean())
