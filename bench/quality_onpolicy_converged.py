@@ -98,7 +98,7 @@ ROWS = [
     ("on-policy rounds (defaults), 48 prompts x 1 sample", "on",
      ["--prompts", "{wide_prompts}", "--samples-per-prompt", "1"], ("chat",)),
     ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE", "on", ["--loss", "pkl", "--", "--pkl-divergence", "jsd"],
-     ("chat",)),
+     KINDS),
 ]
 MEASURES = (("reverse_kl_per_sequence", "reverse KL/sequence"), ("teacher_nll_per_byte", "teacher NLL/byte"))
 
