@@ -455,7 +455,9 @@ def test_each_stage_on_several_processes_is_recorded_as_its_torchrun_command_and
     (tmp_path / "p.jsonl").write_text("")
     base = {"student": str(tmp_path / "S"), "teacher": str(tmp_path / "T"), "prompts": [str(tmp_path / "p.jsonl")],
             "nproc_per_node": 2}
-    rounds.check_commands(_cfg(tmp_path, **base, train_args=["--lr", "1e-4"]))
+    with caplog.at_level(logging.WARNING, logger="xtcache.app.rounds"):
+        rounds.check_commands(_cfg(tmp_path, **base, train_args=["--lr", "1e-4"]))
+    assert "--nproc-per-node 2 on a machine without GPUs: each stage's 2 processes share its CPU cores" in caplog.text
     with pytest.raises(ConfigError, match=r"^round 0 train-student would be refused: --lr -1.0: must be positive"):
         rounds.check_commands(_cfg(tmp_path, **base, train_args=["--lr", "-1"]))
     monkeypatch.setattr(rounds, "cuda_device_count", lambda: 1)  # a one-GPU machine: one process per GPU

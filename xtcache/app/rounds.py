@@ -605,9 +605,14 @@ def check_commands(cfg: RoundsConfig) -> None:
     from xtcache.cliconfig import check_paths, config_of
 
     commands = {"generate": generate, "teacher-dump": teacher_dump, "train-student": train_student}
-    if cfg.nproc_per_node > 1 and 0 < (gpus := cuda_device_count()) < cfg.nproc_per_node:
+    gpus = cuda_device_count() if cfg.nproc_per_node > 1 else None  # the driver imports torch only then
+    if gpus and gpus < cfg.nproc_per_node:
         raise ConfigError(f"--nproc-per-node {cfg.nproc_per_node}: this machine shows {gpus} GPUs, one for each "
                           "process of a stage (CUDA_VISIBLE_DEVICES applies); nothing has run")
+    if gpus == 0:
+        log.warning("--nproc-per-node %d on a machine without GPUs: each stage's %d processes share its CPU cores "
+                    "(generate and teacher-dump jobs each start their own engine)", cfg.nproc_per_node,
+                    cfg.nproc_per_node)
     work = Path(cfg.workdir).resolve()
     for r in range(cfg.rounds):
         for stage in STAGES:
