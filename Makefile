@@ -44,7 +44,7 @@ lint: setup
 # it starts, gets its share of the cores as OMP_NUM_THREADS (tests/conftest.py): with both workers'
 # processes on all cores the suite took 12 min 18 s, with one thread each 7 min 07 s (2 cores,
 # 2026-11-23's suite; 2026-11-29's, 960-967 tests, 9 min 45 s to 12 min 02 s in three fresh clones, 17 min 57 s in
-# a fourth where a vLLM CPU engine and the S3 walkthrough fought over the cores; 971 tests, 12 min 29 s, once stage 1
+# a fourth where a vLLM CPU engine and the S3 walkthrough fought over the cores; 971 tests, 12 min 29 s and 12 min 43 s, once stage 1
 # of the vLLM rounds run went under torchrun: docs/development.md). Three workers took 12 min 08 s:
 # the suite is CPU-bound (1.8 of the 2 cores busy with two), so a third only adds contention.
 TEST_WORKERS ?= 2
