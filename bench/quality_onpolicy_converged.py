@@ -99,6 +99,8 @@ ROWS = [
      ["--prompts", "{wide_prompts}", "--samples-per-prompt", "1"], ("chat",)),
     ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE", "on", ["--loss", "pkl", "--", "--pkl-divergence", "jsd"],
      KINDS),
+    # rollouts drawn at temperature 0.7 (policy-eval still samples at 1): text the teacher finds likelier to go on
+    ("on-policy rounds (defaults), rollouts at temperature 0.7", "on", ["--temperature", "0.7"], ("chat",)),
 ]
 MEASURES = (("reverse_kl_per_sequence", "reverse KL/sequence"), ("teacher_nll_per_byte", "teacher NLL/byte"))
 
