@@ -213,6 +213,16 @@ def off_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int,
             "teacher_positions": p["continue_positions"]}
 
 
+def split_row_flags(flags: list[str]) -> tuple[list[str], list[str]]:
+    """A row's flags: (its `xtcache rounds` flags, train-student's flags after `--`)."""
+    return (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
+
+
+def filled(p: dict, arg: str) -> str:
+    """A row's argument, a value in braces standing for the path of that key of `p` (a kind's file)."""
+    return str(p[arg[1:-1]]) if arg.startswith("{") else arg
+
+
 def rounds_plan(p: dict, s: ConvergedSettings, own: list[str]) -> list[str]:
     """`xtcache rounds` flags of a row: the section's rounds, steps a round and samples a prompt, each replaced
     by the row's own value where it gives one (a value in braces: the path of that key of `p`), then the row's
@@ -221,7 +231,7 @@ def rounds_plan(p: dict, s: ConvergedSettings, own: list[str]) -> list[str]:
             "--samples-per-prompt": str(s.samples_per_prompt)}
     rest = []
     for flag, value in zip(own[::2], own[1::2], strict=True):
-        value = str(p[value[1:-1]]) if value.startswith("{") else value
+        value = filled(p, value)
         if flag in plan:
             plan[flag] = value
         else:
@@ -232,9 +242,9 @@ def rounds_plan(p: dict, s: ConvergedSettings, own: list[str]) -> list[str]:
 def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, flags: list[str],
               log_file: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    own, train = (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
+    own, train = split_row_flags(flags)
     mixed = "--corpus-cache" in train  # its corpus: a cache of the section's, named by its key in braces
-    train = [str(p[a[1:-1]]) if a.startswith("{") else a for a in train]
+    train = [filled(p, a) for a in train]
     run_xtcache("rounds", "--student", str(start), "--teacher", str(p["setup"].teacher_model),
                 "--workdir", str(out), "--engine", "hf", *rounds_plan(p, s, own),
                 "--max-new-tokens", str(s.max_new_tokens), "--seed", str(seed), "--train-on", "last-assistant",

@@ -12,7 +12,16 @@ from dataclasses import asdict, replace
 import pytest
 
 import bench.quality_onpolicy_converged as conv
-from bench.quality_onpolicy_converged import ROWS, ConvergedSettings, rounds_plan, text_rows, verdicts, wide_prompt_rows
+from bench.quality_onpolicy_converged import (
+    ROWS,
+    ConvergedSettings,
+    filled,
+    rounds_plan,
+    split_row_flags,
+    text_rows,
+    verdicts,
+    wide_prompt_rows,
+)
 
 OFF, ON = ROWS[0][0], ROWS[1][0]
 
@@ -107,7 +116,7 @@ def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
     assert rounds_plan(p, s, ["--prompts", "{wide_prompts}"])[:2] == ["--prompts", "wide.jsonl"]
     for _, how, flags, _ in ROWS:
         if how == "on":
-            own, train = (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
+            own, train = split_row_flags(flags)
             plan = dict(zip(rounds_plan(p, s, own)[::2], rounds_plan(p, s, own)[1::2], strict=True))
             rounds = int(plan["--rounds"])
             share = float(train[train.index("--rollout-fraction") + 1]) if "--corpus-cache" in train else 1.0
@@ -126,8 +135,8 @@ def test_every_on_policy_rows_flags_are_ones_xtcache_rounds_takes(tmp_path):
     p = {key: str(tmp_path / key) for key in ("train_prompts", "wide_prompts", "continue_half_cache")}
     for name, how, flags, _ in ROWS:
         if how == "on":
-            own, train = (flags[:flags.index("--")], flags[flags.index("--") + 1:]) if "--" in flags else (flags, [])
-            train = [p[a[1:-1]] if a.startswith("{") else a for a in train]
+            own, train = split_row_flags(flags)
+            train = [filled(p, a) for a in train]
             cfg, _ = config_of(rounds, ["--student", "S", "--teacher", "T", "--workdir", str(tmp_path / "w"),
                                         *rounds_plan(p, s, own), "--", *train])
             assert cfg.prompts == [p["wide_prompts"] if "{wide_prompts}" in own else p["train_prompts"]], name
