@@ -161,20 +161,31 @@ def test_sigkill_then_resume_equals_uninterrupted(chat, whole, tmp_path):
     assert _parts(tmp_path / "k") == _parts(whole)
 
 
-def test_two_jobs_split_the_prompts(chat, tmp_path):
+def test_two_jobs_split_one_prompt_file_by_rows(chat, tmp_path):
+    """One JSONL file feeds both jobs: job j samples rows j, j + 2, ... and the two give the rollouts of one job."""
     setup, conv, _ = chat
     held = conv.with_name("heldout.jsonl")
     for j in (0, 1):
-        _generate(setup, conv, tmp_path / "r", "--data", str(held), "--num-shards", "2", "--shard-index", str(j))
+        _generate(setup, held, tmp_path / "r", "--num-shards", "2", "--shard-index", str(j))
     whole_out = tmp_path / "whole"
-    _generate(setup, conv, whole_out, "--data", str(held))
+    _generate(setup, held, whole_out)
+    order = list(dict.fromkeys(r["prompt_id"] for r in _rows(whole_out)))  # the file's prompts, in row order
+    assert len(order) == len(held.read_text().splitlines()) == 3
+    for j in (0, 1):
+        mine = [json.loads(line) for p in sorted((tmp_path / "r" / "parts").glob(f"w0000{j}-*.jsonl"))
+                for line in p.read_text().splitlines()]
+        assert list(dict.fromkeys(r["prompt_id"] for r in mine)) == order[j::2], j
     rows = _rows(tmp_path / "r")
-    by_writer = {p.name[:6] for p in (tmp_path / "r" / "parts").glob("*.jsonl")}
-    assert by_writer == {"w00000", "w00001"}
     key = lambda r: (r["prompt_id"], r["sample"])  # noqa: E731
     assert len({key(r) for r in rows}) == len(rows) == len(_rows(whole_out))
     assert sorted(map(key, rows)) == sorted(map(key, _rows(whole_out)))
     assert sorted(r["sampled_ids"] for r in rows) == sorted(r["sampled_ids"] for r in _rows(whole_out))
+    # a rollouts directory of jobs split another way (before the split was recorded) is not resumed into
+    manifest = tmp_path / "r" / "manifest.json"
+    old = {k: v for k, v in json.loads(manifest.read_text()).items() if k != "split"}
+    manifest.write_text(json.dumps(old))
+    again = _generate(setup, held, tmp_path / "r", "--num-shards", "2", "--shard-index", "0", "--resume", check=False)
+    assert again.returncode != 0 and "another split" in again.stderr, again.stderr[-2000:]
 
 
 def test_policy_fingerprint_follows_checkpoint_and_settings(chat, tmp_path):

@@ -99,7 +99,7 @@ def test_two_rounds_chain_policies_checkpoints_and_print_their_commands(vllm_run
     assert [c.split()[6] for c in commands[::3] + commands[1::3]] == ["generate"] * 2 + ["teacher-dump"] * 2
     assert all(c.startswith(f"{torchrun} stage2_student --cache {workdir}/round-00{r}/cache ")
                for r, c in enumerate(commands[2::3]))
-    for r in (0, 1):  # generate and teacher-dump ran as two jobs each (the one prompt file: one job's share)
+    for r in (0, 1):  # generate and teacher-dump ran as two jobs each (one prompt: job 0 samples it, job 1 none)
         for stage_out in ("rollouts", "cache"):
             assert sorted(p.name for p in (workdir / f"round-00{r}" / stage_out / "done").iterdir()) == [
                 "w00000.json", "w00001.json"], (r, stage_out)

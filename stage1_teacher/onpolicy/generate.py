@@ -2,12 +2,15 @@
 that `teacher-dump --data 'OUT/parts/*.jsonl'` reads as it is (`stage1_teacher.onpolicy.rollouts`).
 
 The prompt files are read as teacher-dump reads `--data` (`stage1_teacher.corpus`: JSONL, Parquet,
-Arrow, local or fsspec URLs, the messages field detected the same way). Jobs split them with
-teacher-dump's shard plan (`--num-shards`, `--shard-index` or the launcher's environment), each
-reading only its share. A job's prompts form parts of `--prompts-per-part` prompts, a fixed run of
-its stream; each part is written whole, then named in the writer's index, so a job killed at any
-point and started again with `--resume` keeps its committed parts and generates the others. With
-`--engine hf` the resumed run writes exactly the rollouts of an uninterrupted one (per-sample seeds).
+Arrow, local or fsspec URLs, the messages field detected the same way). `N` jobs (`--num-shards`,
+`--shard-index` or the launcher's environment) split them by rows, not by teacher-dump's byte plan:
+job `j` samples rows `j, j + N, j + 2N, ...` of the whole prompt set (`job_share`), so one JSONL
+file feeds every job and their prompt counts differ by at most one. Each job reads the whole set
+(prompts are small beside what sampling them costs). A job's prompts form parts of
+`--prompts-per-part` prompts, a fixed run of its stream; each part is written whole, then named in
+the writer's index, so a job killed at any point and started again with `--resume` keeps its
+committed parts and generates the others. With `--engine hf` the resumed run writes exactly the
+rollouts of an uninterrupted one (per-sample seeds).
 
     xtcache generate --student OUT/hf --data prompts.jsonl --out rollouts --samples-per-prompt 4 --engine hf
 """
@@ -38,7 +41,6 @@ from stage1_teacher.onpolicy.rollouts import (
 )
 from stage1_teacher.onpolicy.samplers import HfSampler, VllmSampler
 from stage1_teacher.placement import place_job
-from stage1_teacher.shard_plan import obtain_plan
 from xtcache.errors import ConfigError, StoreError
 from xtcache.fingerprint import listing_fingerprint
 from xtcache.location import Location
@@ -46,6 +48,8 @@ from xtcache.store.claims import Claim, writer_claim_path
 from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+SPLIT = "rows"  # the manifest's name for `job_share`'s split (rollouts of several jobs before it have none)
 
 
 @dataclass
@@ -73,6 +77,20 @@ class GenerateSummary:
                 *self.notes]
 
 
+@dataclass
+class RowCount:
+    seen: int = 0  # rows of the whole prompt set read so far, every job's
+
+
+def job_share(items, job: int, jobs: int, count: RowCount):
+    """Job `job`'s rows of the prompt set's stream `items`: rows job, job + jobs, job + 2 jobs, ... (a row
+    not usable as a prompt is the business of the job it falls to); `count` counts every row read."""
+    for i, item in enumerate(items):
+        count.seen = i + 1
+        if i % jobs == job:
+            yield item
+
+
 def prompt_parts(items, size: int) -> Iterator[tuple[int, list]]:
     """(part index, documents) of a job's stream; a row that is not a usable prompt is refused."""
     part, docs = 0, []
@@ -92,7 +110,7 @@ def _manifest(cfg: GenerateConfig, policy: dict, corpus) -> dict:
     return {"kind": "xtcache-rollouts", "format_version": ROLLOUT_FORMAT, "policy": policy["policy"],
             "model_fingerprint": policy["model"], "chat_fingerprint": policy["chat"],
             "sampling": policy_settings(cfg.sampling), "student": str(cfg.student), "engine": cfg.engine,
-            "prompts_per_part": cfg.output.prompts_per_part, "num_shards": cfg.output.num_shards,
+            "prompts_per_part": cfg.output.prompts_per_part, "num_shards": cfg.output.num_shards, "split": SPLIT,
             "messages_field": corpus.messages_field, "text_field": corpus.text_field,
             "data": listing_fingerprint((f.name, f.size) for f in corpus.files)}
 
@@ -142,9 +160,9 @@ def run_generate(cfg: GenerateConfig) -> GenerateSummary:
     claim, committed = opened
     sampler = None
     try:
-        plan = obtain_plan(corpus, corpus.text_field, num_jobs=o.num_shards, job=w, out=o.out,
-                           storage_options=cfg.data_options, store_options=o.storage_options)
-        todo = _parts_to_generate(iter_corpus(corpus, plan=plan, job=w), committed, tokenizer, cfg, summary)
+        read = RowCount()
+        todo = _parts_to_generate(job_share(iter_corpus(corpus), w, o.num_shards, read), committed, tokenizer, cfg,
+                                  summary)
         first = next(todo, None)
         if first is not None:
             sampler = _sampler(cfg, tokenizer)
@@ -156,7 +174,7 @@ def run_generate(cfg: GenerateConfig) -> GenerateSummary:
                                    "prompts": len(prompts), "sha256": sha}
                 loc.write_json_atomic(index_name(w), {"writer": w, "parts": [committed[p] for p in sorted(committed)]})
                 summary.parts_written += 1
-        if summary.prompts == 0 and o.num_shards == 1:
+        if read.seen == 0:
             raise ConfigError(f"--data {', '.join(corpus.urls)}: no prompts")
         summary.reproducible = sampler is None or sampler.reproducible
         claim.check("marking the writer done")

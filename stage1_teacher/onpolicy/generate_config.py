@@ -43,7 +43,7 @@ class RolloutOutConfig:
     shard_index: int | None = None
     """This job's writer index in [0, --num-shards); default: from the launcher (Slurm array, Kubernetes indexed Job, RANK), else 0."""
     num_shards: int | None = None
-    """Parallel jobs, each reading its own byte-balanced ranges of the prompts; default: from the launcher, else 1."""
+    """Parallel jobs; job j samples rows j, j + N, ... of the prompt set (N = --num-shards); default: from the launcher, else 1."""
     shard_source = ""  # not a setting: where shard_index / num_shards came from
     resume: bool = False
     """Continue a killed run: keep its committed parts, generate the rest."""

@@ -11,7 +11,6 @@ temperature and top-p), `prompt_token_ids`, `stop_reason`, `prompt_id`, `sample`
 Output directory layout (`--out`):
 
     manifest.json              policy fingerprint, its parts, the sampling settings (created once)
-    shard_plan.json            with several jobs: the shard plan (as teacher-dump's)
     claims/w00000.json         the writer claim (xtcache.store.claims)
     parts/w00000-p00000.jsonl  part p of writer w (written whole: temp file + rename, or one PUT)
     index/w00000.json          the committed parts of writer w (rewritten after each part)
@@ -149,7 +148,8 @@ def open_manifest(loc, manifest: dict) -> dict:
     if have.get("kind") != manifest["kind"]:
         raise StoreError(f"--out {loc.url}: it holds something other than rollouts ({MANIFEST} kind "
                          f"{have.get('kind')!r}); give an empty or a rollouts directory")
-    for key in ("policy", "engine", "prompts_per_part", "num_shards", "data"):
+    several = manifest["num_shards"] > 1  # one job reads every row under any split
+    for key in ("policy", "engine", "prompts_per_part", "num_shards", "data", *(("split",) if several else ())):
         if have.get(key) != manifest[key]:
             raise StoreError(f"--out {loc.url}: its rollouts were written with another {key} ({have.get(key)!r}, this "
                              f"run: {manifest[key]!r}); a rollout directory holds one policy's samples of one prompt "
