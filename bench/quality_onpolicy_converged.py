@@ -70,6 +70,8 @@ class ConvergedSettings:
     chat_train: int = 560  # conversations: prompts, converge, continue
     chat_continue: int = 78  # continuation conversations (about the rounds' rollout tokens)
     text_continue: int = 100  # continuation prefix + completion rows (about 60 student tokens each)
+    chat_teacher_hidden: int = 64  # the chat teacher (2 layers, the student's size at 64)
+    chat_teacher_steps: int = 150  # its pre-training steps on the chat corpus
 
 
 QUICK = ConvergedSettings(converge_steps=20, steps=4, prompts=6, eval_prompts=6, chat_eval_samples=1,
@@ -113,8 +115,8 @@ def _setup(kind: str, work: Path, s: ConvergedSettings):
     base = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
     if kind == "text":
         return base
-    return build_chat_setup(base, work / "chat", num_train=s.chat_train, num_heldout=s.eval_prompts, teacher_steps=150,
-                            teacher_hidden=64)
+    return build_chat_setup(base, work / "chat", num_train=s.chat_train, num_heldout=s.eval_prompts,
+                            teacher_steps=s.chat_teacher_steps, teacher_hidden=s.chat_teacher_hidden)
 
 
 def _line_end(text: str, at: int) -> int:
@@ -297,8 +299,12 @@ def _remeasure(p: dict, row: dict, run: Path, kl_key: str, s: ConvergedSettings)
     return {**row, **measure(p, student, s)}
 
 
+# settings added after reports were written, with the values those reports were trained with
+LATER_SETTINGS = {"chat_teacher_hidden": 64, "chat_teacher_steps": 150}
+
+
 def _train_settings(settings: dict) -> dict:
-    return {k: v for k, v in settings.items() if k not in EVAL_SETTINGS}
+    return {k: v for k, v in {**LATER_SETTINGS, **settings}.items() if k not in EVAL_SETTINGS}
 
 
 def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, base: dict | None = None,
