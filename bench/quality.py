@@ -77,7 +77,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DOC_BLOCKS = {"quality-table": "docs/benchmarks.md", "quality-on-policy": "docs/on-policy.md",
-              "quality-on-policy-converged": "docs/on-policy.md", "quality-real": "docs/losses.md",
+              "quality-on-policy-converged": "docs/on-policy.md",
+              "quality-on-policy-converged-stronger": "docs/on-policy.md", "quality-real": "docs/losses.md",
               "quality-real-modes": "docs/losses.md", "quality-real-cross": "README.md",
               "quality-real-cross-qwen3": "docs/losses.md"}  # --write-docs: block -> file
 
@@ -713,7 +714,8 @@ def main(argv=None) -> None:
                         "quality-real block)")
     p.add_argument("--write-docs", action="store_true",
                    help="also write quality.md into docs/benchmarks.md's quality-table block (xtcache.app.docblock)")
-    p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged", "modes", "cross", "cross-qwen3"),
+    p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged", "on-policy-converged-stronger",
+                                         "modes", "cross", "cross-qwen3"),
                    default="table",
                    help="table: the full table (docs/benchmarks.md; with --teacher real, docs/losses.md's quality-real "
                         "block); modes (--teacher real only): one tokenizer, a row per store mode (top-k 8/32/64, "
@@ -725,7 +727,9 @@ def main(argv=None) -> None:
                         "on-policy: on-policy rounds against off-policy KD "
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block); "
                         "on-policy-converged: rounds against continued off-policy KD from a converged student "
-                        "(bench/quality_onpolicy_converged.py; its quality-on-policy-converged block)")
+                        "(bench/quality_onpolicy_converged.py; its quality-on-policy-converged block); "
+                        "on-policy-converged-stronger: the same on conversations alone with a chat teacher twice the "
+                        "student's width pre-trained longer (its quality-on-policy-converged-stronger block)")
     p.add_argument("--from-report", help="render the table of this report (an earlier run's JSON: "
                                          "quality-on-policy(-converged).json, or with --teacher real its section's "
                                          "quality-real(-modes, -cross).json) instead of running")
@@ -740,7 +744,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.section == "on-policy":
         return on_policy_section(args)
-    if args.section == "on-policy-converged":
+    if args.section in ("on-policy-converged", "on-policy-converged-stronger"):
         return converged_section(args)
     if args.section in ("modes", "cross", "cross-qwen3") and args.teacher != "real":
         p.error(f"--section {args.section} is the real teacher's: add --teacher real")
@@ -843,30 +847,43 @@ def on_policy_section(args) -> None:
 
 def converged_section(args) -> None:
     """`--section on-policy-converged`: bench/quality_onpolicy_converged.py's rows (both kinds), its table printed
-    and written (quality-on-policy-converged.md); `--from-report` renders an earlier run's JSON again."""
-    from bench.quality_onpolicy_converged import QUICK, ConvergedSettings, markdown, run_converged
+    and written (quality-on-policy-converged.md); `--from-report` renders an earlier run's JSON again.
+    `--section on-policy-converged-stronger`: conversations alone, with `STRONGER_CHAT_TEACHER`, in a work
+    directory and a block of their own."""
+    from bench.quality_onpolicy_converged import (
+        KINDS,
+        QUICK,
+        STRONGER_CHAT_TEACHER,
+        ConvergedSettings,
+        markdown,
+        run_converged,
+    )
 
+    block = "quality-" + args.section
+    stronger = args.section.endswith("-stronger")
     if args.write_docs:
         from xtcache.app.docblock import require_blocks
 
-        require_blocks(REPO, {"quality-on-policy-converged": DOC_BLOCKS["quality-on-policy-converged"]})
+        require_blocks(REPO, {block: DOC_BLOCKS[block]})
     _bench_logging()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     s = QUICK if args.quick else ConvergedSettings(**({"seeds": args.seeds} if args.seeds else {}))
+    if stronger:
+        s = replace(s, **STRONGER_CHAT_TEACHER)
+    kinds = ("chat",) if stronger else KINDS
+    work = Path(args.workdir) / args.section.removeprefix("quality-")
     if args.add_rows and not args.from_report:
         raise SystemExit("--add-rows: give --from-report (the report whose rows are reused)")
     only = {int(i) for i in args.rows.split(",")} if args.rows else None
     if args.add_rows:  # the earlier report's runs (in --workdir) kept, measured again where needed, rows it lacks run
         base = {**json.loads(Path(args.from_report).read_text()), "rendered_from": args.from_report}
-        report = run_converged(Path(args.workdir) / "on-policy-converged", s, base=base,
-                               save=out / "quality-on-policy-converged.json", only=only)
+        report = run_converged(work, s, kinds, base=base, save=out / f"{block}.json", only=only)
     elif args.from_report:
         report = json.loads(Path(args.from_report).read_text())
     else:
-        report = run_converged(Path(args.workdir) / "on-policy-converged", s,
-                               save=out / "quality-on-policy-converged.json", only=only)
-    _publish(args, "quality-on-policy-converged", markdown(report))
+        report = run_converged(work, s, kinds, save=out / f"{block}.json", only=only)
+    _publish(args, block, markdown(report))
 
 
 if __name__ == "__main__":

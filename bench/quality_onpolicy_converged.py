@@ -74,6 +74,8 @@ class ConvergedSettings:
     chat_teacher_steps: int = 150  # its pre-training steps on the chat corpus
 
 
+# `--section on-policy-converged-stronger`: a chat teacher twice the student's width, pre-trained longer
+STRONGER_CHAT_TEACHER = {"chat_teacher_hidden": 128, "chat_teacher_steps": 400}
 QUICK = ConvergedSettings(converge_steps=20, steps=4, prompts=6, eval_prompts=6, chat_eval_samples=1,
                           text_eval_samples=1, seeds=1, chat_train=120, chat_continue=12, text_continue=12)
 EVAL_SETTINGS = ("eval_prompts", "chat_eval_samples", "text_eval_samples", "eval_samples")  # measure, not train
@@ -103,6 +105,8 @@ ROWS = [
      KINDS),
     # rollouts drawn at temperature 0.7 (policy-eval still samples at 1): text the teacher finds likelier to go on
     ("on-policy rounds (defaults), rollouts at temperature 0.7", "on", ["--temperature", "0.7"], ("chat",)),
+    # the rounds' caches at the corpus caches' k (the other rows: teacher-dump's default, top-64)
+    ("on-policy rounds (defaults), top-16 rollout caches", "on", ["--dump-args", "--top-k 16"], KINDS),
 ]
 MEASURES = (("reverse_kl_per_sequence", "reverse KL/sequence"), ("teacher_nll_per_byte", "teacher NLL/byte"))
 
@@ -418,7 +422,10 @@ def markdown(report: dict) -> str:
              f"{s['max_new_tokens']} tokens. Seeds: " + ", ".join(
                  f"{kind} {len(rows[ROWS[0][0]])}" for kind, rows in report["kinds"].items()) +
              f" of {s['seeds']} (mean ± sd; the seed sets the converged student, the rounds' samples and the data "
-             "order). Cross-tokenizer, top-16 caches.", ""]
+             "order). Cross-tokenizer, top-16 caches." + (
+                 f" The chat teacher: a 2-layer Qwen2 of hidden size {s.get('chat_teacher_hidden', 64)} pre-trained for "
+                 f"{s.get('chat_teacher_steps', 150)} steps on the chat corpus (the student: a 2-layer Llama of hidden size "
+                 "64)." if "chat" in report["kinds"] else ""), ""]
     for kind, rows in report["kinds"].items():
         lines += [f"**{kind}** ({'conversations, last assistant turn' if kind == 'chat' else 'text prefixes, completion'})",
                   "", "| row | teacher-scored tokens trained | held-out KL | reverse KL/sequence | teacher NLL/byte | "
