@@ -422,7 +422,8 @@ def markdown(report: dict) -> str:
              f"{s['max_new_tokens']} tokens. Seeds: " + ", ".join(
                  f"{kind} {len(rows[ROWS[0][0]])}" for kind, rows in report["kinds"].items()) +
              f" of {s['seeds']} (mean ± sd; the seed sets the converged student, the rounds' samples and the data "
-             "order). Cross-tokenizer, top-16 caches." + (
+             f"order). Cross-tokenizer; the corpus caches top-{s['top_k']}, the rounds' caches of their rollouts "
+             "teacher-dump's default top-64 unless a row says otherwise, the held-out cache full-vocabulary." + (
                  f" The chat teacher: a 2-layer Qwen2 of hidden size {s.get('chat_teacher_hidden', 64)} pre-trained for "
                  f"{s.get('chat_teacher_steps', 150)} steps on the chat corpus (the student: a 2-layer Llama of hidden size "
                  "64)." if "chat" in report["kinds"] else ""), ""]
