@@ -253,3 +253,24 @@ def test_rows_chosen_by_index_run_beside_continued_kd_and_an_unknown_index_is_re
         assert list(rows) == ["converged student", ROWS[0][0], ROWS[2][0]] and all(len(r) == 2 for r in rows.values())
     with pytest.raises(SystemExit, match=f"--rows 2,{len(ROWS)}: the rows are 0 to {len(ROWS) - 1}"):
         conv.run_converged(tmp_path / "w", ConvergedSettings(seeds=1), only={2, len(ROWS)})
+
+
+def test_a_report_from_before_the_chat_teacher_settings_counts_as_trained_with_the_small_teacher(tmp_path,
+                                                                                                monkeypatch):
+    s = ConvergedSettings(seeds=1)
+    older = {k: v for k, v in asdict(s).items() if k not in conv.LATER_SETTINGS}  # as the reports of 2026-11-29
+    base = {"settings": older, "kinds": {}, "wall_s": 1.0}
+    _fake_stages(monkeypatch, [])
+    monkeypatch.setattr(conv, "off_policy", lambda p, start, out, s, seed, log_file: {"hf": out / "hf", "heldout_kl": 1.0})
+    report = conv.run_converged(tmp_path / "w", s, kinds=("chat",), base=base, only=set())
+    assert set(report["kinds"]["chat"]) == {"converged student", OFF}
+    stronger = replace(s, **conv.STRONGER_CHAT_TEACHER)
+    assert (stronger.chat_teacher_hidden, stronger.chat_teacher_steps) != (s.chat_teacher_hidden, s.chat_teacher_steps)
+    with pytest.raises(SystemExit, match="trained with other settings"):
+        conv.run_converged(tmp_path / "w2", stronger, kinds=("chat",), base=base, only=set())
+    runs = [{"seed": 0, "reverse_kl_per_sequence": 1.0, "teacher_nll_per_byte": 1.0, "reverse_kl_per_token": 0.1,
+             "mean_student_tokens": 9.0, "stopped_fraction": 1.0, "samples": 384, "max_new_tokens": 100,
+             "teacher_mean_student_tokens": 50.0}]
+    text = conv.markdown({"settings": asdict(stronger), "kinds": {"chat": {"converged student": runs, OFF: runs}}})
+    assert "a 2-layer Qwen2 of hidden size 128 pre-trained for 400 steps" in text
+    assert "the corpus caches top-16, the rounds' caches of their rollouts teacher-dump's default top-64" in text
