@@ -430,12 +430,14 @@ def markdown(report: dict) -> str:
     for kind, rows in report["kinds"].items():
         lines += [f"**{kind}** ({'conversations, last assistant turn' if kind == 'chat' else 'text prefixes, completion'})",
                   "", "| row | teacher-scored tokens trained | held-out KL | reverse KL/sequence | teacher NLL/byte | "
-                  "reverse KL/token | sample length (tokens) | stopped |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "reverse KL/token | student NLL/token | sample length (tokens) | stopped |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for name, runs in rows.items():
             kl = [r.get("heldout_kl") for r in runs]
             lines.append(f"| {name} | {mean_pm([r.get('teacher_positions') for r in runs], '.0f')} | {mean_pm(kl, '.4f')} | "
                          + " | ".join(mean_pm([r[k] for r in runs]) for k in ("reverse_kl_per_sequence",
                                                                               "teacher_nll_per_byte", "reverse_kl_per_token"))
+                         + f" | {mean_pm([r['teacher_nll_per_token'] - r['reverse_kl_per_token'] for r in runs])}"
                          + f" | {mean_pm([r['mean_student_tokens'] for r in runs], '.1f')} | "
                            f"{mean_pm([r['stopped_fraction'] for r in runs], '.2f')} |")
         first = rows["converged student"][0]
@@ -445,7 +447,9 @@ def markdown(report: dict) -> str:
         lines += ["", f"policy-eval: {first['samples']} samples ({s['eval_prompts']} held-out prompts x "
                   f"{first['samples'] // s['eval_prompts']}{se}), "
                   f"cap {first['max_new_tokens']} tokens (twice the teacher's mean length, "
-                  f"{first['teacher_mean_student_tokens']:.1f} student tokens). Teacher-scored tokens: the trained "
+                  f"{first['teacher_mean_student_tokens']:.1f} student tokens). Student NLL/token: the student's own "
+                  "NLL of its samples per token (teacher NLL/token - reverse KL/token: its sampling entropy, "
+                  "estimated). Teacher-scored tokens: the trained "
                   "(last-assistant) student tokens of the caches a row trained on after convergence (on-policy: every "
                   "round's rollouts; a mixed row: its corpus cache counted whole, at most what it read).", "", *verdicts(rows), ""]
     runs = report.get("runs_s") or []

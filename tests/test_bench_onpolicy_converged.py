@@ -269,8 +269,10 @@ def test_a_report_from_before_the_chat_teacher_settings_counts_as_trained_with_t
     with pytest.raises(SystemExit, match="trained with other settings"):
         conv.run_converged(tmp_path / "w2", stronger, kinds=("chat",), base=base, only=set())
     runs = [{"seed": 0, "reverse_kl_per_sequence": 1.0, "teacher_nll_per_byte": 1.0, "reverse_kl_per_token": 0.1,
+             "teacher_nll_per_token": 2.5,
              "mean_student_tokens": 9.0, "stopped_fraction": 1.0, "samples": 384, "max_new_tokens": 100,
              "teacher_mean_student_tokens": 50.0}]
     text = conv.markdown({"settings": asdict(stronger), "kinds": {"chat": {"converged student": runs, OFF: runs}}})
     assert "a 2-layer Qwen2 of hidden size 128 pre-trained for 400 steps" in text
     assert "the corpus caches top-16, the rounds' caches of their rollouts teacher-dump's default top-64" in text
+    assert "| 0.100 | 2.400 | 9.0 |" in text  # reverse KL/token, then the student's own NLL/token (2.5 - 0.1)
