@@ -188,9 +188,9 @@ def _renormalised_topk():
             super().__init__("kl", **kw)
             self.kind = "renorm"  # its own name in the metrics; the evaluation then measures KL apart
 
-        def prepare(self, batch, *, vocab):
+        def prepare(self, batch, *, vocab, ratio=True):
             zero = {"teacher_residual": torch.zeros_like(batch["teacher_residual"])}
-            prep = super().prepare({**batch, **zero}, vocab=vocab)
+            prep = super().prepare({**batch, **zero}, vocab=vocab, ratio=ratio)
             prep.teacher["renorm_at"] = chunk_rows(batch)  # travels to the device with the teacher arrays
             return prep
 

@@ -52,7 +52,9 @@ def evaluate(trainer) -> dict | None:
             last = batch if batch is not None else (last or dummy_batch(trainer.tokenizer))
             logits = trainer.engine(**model_inputs(to_device(last, trainer.device))).logits
             vocab = logits.shape[-1]
-            prep = obj.prepare(last, vocab=vocab).to(trainer.device)
+            # rkl-pg without its ratio: a held-out cache is text the student did not sample (a corpus cache
+            # holds no sampling log-probs), so its objective value there is the chunks' mean log-ratio
+            prep = obj.prepare(last, vocab=vocab, ratio=False).to(trainer.device)
             kd_g, ce = obj.terms(logits, prep)
             kd = (obj.weights(prep).to(kd_g.dtype) * kd_g).sum()
             zero = torch.zeros((), dtype=torch.float64, device=trainer.device)

@@ -132,10 +132,10 @@ class TeacherMix:
         views = [teacher_view(batch, i) for i in range(n)]
         return [mix_views(views, self.lam)] if self.combine == "mean-probs" else views
 
-    def prepare(self, batch: dict, *, vocab: int) -> MixPrepared:
+    def prepare(self, batch: dict, *, vocab: int, ratio: bool = True) -> MixPrepared:
         views = self.views(batch)
         n_groups, tokens = self.counts(batch)
-        preps = [o.prepare(v, vocab=vocab) for o, v in zip(self.objectives, views)]
+        preps = [o.prepare(v, vocab=vocab, ratio=ratio) for o, v in zip(self.objectives, views)]
         chunk_group, row_group = [], []
         present = np.zeros((len(views), n_groups), dtype=bool)
         rows = np.zeros((len(views), n_groups), dtype=np.float64)

@@ -245,8 +245,9 @@ class Objective:
         """(valid chunks, labelled tokens) of a CPU micro-batch: the terms of the normalisers."""
         return int(batch.get("num_chunks", 0)), int((batch["labels"] != -100).sum())
 
-    def prepare(self, batch: dict, *, vocab: int) -> Prepared:
-        """The index plan of one CPU micro-batch (host work only; `vocab` = the logits' width)."""
+    def prepare(self, batch: dict, *, vocab: int, ratio: bool = True) -> Prepared:
+        """The index plan of one CPU micro-batch (host work only; `vocab` = the logits' width). `ratio=False`:
+        rkl-pg without its importance ratio (held-out evaluation: text the student did not sample)."""
         labels = batch["labels"].reshape(-1).numpy()
         n_chunks = int(batch.get("num_chunks", 0))
         sc = batch["student_chunk"].reshape(-1).numpy() if "student_chunk" in batch else np.full(labels.size, -1)
@@ -258,7 +259,7 @@ class Objective:
             for key in ("teacher_ids", "teacher_logprobs", "teacher_counts", "teacher_residual", "teacher_realized"):
                 if key in batch:
                     teacher[key] = batch[key]
-            plan = self._plan_kd(batch, sc, n_chunks, ce_pos, labels, vocab)
+            plan = self._plan_kd(batch, sc, n_chunks, ce_pos, labels, vocab, self.spec.is_cap if ratio else 0.0)
         else:
             plan = self._plan_ce_only(ce_pos, labels, vocab)
         agree = self._plan_agreement(batch, sc, n_chunks) if kd and self.measure_agreement else None
@@ -286,7 +287,7 @@ class Objective:
                                 ce_rows=torch.arange(pos.size), ce_labels=torch.from_numpy(labels[pos])))
         return blocks
 
-    def _plan_kd(self, batch, sc, n_chunks, ce_pos, labels, vocab) -> list[Block]:
+    def _plan_kd(self, batch, sc, n_chunks, ce_pos, labels, vocab, is_cap: float) -> list[Block]:
         tch = batch["teacher_chunk"].numpy()
         tids = batch["teacher_ids"].numpy()
         k = tids.shape[1]
@@ -344,7 +345,7 @@ class Objective:
                 ce_loc = np.searchsorted(rows, ce_b)
                 fields = self._plan_cross_block(rows, chunks_of_rows, t_rows, tch, labels)
                 if self.kind == "rkl-pg":
-                    fields["behaviour_logprobs"] = behaviour_rows(batch, rows, self.spec.is_cap)
+                    fields["behaviour_logprobs"] = behaviour_rows(batch, rows, is_cap)
             pos = np.concatenate([rows, extra]).astype(np.int64)
             ce_loc = np.concatenate([ce_loc, rows.size + np.arange(extra.size)]).astype(np.int64)
             blocks.append(Block(logit_rows=torch.from_numpy(pos), ce_rows=torch.from_numpy(ce_loc),

@@ -169,6 +169,7 @@ def test_missing_or_partial_sampling_log_probs_are_refused():
     with pytest.raises(XtcacheError, match="1 trained position"):
         obj.prepare(hole, vocab=V)
     Objective("rkl-pg", measure_agreement=False, is_cap=0.0).prepare(no_logprobs, vocab=V)  # no ratio: fine
+    obj.prepare(no_logprobs, vocab=V, ratio=False)  # held-out evaluation: the ratio left out, whatever the cap
 
 
 @pytest.mark.parametrize("train_on", [None, "assistant", "last-assistant"])

@@ -264,6 +264,11 @@ def test_rkl_pg_trains_with_the_ratio_on_and_a_store_without_the_array_still_tra
     refused = _train(procs, setup, bare, tmp_path / "bare-run", check=False)
     assert refused.returncode != 0 and "--is-cap 0" in refused.stdout + refused.stderr
     _train(procs, setup, bare, tmp_path / "bare-run0", "--is-cap", "0")
+    # a held-out cache without sampling log-probs (a corpus cache, or this one) is evaluated without the ratio
+    _train(procs, setup, store, tmp_path / "eval-run", "--eval-cache", str(bare))
+    evals = [r for r in map(json.loads, (tmp_path / "eval-run" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"]
+    assert evals and all(np.isfinite(r["kl"]) and r["objective_kd_name"] == "rkl-pg" for r in evals)
 
 
 def test_non_canonical_sampled_ids_are_stored_aligned_and_trained_with_the_ratio(rollouts, procs, tmp_path):
