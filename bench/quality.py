@@ -872,7 +872,7 @@ def converged_section(args) -> None:
     if stronger:
         s = replace(s, **STRONGER_CHAT_TEACHER)
     kinds = ("chat",) if stronger else KINDS
-    work = Path(args.workdir) / args.section.removeprefix("quality-")
+    work = Path(args.workdir) / args.section
     if args.add_rows and not args.from_report:
         raise SystemExit("--add-rows: give --from-report (the report whose rows are reused)")
     only = {int(i) for i in args.rows.split(",")} if args.rows else None

@@ -418,7 +418,7 @@ def complete_seeds(report: dict) -> dict:
 
 def markdown(report: dict) -> str:
     report = complete_seeds(report)
-    s = report["settings"]
+    s = {**LATER_SETTINGS, **report["settings"]}
     lines = [f"From a converged off-policy student ({s['converge_steps']} steps of `--loss auto` at lr "
              f"{s['converge_lr']}, cosine to 0.1), each row {s['steps']} more optimizer steps at a constant lr {s['lr']} "
              f"(a fresh optimizer, 2 warmup steps), micro-batch 4 x 256; on-policy: `xtcache rounds --engine hf`, 2 rounds "
@@ -428,8 +428,8 @@ def markdown(report: dict) -> str:
              f" of {s['seeds']} (mean ± sd; the seed sets the converged student, the rounds' samples and the data "
              f"order). Cross-tokenizer; the corpus caches top-{s['top_k']}, the rounds' caches of their rollouts "
              "teacher-dump's default top-64 unless a row says otherwise, the held-out cache full-vocabulary." + (
-                 f" The chat teacher: a 2-layer Qwen2 of hidden size {s.get('chat_teacher_hidden', 64)} pre-trained for "
-                 f"{s.get('chat_teacher_steps', 150)} steps on the chat corpus (the student: a 2-layer Llama of hidden size "
+                 f" The chat teacher: a 2-layer Qwen2 of hidden size {s['chat_teacher_hidden']} pre-trained for "
+                 f"{s['chat_teacher_steps']} steps on the chat corpus (the student: a 2-layer Llama of hidden size "
                  "64)." if "chat" in report["kinds"] else ""), ""]
     for kind, rows in report["kinds"].items():
         lines += [f"**{kind}** ({'conversations, last assistant turn' if kind == 'chat' else 'text prefixes, completion'})",
