@@ -160,9 +160,10 @@ class Preparer:
                         student_role=prefix_roles(t_off[i], docs[i].prefix_chars))
                 continue
             s_ids, s_off = _encode(s.tokenizer, texts, "student tokenizer")
-            spliced[s.fingerprint] = self._splice_text_rollouts(s, docs, keep, s_ids, s_off)
+            replaced: dict[int, np.ndarray] = {}  # sampled ids covering a U+FFFD for invalid UTF-8, by document
+            spliced[s.fingerprint] = self._splice_text_rollouts(s, docs, keep, s_ids, s_off, replaced)
             todo = [i for i in keep if i not in failed]
-            for i, a in zip(todo, self._align(todo, docs, s, s_ids, s_off, t_ids, t_off, failed)):
+            for i, a in zip(todo, self._align(todo, docs, s, s_ids, s_off, t_ids, t_off, failed, replaced)):
                 if a is not None:
                     aligns[i][s.fingerprint] = AlignmentRecord(student_ids=s_ids[i], alignment=a,
                                                                student_role=prefix_roles(s_off[i], docs[i].prefix_chars))
@@ -256,9 +257,11 @@ class Preparer:
                                       conversation=d.text))
         return out
 
-    def _splice_text_rollouts(self, s, docs: list[Document], keep: list[int], s_ids: list, s_off: list) -> set[int]:
+    def _splice_text_rollouts(self, s, docs: list[Document], keep: list[int], s_ids: list, s_off: list,
+                              replaced: dict[int, np.ndarray]) -> set[int]:
         """The text rollouts of `keep` that student `s` sampled, their sampled ids spliced into `s_ids` / `s_off`
-        in place where they spell the completion (`stage1_teacher.onpolicy.splice.text_splice`); their rows."""
+        in place where they spell the completion (`stage1_teacher.onpolicy.splice.text_splice`); their rows.
+        `replaced` gets, by row, the tokens that cover a U+FFFD for invalid UTF-8 (where there are any)."""
         sides = self._text_sampling_sides()
         out = set()
         for i in keep:
@@ -267,7 +270,9 @@ class Preparer:
                 continue
             sp = text_splice(s, d.text, d.prefix_chars, d.sampled, s_ids[i], s_off[i])
             if sp is not None:
-                s_ids[i], s_off[i] = sp
+                s_ids[i], s_off[i] = sp.ids, sp.offsets
+                if sp.replaced is not None:
+                    replaced[i] = sp.replaced
                 out.add(i)
         return out
 
@@ -313,14 +318,18 @@ class Preparer:
                 out[k] = None
         return out
 
-    def _align(self, todo, docs, s, s_ids, s_off, t_ids, t_off, failed: set[int]) -> list:
-        """Alignments of documents `todo` (None where it fails: those are added to `failed`)."""
+    def _align(self, todo, docs, s, s_ids, s_off, t_ids, t_off, failed: set[int],
+               replaced: dict[int, np.ndarray]) -> list:
+        """Alignments of documents `todo` (None where it fails: those are added to `failed`). `replaced`: by
+        document, student tokens whose bytes are not the text's (U+FFFD for invalid UTF-8): flagged, so they
+        are not checked against the text and their chunk is inexact."""
         info = dict(student_info=s.info, teacher_info=self.teacher_info)
+        masks = [s.info.control[s_ids[i]] | replaced.get(i, False) for i in todo] if replaced else None
         out = batch_or_each(len(todo), lambda: align_batch(
             [docs[i].text for i in todo], [s_ids[i] for i in todo], [s_off[i] for i in todo],
-            [t_ids[i] for i in todo], [t_off[i] for i in todo], **info),
+            [t_ids[i] for i in todo], [t_off[i] for i in todo], masks, **info),
             lambda k: align_offsets(docs[todo[k]].text, s_ids[todo[k]], s_off[todo[k]], t_ids[todo[k]],
-                                    t_off[todo[k]], **info))
+                                    t_off[todo[k]], None if masks is None else masks[k], **info))
         for k, i in enumerate(todo):
             if isinstance(out[k], AlignmentError):
                 log.warning("skipping row %d of %s: it does not align for %s: %s", docs[i].row, docs[i].source,

@@ -407,15 +407,22 @@ def test_a_turn_cut_by_max_new_tokens_does_not_train_its_end_marker_when_its_ids
 
 def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_path):
     """Text rollouts (a prefix and its completion, no template) whose sampled ids are not what re-tokenizing
-    the whole text gives: a completion sampled as another tokenization, and prefixes cut inside a word (the
-    whole text's tokenization merges across the cut). The store holds the prefix as the tokenizer encodes it
-    alone, then the sampled ids with their log-probs, aligned exactly; a row whose ids do not spell its
-    completion keeps the re-tokenized ids and no log-probs."""
-    from xtcache.chat.render import chat_fingerprint
+    the whole text gives: a completion sampled as another tokenization, prefixes cut inside a word (the
+    whole text's tokenization merges across the cut), a special token sampled inside, and a byte token that
+    is no UTF-8 (the text holds U+FFFD there). The store holds the prefix as the tokenizer encodes it alone,
+    then the sampled ids with their log-probs; the tokens whose bytes are not the text's sit in an inexact
+    chunk (no KD), every other chunk of the completion is exact, and the special token trains nothing. A row
+    whose ids spell other text keeps the re-tokenized ids and no log-probs; an empty completion (stopped at
+    once) is not counted as re-tokenized."""
+    from schemas.roles import LAST_ASSISTANT
+    from stage1_teacher.onpolicy.splice import piece_bytes
+    from xtcache.align.tokenizer import tokenizer_info
+    from xtcache.chat.render import chat_fingerprint, trained_roles
     from xtcache.tokenizer import load_tokenizer
 
     setup = rollouts[0]
     tok = load_tokenizer(setup.student_model)
+    info = tokenizer_info(tok)
     fp = chat_fingerprint(tok)
     cases = [("A note on caches. ", CLEAN[0], True), ("The cach", "e keeps every turn.", False),
              ("Offline teach", "ers score samples.", False), ("Students", " learn.", True)]
@@ -426,29 +433,52 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
         rows[("r.jsonl", j)] = {"text": prefix + completion, "prefix_chars": len(prefix), "sampled_ids": ids,
                                 "sampled_logprobs": [-0.125] * len(ids), "chat_fingerprint": fp, "policy": "p",
                                 "stop_reason": "length"}
-    broken = [i + 1 for i in rows[("r.jsonl", 3)]["sampled_ids"]]  # other ids: they spell other text
-    rows[("r.jsonl", 4)] = {**rows[("r.jsonl", 3)], "sampled_ids": broken}
-    # a special token sampled inside: the text leaves it out, and a plain-text store checks every token's bytes
-    with_bos = [tok.convert_tokens_to_ids("<s>"), *rows[("r.jsonl", 3)]["sampled_ids"]]
-    rows[("r.jsonl", 5)] = {**rows[("r.jsonl", 3)], "sampled_ids": with_bos, "sampled_logprobs": [-0.125] * len(with_bos)}
+    base = rows[("r.jsonl", 3)]
+    rows[("r.jsonl", 4)] = {**base, "sampled_ids": [i + 1 for i in base["sampled_ids"]]}  # other ids: other text
+    bos = tok.convert_tokens_to_ids("<s>")
+    assert info.control[bos]
+    with_bos = [bos, *base["sampled_ids"]]  # a special token sampled inside: the text leaves it out
+    rows[("r.jsonl", 5)] = {**base, "sampled_ids": with_bos, "sampled_logprobs": [-0.125] * len(with_bos)}
+    lone = next(i for i in range(info.vocab_size) if piece_bytes(info, np.array([i])) == b"\xe2")  # a lead byte
+    words = tok(" learn", add_special_tokens=False)["input_ids"]
+    dot = tok(".", add_special_tokens=False)["input_ids"]
+    bad = [*words, lone, *dot]
+    rows[("r.jsonl", 6)] = {**base, "text": "Students learn\ufffd.", "sampled_ids": bad,
+                            "sampled_logprobs": [-0.125] * len(bad)}
+    rows[("r.jsonl", 7)] = {**base, "text": "Students", "sampled_ids": [bos], "sampled_logprobs": [-0.5],
+                            "stop_reason": "stop"}
     _write_rows(tmp_path / "parts", rows)
     store = _dump(setup, tmp_path / "parts", tmp_path / "cache")
-    _, _, totals, docs = _group(store, setup, text=True)
-    for j, (prefix, _, _) in enumerate(cases):
-        ids, _, lp = docs[("r.jsonl", j)]
+    r, fp_store, totals, docs = _group(store, setup, text=True)
+    for j in (0, 1, 2, 3, 5, 6):
+        prefix = cases[j][0] if j < 4 else "Students"
+        ids, roles, lp = docs[("r.jsonl", j)]
         want = rows[("r.jsonl", j)]["sampled_ids"]
         head = tok(prefix, add_special_tokens=True)["input_ids"]
         assert ids.tolist() == head + want, j
         assert np.flatnonzero(np.isfinite(lp)).tolist() == list(range(len(head), len(head) + len(want)))
         assert np.all(lp[len(head):] == -0.125)
-    for j in (4, 5):  # kept, on the re-tokenized ids, without log-probs
-        ids, _, lp = docs[("r.jsonl", j)]
-        assert ids.tolist() == tok(rows[("r.jsonl", j)]["text"], add_special_tokens=True)["input_ids"]
-        assert np.all(np.isnan(lp))
-    assert totals["sampled_turns"] == 6 and totals["sampled_mismatch"] == 6 and totals["sampled_same_text"] == 4
+        trained = trained_roles(roles, "last-assistant")
+        assert trained[len(head):].tolist() == [i != bos for i in want], j  # the special token: not trained
+        assert not trained[:len(head)].any()
+    ids, _, lp = docs[("r.jsonl", 4)]  # kept, on the re-tokenized ids, without log-probs
+    assert ids.tolist() == tok(rows[("r.jsonl", 4)]["text"], add_special_tokens=True)["input_ids"]
+    assert np.all(np.isnan(lp))
+    ids, roles, lp = docs[("r.jsonl", 7)]  # stopped at once: the prefix, nothing of the turn
+    assert ids.tolist() == tok("Students", add_special_tokens=True)["input_ids"] and np.all(np.isnan(lp))
+    assert not (roles & LAST_ASSISTANT).any()
+    # the chunks of the replaced byte's row: inexact exactly where a student token covers the U+FFFD
+    (sid, k), = [(sid, i) for sid in r.alignment_parts(fp_store) for i, d in enumerate(r.shard(sid).docs)
+                 if (d.source, d.row) == ("r.jsonl", 6)]
+    al = r.read_alignment(fp_store, sid, verify=True).record(k).alignment
+    s_end = np.asarray(al.student_end)
+    at = len(tok("Students", add_special_tokens=True)["input_ids"]) + len(words)  # the lone byte's index
+    chunk = int(np.searchsorted(s_end, at, side="right"))
+    assert not al.exact[chunk] and al.exact[chunk - 1] and al.exact[chunk + 1]
+    assert totals["sampled_turns"] == 8 and totals["sampled_mismatch"] == 7 and totals["sampled_same_text"] == 6
     assert _cli("verify", store).returncode == 0
-    assert ("sampled turns 6, whose sampled ids are not the re-tokenized ids 6 (spliced, trained on the sampled "
-            "ids: 4; not spelling the turn's text, no sampling log-probs: 2)") in _cli("inspect", store).stdout
+    assert ("sampled turns 8, whose sampled ids are not the re-tokenized ids 7 (spliced, trained on the sampled "
+            "ids: 6; not spelling the turn's text, no sampling log-probs: 1)") in _cli("inspect", store).stdout
 
 
 def test_special_tokens_sampled_inside_a_turn_are_kept_where_they_were_sampled(rollouts, tmp_path):

@@ -57,7 +57,8 @@ def attach_sampled(record: AlignmentRecord, sampled: Sampled, spliced: bool = Fa
     n = len(want)
     logprobs = np.full(len(ids), np.nan, dtype=np.float32)
     contiguous = len(turn) > 0 and int(turn[-1] - turn[0]) + 1 == len(turn)
-    same = contiguous and n <= len(turn) and np.array_equal(ids[turn[:n]].astype(np.int64), want)
+    same = (n == len(turn) == 0  # an empty completion (stopped at once): no token, none re-tokenized
+            or contiguous and n <= len(turn) and np.array_equal(ids[turn[:n]].astype(np.int64), want))
     stats = {**(record.stats or {}), "sampled_turns": 1, "sampled_mismatch": int(spliced or not same),
              "sampled_same_text": int(spliced and same)}
     roles = roles.copy()

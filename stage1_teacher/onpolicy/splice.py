@@ -36,9 +36,11 @@ The rendered text is never changed, so the alignment (`xtcache.chat.layout.align
 
 A text rollout (a prefix and its completion, `prefix_chars`, no template) is spliced whole by
 `text_splice`: the prefix as the student's tokenizer encodes it alone (the ids `generate` prompted
-with), then the sampled ids, when they stand for exactly the completion's UTF-8 bytes (no U+FFFD, no
-special token inside: a plain-text store checks every token's bytes against its text); the
-tokenizer's own end tokens of the whole text (an end-of-sequence it appends) follow. Re-tokenizing
+with), then the sampled ids, when they spell the completion as a turn's do (U+FFFD for invalid UTF-8,
+special tokens inside with an empty span); the tokenizer's own end tokens of the whole text (an
+end-of-sequence it appends) follow. A plain-text store checks every token's bytes against its text:
+the sampled ids that cover a U+FFFD for invalid UTF-8 are marked (`TextSplice.replaced`), and the
+alignment leaves them unchecked and their chunk inexact (no KD there; their log-probs are kept). Re-tokenizing
 the whole text can merge a token across the prefix's end, or split the completion another way; the
 spliced ids are the ones the student read and sampled.
 
@@ -90,11 +92,12 @@ def _char_spans(byte_of_char: np.ndarray, lens: np.ndarray) -> np.ndarray:
                      np.searchsorted(byte_of_char, end, side="left")], axis=1).astype(np.int64)
 
 
-def replaced_text(data: bytes) -> tuple[str, np.ndarray]:
+def replaced_text(data: bytes) -> tuple[str, np.ndarray, np.ndarray]:
     """`data` decoded as UTF-8 with each invalid run replaced by one U+FFFD, as a tokenizer decodes sampled
-    byte tokens that are no UTF-8 (`bytes.decode(errors="replace")`), and the byte offset at which each of its
-    characters starts (int64 [chars + 1], the last one len(data))."""
-    chars, starts, p = [], [], 0
+    byte tokens that are no UTF-8 (`bytes.decode(errors="replace")`), the byte offset at which each of its
+    characters starts (int64 [chars + 1], the last one len(data)) and which characters replace an invalid
+    run (bool [chars]; a U+FFFD spelled by its own valid bytes is not one)."""
+    chars, starts, bad_at, p = [], [], [], 0
     while p < len(data):
         try:
             good = data[p:].decode("utf-8")
@@ -105,27 +108,34 @@ def replaced_text(data: bytes) -> tuple[str, np.ndarray]:
         starts.append(p + text_bytes(good)[1][:-1])
         if bad is None:
             break
+        bad_at.append(sum(map(len, chars)))
         chars.append("\ufffd")
         starts.append(np.asarray([bad[0]], dtype=np.int64))
         p = bad[1]
-    return "".join(chars), np.concatenate([*starts, [len(data)]]).astype(np.int64)
+    text = "".join(chars)
+    replaced = np.zeros(len(text), dtype=bool)
+    replaced[bad_at] = True
+    return text, np.concatenate([*starts, [len(data)]]).astype(np.int64), replaced
 
 
-def sampled_offsets(info, body: np.ndarray, text: str, skipped: np.ndarray) -> np.ndarray | None:
-    """int64 [n, 2] character offsets in `text` of the sampled ids `body` when they spell it: their bytes are
-    its UTF-8 bytes, or decode to it with invalid runs replaced by U+FFFD (byte tokens sampled out of order,
-    a character cut by --max-new-tokens); None otherwise. Special tokens sampled inside the text (`skipped`,
-    the tokenizer's `TokenizerInfo.control`) stand for no characters, as the decoded text leaves them out: each gets an empty span
-    where it was sampled."""
+def sampled_offsets(info, body: np.ndarray, text: str, skipped: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """int64 [n, 2] character offsets in `text` of the sampled ids `body` when they spell it, and which of them
+    cover a U+FFFD that replaces invalid UTF-8 (bool [n]: their bytes are not the text's); None when they do
+    not spell it. They spell it when their bytes are its UTF-8 bytes, or decode to it with invalid runs
+    replaced by U+FFFD (byte tokens sampled out of order, a character cut by --max-new-tokens). Special
+    tokens sampled inside the text (`skipped`, the tokenizer's `TokenizerInfo.control`) stand for no
+    characters, as the decoded text leaves them out: each gets an empty span where it was sampled."""
     special = skipped[body]
     lens = np.where(special, 0, np.diff(info.piece_start)[body])
     data = piece_bytes(info, body[~special])
     if data == text.encode("utf-8"):
-        return byte_offsets(text, lens)
-    decoded, byte_of_char = replaced_text(data)
+        return byte_offsets(text, lens), np.zeros(body.shape[0], dtype=bool)
+    decoded, byte_of_char, replaced = replaced_text(data)
     if decoded != text:
         return None
-    return _char_spans(byte_of_char, lens)
+    spans = _char_spans(byte_of_char, lens)
+    seen = np.concatenate(([0], np.cumsum(replaced)))  # replaced characters before each character position
+    return spans, seen[spans[:, 1]] > seen[spans[:, 0]]
 
 
 def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndarray,
@@ -161,10 +171,10 @@ def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndar
     message = r.located.texts[k][2]
     if message[skip:skip + b - a] != r.text[a:b]:
         return None
-    off = sampled_offsets(info, body, message, skipped)
-    if off is None:
+    spelled = sampled_offsets(info, body, message, skipped)
+    if spelled is None:
         return None
-    off = a + np.clip(off, skip, skip + b - a) - skip
+    off = a + np.clip(spelled[0], skip, skip + b - a) - skip
     if prompt is not None and prompt[0] == r.text[:a] and not np.array_equal(r.ids[:lo], prompt[1]):
         return Splice(lo, hi, body, off, prompt[1:])
     return Splice(lo, hi, body, off)
@@ -225,32 +235,45 @@ def splice_batch(side: Renderings, live: list[int], docs: list, convs: list[dict
     return side, {i for i, f in zip(live, flags) if f}
 
 
+@dataclass(frozen=True)
+class TextSplice:
+    """A text rollout's student tokens with the sampled ids spliced in (`text_splice`)."""
+
+    ids: np.ndarray  # [n] the prefix's ids, the sampled ids, the tokenizer's appended end tokens
+    offsets: np.ndarray  # [n, 2] their character offsets in the whole text
+    replaced: np.ndarray | None  # bool [n]: sampled ids covering a U+FFFD for invalid UTF-8; None when there are none
+
+
 def text_splice(student, text: str, prefix_chars: int, sampled, ids: np.ndarray,
-                offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """A text rollout's student (ids, offsets) with the ids `sampled` (a `corpus.Sampled`) spliced in (module
-    docstring), or None when they do not spell the completion byte for byte, or already are the re-tokenized
-    ids `ids` / `offsets` (the whole text's encoding, special tokens added, offsets as `encode_flat` gives
-    them). `student`: a `prep.StudentSide` (its tokenizer, `info` and `appended`). A plain-text
-    store's alignment checks every token's bytes against the text, so a completion with U+FFFD for invalid
-    UTF-8, or with a special token inside, keeps the re-tokenized ids."""
+                offsets: np.ndarray) -> TextSplice | None:
+    """A text rollout's student tokens with the ids `sampled` (a `corpus.Sampled`) spliced in (module
+    docstring), or None when they do not spell the completion, or already are the re-tokenized ids `ids` /
+    `offsets` (the whole text's encoding, special tokens added, offsets as `encode_flat` gives them).
+    `student`: a `prep.StudentSide` (its tokenizer, `info` and `appended`). They spell it as a conversation
+    turn's ids do (`sampled_offsets`): byte for byte, or with U+FFFD for invalid UTF-8 (those tokens are
+    marked `replaced`: a plain-text store's alignment checks every other token's bytes against the text),
+    special tokens inside with an empty span."""
     info, skipped = student.info, student.info.control
     body = np.asarray(sampled.ids, dtype=np.int64)
     if np.any((body < 0) | (body >= info.vocab_size)):
         return None  # ids of no token of this tokenizer (an lm_head padded past it)
     if sampled.stop_reason == "stop" and body.shape[0] and skipped[body[-1]]:
         body = body[:-1]  # the stop token: the text does not hold it
-    completion = text[prefix_chars:]
-    if body.shape[0] == 0 or skipped[body].any():
+    if body.shape[0] == 0:
         return None
-    if piece_bytes(info, body) != completion.encode("utf-8"):
+    spelled = sampled_offsets(info, body, text[prefix_chars:], skipped)
+    if spelled is None:
         return None
-    c_off = byte_offsets(completion, np.diff(info.piece_start)[body])
     p_ids, p_off = encode_with_offsets(student.tokenizer, text[:prefix_chars], add_special_tokens=True,
                                        side="student tokenizer")
     tail = student.appended  # tokens the tokenizer appends after a text: after the completion, not the prefix
     p_ids, p_off = p_ids[:p_ids.shape[0] - tail], p_off[:p_off.shape[0] - tail]
     new_ids = np.concatenate([p_ids, body, ids[ids.shape[0] - tail:]])
-    new_off = np.concatenate([p_off, prefix_chars + c_off, offsets[offsets.shape[0] - tail:]])
+    new_off = np.concatenate([p_off, prefix_chars + spelled[0], offsets[offsets.shape[0] - tail:]])
     if np.array_equal(new_ids, ids):
         return None
-    return new_ids.astype(ids.dtype), new_off.astype(offsets.dtype)
+    replaced = None
+    if spelled[1].any():
+        replaced = np.zeros(new_ids.shape[0], dtype=bool)
+        replaced[p_ids.shape[0]:p_ids.shape[0] + body.shape[0]] = spelled[1]
+    return TextSplice(new_ids.astype(ids.dtype), new_off.astype(offsets.dtype), replaced)

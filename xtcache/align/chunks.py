@@ -244,7 +244,8 @@ def align_offsets(text: str, student_ids, student_offsets, teacher_ids, teacher_
     Offsets are `[N, 2]` character spans as fast tokenizers return them (`return_offsets_mapping`).
     Tokens with empty spans are placed between their neighbours and paired by role (roles come
     from `*_info`; without it every flagged special has the same role). With `*_info` the tokens'
-    bytes are checked against the text and unknown tokens make their chunk inexact; without it the
+    bytes are checked against the text and unknown tokens make their chunk inexact (and are not
+    checked), as do tokens a mask flags that the tokenizer does not call special; without it the
     offsets are trusted and a chunk is exact when both sides cover its characters without gaps.
     """
     s_masks = None if student_special_mask is None else [student_special_mask]

@@ -32,7 +32,8 @@ class Side:
     start: np.ndarray           # int64 [M] global character spans
     end: np.ndarray             # int64 [M]
     is_sep: np.ndarray          # bool  [M] separator tokens
-    unk: np.ndarray             # bool  [M] unknown tokens: not compared with the text, chunk inexact
+    unk: np.ndarray             # bool  [M] unknown tokens, and tokens the caller flags that the tokenizer does not
+    #                             call special (sampled bytes read as U+FFFD): not compared with the text, chunk inexact
     flagged: np.ndarray         # bool  [M] unknown or control token (TokenizerInfo.control): its chunk is not exact
     atom_end: np.ndarray        # int64 [A] content counts at this side's own clean cuts
     zero_slot: np.ndarray       # int64 [Z] content tokens before each zero-width token
@@ -40,7 +41,9 @@ class Side:
 
 
 def prepare_side(name, ids, offsets, counts, special, lens, base, info) -> Side:
-    """Validate one side's flat tokens against the document lengths and build its `Side`."""
+    """Validate one side's flat tokens against the document lengths and build its `Side`. `special`: bool [N],
+    the tokens whose chunk is not exact (None: the tokenizer's special tokens, `info.control`); with `info`,
+    a flagged token that is no special token is not compared with the text either (`Side.unk`)."""
     n, n_docs = ids.shape[0], counts.shape[0]
     if offsets.shape != (n, 2):
         raise AlignmentError(f"{name} offsets have shape {tuple(offsets.shape)}, expected ({n}, 2) for {n} token ids")
@@ -82,6 +85,8 @@ def prepare_side(name, ids, offsets, counts, special, lens, base, info) -> Side:
     is_sep[sep_full] = True
     is_sep = is_sep[content]
     unk = ids[content] == (info.unk_id if info is not None and info.unk_id >= 0 else -2)
+    if info is not None:  # flagged by the caller, no special token: bytes that are not the text's
+        unk |= (special & ~info.control[ids])[content]
     cut = np.append(c_start[1:] >= c_end[:-1], True)
     zero_idx = np.flatnonzero(zero)
     zero_role = info.role[ids[zero_idx]] if info is not None else np.where(special[zero_idx], ROLE_OTHER, 0)
