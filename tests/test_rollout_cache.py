@@ -111,6 +111,15 @@ def _group(store: Path, setup, *, text: bool = False):
     return r, fp, totals, docs
 
 
+def _alignments(store: Path, fp: str) -> dict:
+    """The chunk alignment of every document of alignment group `fp`, by (file, row)."""
+    from xtcache.store import CacheReader
+
+    r = CacheReader(str(store))
+    return {(d.source, d.row): r.read_alignment(fp, sid, verify=True).record(i).alignment
+            for sid in r.alignment_parts(fp) for i, d in enumerate(r.shard(sid).docs)}
+
+
 def test_stored_sampling_log_probs_are_the_rollouts_on_the_generated_turn_nan_elsewhere(rollouts):
     from schemas.roles import LAST_ASSISTANT
 
@@ -178,6 +187,19 @@ def test_generated_turns_are_spliced_exactly_when_their_ids_spell_the_rendered_t
         assert int(np.isfinite(lp).sum()) == (len(rows[key]["sampled_ids"]) if spelled[key] else 0)
         if spelled[key]:
             assert ids[np.isfinite(lp)].tolist() == rows[key]["sampled_ids"]
+    # no exact chunk holds student bytes that are no UTF-8 (sampled bytes the text reads as U+FFFD)
+    from stage1_teacher.onpolicy.splice import piece_bytes
+    from xtcache.align.tokenizer import tokenizer_info
+
+    info, aligns = tokenizer_info(tok), _alignments(store, fp)
+    replaced = [k for k in rows if spelled[k] and "\ufffd" in rows[k]["messages"][-1]["content"]]
+    assert replaced
+    for key in replaced:
+        al, ids = aligns[key], docs[key][0]
+        ends = np.asarray(al.student_end)
+        for c in np.flatnonzero(np.asarray(al.exact)):
+            piece = piece_bytes(info, ids[(ends[c - 1] if c else 0):ends[c]].astype(np.int64))
+            piece.decode("utf-8")  # raises on an exact chunk over invalid bytes
 
 
 def test_the_tokens_before_the_turn_are_the_ids_generate_prompted_with(rollouts):
@@ -449,7 +471,7 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
                             "stop_reason": "stop"}
     _write_rows(tmp_path / "parts", rows)
     store = _dump(setup, tmp_path / "parts", tmp_path / "cache")
-    r, fp_store, totals, docs = _group(store, setup, text=True)
+    _, fp_store, totals, docs = _group(store, setup, text=True)
     for j in (0, 1, 2, 3, 5, 6):
         prefix = cases[j][0] if j < 4 else "Students"
         ids, roles, lp = docs[("r.jsonl", j)]
@@ -468,9 +490,7 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
     assert ids.tolist() == tok("Students", add_special_tokens=True)["input_ids"] and np.all(np.isnan(lp))
     assert not (roles & LAST_ASSISTANT).any()
     # the chunks of the replaced byte's row: inexact exactly where a student token covers the U+FFFD
-    (sid, k), = [(sid, i) for sid in r.alignment_parts(fp_store) for i, d in enumerate(r.shard(sid).docs)
-                 if (d.source, d.row) == ("r.jsonl", 6)]
-    al = r.read_alignment(fp_store, sid, verify=True).record(k).alignment
+    al = _alignments(store, fp_store)[("r.jsonl", 6)]
     s_end = np.asarray(al.student_end)
     at = len(tok("Students", add_special_tokens=True)["input_ids"]) + len(words)  # the lone byte's index
     chunk = int(np.searchsorted(s_end, at, side="right"))

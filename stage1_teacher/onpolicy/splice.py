@@ -32,7 +32,9 @@ before a digit, `Ċ Ċ` before a letter); the student would then train its first
 context it never reads when it samples. Where the rendering's text up to the turn is the generation
 prompt's, its tokens there are replaced by the prompt's (the turn's own counts stay as they were: a
 rollout whose turn ids were already the sampled ones is not counted as spliced).
-The rendered text is never changed, so the alignment (`xtcache.chat.layout.align_conversations`) runs on the spliced tokens as on any others.
+The rendered text is never changed, so the alignment (`xtcache.chat.layout.align_conversations`) runs on the spliced tokens as on any others;
+the sampled ids that stand for a U+FFFD for invalid UTF-8 are marked (`Renderings.replaced`), and their chunk
+is not exact (no KD there: the teacher scored a U+FFFD, not those bytes), as in a text rollout.
 
 A text rollout (a prefix and its completion, `prefix_chars`, no template) is spliced whole by
 `text_splice`: the prefix as the student's tokenizer encodes it alone (the ids `generate` prompted
@@ -67,6 +69,7 @@ class Splice:
     ids: np.ndarray  # int64 [n] the sampled ids, stop token left out
     offsets: np.ndarray  # int64 [n, 2] their character offsets in the rendering
     prompt: tuple[np.ndarray, np.ndarray] | None = None  # the ids (and offsets) prompted with, replacing [0, lo)
+    replaced: np.ndarray | None = None  # bool [n]: ids standing for a U+FFFD for invalid UTF-8; None if none
 
 
 def piece_bytes(info, ids: np.ndarray) -> bytes:
@@ -175,9 +178,10 @@ def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndar
     if spelled is None:
         return None
     off = a + np.clip(spelled[0], skip, skip + b - a) - skip
+    replaced = spelled[1] if spelled[1].any() else None
     if prompt is not None and prompt[0] == r.text[:a] and not np.array_equal(r.ids[:lo], prompt[1]):
-        return Splice(lo, hi, body, off, prompt[1:])
-    return Splice(lo, hi, body, off)
+        return Splice(lo, hi, body, off, prompt[1:], replaced)
+    return Splice(lo, hi, body, off, None, replaced)
 
 
 def splice_rollouts(side: Renderings, rows: list, info, skipped: np.ndarray) -> tuple[Renderings, list[bool]]:
@@ -189,7 +193,8 @@ def splice_rollouts(side: Renderings, rows: list, info, skipped: np.ndarray) -> 
     spliced = [False] * len(side)
     starts = np.cumsum(side.counts) - side.counts
     counts = side.counts.copy()
-    ids, offs, cut = [], [], 0
+    ids, offs, rep, cut = [], [], [], 0
+    was = np.zeros(side.ids.shape[0], dtype=bool) if side.replaced is None else side.replaced
     for d, row in enumerate(rows):
         sp = None if row is None else turn_splice(side[d], row[0] - 1, row[1], info, skipped, row[2])
         if sp is None:
@@ -202,12 +207,17 @@ def splice_rollouts(side: Renderings, rows: list, info, skipped: np.ndarray) -> 
             np.concatenate([sp.prompt[0], sp.ids]), np.concatenate([sp.prompt[1], sp.offsets]))
         ids += [side.ids[cut:at + lo], new_ids]
         offs += [side.offsets[cut:at + lo], new_offs]
+        new_rep = np.zeros(new_ids.shape[0], dtype=bool)
+        if sp.replaced is not None:
+            new_rep[new_ids.shape[0] - sp.ids.shape[0]:] = sp.replaced
+        rep += [was[cut:at + lo], new_rep]
         cut = at + sp.hi
         counts[d] += new_ids.shape[0] - (sp.hi - lo)
     if not ids:
         return side, spliced
+    replaced = np.concatenate([*rep, was[cut:]])
     return Renderings(side.texts, np.concatenate([*ids, side.ids[cut:]]), np.concatenate([*offs, side.offsets[cut:]]),
-                      counts, side.located, side.marker_ids), spliced
+                      counts, side.located, side.marker_ids, replaced if replaced.any() else None), spliced
 
 
 def generation_prompt(tokenizer, conv: dict) -> tuple[str, np.ndarray, np.ndarray] | None:

@@ -262,6 +262,8 @@ def align_conversations(convs: list[dict], students: Renderings, teachers: Rende
         mapped.append((voffs, straddle, tab[region, 5]))
     texts = [" " * n for n in lay.vlens.tolist()]  # only the lengths matter: the offsets are trusted, not byte-checked
     (s_v, s_flag, s_role), (t_v, t_flag, _) = mapped
+    if students.replaced is not None:  # their bytes are not the text's U+FFFD: no exact chunk
+        s_flag = s_flag | students.replaced
     aligns = align_flat(texts, (fs.ids, s_v, fs.counts, s_flag), (ft.ids, t_v, ft.counts, t_flag), None, None)
     _self_check(aligns, students, teachers, fs, ft, s_role, lay.shared, lay.stats)
     roles = np.split(s_role.astype(np.uint8), np.cumsum(fs.counts)[:-1])

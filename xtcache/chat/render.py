@@ -192,6 +192,8 @@ class Renderings:
     counts: np.ndarray  # int64 [D]
     located: list[Located]
     marker_ids: np.ndarray
+    replaced: np.ndarray | None = None  # bool [N]: sampled tokens standing for a U+FFFD of the text (invalid
+    #                                     UTF-8, `stage1_teacher.onpolicy.splice`): their chunk is not exact
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -217,7 +219,8 @@ class Renderings:
         starts, counts = self._starts()[rows_a], self.counts[rows_a]
         tok = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
         return Renderings([self.texts[d] for d in rows], self.ids[tok], self.offsets[tok], counts,
-                          [self.located[d] for d in rows], self.marker_ids)
+                          [self.located[d] for d in rows], self.marker_ids,
+                          None if self.replaced is None else self.replaced[tok])
 
 
 def renderings(tokenizer, texts: list[str], convs: list[dict], *, markers=None, encoded=None,
