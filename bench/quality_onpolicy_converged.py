@@ -108,9 +108,8 @@ ROWS = [
     # the rounds' caches at the corpus caches' k (the other rows: teacher-dump's default, top-64)
     ("on-policy rounds (defaults), top-16 rollout caches", "on", ["--dump-args", "--top-k 16"], KINDS),
     # the sampled reverse KL of each chunk's text (policy gradient, train-student's ratio cap 2): the student's own
-    # probability of the tokens it sampled, not its distribution projected onto the teacher's pieces. Chat only:
-    # text completions with U+FFFD keep re-tokenized ids and no sampling log-probs, which the ratio refuses
-    ("on-policy rounds, `--loss rkl-pg` + 0.1 CE", "on", ["--loss", "rkl-pg"], ("chat",)),
+    # probability of the tokens it sampled, not its distribution projected onto the teacher's pieces
+    ("on-policy rounds, `--loss rkl-pg` + 0.1 CE", "on", ["--loss", "rkl-pg"], KINDS),
 ]
 MEASURES = (("reverse_kl_per_sequence", "reverse KL/sequence"), ("teacher_nll_per_byte", "teacher NLL/byte"))
 
