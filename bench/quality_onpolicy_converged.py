@@ -280,7 +280,7 @@ def measure(p: dict, student: Path, s: ConvergedSettings) -> dict:
     return {k: report[k] for k in ("reverse_kl_per_sequence", "reverse_kl_per_token", "teacher_nll_per_byte",
                                    "teacher_nll_per_token", "mean_student_tokens", "stopped_fraction",
                                    "teacher_mean_student_tokens", "max_new_tokens", "samples",
-                                   "teacher_nll_per_byte_se")}
+                                   "teacher_nll_per_byte_se", "teacher_self_nll_per_byte")}
 
 
 def finished_run(run: Path) -> tuple[float | None, Path | None]:
@@ -447,10 +447,12 @@ def markdown(report: dict) -> str:
         se = [r.get("teacher_nll_per_byte_se") for r in rows["converged student"]]
         se = f"; the teacher NLL/byte of one student has a standard error of about {statistics.fmean(se):.3f}" \
             if all(x is not None for x in se) else ""
+        own = first.get("teacher_self_nll_per_byte")  # measured since policy-eval reports it
+        own = "" if own is None else f"; the teacher's NLL/byte of its own samples: {own:.3f}"
         lines += ["", f"policy-eval: {first['samples']} samples ({s['eval_prompts']} held-out prompts x "
                   f"{first['samples'] // s['eval_prompts']}{se}), "
                   f"cap {first['max_new_tokens']} tokens (twice the teacher's mean length, "
-                  f"{first['teacher_mean_student_tokens']:.1f} student tokens). Student NLL/token: the student's own "
+                  f"{first['teacher_mean_student_tokens']:.1f} student tokens{own}). Student NLL/token: the student's own "
                   "NLL of its samples per token (teacher NLL/token - reverse KL/token: its sampling entropy, "
                   "estimated). Teacher-scored tokens: the trained "
                   "(last-assistant) student tokens of the caches a row trained on after convergence (on-policy: every "

@@ -174,6 +174,12 @@ def test_cli_writes_the_report_and_refuses_a_missing_file(chat, tmp_path):
     # the teacher sampled as the student is: the same model and seeds draw the same completions
     assert report["teacher_mean_bytes"] == report["student_mean_bytes"] > 0
     assert report["teacher_stopped_fraction"] == report["stopped_fraction"] and "teacher_mean_bytes" in proc.stdout
+    # its NLL per byte of its own samples (from its sampler's log-probs) is the student's own NLL per byte of the
+    # same samples: the teacher's NLL of them less their reverse KL (from the scorer and the student's sampler)
+    assert report["unscored"] == 0
+    own = report["teacher_nll_per_byte"] - report["reverse_kl_per_sequence"] / report["student_mean_bytes"]
+    assert report["teacher_self_nll_per_byte"] == pytest.approx(own, rel=1e-4)
+    assert "teacher_self_nll_per_byte" in proc.stdout
     proc = xtcache(*base, "--prompts", str(tmp_path / "none.jsonl"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --prompts ")

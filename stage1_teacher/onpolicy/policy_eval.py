@@ -24,6 +24,10 @@ the live teacher scores them, and the report gives the per-token reverse KL and 
        teacher_nll_per_token  = sum_i -log p_t(y_i) / sum_i n_i                (se by the delta method)
        teacher_nll_per_byte   = sum_i -log p_t(y_i) / sum_i bytes_i   (UTF-8 bytes of the completion text; se too)
 
+   Beside them, from the teacher's own samples of the same prompts (its sampler, the same seed and cap
+   rule): `teacher_self_nll_per_byte`, sum -log p_t(x_j) / sum bytes_j, its sampling entropy per byte: where
+   a student that samples as the teacher does would land on `teacher_nll_per_byte`.
+
    Every standard error counts the samples as independent; the samples of one prompt are not quite, so
    they understate the noise a little. Two students compared on a few hundred samples can differ by
    sampling alone: compare seeds.
@@ -263,8 +267,10 @@ def summarize(scores: list[SampleScore]) -> dict:
 def teacher_lengths(teacher: str, prompts_path: str, student_tokenizer, *, samples_per_prompt: int,
                     max_new_tokens: int, seed: int) -> dict:
     """The teacher's own completions of the prompts, sampled as the student's are: their mean UTF-8 bytes, their
-    mean length in the student's tokens (the stop token counted where they stopped), and the fraction that
-    stopped before `max_new_tokens`."""
+    mean length in the student's tokens (the stop token counted where they stopped), the fraction that
+    stopped before `max_new_tokens`, and the teacher's NLL per byte of them (`teacher_self_nll_per_byte`: its
+    sampling entropy per byte, estimated; a student that samples as the teacher does would score it in
+    `teacher_nll_per_byte`, up to the teacher's other tokenizations of a student's text)."""
     tokenizer = load_tokenizer(teacher, "teacher tokenizer")
     completions, texts = sample_student(teacher, tokenizer, read_prompts(prompts_path, tokenizer),
                                         samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, seed=seed)
@@ -272,7 +278,9 @@ def teacher_lengths(teacher: str, prompts_path: str, student_tokenizer, *, sampl
     n = max(1, len(flat))
     student_tokens = sum(len(student_tokenizer(x, add_special_tokens=False)["input_ids"]) + (c.stop_reason == "stop")
                          for c, x in flat)
-    return {"teacher_mean_bytes": sum(len(x.encode("utf-8")) for _, x in flat) / n,
+    nbytes = sum(len(x.encode("utf-8")) for _, x in flat)
+    return {"teacher_mean_bytes": nbytes / n,
+            "teacher_self_nll_per_byte": -sum(sum(c.logprobs) for c, _ in flat) / nbytes if nbytes else float("nan"),
             "teacher_mean_student_tokens": student_tokens / n,
             "teacher_stopped_fraction": sum(c.stop_reason == "stop" for c, _ in flat) / n,
             "teacher_max_new_tokens": max_new_tokens}
@@ -340,7 +348,7 @@ def _run(cfg: PolicyEvalConfig) -> None:
     report, _ = policy_eval(cfg.student, cfg.teacher, cfg.prompts, samples_per_prompt=cfg.samples_per_prompt,
                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, teacher_samples=cfg.teacher_samples)
     lengths = ("student_mean_bytes", "teacher_mean_bytes", "teacher_mean_student_tokens",
-               "teacher_stopped_fraction") if cfg.teacher_samples else ("student_mean_bytes",)
+               "teacher_stopped_fraction", "teacher_self_nll_per_byte") if cfg.teacher_samples else ("student_mean_bytes",)
     for key in ("prompts", "samples", "max_new_tokens", "unscored", "mean_student_tokens", "stopped_fraction",
                 *lengths):
         typer.echo(f"{key:<26}{report[key]:.4g}" if isinstance(report[key], float) else f"{key:<26}{report[key]}")
