@@ -256,6 +256,17 @@ def test_defaults_draw_96_samples_and_cap_at_twice_the_teacher_mean_length(chat)
     assert report["max_new_tokens_auto"] and report["teacher_max_new_tokens"] == 512 and mean > 1
     assert report["max_new_tokens"] == max(8, math.ceil(2 * mean))
     assert report["mean_student_tokens"] <= report["max_new_tokens"]
+    # the teacher's NLL per byte of its own samples: those samples drawn again here, summed here
+    from stage1_teacher.onpolicy.policy_eval import read_prompts, sample_student
+    from xtcache.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(setup.teacher_model))
+    comps, texts = sample_student(str(setup.teacher_model), tok, read_prompts(str(prompts), tok), samples_per_prompt=1,
+                                  max_new_tokens=512, seed=0)
+    nll = -sum(sum(c.logprobs) for cs in comps for c in cs)
+    assert report["teacher_self_nll_per_byte"] == pytest.approx(nll / sum(len(t.encode()) for ts in texts for t in ts))
+    student_own = report["teacher_nll_per_byte"] - report["reverse_kl_per_sequence"] / report["student_mean_bytes"]
+    assert abs(report["teacher_self_nll_per_byte"] - student_own) > 0.05  # not the student's samples
     with pytest.raises(ConfigError, match="auto"):
         policy_eval(str(setup.student_model), str(setup.teacher_model), str(prompts), max_new_tokens=0,
                     teacher_samples=False)

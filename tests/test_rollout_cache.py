@@ -469,10 +469,15 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
                             "sampled_logprobs": [-0.125] * len(bad)}
     rows[("r.jsonl", 7)] = {**base, "text": "Students", "sampled_ids": [bos], "sampled_logprobs": [-0.5],
                             "stop_reason": "stop"}
+    lead, cont = (next(i for i in range(info.vocab_size) if piece_bytes(info, np.array([i])) == b)
+                  for b in (b"\xc3", b"\xa9"))  # the two bytes of e-acute, a special token sampled between them
+    split = [*tok(" caf", add_special_tokens=False)["input_ids"], lead, bos, cont]
+    rows[("r.jsonl", 8)] = {**base, "text": "Students caf\u00e9", "sampled_ids": split,
+                            "sampled_logprobs": [-0.125] * len(split)}
     _write_rows(tmp_path / "parts", rows)
     store = _dump(setup, tmp_path / "parts", tmp_path / "cache")
     _, fp_store, totals, docs = _group(store, setup, text=True)
-    for j in (0, 1, 2, 3, 5, 6):
+    for j in (0, 1, 2, 3, 5, 6, 8):
         prefix = cases[j][0] if j < 4 else "Students"
         ids, roles, lp = docs[("r.jsonl", j)]
         want = rows[("r.jsonl", j)]["sampled_ids"]
@@ -495,10 +500,13 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
     at = len(tok("Students", add_special_tokens=True)["input_ids"]) + len(words)  # the lone byte's index
     chunk = int(np.searchsorted(s_end, at, side="right"))
     assert not al.exact[chunk] and al.exact[chunk - 1] and al.exact[chunk + 1]
-    assert totals["sampled_turns"] == 8 and totals["sampled_mismatch"] == 7 and totals["sampled_same_text"] == 6
+    al = _alignments(store, fp_store)[("r.jsonl", 8)]  # the special token inside e-acute: its chunk inexact
+    at = len(tok("Students", add_special_tokens=True)["input_ids"]) + len(split) - 2
+    assert not al.exact[int(np.searchsorted(np.asarray(al.student_end), at, side="right"))]
+    assert totals["sampled_turns"] == 9 and totals["sampled_mismatch"] == 8 and totals["sampled_same_text"] == 7
     assert _cli("verify", store).returncode == 0
-    assert ("sampled turns 8, whose sampled ids are not the re-tokenized ids 7 (spliced, trained on the sampled "
-            "ids: 6; not spelling the turn's text, no sampling log-probs: 1)") in _cli("inspect", store).stdout
+    assert ("sampled turns 9, whose sampled ids are not the re-tokenized ids 8 (spliced, trained on the sampled "
+            "ids: 7; not spelling the turn's text, no sampling log-probs: 1)") in _cli("inspect", store).stdout
 
 
 def test_special_tokens_sampled_inside_a_turn_are_kept_where_they_were_sampled(rollouts, tmp_path):

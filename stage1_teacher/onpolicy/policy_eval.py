@@ -25,8 +25,9 @@ the live teacher scores them, and the report gives the per-token reverse KL and 
        teacher_nll_per_byte   = sum_i -log p_t(y_i) / sum_i bytes_i   (UTF-8 bytes of the completion text; se too)
 
    Beside them, from the teacher's own samples of the same prompts (its sampler, the same seed and cap
-   rule): `teacher_self_nll_per_byte`, sum -log p_t(x_j) / sum bytes_j, its sampling entropy per byte: where
-   a student that samples as the teacher does would land on `teacher_nll_per_byte`.
+   rule): `teacher_self_nll_per_byte`, sum -log p_t(x_j) / sum bytes_j from its sampler's log-probs, its
+   sampling entropy per byte: a reference for `teacher_nll_per_byte`, which scores the teacher's own
+   tokenization of a text (special tokens sampled inside left out, the template's end marker read).
 
    Every standard error counts the samples as independent; the samples of one prompt are not quite, so
    they understate the noise a little. Two students compared on a few hundred samples can differ by
@@ -268,9 +269,8 @@ def teacher_lengths(teacher: str, prompts_path: str, student_tokenizer, *, sampl
                     max_new_tokens: int, seed: int) -> dict:
     """The teacher's own completions of the prompts, sampled as the student's are: their mean UTF-8 bytes, their
     mean length in the student's tokens (the stop token counted where they stopped), the fraction that
-    stopped before `max_new_tokens`, and the teacher's NLL per byte of them (`teacher_self_nll_per_byte`: its
-    sampling entropy per byte, estimated; a student that samples as the teacher does would score it in
-    `teacher_nll_per_byte`, up to the teacher's other tokenizations of a student's text)."""
+    stopped before `max_new_tokens`, and the teacher's NLL per byte of them from the sampler's log-probs
+    (`teacher_self_nll_per_byte`: its sampling entropy per byte, estimated; module docstring)."""
     tokenizer = load_tokenizer(teacher, "teacher tokenizer")
     completions, texts = sample_student(teacher, tokenizer, read_prompts(prompts_path, tokenizer),
                                         samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, seed=seed)

@@ -132,13 +132,16 @@ def sampled_offsets(info, body: np.ndarray, text: str, skipped: np.ndarray) -> t
     lens = np.where(special, 0, np.diff(info.piece_start)[body])
     data = piece_bytes(info, body[~special])
     if data == text.encode("utf-8"):
-        return byte_offsets(text, lens), np.zeros(body.shape[0], dtype=bool)
-    decoded, byte_of_char, replaced = replaced_text(data)
-    if decoded != text:
-        return None
-    spans = _char_spans(byte_of_char, lens)
-    seen = np.concatenate(([0], np.cumsum(replaced)))  # replaced characters before each character position
-    return spans, seen[spans[:, 1]] > seen[spans[:, 0]]
+        spans, replaced = byte_offsets(text, lens), np.zeros(body.shape[0], dtype=bool)
+    else:
+        decoded, byte_of_char, by_char = replaced_text(data)
+        if decoded != text:
+            return None
+        spans = _char_spans(byte_of_char, lens)
+        seen = np.concatenate(([0], np.cumsum(by_char)))  # replaced characters before each character position
+        replaced = seen[spans[:, 1]] > seen[spans[:, 0]]
+    spans[special, 1] = spans[special, 0]  # empty, also between the bytes of one character (it covers none of it)
+    return spans, replaced
 
 
 def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndarray,
