@@ -507,6 +507,21 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
     assert _cli("verify", store).returncode == 0
     assert ("sampled turns 9, whose sampled ids are not the re-tokenized ids 8 (spliced, trained on the sampled "
             "ids: 7; not spelling the turn's text, no sampling log-probs: 1)") in _cli("inspect", store).stdout
+    # `xtcache rounds --loss rkl-pg` refuses such a round cache before train-student, unless the ratio is off
+    from xtcache.app.rounds import RoundsConfig, check_sampled, round_dir
+    from xtcache.errors import ConfigError
+
+    def cfg(loss, *train_args):
+        return RoundsConfig(student="S", teacher="T", prompts=["p.jsonl"], rounds=1, loss=loss, engine="hf",
+                            workdir=str(tmp_path / "w"), train_on="last-assistant", train_args=list(train_args))
+
+    round_dir(cfg("rkl-pg"), 0).mkdir(parents=True)
+    (round_dir(cfg("rkl-pg"), 0) / "cache").symlink_to(store)
+    with pytest.raises(ConfigError, match=r"^round 0: 1 of the 9 generated turns in .* keep re-tokenized ids .*"
+                                          r"`-- --is-cap 0`"):
+        check_sampled(cfg("rkl-pg"), 0)
+    for ok in (cfg("rkl-pg", "--is-cap", "0"), cfg("rkl-pg", "--is-cap=0.0"), cfg("forward")):
+        check_sampled(ok, 0)
 
 
 def test_special_tokens_sampled_inside_a_turn_are_kept_where_they_were_sampled(rollouts, tmp_path):

@@ -455,6 +455,33 @@ def check_objective(cfg: RoundsConfig, r: int, done: dict) -> None:
             f"--workdir{again}")
 
 
+def _no_ratio(cap: str | None) -> bool:
+    """Whether train-student's `--is-cap` value turns rkl-pg's ratio off (0); one that is no number counts as
+    off here: train-student refuses it, naming it."""
+    try:
+        return cap is not None and float(cap) == 0
+    except ValueError:
+        return True
+
+
+def check_sampled(cfg: RoundsConfig, r: int) -> None:
+    """`--loss rkl-pg` with its importance ratio: refuse round r's cache, before train-student starts, when
+    generated turns in it keep re-tokenized ids without sampling log-probs (their ids do not spell the text).
+    train-student would stop at the first micro-batch that trains one, some steps in."""
+    if cfg.loss != "rkl-pg" or _no_ratio(flag_value(cfg.train_args, "--is-cap")):
+        return
+    cache = round_dir(cfg, r) / "cache"
+    reader = CacheReader(str(cache))
+    counts = [c for fp in reader.alignment_groups() if (c := rollout_summary(part_counts(reader, fp)))]
+    missing = sum(c["sampled_mismatch"] - c["sampled_same_text"] for c in counts)
+    if missing:
+        turns = sum(c["sampled_turns"] for c in counts)
+        raise ConfigError(f"round {r}: {missing} of the {turns} generated turns in {cache} keep re-tokenized ids "
+                          "without sampling log-probs (their sampled ids do not spell the text: `xtcache inspect "
+                          f"{cache}`), which --loss rkl-pg's importance ratio cannot train; rerun with `-- --is-cap "
+                          "0` (no ratio) or another --loss")
+
+
 def round_metrics(cfg: RoundsConfig, r: int) -> dict:
     """What round r produced, read from its stages' outputs."""
     d = round_dir(cfg, r)
@@ -638,6 +665,8 @@ def run_rounds(cfg: RoundsConfig) -> list[dict]:
     metrics = []
     for r in range(cfg.rounds):
         for stage in STAGES:
+            if stage == "train-student":
+                check_sampled(cfg, r)
             done = run_stage(cfg, r, stage)
         check_objective(cfg, r, done)
         metrics.append(round_metrics(cfg, r))
