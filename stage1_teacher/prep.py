@@ -271,7 +271,7 @@ class Preparer:
             sp = text_splice(s, d.text, d.prefix_chars, d.sampled, s_ids[i], s_off[i])
             if sp is not None:
                 s_ids[i], s_off[i] = sp.ids, sp.offsets
-                if sp.replaced is not None:
+                if sp.replaced.any():
                     replaced[i] = sp.replaced
                 out.add(i)
         return out

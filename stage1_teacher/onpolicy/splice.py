@@ -68,8 +68,8 @@ class Splice:
     hi: int
     ids: np.ndarray  # int64 [n] the sampled ids, stop token left out
     offsets: np.ndarray  # int64 [n, 2] their character offsets in the rendering
+    replaced: np.ndarray  # bool [n]: ids standing for a U+FFFD for invalid UTF-8
     prompt: tuple[np.ndarray, np.ndarray] | None = None  # the ids (and offsets) prompted with, replacing [0, lo)
-    replaced: np.ndarray | None = None  # bool [n]: ids standing for a U+FFFD for invalid UTF-8; None if none
 
 
 def piece_bytes(info, ids: np.ndarray) -> bytes:
@@ -181,10 +181,9 @@ def turn_splice(r: Rendering, last_msg: int, sampled_ids, info, skipped: np.ndar
     if spelled is None:
         return None
     off = a + np.clip(spelled[0], skip, skip + b - a) - skip
-    replaced = spelled[1] if spelled[1].any() else None
     if prompt is not None and prompt[0] == r.text[:a] and not np.array_equal(r.ids[:lo], prompt[1]):
-        return Splice(lo, hi, body, off, prompt[1:], replaced)
-    return Splice(lo, hi, body, off, None, replaced)
+        return Splice(lo, hi, body, off, spelled[1], prompt[1:])
+    return Splice(lo, hi, body, off, spelled[1])
 
 
 def splice_rollouts(side: Renderings, rows: list, info, skipped: np.ndarray) -> tuple[Renderings, list[bool]]:
@@ -210,10 +209,7 @@ def splice_rollouts(side: Renderings, rows: list, info, skipped: np.ndarray) -> 
             np.concatenate([sp.prompt[0], sp.ids]), np.concatenate([sp.prompt[1], sp.offsets]))
         ids += [side.ids[cut:at + lo], new_ids]
         offs += [side.offsets[cut:at + lo], new_offs]
-        new_rep = np.zeros(new_ids.shape[0], dtype=bool)
-        if sp.replaced is not None:
-            new_rep[new_ids.shape[0] - sp.ids.shape[0]:] = sp.replaced
-        rep += [was[cut:at + lo], new_rep]
+        rep += [was[cut:at + lo], np.zeros(new_ids.shape[0] - sp.ids.shape[0], dtype=bool), sp.replaced]
         cut = at + sp.hi
         counts[d] += new_ids.shape[0] - (sp.hi - lo)
     if not ids:
@@ -254,7 +250,7 @@ class TextSplice:
 
     ids: np.ndarray  # [n] the prefix's ids, the sampled ids, the tokenizer's appended end tokens
     offsets: np.ndarray  # [n, 2] their character offsets in the whole text
-    replaced: np.ndarray | None  # bool [n]: sampled ids covering a U+FFFD for invalid UTF-8; None when there are none
+    replaced: np.ndarray  # bool [n]: sampled ids covering a U+FFFD for invalid UTF-8
 
 
 def text_splice(student, text: str, prefix_chars: int, sampled, ids: np.ndarray,
@@ -285,8 +281,6 @@ def text_splice(student, text: str, prefix_chars: int, sampled, ids: np.ndarray,
     new_off = np.concatenate([p_off, prefix_chars + spelled[0], offsets[offsets.shape[0] - tail:]])
     if np.array_equal(new_ids, ids):
         return None
-    replaced = None
-    if spelled[1].any():
-        replaced = np.zeros(new_ids.shape[0], dtype=bool)
-        replaced[p_ids.shape[0]:p_ids.shape[0] + body.shape[0]] = spelled[1]
+    replaced = np.zeros(new_ids.shape[0], dtype=bool)
+    replaced[p_ids.shape[0]:p_ids.shape[0] + body.shape[0]] = spelled[1]
     return TextSplice(new_ids.astype(ids.dtype), new_off.astype(offsets.dtype), replaced)

@@ -455,6 +455,17 @@ def check_objective(cfg: RoundsConfig, r: int, done: dict) -> None:
             f"--workdir{again}")
 
 
+def rollout_counts(reader) -> list[dict[str, int]]:
+    """The sampled-turn counts (`rollout_summary`) of each alignment group of a round cache that has rollouts."""
+    return [c for fp in reader.alignment_groups() if (c := rollout_summary(part_counts(reader, fp)))]
+
+
+def retokenized(counts: list[dict[str, int]]) -> int:
+    """Generated turns kept on re-tokenized ids without sampling log-probs (their sampled ids do not spell the
+    text: no splice), over `rollout_counts`."""
+    return sum(c["sampled_mismatch"] - c["sampled_same_text"] for c in counts)
+
+
 def _no_ratio(cap: str | None) -> bool:
     """Whether train-student's `--is-cap` value turns rkl-pg's ratio off (0); one that is no number counts as
     off here: train-student refuses it, naming it."""
@@ -471,9 +482,8 @@ def check_sampled(cfg: RoundsConfig, r: int) -> None:
     if cfg.loss != "rkl-pg" or _no_ratio(flag_value(cfg.train_args, "--is-cap")):
         return
     cache = round_dir(cfg, r) / "cache"
-    reader = CacheReader(str(cache))
-    counts = [c for fp in reader.alignment_groups() if (c := rollout_summary(part_counts(reader, fp)))]
-    missing = sum(c["sampled_mismatch"] - c["sampled_same_text"] for c in counts)
+    counts = rollout_counts(CacheReader(str(cache)))
+    missing = retokenized(counts)
     if missing:
         turns = sum(c["sampled_turns"] for c in counts)
         raise ConfigError(f"round {r}: {missing} of the {turns} generated turns in {cache} keep re-tokenized ids "
@@ -489,7 +499,7 @@ def round_metrics(cfg: RoundsConfig, r: int) -> dict:
             for line in p.read_text().splitlines() if line.strip()]
     reader = CacheReader(str(d / "cache"))
     dump = [w.summary for w in reader.writer_summaries().values()]
-    counts = [c for fp in reader.alignment_groups() if (c := rollout_summary(part_counts(reader, fp)))]
+    counts = rollout_counts(reader)
     summary = json.loads((d / "train" / "summary.json").read_text())
     start = r * cfg.steps_per_round
     train = [json.loads(line) for line in (d / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -505,7 +515,7 @@ def round_metrics(cfg: RoundsConfig, r: int) -> dict:
         "final_eval_kl": summary.get("final_eval_kl"),
         "mean_train_kd": sum(kd) / len(kd) if kd else None,
         # generated turns trained on re-tokenized ids (their sampled ids do not spell the turn's text: no splice)
-        "retokenized_turns": sum(c["sampled_mismatch"] - c["sampled_same_text"] for c in counts) if counts else None,
+        "retokenized_turns": retokenized(counts) if counts else None,
         # how far the student moved from the policy that sampled the round's rollouts, at its last step
         "stale_mean_abs_log_ratio": stale[-1]["stale_mean_abs_log_ratio"] if stale else None,
         "stale_share_over_cap": stale[-1]["stale_share_over_cap"] if stale else None,
