@@ -9,7 +9,8 @@ plus documents of fewer than 2 teacher tokens and texts the tokenizers cannot al
 with a reason, deterministically.
 
 With a student tokenizer equal to the teacher's (same fingerprint) the alignment is the
-identity and the text is not tokenized again.
+identity and the text is not tokenized again; the rollouts that student sampled are spliced into the
+teacher's tokens (`stage1_teacher.onpolicy.splice`), so the teacher scores the sampled ids.
 
 Conversation corpora (`Preparer(conversation=True)`): each row is rendered with the teacher's chat
 template (that rendering is the stored document text) and with each student's template, tokenized
@@ -152,6 +153,10 @@ class Preparer:
         aligns: list[dict] = [{} for _ in docs]
         failed: set[int] = set()
         spliced: dict[str, set[int]] = {}  # student fingerprint -> text rollouts whose sampled ids were spliced in
+        t_replaced: dict[int, np.ndarray] = {}  # teacher tokens covering a U+FFFD for invalid UTF-8, by document
+        for s in self.students:  # a same-tokenizer student's text rollouts: the teacher scores the ids it sampled
+            if s.identity:
+                spliced[s.fingerprint] = self._splice_text_rollouts(s, docs, keep, t_ids, t_off, t_replaced)
         for s in self.students:
             if s.identity:  # same tokenizer: no second tokenization, 1:1 chunks
                 for i in keep:
@@ -163,7 +168,8 @@ class Preparer:
             replaced: dict[int, np.ndarray] = {}  # sampled ids covering a U+FFFD for invalid UTF-8, by document
             spliced[s.fingerprint] = self._splice_text_rollouts(s, docs, keep, s_ids, s_off, replaced)
             todo = [i for i in keep if i not in failed]
-            for i, a in zip(todo, self._align(todo, docs, s, s_ids, s_off, t_ids, t_off, failed, replaced)):
+            for i, a in zip(todo, self._align(todo, docs, s, s_ids, s_off, t_ids, t_off, failed, replaced,
+                                              t_replaced)):
                 if a is not None:
                     aligns[i][s.fingerprint] = AlignmentRecord(student_ids=s_ids[i], alignment=a,
                                                                student_role=prefix_roles(s_off[i], docs[i].prefix_chars))
@@ -220,6 +226,10 @@ class Preparer:
         at = {todo[k]: j for j, k in enumerate(kept)}  # row -> its entry of t_rend
         aligns: dict[int, dict] = {i: {} for i in at}
         spliced: dict[str, set[int]] = {}  # student fingerprint -> rows whose sampled ids were spliced in
+        for s in self.students:  # a same-template student's rollouts: the teacher scores the ids it sampled
+            if s.identity:
+                t_rend, spliced[s.fingerprint] = splice_batch(t_rend, [todo[k] for k in kept], docs, convs,
+                                                              self._sampler(s))
         for s in self.students:
             if s.identity:  # same tokenizer and template: 1:1 chunks, roles from the teacher's rendering
                 live = [i for i in at if result[i] is None]
@@ -268,13 +278,21 @@ class Preparer:
             d = docs[i]
             if d.sampled is None or d.prefix_chars is None or sides.get(d.sampled.chat) is not s:
                 continue
-            sp = text_splice(s, d.text, d.prefix_chars, d.sampled, s_ids[i], s_off[i])
+            sp = text_splice(self._sampler(s), d.text, d.prefix_chars, d.sampled, s_ids[i], s_off[i])
             if sp is not None:
                 s_ids[i], s_off[i] = sp.ids, sp.offsets
                 if sp.replaced.any():
                     replaced[i] = sp.replaced
                 out.add(i)
         return out
+
+    def _sampler(self, s: StudentSide) -> StudentSide:
+        """`s`, which sampled a rollout of this batch, with the `info` and `appended` a splice reads (a
+        same-tokenizer student gets them here, the first time: a dump without its rollouts never needs them)."""
+        if s.info is None:
+            s.info = self.teacher_info or tokenizer_info(s.tokenizer)
+            s.appended = appended_specials(s.tokenizer)
+        return s
 
     def _text_sampling_sides(self) -> dict:
         """Text rollouts: the chat fingerprint of each student -> that student (computed once)."""
@@ -319,17 +337,20 @@ class Preparer:
         return out
 
     def _align(self, todo, docs, s, s_ids, s_off, t_ids, t_off, failed: set[int],
-               replaced: dict[int, np.ndarray]) -> list:
-        """Alignments of documents `todo` (None where it fails: those are added to `failed`). `replaced`: by
-        document, student tokens whose bytes are not the text's (U+FFFD for invalid UTF-8): flagged, so they
-        are not checked against the text and their chunk is inexact."""
+               replaced: dict[int, np.ndarray], t_replaced: dict[int, np.ndarray]) -> list:
+        """Alignments of documents `todo` (None where it fails: those are added to `failed`). `replaced` and
+        `t_replaced`: by document, student and teacher tokens whose bytes are not the text's (sampled ids covering
+        a U+FFFD for invalid UTF-8): flagged, so they are not checked against the text and their chunk is inexact."""
         info = dict(student_info=s.info, teacher_info=self.teacher_info)
         masks = [s.info.control[s_ids[i]] | replaced.get(i, False) for i in todo] if replaced else None
+        t_masks = ([self.teacher_info.control[t_ids[i]] | t_replaced.get(i, False) for i in todo]
+                   if t_replaced else None)
         out = batch_or_each(len(todo), lambda: align_batch(
             [docs[i].text for i in todo], [s_ids[i] for i in todo], [s_off[i] for i in todo],
-            [t_ids[i] for i in todo], [t_off[i] for i in todo], masks, **info),
+            [t_ids[i] for i in todo], [t_off[i] for i in todo], masks, t_masks, **info),
             lambda k: align_offsets(docs[todo[k]].text, s_ids[todo[k]], s_off[todo[k]], t_ids[todo[k]],
-                                    t_off[todo[k]], None if masks is None else masks[k], **info))
+                                    t_off[todo[k]], None if masks is None else masks[k],
+                                    None if t_masks is None else t_masks[k], **info))
         for k, i in enumerate(todo):
             if isinstance(out[k], AlignmentError):
                 log.warning("skipping row %d of %s: it does not align for %s: %s", docs[i].row, docs[i].source,

@@ -361,6 +361,81 @@ def test_a_same_tokenizer_rollout_cache_stores_and_trains_with_the_ratio(rollout
     assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)
 
 
+def test_the_teacher_scores_the_ids_a_same_tokenizer_student_sampled(rollouts, tmp_path):
+    """A student with the teacher's tokenizer and template samples its turns as other tokenizations than
+    re-tokenizing gives (a word cut in two, a byte token that is no UTF-8, the text holding U+FFFD there). The
+    teacher scores the sampled ids themselves: the stored teacher ids are the sampled ones, their log-probs are a
+    forward of the teacher over those ids (computed here, apart from stage 1), and the identity group keeps
+    the sampling log-probs there; a second, cross-tokenizer group of the same dump aligns against them, with
+    the chunk over the teacher's replaced byte inexact. Conversations and text rollouts alike."""
+    from stage1_teacher.onpolicy.splice import piece_bytes
+    from tests.test_stage1_dump import hf_logprobs
+    from xtcache.align.tokenizer import tokenizer_info
+    from xtcache.chat.render import chat_fingerprint, trained_roles
+    from xtcache.store import CacheReader
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, _, _, parts, _ = rollouts
+    tok = load_tokenizer(str(setup.teacher_model))
+    info = tokenizer_info(tok)
+    fp, im_end = chat_fingerprint(tok), tok.convert_tokens_to_ids("<|im_end|>")
+    lone = next(i for i in range(info.vocab_size) if piece_bytes(info, np.array([i])) == b"\xe2")  # a lead byte
+    dot = tok(".", add_special_tokens=False)["input_ids"]
+    convs, texts = {}, {}
+    for j, (key, row) in enumerate(sorted(_rows(parts).items())[:4]):
+        text = CLEAN[j]
+        ids = _split_ids(tok, text, []) if j < 2 else tok(text[:-1], add_special_tokens=False)["input_ids"]
+        if j >= 2:  # the last full stop sampled after a byte that is no UTF-8
+            text, ids = text[:-1] + "\ufffd.", ids + [lone, *dot]
+        assert ids != tok(text, add_special_tokens=False)["input_ids"]
+        stop = [im_end] * (j % 2 == 0)
+        convs[key] = {**row, "messages": [*row["messages"][:-1], {"role": "assistant", "content": text}],
+                      "chat_fingerprint": fp, "sampled_ids": ids + stop, "stop_reason": "stop" if stop else "length",
+                      "sampled_logprobs": [-0.25] * len(ids + stop)}
+        prefix = "Offline teach" if j % 2 else "A note on caches. "
+        texts[("t.jsonl", j)] = {"text": prefix + text, "prefix_chars": len(prefix), "chat_fingerprint": fp,
+                                 "policy": "p", "sampled_ids": ids, "stop_reason": "length",
+                                 "sampled_logprobs": [-0.25] * len(ids)}
+    for kind, rows in (("chat", convs), ("text", texts)):
+        _write_rows(tmp_path / kind, rows)
+        store = tmp_path / f"{kind}-cache"
+        _cli("teacher-dump", "--teacher", setup.teacher_model, "--student-tokenizer", setup.teacher_model,
+             "--student-tokenizer", setup.student_model, "--data", f"{tmp_path / kind}/*.jsonl", "--out", store,
+             "--engine", "hf")
+        reader = CacheReader(str(store))
+        group = fp if kind == "chat" else next(g for g, m in reader.alignment_groups().items() if m.identity)
+        assert reader.alignment_groups()[group].identity
+        cross = next(g for g, m in reader.alignment_groups().items() if not m.identity)
+        seen = 0
+        for shard in reader.shards:
+            data, al = reader.read_shard(shard.shard_id, verify=True), reader.read_alignment(group, shard.shard_id)
+            cal = reader.read_alignment(cross, shard.shard_id, verify=True)
+            for d, meta in enumerate(shard.docs):
+                row, doc, rec = rows[(meta.source, meta.row)], data.doc(d), al.record(d)
+                want = row["sampled_ids"][:len(row["sampled_ids"]) - (row["stop_reason"] == "stop")]
+                lp = rec.sampled_logprobs
+                turn = np.flatnonzero(np.isfinite(lp))
+                assert np.array_equal(rec.student_ids, doc.teacher_ids)  # the ids the teacher scored
+                assert rec.student_ids[turn].tolist() == row["sampled_ids"], (kind, meta.row)
+                assert np.array_equal(np.flatnonzero(trained_roles(rec.student_role, "last-assistant")),
+                                      turn[:len(want) + (kind == "chat" and row["stop_reason"] == "stop")])
+                ref = hf_logprobs(str(setup.teacher_model), doc.teacher_ids)[:-1]
+                np.testing.assert_allclose(doc.realized_logprob[1:], ref[np.arange(len(ref)), doc.teacher_ids[1:]],
+                                           rtol=2**-11, atol=1e-4)
+                if lone in want:  # the cross group: the chunk over the teacher's replaced byte is not exact
+                    c_al = cal.record(d).alignment
+                    at = int(turn[0]) + want.index(lone)
+                    assert not c_al.exact[int(np.searchsorted(np.asarray(c_al.teacher_end), at, side="right"))]
+                seen += 1
+        assert seen == len(rows) == 4
+        totals = {}
+        for part in reader.alignment_parts(group).values():
+            for k, v in part.conversation.items():
+                totals[k] = totals.get(k, 0) + v
+        assert (totals["sampled_turns"], totals["sampled_mismatch"], totals["sampled_same_text"]) == (4, 4, 4), kind
+        assert _cli("verify", store).returncode == 0
+
+
 def test_a_sampling_log_prob_that_is_no_log_prob_is_damage():
     from xtcache.errors import CorruptionError
     from xtcache.store.reader import check_sampled_logprobs

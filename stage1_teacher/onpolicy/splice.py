@@ -36,6 +36,11 @@ The rendered text is never changed, so the alignment (`xtcache.chat.layout.align
 the sampled ids that stand for a U+FFFD for invalid UTF-8 are marked (`Renderings.replaced`), and their chunk
 is not exact (no KD there: the teacher scored a U+FFFD, not those bytes), as in a text rollout.
 
+A same-tokenizer student (the teacher's tokenizer and template: an identity alignment group) is spliced
+the same way into the teacher's own tokens (`stage1_teacher.prep`), so the teacher scores the ids the student
+read and sampled, as an online teacher would; the other groups of the dump align against those tokens, the
+teacher's ones standing for a U+FFFD flagged like a student's.
+
 A text rollout (a prefix and its completion, `prefix_chars`, no template) is spliced whole by
 `text_splice`: the prefix as the student's tokenizer encodes it alone (the ids `generate` prompted
 with), then the sampled ids, when they spell the completion as a turn's do (U+FFFD for invalid UTF-8,

@@ -264,6 +264,8 @@ def align_conversations(convs: list[dict], students: Renderings, teachers: Rende
     (s_v, s_flag, s_role), (t_v, t_flag, _) = mapped
     if students.replaced is not None:  # their bytes are not the text's U+FFFD: no exact chunk
         s_flag = s_flag | students.replaced
+    if teachers.replaced is not None:  # the ids of a same-template student, which the teacher scores, likewise
+        t_flag = t_flag | teachers.replaced
     aligns = align_flat(texts, (fs.ids, s_v, fs.counts, s_flag), (ft.ids, t_v, ft.counts, t_flag), None, None)
     _self_check(aligns, students, teachers, fs, ft, s_role, lay.shared, lay.stats)
     roles = np.split(s_role.astype(np.uint8), np.cumsum(fs.counts)[:-1])
