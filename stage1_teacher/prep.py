@@ -227,7 +227,7 @@ class Preparer:
         aligns: dict[int, dict] = {i: {} for i in at}
         spliced: dict[str, set[int]] = {}  # student fingerprint -> rows whose sampled ids were spliced in
         for s in self.students:  # a same-template student's rollouts: the teacher scores the ids it sampled
-            if s.identity:
+            if s.identity and any(docs[i].sampled is not None for i in at):
                 t_rend, spliced[s.fingerprint] = splice_batch(t_rend, [todo[k] for k in kept], docs, convs,
                                                               self._sampler(s))
         for s in self.students:
