@@ -15,7 +15,11 @@ the live teacher scores them, and the report gives the per-token reverse KL and 
    the turn there). A text prefix's completion is scored on the prefix and the completion as one text in
    the teacher's tokenization (special tokens as the tokenizer adds them): the teacher's tokens that
    cover the completion's characters, plus its end-of-sequence token when the student stopped. One run
-   takes prompts of one kind.
+   takes prompts of one kind. A student with the teacher's tokenizer (and, for conversations, its chat
+   template) is scored on exactly what it read and sampled instead: the teacher reads the prompt ids the
+   student was prompted with and then the sampled ids, and its log-prob is the sum over the sampled ids (the
+   stop token included), as an online teacher scores on-policy samples; the report's `teacher_reads` says
+   which ("sampled ids" or "text").
 3. Report, over the N samples i with student token count n_i (the stop token included):
 
        r_i                    = log p_s(y_i) - log p_t(y_i)
@@ -34,12 +38,12 @@ the live teacher scores them, and the report gives the per-token reverse KL and 
    sampling alone: compare seeds.
 
    `reverse_kl_per_token` is a Monte-Carlo estimate of KL(p_s || p_t) over whole completions divided
-   by the mean student length. The teacher side is the probability of the teacher's own
+   by the mean student length. With one tokenizer on both sides (`teacher_reads` "sampled ids") both
+   sides are probabilities of the same token sequence: r_i is an unbiased sample of the sequence-level
+   reverse KL. Across tokenizers the teacher side is the probability of the teacher's own
    tokenization of the text, which is at most the teacher's probability of the text (other
    tokenizations of it also have mass), and the student side is the probability of the ids it
-   sampled: with one tokenizer on both sides and sampled ids that re-tokenize to themselves it is the
-   sequence-level reverse KL; otherwise it estimates an upper bound of the reverse KL to the teacher's
-   text distribution. A sample whose text the teacher's template does not write whole (trimmed,
+   sampled: it estimates an upper bound of the reverse KL to the teacher's text distribution. A sample whose text the teacher's template does not write whole (trimmed,
    escaped, empty) is not scored: counted in `unscored` and logged.
 
     xtcache policy-eval --student run/hf --teacher T --prompts heldout_prompts.jsonl --seed 0 --out report.json
@@ -58,11 +62,12 @@ from stage1_teacher.corpus import Corpus, Skipped, iter_corpus
 from stage1_teacher.onpolicy.generate_config import SamplingConfig
 from stage1_teacher.onpolicy.rollouts import completion_text, prompt_of
 from stage1_teacher.onpolicy.samplers import HfSampler
-from xtcache.chat.render import render, renderings
+from xtcache.chat.render import chat_fingerprint, render, renderings
 from xtcache.chat.spans import message_texts
 from xtcache.cliconfig import command
 from xtcache.devices import compute_device
 from xtcache.errors import ConfigError
+from xtcache.fingerprint import tokenizer_fingerprint
 from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -200,6 +205,19 @@ class TeacherScorer:
             out.append((float(sum(lp[j - 1] for j in cover)), tuple(int(r.ids[j]) for j in cover)))
         return out
 
+    def score_sampled(self, prompt_ids: list[list[int]],
+                      sampled: list[list[int]]) -> list[tuple[float, tuple[int, ...]] | None]:
+        """A student with the teacher's tokenizer: per sample (the teacher's log-prob of the sampled ids, the stop
+        token included, after the prompt ids the student read; those ids), or None for a sample of no token."""
+        out = []
+        for prompt, ids in zip(prompt_ids, sampled):
+            if not ids or not prompt:
+                out.append(None)
+                continue
+            lp = self.token_logprobs([*prompt, *ids])  # index j - 1: token j given the ones before it
+            out.append((float(lp[len(prompt) - 1:].sum()), tuple(int(i) for i in ids)))
+        return out
+
     def score_texts(self, prefixes: list[str], completions: list[str],
                     stopped: list[bool]) -> list[tuple[float, tuple[int, ...]] | None]:
         """Per text prefix and its completion: (teacher log-prob of the completion's characters, and of the
@@ -321,7 +339,10 @@ def policy_eval(student: str, teacher: str, prompts_path: str, *, samples_per_pr
     scorer = TeacherScorer(teacher)
     try:
         stopped = [c.stop_reason == "stop" for _, _, c, _ in flat]
-        if text:
+        reads_sampled = _same_tokens(tokenizer, scorer.tokenizer, text)
+        if reads_sampled:
+            teacher_scores = scorer.score_sampled([p.token_ids for p, _, _, _ in flat], [c.ids for _, _, c, _ in flat])
+        elif text:
             teacher_scores = scorer.score_texts([p.text for p, _, _, _ in flat], [t for _, _, _, t in flat], stopped)
         else:
             teacher_scores = scorer.score_turns(sample_conversations(prompts, texts), stopped)
@@ -336,10 +357,19 @@ def policy_eval(student: str, teacher: str, prompts_path: str, *, samples_per_pr
         log.warning("policy-eval: %d of %d samples not scored (the teacher's template does not write the text whole, "
                     "an empty completion, or no end-of-turn marker after it); the measures leave them out",
                     report["unscored"], report["samples"])
-    report.update(prompts=len(prompts), samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
+    report.update(teacher_reads="sampled ids" if reads_sampled else "text",
+                  prompts=len(prompts), samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
                   max_new_tokens_auto=auto, seed=seed, student=student, teacher=teacher,
                   student_mean_bytes=sum(s.text_bytes for s in scores) / max(1, len(scores)), **lengths)
     return report, scores
+
+
+def _same_tokens(student_tok, teacher_tok, text: bool) -> bool:
+    """Whether the teacher reads the student's prompt and sampled ids as they are: the same tokenizer (text
+    prefixes), and the same chat template too (conversations: the prompt ids are the student's rendering)."""
+    if text:
+        return tokenizer_fingerprint(student_tok) == tokenizer_fingerprint(teacher_tok)
+    return chat_fingerprint(student_tok) == chat_fingerprint(teacher_tok)
 
 
 def _run(cfg: PolicyEvalConfig) -> None:
@@ -349,8 +379,8 @@ def _run(cfg: PolicyEvalConfig) -> None:
                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, teacher_samples=cfg.teacher_samples)
     lengths = ("student_mean_bytes", "teacher_mean_bytes", "teacher_mean_student_tokens",
                "teacher_stopped_fraction", "teacher_self_nll_per_byte") if cfg.teacher_samples else ("student_mean_bytes",)
-    for key in ("prompts", "samples", "max_new_tokens", "unscored", "mean_student_tokens", "stopped_fraction",
-                *lengths):
+    for key in ("teacher_reads", "prompts", "samples", "max_new_tokens", "unscored", "mean_student_tokens",
+                "stopped_fraction", *lengths):
         typer.echo(f"{key:<26}{report[key]:.4g}" if isinstance(report[key], float) else f"{key:<26}{report[key]}")
     for key in ("reverse_kl_per_token", "reverse_kl_per_sequence", "teacher_nll_per_token", "teacher_nll_per_byte"):
         typer.echo(f"{key:<26}{report[key]:.4f} +- {report[key + '_se']:.4f} (standard error)")
