@@ -93,7 +93,7 @@ ROWS = [
      ("chat",)),
     ("on-policy rounds (defaults), full-vocabulary teacher caches", "on", ["--dump-args", "--mode full"], ("chat",)),
     ("on-policy rounds (defaults), 4 rounds of 4 steps, 1 sample a prompt", "on",
-     ["--rounds", "4", "--steps-per-round", "4", "--samples-per-prompt", "1"], ("chat",)),
+     ["--rounds", "4", "--steps-per-round", "4", "--samples-per-prompt", "1"], KINDS),
     # GKD's lambda: half the micro-batches from half the continuation cache, half the rollouts (1 sample a prompt)
     ("on-policy rounds (defaults), 1 sample a prompt, mixed 1:1 with half the continuation cache", "on",
      ["--samples-per-prompt", "1", "--", "--corpus-cache", "{continue_half_cache}", "--rollout-fraction", "0.5"],
