@@ -43,8 +43,9 @@ the live teacher scores them, and the report gives the per-token reverse KL and 
    reverse KL. Across tokenizers the teacher side is the probability of the teacher's own
    tokenization of the text, which is at most the teacher's probability of the text (other
    tokenizations of it also have mass), and the student side is the probability of the ids it
-   sampled: it estimates an upper bound of the reverse KL to the teacher's text distribution. A sample whose text the teacher's template does not write whole (trimmed,
-   escaped, empty) is not scored: counted in `unscored` and logged.
+   sampled: it estimates an upper bound of the reverse KL to the teacher's text distribution. A sample
+   whose text the teacher's template does not write whole (trimmed, escaped, empty) is not scored: counted
+   in `unscored` and logged.
 
     xtcache policy-eval --student run/hf --teacher T --prompts heldout_prompts.jsonl --seed 0 --out report.json
         # defaults: samples per prompt for >= 96 samples; the cap twice the teacher's mean length (its own samples)
