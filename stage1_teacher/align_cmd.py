@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import numpy as np
 
 from schemas.models import AlignGroupMeta
+from stage1_teacher.onpolicy.splice import replaced_tokens
 from stage1_teacher.prep import _encode
 from xtcache.align.chunks import align_batch, align_offsets, batch_or_each, identity_alignment
 from xtcache.align.tokenizer import tokenizer_info
@@ -94,7 +96,8 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
             shard = reader.read_shard(meta.shard_id)
             docs = [shard.doc(i) for i in range(shard.num_docs)]
             if conversation is not None:
-                records = _conversation_records(docs, student_tok, teacher_tok, identity, conversation, meta.shard_id)
+                records = _conversation_records(docs, student_tok, teacher_tok, identity, conversation, meta.shard_id,
+                                                t_info)
             elif identity:
                 records = [AlignmentRecord(student_ids=d.teacher_ids.astype(np.int32),
                                            alignment=identity_alignment(len(d.teacher_ids))) for d in docs]
@@ -110,10 +113,13 @@ def align_store(url: str, student_path: str, *, student_tok=None, teacher_tok=No
     return stats
 
 
-def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conversation: dict, shard_id: str) -> list:
+def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conversation: dict, shard_id: str,
+                          t_info=None) -> list:
     """Alignment records of a conversation part: each document's messages rendered with the
     student's template and aligned to the stored teacher rendering and tokens (whose messages are
-    located by rendering them again with `teacher_tok`'s template)."""
+    located by rendering them again with `teacher_tok`'s template). With `t_info`, stored teacher tokens that
+    stand for a U+FFFD of the text with other bytes (a same-template student's sampled ids, spliced) are
+    flagged: their chunk is not exact."""
     import json
 
     if not docs:
@@ -124,6 +130,8 @@ def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conver
               np.concatenate([np.asarray(d.char_offsets, np.int64).reshape(-1, 2) for d in docs]),
               np.array([len(d.teacher_ids) for d in docs], dtype=np.int64))
     teachers = renderings(teacher_tok, [d.text for d in docs], convs, markers=markers, encoded=stored)
+    if t_info is not None:
+        teachers = replace(teachers, replaced=_stored_replaced(docs, t_info))
     if identity:
         students = teachers
     else:
@@ -139,13 +147,30 @@ def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conver
                             student_role=ca.student_role, stats=ca.stats) for s, ca in zip(students, aligned)]
 
 
+def _stored_replaced(docs, t_info) -> np.ndarray | None:
+    """bool [sum of the documents' teacher tokens]: the stored teacher tokens standing for a U+FFFD of their
+    text with other bytes (`splice.replaced_tokens`); None where there is none."""
+    masks = [replaced_tokens(t_info, d.teacher_ids, d.char_offsets, d.text) for d in docs]
+    if all(m is None or not m.any() for m in masks):
+        return None
+    return np.concatenate([np.zeros(len(d.teacher_ids), dtype=bool) if m is None else m for d, m in zip(docs, masks)])
+
+
 def _align_docs(docs, s_ids, s_off, s_info, t_info, shard_id: str) -> list:
-    """Alignments of a part's documents to stored teacher tokens; AlignmentError names the first failure."""
+    """Alignments of a part's documents to stored teacher tokens; AlignmentError names the first failure. Stored
+    teacher tokens that stand for a U+FFFD of the text with other bytes (a same-tokenizer student's sampled ids,
+    spliced) are flagged: not byte-checked, their chunk inexact."""
     t_ids = [d.teacher_ids for d in docs]
     t_off = [d.char_offsets for d in docs]
+    t_masks = None
+    if t_info is not None and any("\ufffd" in d.text for d in docs):
+        t_masks = [t_info.control[np.asarray(d.teacher_ids)] | (
+            False if (m := replaced_tokens(t_info, d.teacher_ids, d.char_offsets, d.text)) is None else m) for d in docs]
     info = dict(student_info=s_info, teacher_info=t_info)
-    out = batch_or_each(len(docs), lambda: align_batch([d.text for d in docs], s_ids, s_off, t_ids, t_off, **info),
-                        lambda i: align_offsets(docs[i].text, s_ids[i], s_off[i], t_ids[i], t_off[i], **info))
+    out = batch_or_each(len(docs), lambda: align_batch([d.text for d in docs], s_ids, s_off, t_ids, t_off, None,
+                                                       t_masks, **info),
+                        lambda i: align_offsets(docs[i].text, s_ids[i], s_off[i], t_ids[i], t_off[i], None,
+                                                None if t_masks is None else t_masks[i], **info))
     for d, a in zip(docs, out):
         if isinstance(a, AlignmentError):
             raise AlignmentError(f"document {d.doc_id} of part {shard_id}: {a}")

@@ -367,7 +367,8 @@ def test_the_teacher_scores_the_ids_a_same_tokenizer_student_sampled(rollouts, t
     teacher scores the sampled ids themselves: the stored teacher ids are the sampled ones, their log-probs are a
     forward of the teacher over those ids (computed here, apart from stage 1), and the identity group keeps
     the sampling log-probs there; a second, cross-tokenizer group of the same dump aligns against them, with
-    the chunk over the teacher's replaced byte inexact. Conversations and text rollouts alike."""
+    the chunk over the teacher's replaced byte inexact, and `xtcache align` adding that group later to a store
+    dumped for the sampling student alone finds the same chunks. Conversations and text rollouts alike."""
     from stage1_teacher.onpolicy.splice import piece_bytes
     from tests.test_stage1_dump import hf_logprobs
     from xtcache.align.tokenizer import tokenizer_info
@@ -434,6 +435,11 @@ def test_the_teacher_scores_the_ids_a_same_tokenizer_student_sampled(rollouts, t
                 totals[k] = totals.get(k, 0) + v
         assert (totals["sampled_turns"], totals["sampled_mismatch"], totals["sampled_same_text"]) == (4, 4, 4), kind
         assert _cli("verify", store).returncode == 0
+        alone = tmp_path / f"{kind}-alone"  # the sampling student alone, the cross group added by `xtcache align`
+        _cli("teacher-dump", "--teacher", setup.teacher_model, "--student-tokenizer", setup.teacher_model,
+             "--data", f"{tmp_path / kind}/*.jsonl", "--out", alone, "--engine", "hf")
+        _cli("align", alone, "--student-tokenizer", setup.student_model, "--teacher-tokenizer", setup.teacher_model)
+        assert _alignments(alone, cross) == _alignments(store, cross), kind
 
 
 def test_a_sampling_log_prob_that_is_no_log_prob_is_damage():

@@ -85,6 +85,23 @@ def piece_bytes(info, ids: np.ndarray) -> bytes:
     return info.piece_data[at].tobytes()
 
 
+def replaced_tokens(info, ids: np.ndarray, offsets: np.ndarray, text: str) -> np.ndarray | None:
+    """bool [n]: the tokens `ids` (character `offsets` in `text`) that cover a U+FFFD of the text and do not
+    spell its bytes there, as sampled byte tokens that are no UTF-8 do once spliced in (`sampled_offsets`);
+    None when the text holds no U+FFFD. What a stored splice leaves to find again: `xtcache align` flags them on
+    the teacher side of a store whose teacher scored a same-tokenizer student's sampled ids."""
+    if "\ufffd" not in text:
+        return None
+    seen = np.concatenate(([0], np.cumsum(np.frombuffer(text.encode("utf-32-le"), "<u4") == 0xFFFD)))
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    ids = np.asarray(ids, dtype=np.int64)
+    out = np.zeros(ids.shape[0], dtype=bool)
+    for k in np.flatnonzero(seen[offsets[:, 1]] > seen[offsets[:, 0]]).tolist():
+        a, b = offsets[k].tolist()
+        out[k] = piece_bytes(info, ids[k:k + 1]) != text[a:b].encode("utf-8")
+    return out
+
+
 def byte_offsets(text: str, lens: np.ndarray) -> np.ndarray:
     """int64 [n, 2] character offsets in `text` of tokens of `lens` bytes each that spell it in order;
     a token inside a multi-byte character covers that character."""
