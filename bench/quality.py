@@ -78,7 +78,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DOC_BLOCKS = {"quality-table": "docs/benchmarks.md", "quality-on-policy": "docs/on-policy.md",
               "quality-on-policy-converged": "docs/on-policy.md",
-              "quality-on-policy-converged-stronger": "docs/on-policy.md", "quality-real": "docs/losses.md",
+              "quality-on-policy-converged-stronger": "docs/on-policy.md",
+              "quality-on-policy-converged-same": "docs/on-policy.md", "quality-real": "docs/losses.md",
               "quality-real-modes": "docs/losses.md", "quality-real-cross": "README.md",
               "quality-real-cross-qwen3": "docs/losses.md"}  # --write-docs: block -> file
 
@@ -715,7 +716,7 @@ def main(argv=None) -> None:
     p.add_argument("--write-docs", action="store_true",
                    help="also write quality.md into docs/benchmarks.md's quality-table block (xtcache.app.docblock)")
     p.add_argument("--section", choices=("table", "on-policy", "on-policy-converged", "on-policy-converged-stronger",
-                                         "modes", "cross", "cross-qwen3"),
+                                         "on-policy-converged-same", "modes", "cross", "cross-qwen3"),
                    default="table",
                    help="table: the full table (docs/benchmarks.md; with --teacher real, docs/losses.md's quality-real "
                         "block); modes (--teacher real only): one tokenizer, a row per store mode (top-k 8/32/64, "
@@ -729,7 +730,9 @@ def main(argv=None) -> None:
                         "on-policy-converged: rounds against continued off-policy KD from a converged student "
                         "(bench/quality_onpolicy_converged.py; its quality-on-policy-converged block); "
                         "on-policy-converged-stronger: the same on conversations alone with a chat teacher twice the "
-                        "student's width pre-trained longer (its quality-on-policy-converged-stronger block)")
+                        "student's width pre-trained longer (its quality-on-policy-converged-stronger block); "
+                        "on-policy-converged-same: conversations alone with a student of the teacher's tokenizer and "
+                        "chat template (its quality-on-policy-converged-same block)")
     p.add_argument("--from-report", help="render the table of this report (an earlier run's JSON: "
                                          "quality-on-policy(-converged).json, or with --teacher real its section's "
                                          "quality-real(-modes, -cross).json) instead of running")
@@ -744,7 +747,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.section == "on-policy":
         return on_policy_section(args)
-    if args.section in ("on-policy-converged", "on-policy-converged-stronger"):
+    if args.section.startswith("on-policy-converged"):
         return converged_section(args)
     if args.section in ("modes", "cross", "cross-qwen3") and args.teacher != "real":
         p.error(f"--section {args.section} is the real teacher's: add --teacher real")
@@ -849,10 +852,11 @@ def converged_section(args) -> None:
     """`--section on-policy-converged`: bench/quality_onpolicy_converged.py's rows (both kinds), its table printed
     and written (quality-on-policy-converged.md); `--from-report` renders an earlier run's JSON again.
     `--section on-policy-converged-stronger`: conversations alone, with `STRONGER_CHAT_TEACHER`, in a work
-    directory and a block of their own."""
+    directory and a block of their own; `--section on-policy-converged-same` likewise with `SAME_TOKENIZER`."""
     from bench.quality_onpolicy_converged import (
         KINDS,
         QUICK,
+        SAME_TOKENIZER,
         STRONGER_CHAT_TEACHER,
         ConvergedSettings,
         markdown,
@@ -860,7 +864,8 @@ def converged_section(args) -> None:
     )
 
     block = "quality-" + args.section
-    stronger = args.section.endswith("-stronger")
+    variant = {"on-policy-converged-stronger": STRONGER_CHAT_TEACHER,
+               "on-policy-converged-same": SAME_TOKENIZER}.get(args.section)
     if args.write_docs:
         from xtcache.app.docblock import require_blocks
 
@@ -869,9 +874,9 @@ def converged_section(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     s = QUICK if args.quick else ConvergedSettings(**({"seeds": args.seeds} if args.seeds else {}))
-    if stronger:
-        s = replace(s, **STRONGER_CHAT_TEACHER)
-    kinds = ("chat",) if stronger else KINDS
+    if variant:
+        s = replace(s, **variant)
+    kinds = ("chat",) if variant else KINDS
     work = Path(args.workdir) / args.section
     if args.add_rows and not args.from_report:
         raise SystemExit("--add-rows: give --from-report (the report whose rows are reused)")

@@ -125,15 +125,15 @@ def prepare(work: Path, s: OnPolicySettings, log_file: Path) -> dict:
     return p
 
 
-def dump_caches(setup, dumps: list[tuple[Path, Path, list[str]]], projection: Path, log_file: Path) -> None:
+def dump_caches(setup, dumps: list[tuple[Path, Path, list[str]]], projection: Path | None, log_file: Path) -> None:
     """teacher-dump (engine hf, float32) of each (data, out, mode flags) whose store is not there yet, and the
-    projection map of the setup's two tokenizers unless it exists."""
+    projection map of the setup's two tokenizers unless it exists (None: one tokenizer, no map)."""
     for data, out, mode in dumps:
         if not (out / "manifest.json").exists():
             run_xtcache("teacher-dump", "--teacher", str(setup.teacher_model), "--student-tokenizer",
                         str(setup.student_tokenizer), "--data", str(data), "--out", str(out), *mode, "--max-seq-len",
                         "512", "--engine", "hf", "--dtype", "float32", log_file=log_file)
-    if not projection.exists():
+    if projection is not None and not projection.exists():
         run_xtcache("projection", "build", "--student-tokenizer", str(setup.student_tokenizer), "--teacher-tokenizer",
                     str(setup.teacher_tokenizer), "--out", str(projection), log_file=log_file)
 

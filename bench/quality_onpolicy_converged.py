@@ -44,7 +44,7 @@ import logging
 import shutil
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.quality_onpolicy import dump_caches, mean_pm, run_xtcache, trained_positions
@@ -72,10 +72,13 @@ class ConvergedSettings:
     text_continue: int = 100  # continuation prefix + completion rows (about 60 student tokens each)
     chat_teacher_hidden: int = 64  # the chat teacher (2 layers, the student's size at 64)
     chat_teacher_steps: int = 150  # its pre-training steps on the chat corpus
+    same_tokenizer: bool = False  # chat: a student of the teacher's tokenizer and template (no projection)
 
 
 # `--section on-policy-converged-stronger`: a chat teacher twice the student's width, pre-trained longer
 STRONGER_CHAT_TEACHER = {"chat_teacher_hidden": 128, "chat_teacher_steps": 400}
+# `--section on-policy-converged-same`: the chat student of the teacher's tokenizer and chat template
+SAME_TOKENIZER = {"same_tokenizer": True}
 QUICK = ConvergedSettings(converge_steps=20, steps=4, prompts=6, eval_prompts=6, chat_eval_samples=1,
                           text_eval_samples=1, seeds=1, chat_train=120, chat_continue=12, text_continue=12)
 EVAL_SETTINGS = ("eval_prompts", "chat_eval_samples", "text_eval_samples", "eval_samples")  # measure, not train
@@ -122,8 +125,24 @@ def _setup(kind: str, work: Path, s: ConvergedSettings):
     base = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
     if kind == "text":
         return base
-    return build_chat_setup(base, work / "chat", num_train=s.chat_train, num_heldout=s.eval_prompts,
-                            teacher_steps=s.chat_teacher_steps, teacher_hidden=s.chat_teacher_hidden)
+    setup = build_chat_setup(base, work / "chat", num_train=s.chat_train, num_heldout=s.eval_prompts,
+                             teacher_steps=s.chat_teacher_steps, teacher_hidden=s.chat_teacher_hidden)
+    if not s.same_tokenizer:
+        return setup
+    # the chat setup's fresh student (2-layer Llama of hidden size 64, its seed) on the teacher's tokenizer
+    student = work / "student-same"
+
+    def build() -> str:
+        toy.build_tiny_model("llama", setup.teacher_tokenizer, student, hidden=64, layers=2, intermediate=192, seed=1)
+        return "llama, hidden 64, 2 layers, seed 1, the teacher's tokenizer"
+
+    toy.build_once(student, build)
+    return replace(setup, student_model=student, student_tokenizer=setup.teacher_tokenizer)
+
+
+def projection_flags(p: dict) -> list[str]:
+    """train-student's (and rounds') `--projection` of a kind, none for a student of the teacher's tokenizer."""
+    return [] if p["projection"] is None else ["--projection", str(p["projection"])]
 
 
 def _line_end(text: str, at: int) -> int:
@@ -158,7 +177,8 @@ def prepare(kind: str, work: Path, s: ConvergedSettings, log_file: Path) -> dict
 
     work.mkdir(parents=True, exist_ok=True)
     setup = _setup(kind, work, s)
-    p = {"setup": setup, "kind": kind, "projection": work / "projection.safetensors", "eval_cache": work / "cache-heldout",
+    projection = None if kind == "chat" and s.same_tokenizer else work / "projection.safetensors"
+    p = {"setup": setup, "kind": kind, "projection": projection, "eval_cache": work / "cache-heldout",
          "converge_cache": work / "cache-converge", "continue_cache": work / "cache-continue",
          "continue_half_cache": work / "cache-continue-half"}
     if kind == "chat":
@@ -205,7 +225,7 @@ def converge(p: dict, out: Path, s: ConvergedSettings, seed: int, log_file: Path
         shutil.rmtree(out, ignore_errors=True)
         train_on = "last-assistant" if p["kind"] == "chat" else "all"  # text: whole documents
         run_xtcache("train-student", "--cache", str(p["converge_cache"]), "--eval-cache", str(p["eval_cache"]),
-                    "--student", str(p["setup"].student_model), "--out", str(out), "--projection", str(p["projection"]),
+                    "--student", str(p["setup"].student_model), "--out", str(out), *projection_flags(p),
                     "--max-steps", str(s.converge_steps), "--train-on", train_on, "--seed", str(seed), "--loss", "auto",
                     *_flags(s.converge_lr, 5, 0.1), log_file=log_file)
     return json.loads((out / "summary.json").read_text())
@@ -214,7 +234,7 @@ def converge(p: dict, out: Path, s: ConvergedSettings, seed: int, log_file: Path
 def off_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, log_file: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     run_xtcache("train-student", "--cache", str(p["continue_cache"]), "--eval-cache", str(p["eval_cache"]), "--student",
-                str(start), "--out", str(out), "--projection", str(p["projection"]), "--max-steps", str(s.steps),
+                str(start), "--out", str(out), *projection_flags(p), "--max-steps", str(s.steps),
                 "--train-on", "last-assistant", "--seed", str(seed), "--loss", "auto", *_flags(s.lr, 2, 1.0),
                 log_file=log_file)
     summary = json.loads((out / "summary.json").read_text())
@@ -257,7 +277,7 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
     run_xtcache("rounds", "--student", str(start), "--teacher", str(p["setup"].teacher_model),
                 "--workdir", str(out), "--engine", "hf", *rounds_plan(p, s, own),
                 "--max-new-tokens", str(s.max_new_tokens), "--seed", str(seed), "--train-on", "last-assistant",
-                "--projection", str(p["projection"]), "--eval-cache", str(p["eval_cache"]), "--",
+                *projection_flags(p), "--eval-cache", str(p["eval_cache"]), "--",
                 *_flags(s.lr, 2, 1.0), *train, log_file=log_file)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     positions = sum(trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
@@ -307,7 +327,7 @@ def _remeasure(p: dict, row: dict, run: Path, kl_key: str, s: ConvergedSettings)
 
 
 # settings added after reports were written, with the values those reports were trained with
-LATER_SETTINGS = {"chat_teacher_hidden": 64, "chat_teacher_steps": 150}
+LATER_SETTINGS = {"chat_teacher_hidden": 64, "chat_teacher_steps": 150, "same_tokenizer": False}
 
 
 def _train_settings(settings: dict) -> dict:
@@ -418,6 +438,8 @@ def complete_seeds(report: dict) -> dict:
 def markdown(report: dict) -> str:
     report = complete_seeds(report)
     s = {**LATER_SETTINGS, **report["settings"]}
+    pair = ("One tokenizer: the chat student reads the teacher's tokenizer and chat template (no projection; "
+            "policy-eval's teacher scores the sampled ids)" if s["same_tokenizer"] else "Cross-tokenizer")
     lines = [f"From a converged off-policy student ({s['converge_steps']} steps of `--loss auto` at lr "
              f"{s['converge_lr']}, cosine to 0.1), each row {s['steps']} more optimizer steps at a constant lr {s['lr']} "
              f"(a fresh optimizer, 2 warmup steps), micro-batch 4 x 256; on-policy: `xtcache rounds --engine hf`, 2 rounds "
@@ -425,7 +447,7 @@ def markdown(report: dict) -> str:
              f"{s['max_new_tokens']} tokens. Seeds: " + ", ".join(
                  f"{kind} {len(rows[ROWS[0][0]])}" for kind, rows in report["kinds"].items()) +
              f" of {s['seeds']} (mean ± sd; the seed sets the converged student, the rounds' samples and the data "
-             f"order). Cross-tokenizer; the corpus caches top-{s['top_k']}, the rounds' caches of their rollouts "
+             f"order). {pair}; the corpus caches top-{s['top_k']}, the rounds' caches of their rollouts "
              "teacher-dump's default top-64 unless a row says otherwise, the held-out cache full-vocabulary." + (
                  f" The chat teacher: a 2-layer Qwen2 of hidden size {s['chat_teacher_hidden']} pre-trained for "
                  f"{s['chat_teacher_steps']} steps on the chat corpus (the student: a 2-layer Llama of hidden size "

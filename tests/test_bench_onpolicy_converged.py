@@ -276,3 +276,48 @@ def test_a_report_from_before_the_chat_teacher_settings_counts_as_trained_with_t
     assert "a 2-layer Qwen2 of hidden size 128 pre-trained for 400 steps" in text
     assert "the corpus caches top-16, the rounds' caches of their rollouts teacher-dump's default top-64" in text
     assert "| 0.100 | 2.400 | 9.0 |" in text  # reverse KL/token, then the student's own NLL/token (2.5 - 0.1)
+
+
+def test_the_same_tokenizer_section_trains_a_student_of_the_teachers_tokenizer_without_a_projection(
+        toy_setup, tmp_path, monkeypatch):
+    """`--section on-policy-converged-same`: the chat student is the setup's fresh Llama on the teacher's tokenizer
+    and chat template (built once), no projection map is built or passed to train-student, and the table says
+    one tokenizer. The stages' commands are recorded, not run."""
+    from xtcache.chat.render import chat_fingerprint
+    from xtcache.testing import chat
+    from xtcache.tokenizer import load_tokenizer
+
+    real = chat.build_chat_setup
+    monkeypatch.setattr(chat, "build_chat_setup", lambda base, root, **kw: real(base, root, **{**kw, "teacher_steps": 0}))
+    calls = []
+
+    def run_xtcache(*args, log_file):
+        calls.append(args)
+        if args[0] == "train-student":
+            out = args[args.index("--out") + 1]
+            (tmp_path / out).mkdir(parents=True, exist_ok=True)
+            (tmp_path / out / "summary.json").write_text(json.dumps({"final_eval_kl": 1.0}))
+
+    monkeypatch.setattr(conv, "run_xtcache", run_xtcache)
+    monkeypatch.setattr(conv, "dump_caches", lambda setup, dumps, projection, log_file: calls.append(("dumps", projection)))
+    monkeypatch.setattr(conv, "trained_positions", lambda cache: 0)
+    s = replace(conv.QUICK, **conv.SAME_TOKENIZER)
+    p = conv.prepare("chat", tmp_path / "chat", s, tmp_path / "log")
+    setup = p["setup"]
+    assert setup.student_tokenizer == setup.teacher_tokenizer and setup.student_model == tmp_path / "chat" / "student-same"
+    student, teacher = load_tokenizer(setup.student_model), load_tokenizer(setup.teacher_model)
+    assert chat_fingerprint(student) == chat_fingerprint(teacher)  # tokenizer and template
+    assert p["projection"] is None and calls == [("dumps", None)]
+    conv.converge(p, tmp_path / "conv", s, 0, tmp_path / "log")
+    conv.off_policy(p, tmp_path / "conv" / "hf", tmp_path / "off", s, 0, tmp_path / "log")
+    assert [c[0] for c in calls[1:]] == ["train-student", "train-student"]
+    assert not any("--projection" in c for c in calls)
+    cross = conv.prepare("chat", tmp_path / "cross", replace(conv.QUICK, chat_teacher_steps=0), tmp_path / "log")
+    assert cross["projection"] == tmp_path / "cross" / "projection.safetensors"
+    assert conv.projection_flags(cross) == ["--projection", str(cross["projection"])]
+    runs = [{"seed": 0, "reverse_kl_per_sequence": 1.0, "teacher_nll_per_byte": 1.0, "reverse_kl_per_token": 0.1,
+             "teacher_nll_per_token": 2.5, "mean_student_tokens": 9.0, "stopped_fraction": 1.0, "samples": 6,
+             "max_new_tokens": 100, "teacher_mean_student_tokens": 50.0}]
+    text = conv.markdown({"settings": asdict(s), "kinds": {"chat": {"converged student": runs, OFF: runs}}})
+    assert "One tokenizer: the chat student reads the teacher's tokenizer and chat template" in text
+    assert "Cross-tokenizer" not in text
