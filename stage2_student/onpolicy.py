@@ -13,12 +13,16 @@ TRL, NeMo-RL and the Tinker cookbook compare.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import Tensor
 
 from xtcache.errors import ConfigError, XtcacheError
+
+log = logging.getLogger(__name__)
+_warned_unsampled = False  # the warning below, once per process
 
 
 def truncated_ratio(log_ps: Tensor, log_pb: Tensor, cap: float) -> Tensor:
@@ -59,7 +63,11 @@ SAMPLED_KEY = "sampled_logprobs"  # float32 [B, L]: at logit (b, i), the samplin
 def behaviour_rows(batch: dict, rows, is_cap: float) -> Tensor | None:
     """The sampling log-probs of a block's KD rows (`rows`: flat logit positions), float32 [P], or None
     without a ratio (`--is-cap 0`). Host side, in `Objective.prepare`: raises when the batch carries no
-    sampling log-probs, or none at a trained row (a token the student did not sample)."""
+    sampling log-probs, or none at a trained row outside the sampled turns (`--train-on` trains a prompt).
+    With `--train-on last-assistant` a row without one lies in a generated turn whose sampled ids do not spell
+    its text (stored on re-tokenized ids, counted by `xtcache inspect` and rounds' `retokenized_turns`): it
+    stays NaN, and its chunk trains without the ratio (w = 1, `stage2_student.blocked`), logged once."""
+    global _warned_unsampled
     if is_cap <= 0:
         return None
 
@@ -72,12 +80,14 @@ def behaviour_rows(batch: dict, rows, is_cap: float) -> Tensor | None:
     if not bool(torch.isfinite(out).all()):
         missing = f"--loss rkl-pg: {int((~torch.isfinite(out)).sum())} trained position(s) of the micro-batch have " \
                   f"no sampling log-prob ({SAMPLED_KEY})"
-        if batch.get("train_on") == "last-assistant":  # only sampled turns are trained: turns whose ids differ
-            raise XtcacheError(f"{missing}: they lie in sampled turns whose sampled ids do not spell the turn's text "
-                               "(`xtcache inspect` on the rollout cache counts them), which store no sampling log-probs; "
-                               "use --is-cap 0 to train them without the ratio")
-        raise XtcacheError(f"{missing}: train rollouts with --train-on last-assistant (the sampled turn only), or use "
-                           "--is-cap 0")
+        if batch.get("train_on") != "last-assistant":
+            raise XtcacheError(f"{missing}: train rollouts with --train-on last-assistant (the sampled turn only), or "
+                               "use --is-cap 0")
+        if not _warned_unsampled:  # only sampled turns are trained: turns whose ids do not spell their text
+            _warned_unsampled = True
+            log.warning("%s: they lie in generated turns whose sampled ids do not spell the turn's text (stored on "
+                        "re-tokenized ids; `xtcache inspect` on the rollout cache counts them), and train without the "
+                        "importance ratio (w = 1); logged once", missing)
     return out
 
 

@@ -172,10 +172,9 @@ def test_missing_or_partial_sampling_log_probs_are_refused():
     obj.prepare(no_logprobs, vocab=V, ratio=False)  # held-out evaluation: the ratio left out, whatever the cap
 
 
-@pytest.mark.parametrize("train_on", [None, "assistant", "last-assistant"])
-def test_a_trained_position_without_sampling_log_prob_is_explained_by_what_train_on_trains(train_on):
-    """--train-on last-assistant trains only sampled turns: a hole there is a turn whose ids differ from its
-    text, and the refusal does not advise the flag already given."""
+@pytest.mark.parametrize("train_on", [None, "assistant"])
+def test_a_trained_prompt_position_without_sampling_log_prob_is_refused_advising_the_sampled_turn_only(train_on):
+    """--train-on other than last-assistant trains positions nobody sampled: refused, naming the flag."""
     batch = _cross_rollout(torch.Generator().manual_seed(5))
     batch["sampled_logprobs"][0, 2] = float("nan")
     if train_on is not None:
@@ -183,8 +182,35 @@ def test_a_trained_position_without_sampling_log_prob_is_explained_by_what_train
     with pytest.raises(XtcacheError, match="1 trained position") as refused:
         Objective("rkl-pg", measure_agreement=False, is_cap=2.0).prepare(batch, vocab=V)
     message = str(refused.value)
-    assert ("--train-on last-assistant" in message) == (train_on != "last-assistant"), message
-    assert "--is-cap 0" in message
+    assert "--train-on last-assistant" in message and "--is-cap 0" in message
+
+
+def test_a_generated_turn_without_sampling_log_probs_trains_without_the_ratio_and_the_others_with_it(caplog):
+    """--train-on last-assistant: a hole is a turn stored on re-tokenized ids (its sampled ids do not spell its
+    text). Its chunk trains without the ratio (w = 1, the value and gradient of --is-cap 0), every other chunk
+    with it (here the policy moved: ratio exp(0.5) a token, capped at 2), and a warning says so once."""
+    import logging
+
+    from stage2_student import onpolicy
+
+    gen = torch.Generator().manual_seed(5)
+    batch = _cross_rollout(gen)
+    logits = torch.randn(2, 5, V, generator=gen, dtype=torch.float64)
+    lp = torch.log_softmax(logits, -1).gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0]
+    moved = {**batch, "sampled_logprobs": (lp - 0.5).float(), "train_on": "last-assistant"}
+    moved["sampled_logprobs"][0, 2] = float("nan")  # one of chunk 1's two student tokens
+    onpolicy._warned_unsampled = False
+    with caplog.at_level(logging.WARNING, logger="stage2_student.onpolicy"):
+        kd, grad = _terms(Objective("rkl-pg", measure_agreement=False, is_cap=2.0), logits, moved)
+        _terms(Objective("rkl-pg", measure_agreement=False, is_cap=2.0), logits, moved)
+    no_ratio, no_ratio_grad = _terms(Objective("rkl-pg", measure_agreement=False, is_cap=0.0), logits, batch)
+    tokens = torch.tensor([1.0, 2.0, 1.0, 1.0], dtype=torch.float64)  # student tokens per chunk
+    w = torch.clamp(torch.exp(0.5 * tokens), max=2.0)
+    w[1] = 1.0  # the chunk with the hole
+    torch.testing.assert_close(kd, w * no_ratio, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad[0, 2:4], no_ratio_grad[0, 2:4], rtol=1e-5, atol=1e-6)  # chunk 1's tokens
+    assert not torch.allclose(grad[0, 1], no_ratio_grad[0, 1])  # chunk 0: weighted by its ratio
+    assert caplog.text.count("train without the importance ratio (w = 1)") == 1
 
 
 def test_rkl_pg_is_allowed_on_every_cache_never_picked_by_auto_and_trains_at_t1():

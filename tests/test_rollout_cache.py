@@ -508,7 +508,7 @@ def test_a_turn_cut_by_max_new_tokens_does_not_train_its_end_marker_when_its_ids
     assert same.student_role[6] == ROLE_TEMPLATE and same.sampled_logprobs[3:6].tolist() == [-1.0, -2.0, -3.0]
 
 
-def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_path):
+def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, procs, tmp_path, caplog):
     """Text rollouts (a prefix and its completion, no template) whose sampled ids are not what re-tokenizing
     the whole text gives: a completion sampled as another tokenization, prefixes cut inside a word (the
     whole text's tokenization merges across the cut), a special token sampled inside, and a byte token that
@@ -588,9 +588,10 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
     assert _cli("verify", store).returncode == 0
     assert ("sampled turns 9, whose sampled ids are not the re-tokenized ids 8 (spliced, trained on the sampled "
             "ids: 7; not spelling the turn's text, no sampling log-probs: 1)") in _cli("inspect", store).stdout
-    # `xtcache rounds --loss rkl-pg` refuses such a round cache before train-student, unless the ratio is off
+    # `xtcache rounds --loss rkl-pg` says, before train-student, that the turn trains without the ratio
+    import logging
+
     from xtcache.app.rounds import RoundsConfig, check_sampled, round_dir
-    from xtcache.errors import ConfigError
 
     def cfg(loss, *train_args):
         return RoundsConfig(student="S", teacher="T", prompts=["p.jsonl"], rounds=1, loss=loss, engine="hf",
@@ -598,11 +599,23 @@ def test_text_rollouts_store_the_ids_the_student_read_and_sampled(rollouts, tmp_
 
     round_dir(cfg("rkl-pg"), 0).mkdir(parents=True)
     (round_dir(cfg("rkl-pg"), 0) / "cache").symlink_to(store)
-    with pytest.raises(ConfigError, match=r"^round 0: 1 of the 9 generated turns in .* keep re-tokenized ids .*"
-                                          r"`-- --is-cap 0`"):
-        check_sampled(cfg("rkl-pg"), 0)
-    for ok in (cfg("rkl-pg", "--is-cap", "0"), cfg("rkl-pg", "--is-cap=0.0"), cfg("forward")):
-        check_sampled(ok, 0)
+    for c, says in ((cfg("rkl-pg"), True), (cfg("rkl-pg", "--is-cap", "0"), False), (cfg("rkl-pg", "--is-cap=0.0"), False),
+                    (cfg("forward"), False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="xtcache.app.rounds"):
+            check_sampled(c, 0)
+        assert ("round 0: 1 of the 9 generated turns in" in caplog.text
+                and "trains them without its importance ratio" in caplog.text) == says, caplog.text
+    # and train-student trains the whole store with the ratio on (its 3 windows in one step: every row, the
+    # re-tokenized one too)
+    run = procs.cli("train-student", "--out", str(tmp_path / "run"), "--cache", str(store), "--student",
+                    str(setup.student_model), "--seq-len", SEQ, "--micro-batch-size", "3", "--max-steps", "1",
+                    "--loss", "rkl-pg", "--train-on", "last-assistant", "--zero-stage", "0", "--seed", "3")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "train without the importance ratio (w = 1)" in run.stdout + run.stderr
+    train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train"]
+    assert len(train) == 1 and np.isfinite(train[0]["loss"]) and train[0]["sampled_labels"] > 0
 
 
 def test_special_tokens_sampled_inside_a_turn_are_kept_where_they_were_sampled(rollouts, tmp_path):

@@ -476,9 +476,9 @@ def _no_ratio(cap: str | None) -> bool:
 
 
 def check_sampled(cfg: RoundsConfig, r: int) -> None:
-    """`--loss rkl-pg` with its importance ratio: refuse round r's cache, before train-student starts, when
-    generated turns in it keep re-tokenized ids without sampling log-probs (their ids do not spell the text).
-    train-student would stop at the first micro-batch that trains one, some steps in."""
+    """`--loss rkl-pg` with its importance ratio: say, before train-student starts, how many generated turns of
+    round r's cache keep re-tokenized ids without sampling log-probs (their ids do not spell the text): those
+    train without the ratio (`stage2_student.onpolicy.behaviour_rows`). The round's table counts them too."""
     if cfg.loss != "rkl-pg" or _no_ratio(flag_value(cfg.train_args, "--is-cap")):
         return
     cache = round_dir(cfg, r) / "cache"
@@ -486,10 +486,9 @@ def check_sampled(cfg: RoundsConfig, r: int) -> None:
     missing = retokenized(counts)
     if missing:
         turns = sum(c["sampled_turns"] for c in counts)
-        raise ConfigError(f"round {r}: {missing} of the {turns} generated turns in {cache} keep re-tokenized ids "
-                          "without sampling log-probs (their sampled ids do not spell the text: `xtcache inspect "
-                          f"{cache}`), which --loss rkl-pg's importance ratio cannot train; rerun with `-- --is-cap "
-                          "0` (no ratio) or another --loss")
+        log.warning("round %d: %d of the %d generated turns in %s keep re-tokenized ids without sampling log-probs "
+                    "(their sampled ids do not spell the text: `xtcache inspect %s`); --loss rkl-pg trains them "
+                    "without its importance ratio", r, missing, turns, cache, cache)
 
 
 def round_metrics(cfg: RoundsConfig, r: int) -> dict:
