@@ -332,8 +332,9 @@ def markdown(report: dict) -> str:
               "docs above); sample length: mean student tokens per sample, stopped: the fraction that ended with the "
               "end-of-turn token. Teacher-scored "
               "tokens: student tokens of the trained turns in the caches the row trained on (on-policy: both rounds). "
-              "`rkl-pg` runs with `--is-cap 0` (no ratio): the turns whose sampled ids do not spell their text carry "
-              "no sampling log-prob, and a capped ratio refuses a micro-batch that trains on them.", "",
+              "`rkl-pg` runs with `--is-cap 0` (no ratio): it did so when a capped ratio refused a micro-batch that "
+              "trained a turn whose sampled ids do not spell its text (no sampling log-prob; such a turn now trains "
+              "without the ratio, the others with it).", "",
               *_kd_then_note(report), *_spread_notes(report["rows"]), "", _wall_time(report)]
     return "\n".join(lines)
 
