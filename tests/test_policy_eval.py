@@ -292,3 +292,16 @@ def test_defaults_draw_96_samples_and_cap_at_twice_the_teacher_mean_length(chat)
     with pytest.raises(ConfigError, match="auto"):
         policy_eval(str(setup.student_model), str(setup.teacher_model), str(prompts), max_new_tokens=0,
                     teacher_samples=False)
+
+
+def test_a_sampled_id_past_the_teachers_tokenizer_is_left_unscored(chat):
+    """A student whose output layer is padded past its tokenizer can sample an id that names no token: the
+    teacher does not read it (unscored), where it would index past its embedding."""
+    from stage1_teacher.onpolicy.policy_eval import TeacherScorer
+
+    setup, _, _ = chat
+    scorer = TeacherScorer(str(setup.teacher_model))
+    past = len(scorer.tokenizer)
+    got = scorer.score_sampled([[1, 2], [1, 2], [], [1, 2]], [[3, 4], [3, past], [3], []])
+    assert got[1] is None and got[2] is None and got[3] is None
+    assert got[0][1] == (3, 4) and got[0][0] == pytest.approx(float(scorer.token_logprobs([1, 2, 3, 4])[1:].sum()))

@@ -368,7 +368,8 @@ def test_the_teacher_scores_the_ids_a_same_tokenizer_student_sampled(rollouts, t
     forward of the teacher over those ids (computed here, apart from stage 1), and the identity group keeps
     the sampling log-probs there; a second, cross-tokenizer group of the same dump aligns against them, with
     the chunk over the teacher's replaced byte inexact, and `xtcache align` adding that group later to a store
-    dumped for the sampling student alone finds the same chunks. Conversations and text rollouts alike."""
+    dumped for the sampling student alone finds the same chunks (also where the text holds a U+FFFD of its own,
+    spelled in byte tokens). Conversations and text rollouts alike."""
     from stage1_teacher.onpolicy.splice import piece_bytes
     from tests.test_stage1_dump import hf_logprobs
     from xtcache.align.tokenizer import tokenizer_info
@@ -397,6 +398,10 @@ def test_the_teacher_scores_the_ids_a_same_tokenizer_student_sampled(rollouts, t
         texts[("t.jsonl", j)] = {"text": prefix + text, "prefix_chars": len(prefix), "chat_fingerprint": fp,
                                  "policy": "p", "sampled_ids": ids, "stop_reason": "length",
                                  "sampled_logprobs": [-0.25] * len(ids)}
+    own = tok("\ufffd is a character too.", add_special_tokens=False)["input_ids"]  # the text's own U+FFFD, in bytes
+    assert len(own) > len(tok(" is a character too.", add_special_tokens=False)["input_ids"]) + 1
+    texts[("t.jsonl", 4)] = {**texts[("t.jsonl", 0)], "text": "Plain: \ufffd is a character too.", "prefix_chars": 7,
+                             "sampled_ids": own, "sampled_logprobs": [-0.25] * len(own)}  # sampled as re-tokenized
     for kind, rows in (("chat", convs), ("text", texts)):
         _write_rows(tmp_path / kind, rows)
         store = tmp_path / f"{kind}-cache"
@@ -428,12 +433,12 @@ def test_the_teacher_scores_the_ids_a_same_tokenizer_student_sampled(rollouts, t
                     at = int(turn[0]) + want.index(lone)
                     assert not c_al.exact[int(np.searchsorted(np.asarray(c_al.teacher_end), at, side="right"))]
                 seen += 1
-        assert seen == len(rows) == 4
+        assert seen == len(rows)
         totals = {}
         for part in reader.alignment_parts(group).values():
             for k, v in part.conversation.items():
                 totals[k] = totals.get(k, 0) + v
-        assert (totals["sampled_turns"], totals["sampled_mismatch"], totals["sampled_same_text"]) == (4, 4, 4), kind
+        assert (totals["sampled_turns"], totals["sampled_mismatch"], totals["sampled_same_text"]) == (len(rows), 4, 4)
         assert _cli("verify", store).returncode == 0
         alone = tmp_path / f"{kind}-alone"  # the sampling student alone, the cross group added by `xtcache align`
         _cli("teacher-dump", "--teacher", setup.teacher_model, "--student-tokenizer", setup.teacher_model,

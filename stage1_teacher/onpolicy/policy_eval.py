@@ -30,8 +30,9 @@ the live teacher scores them, and the report gives the per-token reverse KL and 
 
    Beside them, from the teacher's own samples of the same prompts (its sampler, the same seed and cap
    rule): `teacher_self_nll_per_byte`, sum -log p_t(x_j) / sum bytes_j from its sampler's log-probs, its
-   sampling entropy per byte: a reference for `teacher_nll_per_byte`, which scores the teacher's own
-   tokenization of a text (special tokens sampled inside left out, the template's end marker read).
+   sampling entropy per byte: a reference for `teacher_nll_per_byte`, which across tokenizers scores the
+   teacher's own tokenization of a text (special tokens sampled inside left out, the template's end marker
+   read), and with `teacher_reads` "sampled ids" the ids the student sampled.
 
    Every standard error counts the samples as independent; the samples of one prompt are not quite, so
    they understate the noise a little. Two students compared on a few hundred samples can differ by
@@ -209,10 +210,11 @@ class TeacherScorer:
     def score_sampled(self, prompt_ids: list[list[int]],
                       sampled: list[list[int]]) -> list[tuple[float, tuple[int, ...]] | None]:
         """A student with the teacher's tokenizer: per sample (the teacher's log-prob of the sampled ids, the stop
-        token included, after the prompt ids the student read; those ids), or None for a sample of no token."""
-        out = []
+        token included, after the prompt ids the student read; those ids), or None for a sample of no token or
+        with an id past the tokenizer (a padded output layer)."""
+        out, vocab = [], len(self.tokenizer)
         for prompt, ids in zip(prompt_ids, sampled):
-            if not ids or not prompt:
+            if not ids or not prompt or max(ids) >= vocab:  # an id of a padded output layer names no token
                 out.append(None)
                 continue
             lp = self.token_logprobs([*prompt, *ids])  # index j - 1: token j given the ones before it

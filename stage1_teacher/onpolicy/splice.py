@@ -86,19 +86,21 @@ def piece_bytes(info, ids: np.ndarray) -> bytes:
 
 
 def replaced_tokens(info, ids: np.ndarray, offsets: np.ndarray, text: str) -> np.ndarray | None:
-    """bool [n]: the tokens `ids` (character `offsets` in `text`) that cover a U+FFFD of the text and do not
-    spell its bytes there, as sampled byte tokens that are no UTF-8 do once spliced in (`sampled_offsets`);
-    None when the text holds no U+FFFD. What a stored splice leaves to find again: `xtcache align` flags them on
-    the teacher side of a store whose teacher scored a same-tokenizer student's sampled ids."""
+    """bool [n]: the tokens `ids` (character `offsets` in `text`) that stand for a U+FFFD of the text with other
+    bytes, as sampled byte tokens that are no UTF-8 do once spliced in (`sampled_offsets`); None when the text
+    holds no U+FFFD. The tokens covering one U+FFFD are read together: a U+FFFD the tokenizer spells in three byte
+    tokens is the text's own character, not flagged. What a stored splice leaves to find again: `xtcache align`
+    flags them on the teacher side of a store whose teacher scored a same-tokenizer student's sampled ids."""
     if "\ufffd" not in text:
         return None
-    seen = np.concatenate(([0], np.cumsum(np.frombuffer(text.encode("utf-32-le"), "<u4") == 0xFFFD)))
     offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     ids = np.asarray(ids, dtype=np.int64)
     out = np.zeros(ids.shape[0], dtype=bool)
-    for k in np.flatnonzero(seen[offsets[:, 1]] > seen[offsets[:, 0]]).tolist():
-        a, b = offsets[k].tolist()
-        out[k] = piece_bytes(info, ids[k:k + 1]) != text[a:b].encode("utf-8")
+    for c in np.flatnonzero(np.frombuffer(text.encode("utf-32-le"), "<u4") == 0xFFFD).tolist():
+        cover = np.flatnonzero((offsets[:, 0] <= c) & (offsets[:, 1] > c))  # empty spans (special tokens) cover none
+        if cover.shape[0]:
+            a, b = int(offsets[cover, 0].min()), int(offsets[cover, 1].max())
+            out[cover] |= piece_bytes(info, ids[cover]) != text[a:b].encode("utf-8")
     return out
 
 
