@@ -130,8 +130,9 @@ def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conver
               np.concatenate([np.asarray(d.char_offsets, np.int64).reshape(-1, 2) for d in docs]),
               np.array([len(d.teacher_ids) for d in docs], dtype=np.int64))
     teachers = renderings(teacher_tok, [d.text for d in docs], convs, markers=markers, encoded=stored)
-    if t_info is not None:
-        teachers = replace(teachers, replaced=_stored_replaced(docs, t_info))
+    masks = None if t_info is None else _stored_replaced(docs, t_info)
+    if masks is not None:
+        teachers = replace(teachers, replaced=np.concatenate(masks))
     if identity:
         students = teachers
     else:
@@ -147,13 +148,11 @@ def _conversation_records(docs, student_tok, teacher_tok, identity: bool, conver
                             student_role=ca.student_role, stats=ca.stats) for s, ca in zip(students, aligned)]
 
 
-def _stored_replaced(docs, t_info) -> np.ndarray | None:
-    """bool [sum of the documents' teacher tokens]: the stored teacher tokens standing for a U+FFFD of their
-    text with other bytes (`splice.replaced_tokens`); None where there is none."""
+def _stored_replaced(docs, t_info) -> list[np.ndarray] | None:
+    """Per document, bool [its teacher tokens]: the stored teacher tokens standing for a U+FFFD of their text with
+    other bytes (`splice.replaced_tokens`); None when no document has one."""
     masks = [replaced_tokens(t_info, d.teacher_ids, d.char_offsets, d.text) for d in docs]
-    if all(m is None or not m.any() for m in masks):
-        return None
-    return np.concatenate([np.zeros(len(d.teacher_ids), dtype=bool) if m is None else m for d, m in zip(docs, masks)])
+    return masks if any(m.any() for m in masks) else None
 
 
 def _align_docs(docs, s_ids, s_off, s_info, t_info, shard_id: str) -> list:
@@ -162,10 +161,9 @@ def _align_docs(docs, s_ids, s_off, s_info, t_info, shard_id: str) -> list:
     spliced) are flagged: not byte-checked, their chunk inexact."""
     t_ids = [d.teacher_ids for d in docs]
     t_off = [d.char_offsets for d in docs]
-    t_masks = None
-    if t_info is not None and any("\ufffd" in d.text for d in docs):
-        t_masks = [t_info.control[np.asarray(d.teacher_ids)] | (
-            False if (m := replaced_tokens(t_info, d.teacher_ids, d.char_offsets, d.text)) is None else m) for d in docs]
+    replaced = None if t_info is None else _stored_replaced(docs, t_info)
+    t_masks = None if replaced is None else [t_info.control[np.asarray(d.teacher_ids)] | m
+                                             for d, m in zip(docs, replaced)]
     info = dict(student_info=s_info, teacher_info=t_info)
     out = batch_or_each(len(docs), lambda: align_batch([d.text for d in docs], s_ids, s_off, t_ids, t_off, None,
                                                        t_masks, **info),

@@ -225,13 +225,11 @@ def _block_terms(spec: TermSpec, z_rows: Tensor, blk: Block, teacher: dict) -> t
             return losses.chunk_likelihood(log_ps, log_pt, spec.tau), ce  # [n_c]
         log_pb = None
         if blk.behaviour_logprobs is not None:
-            b = blk.behaviour_logprobs.to(cdt)
-            hole = torch.isnan(b)  # a token of a turn not stored on its sampled ids (onpolicy.behaviour_rows)
             log_pb = torch.zeros(blk.num_chunks, dtype=cdt, device=z.device).index_add(
-                0, blk.student_chunk, torch.where(hole, torch.zeros_like(b), b))
-            unsampled = torch.zeros(blk.num_chunks, dtype=cdt, device=z.device).index_add(
-                0, blk.student_chunk, hole.to(cdt)) > 0
-            log_pb = torch.where(unsampled, log_ps.detach(), log_pb)  # no sampling log-prob: no ratio there (w = 1)
+                0, blk.student_chunk, blk.behaviour_logprobs.to(cdt))
+            # a NaN row (a turn not stored on its sampled ids, onpolicy.behaviour_rows) makes its chunk's sum NaN:
+            # no sampling log-prob there, so no ratio (w = 1)
+            log_pb = torch.where(torch.isnan(log_pb), log_ps.detach(), log_pb)
         return onpolicy.reverse_kl_pg(log_ps, log_pt, log_pb, is_cap=spec.is_cap), ce  # [n_c]
     zt = z[:m] if t == 1.0 else z[:m] / t  # [m, V]
     lse = lse1[:m] if t == 1.0 else torch.logsumexp(zt, dim=-1)

@@ -123,16 +123,12 @@ def test_teacher_with_doubled_logits_gives_the_independent_value(chat, tmp_path)
 
 
 def test_cross_tokenizer_teacher_sums_exactly_the_completion_text(chat):
-    from stage1_teacher.onpolicy.policy_eval import read_prompts, sample_student
     from xtcache.tokenizer import load_tokenizer
 
     setup, prompts, _ = chat
     report, scores = _run(setup.student_model, setup.teacher_model, prompts)
-    s_tok = load_tokenizer(setup.student_model)
     t_tok = load_tokenizer(setup.teacher_model)
-    _, texts = sample_student(str(setup.student_model), s_tok, read_prompts(str(prompts), s_tok),
-                              samples_per_prompt=SAMPLES, max_new_tokens=NEW_TOKENS, seed=0)
-    flat = [t for ts in texts for t in ts]
+    flat = _texts(setup.student_model, prompts)
     assert report["unscored"] == sum(not t for t in flat)  # only empty completions are left out
     for s, text in zip(scores, flat):
         if s.scored:

@@ -85,17 +85,17 @@ def piece_bytes(info, ids: np.ndarray) -> bytes:
     return info.piece_data[at].tobytes()
 
 
-def replaced_tokens(info, ids: np.ndarray, offsets: np.ndarray, text: str) -> np.ndarray | None:
+def replaced_tokens(info, ids: np.ndarray, offsets: np.ndarray, text: str) -> np.ndarray:
     """bool [n]: the tokens `ids` (character `offsets` in `text`) that stand for a U+FFFD of the text with other
-    bytes, as sampled byte tokens that are no UTF-8 do once spliced in (`sampled_offsets`); None when the text
-    holds no U+FFFD. The tokens covering one U+FFFD are read together: a U+FFFD the tokenizer spells in three byte
-    tokens is the text's own character, not flagged. What a stored splice leaves to find again: `xtcache align`
-    flags them on the teacher side of a store whose teacher scored a same-tokenizer student's sampled ids."""
-    if "\ufffd" not in text:
-        return None
-    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    bytes, as sampled byte tokens that are no UTF-8 do once spliced in (`sampled_offsets`). The tokens covering one
+    U+FFFD are read together: a U+FFFD the tokenizer spells in three byte tokens is the text's own character, not
+    flagged. What a stored splice leaves to find again: `xtcache align` flags them on the teacher side of a store
+    whose teacher scored a same-tokenizer student's sampled ids."""
     ids = np.asarray(ids, dtype=np.int64)
     out = np.zeros(ids.shape[0], dtype=bool)
+    if "\ufffd" not in text:
+        return out
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     for c in np.flatnonzero(np.frombuffer(text.encode("utf-32-le"), "<u4") == 0xFFFD).tolist():
         cover = np.flatnonzero((offsets[:, 0] <= c) & (offsets[:, 1] > c))  # empty spans (special tokens) cover none
         if cover.shape[0]:
