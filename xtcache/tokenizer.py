@@ -22,13 +22,15 @@ def load_tokenizer(path: str | os.PathLike, side: str = "tokenizer"):
 
     `side` names it in error messages ("teacher tokenizer", "student tokenizer", ...).
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # AutoTokenizer's import pulls torch in: 5 s on 2 cores
 
     path = str(path)
     try:
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             tok = PreTrainedTokenizerFast.from_pretrained(path)
         else:
+            from transformers import AutoTokenizer
+
             tok = AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"{side} {path}: cannot load a tokenizer ({e})") from None
