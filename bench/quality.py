@@ -806,17 +806,26 @@ def real_section(args) -> None:
     else:
         report = run_real(Path(args.workdir) / "real", s, rows)
         (Path(args.out) / f"{block}.json").write_text(json.dumps(report, indent=2, default=str))
-    _publish(args, block, (modes_markdown if args.section == "modes" else real_markdown)(report))
+    _publish(args, block, (modes_markdown if args.section == "modes" else real_markdown)(report), report)
 
 
-def _publish(args, block: str, md: str) -> None:
-    """A section's table: printed, written to --out as BLOCK.md, and with --write-docs (not --quick) into its doc block."""
+def _publish(args, block: str, md: str, report: dict) -> None:
+    """A section's table: printed, written to --out as BLOCK.md, and with --write-docs (not --quick) into its doc block,
+    stamped with the runs that measured it where the table comes from an earlier report (--from-report)."""
     (Path(args.out) / f"{block}.md").write_text(md)
     print(md)
     if args.write_docs and not args.quick:
         from xtcache.app.docblock import write_block
 
-        write_block(REPO / DOC_BLOCKS[block], block, md)
+        write_block(REPO / DOC_BLOCKS[block], block, md, measured=measured_runs(report) if args.from_report else None)
+
+
+def measured_runs(report: dict) -> list[dict]:
+    """The runs that measured a report's figures (`docblock.run_record`s); a report that keeps one run's `date` and
+    `machine` (this bench's main table and the real sections) names that run."""
+    if "measured" in report:
+        return report["measured"]
+    return [{"date": report["date"], "machine": report["machine"]}] if "date" in report else []
 
 
 def on_policy_section(args) -> None:
@@ -845,7 +854,7 @@ def on_policy_section(args) -> None:
     else:
         report = run_on_policy(Path(args.workdir) / "on-policy", s)
         (out / "quality-on-policy.json").write_text(json.dumps(report, indent=2, default=str))
-    _publish(args, "quality-on-policy", on_policy_markdown(report))
+    _publish(args, "quality-on-policy", on_policy_markdown(report), report)
 
 
 def converged_section(args) -> None:
@@ -888,7 +897,7 @@ def converged_section(args) -> None:
         report = json.loads(Path(args.from_report).read_text())
     else:
         report = run_converged(work, s, kinds, save=out / f"{block}.json", only=only)
-    _publish(args, block, markdown(report))
+    _publish(args, block, markdown(report), report)
 
 
 if __name__ == "__main__":

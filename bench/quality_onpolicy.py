@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from xtcache.app.docblock import run_record
+
 log = logging.getLogger("bench.quality.on-policy")
 ROUNDS = 2
 
@@ -239,7 +241,7 @@ def run_on_policy(work: Path, s: OnPolicySettings, *, base: dict | None = None, 
     log_file.write_text("")
     p = prepare(work, s, log_file)
     report = {"settings": s.__dict__, "rows": dict((base or {}).get("rows", {})), "off_turns": p["off_turns"],
-              "wall_s": (base or {}).get("wall_s", 0.0)}
+              "wall_s": (base or {}).get("wall_s", 0.0), "measured": [*(base or {}).get("measured", []), run_record()]}
     if base:
         report["reused"] = list(base["rows"])
     for i, (name, kind, flags) in enumerate(ROWS):

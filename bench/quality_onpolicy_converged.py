@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.quality_onpolicy import dump_caches, mean_pm, run_xtcache, trained_positions
+from xtcache.app.docblock import run_record
 
 log = logging.getLogger("bench.quality.on-policy-converged")
 KINDS = ("chat", "text")
@@ -344,7 +345,8 @@ def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, base: dict |
         raise SystemExit(f"--rows {','.join(map(str, sorted(only)))}: the rows are 0 to {len(ROWS) - 1}")
     if base and _train_settings(base["settings"]) != _train_settings(asdict(s)):
         raise SystemExit("--add-rows: the report was trained with other settings than these")
-    report = {"settings": asdict(s), "kinds": {}, "wall_s": (base or {}).get("wall_s", 0.0)}
+    report = {"settings": asdict(s), "kinds": {}, "wall_s": (base or {}).get("wall_s", 0.0),
+              "measured": [*(base or {}).get("measured", []), run_record()]}  # the runs that made the report
     if base:  # the wall time of each run that made the report: the first, then each --add-rows
         report["runs_s"] = [*(base.get("runs_s") or [base.get("wall_s", 0.0)]), 0.0]
     earlier = {kind: {name: {r["seed"]: r for r in runs} for name, runs in rows.items()}

@@ -22,6 +22,8 @@ from bench.quality_onpolicy_converged import (
     verdicts,
     wide_prompt_rows,
 )
+from xtcache.app.docblock import run_record
+from xtcache.testing.suite import REPO
 
 OFF, ON = ROWS[0][0], ROWS[1][0]
 
@@ -206,12 +208,38 @@ def test_adding_rows_keeps_a_reports_runs_measures_them_again_at_a_new_sample_co
     assert all(r[0]["samples"] == 384 for r in report["kinds"]["chat"].values())
     assert set(report["kinds"]["chat"]) == {"converged student", *(name for name, *_ in ROWS)}
     assert report["runs_s"][0] == 60.0 and len(report["runs_s"]) == 2  # the earlier run's wall time, then this one's
+    assert report["measured"] == [run_record()]  # the earlier report records no run: this one's date and machine
+    dated = conv.run_converged(tmp_path / "w", s, base={**base, "measured": [{"date": "2026-11-25", "machine": "M"}]})
+    assert dated["measured"] == [{"date": "2026-11-25", "machine": "M"}, run_record()]
 
     (tmp_path / "w/chat/runs/row2-seed0/metrics.jsonl").write_text(json.dumps({"final_eval_kl": 9.9}) + "\n")
     with pytest.raises(SystemExit, match="row2-seed0: not the run of the report's row"):
         conv.run_converged(tmp_path / "w", s, base=base)
     with pytest.raises(SystemExit, match="trained with other settings"):
         conv.run_converged(tmp_path / "w", replace(s, lr=1e-3), base=base)
+
+
+def test_a_table_rendered_again_from_its_report_is_stamped_with_the_runs_that_measured_it(tmp_path, monkeypatch):
+    import argparse
+
+    import bench.quality as quality
+
+    doc = tmp_path / "docs" / "on-policy.md"
+    doc.parent.mkdir()
+    doc.write_text("<!-- quality-on-policy-converged:start -->\n<!-- quality-on-policy-converged:end -->\n")
+    monkeypatch.setattr(quality, "REPO", tmp_path)
+    args = argparse.Namespace(out=str(tmp_path), write_docs=True, quick=False, from_report="r.json")
+    runs = [{"date": "2026-11-25", "machine": "2 CPU cores (B), no GPU"}]
+    quality._publish(args, "quality-on-policy-converged", "| t |", {"measured": runs})
+    assert "from a report measured on 2026-11-25, 2 CPU cores (B), no GPU._" in doc.read_text()
+    quality._publish(args, "quality-on-policy-converged", "| t |", {"date": "2026-11-26", "machine": "C"})  # one run
+    assert "from a report measured on 2026-11-26, C._" in doc.read_text()
+    quality._publish(argparse.Namespace(**{**vars(args), "from_report": None}), "quality-on-policy-converged", "| t |",
+                     {"measured": [*runs, run_record()]})  # measured now: this machine, as any fresh run
+    assert f"{run_record()['date']}, {run_record()['machine']}._" in doc.read_text()
+    for name in ("quality-on-policy", "quality-on-policy-converged", "quality-on-policy-converged-stronger",
+                 "quality-on-policy-converged-same"):  # every published report names its runs
+        assert quality.measured_runs(json.loads((REPO / "bench" / "results" / f"{name}.json").read_text())), name
 
 
 def test_the_hazard_bench_reads_the_teacher_and_each_seeds_three_students_from_the_sections_runs(tmp_path):

@@ -167,6 +167,19 @@ def test_stamp_names_the_gpu_when_given():
     assert "no GPU" in stamp("cmd")
 
 
+def test_a_stamp_of_a_report_rendered_again_names_the_runs_that_measured_it_not_this_machine():
+    runs = [{"date": "2026-11-28", "machine": "2 CPU cores (B), no GPU"}, {"date": "2026-11-25", "machine": "2 CPU "
+            "cores (B), no GPU"}, {"date": "2026-11-29", "machine": "4 CPU cores (C), no GPU"},
+            {"date": "2026-11-28", "machine": "2 CPU cores (B), no GPU"}]
+    line = stamp("cmd --from-report r.json", today=datetime.date(2026, 12, 1), measured=runs)
+    assert line == ("_Written by `cmd --from-report r.json` on 2026-12-01 from a report measured on 2026-11-25 and "
+                    "2026-11-28, 2 CPU cores (B), no GPU; 2026-11-29, 4 CPU cores (C), no GPU._")
+    assert stamp_of(line)["command"] == "cmd --from-report r.json"
+    assert stamp("c", today=datetime.date(2026, 12, 1), measured=[]) == (
+        "_Written by `c` on 2026-12-01 from a report that records no date or machine of its runs._")
+    assert "CPU cores" in stamp("c") and "report" not in stamp("c")  # a fresh run: this machine
+
+
 def test_invoked_command_is_what_a_user_types(monkeypatch):
     monkeypatch.chdir(REPO)
     assert invoked_command([str(REPO / "bench" / "align.py"), "--repeat", "9", "--write-docs"]).endswith(

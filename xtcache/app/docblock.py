@@ -10,8 +10,11 @@ A block sits between two markers on lines of their own:
 
 A bench run with `--write-docs` (and `xtcache demo --write-docs`) replaces the text between its
 markers with its own output under such a stamp line: the exact command, the date and the machine.
-Figures that no run has rewritten yet carry a `_Pasted from `CMD` ..., not regenerated._` stamp
-instead. tests/test_doc_blocks.py checks that every marked block opens with one of these stamps
+A block rendered again from an earlier run's report (`--from-report`, `--add-rows`) names the runs
+that measured its figures instead of this machine: `_Written by `CMD` on DATE from a report measured on
+2026-11-29 and 2026-11-30, 2 CPU cores (AMD EPYC), no GPU._` (`run_record` is what a report keeps of
+each run). Figures that no run has rewritten yet carry a `_Pasted from `CMD` ..., not regenerated._`
+stamp instead. tests/test_doc_blocks.py checks that every marked block opens with one of these stamps
 and that every writer's markers exist exactly once.
 
     require_blocks(REPO, DOC_BLOCKS)                          # at start: markers there, else one line
@@ -116,9 +119,36 @@ def machine(gpu: str | None = None) -> str:
     return f"{cores} CPU cores ({model}), " + (f"GPU {gpu}" if gpu else "no GPU")
 
 
-def stamp(command: str, *, gpu: str | None = None, today: datetime.date | None = None) -> str:
-    """The line that opens a freshly written block: command, date and machine."""
-    return f"_Written by `{command}` on {(today or datetime.date.today()).isoformat()}, {machine(gpu)}._"
+def run_record(gpu: str | None = None) -> dict:
+    """What a bench report keeps of a run that measured its figures: its UTC date and this machine."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "machine": machine(gpu)}
+
+
+def measured_on(records: list[dict]) -> str:
+    """The runs of `run_record`s as a stamp says them: `2026-11-29 and 2026-11-30, 2 CPU cores (...), no GPU`,
+    one such group per machine, joined by `; `."""
+    by_machine: dict[str, list[str]] = {}
+    for r in records:
+        dates = by_machine.setdefault(r["machine"], [])
+        if r["date"] not in dates:
+            dates.append(r["date"])
+    groups = []
+    for where, dates in by_machine.items():
+        days = sorted(dates)
+        said = days[0] if len(days) == 1 else ", ".join(days[:-1]) + " and " + days[-1]
+        groups.append(f"{said}, {where}")
+    return "; ".join(groups)
+
+
+def stamp(command: str, *, gpu: str | None = None, today: datetime.date | None = None,
+          measured: list[dict] | None = None) -> str:
+    """The line that opens a freshly written block: command, date and machine; with `measured` (the `run_record`s
+    of a report rendered again) the runs that measured the figures instead of this machine."""
+    day = (today or datetime.date.today()).isoformat()
+    if measured is None:
+        return f"_Written by `{command}` on {day}, {machine(gpu)}._"
+    runs = f"measured on {measured_on(measured)}" if measured else "that records no date or machine of its runs"
+    return f"_Written by `{command}` on {day} from a report {runs}._"
 
 
 def require_blocks(root: Path | str, blocks: dict[str, str]) -> None:
@@ -133,14 +163,17 @@ def require_blocks(root: Path | str, blocks: dict[str, str]) -> None:
             raise SystemExit(f"--write-docs: {e}") from None
 
 
-def write_block(path: Path | str, name: str, body: str, *, command: str | None = None, gpu: str | None = None) -> None:
+def write_block(path: Path | str, name: str, body: str, *, command: str | None = None, gpu: str | None = None,
+                measured: list[dict] | None = None) -> None:
     """Replace block `name` in the doc file `path` by `body` under a stamp naming `command` (default: this
-    process's own command line); refuses, before writing anything, when the markers are not there exactly once."""
+    process's own command line) and, for a report rendered again, the runs that `measured` it (`stamp`);
+    refuses, before writing anything, when the markers are not there exactly once."""
     path = Path(path)
     if not path.is_file():
         raise DocBlockError(f"{path}: no such doc file: run --write-docs from the repository root")
     text = path.read_text(encoding="utf-8")
-    new = replace_block(text, name, stamp(command or invoked_command(), gpu=gpu) + "\n\n" + body.strip("\n"), str(path))
+    head = stamp(command or invoked_command(), gpu=gpu, measured=measured)
+    new = replace_block(text, name, head + "\n\n" + body.strip("\n"), str(path))
     path.write_text(new, encoding="utf-8")
     print(f"wrote block {name} in {path}", file=sys.stderr)
 
