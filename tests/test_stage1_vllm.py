@@ -28,6 +28,7 @@ import pytest
 from stage1_teacher.config import build_config
 from stage1_teacher.dump import run_teacher_dump
 from stage1_teacher.summary import Summary
+from tests.test_stage1_dump import hf_logprobs
 from xtcache.testing.suite import VLLM_PROCESSES
 
 pytestmark = pytest.mark.slow
@@ -101,16 +102,6 @@ def dumped(dumps, name: str) -> Summary:
     r = dumps[2][name]
     assert r["error"] is None, r["error"]
     return r["summary"]
-
-
-def hf_logprobs(teacher, ids):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
-    with torch.no_grad():
-        z = model(input_ids=torch.as_tensor(ids, dtype=torch.long)[None]).logits[0]
-    return torch.log_softmax(z, -1).numpy()
 
 
 def _first_window_rows(d, n=256):
