@@ -12,9 +12,10 @@ student generates in its template, the ChatML teacher scores in its own).
   they would run on separate clusters. The replay forks each command from the worker's warm process
   (tests/conftest.py `procs`: each still a process of its own, CPU-pinned like the driver's stages).
 
-Cost (2 cores): the vLLM run is 1 prompt x 2 samples and 1 step a round (four engine starts: teacher-dump
-with `--no-fast-path`, the teacher's own prompt log-probs, needs no first-batch check engine; the fast
-path and its check are tests/test_stage1_vllm.py's); the hf run is 3 prompts x 2 samples, 2 steps a round.
+Cost (2 cores): the vLLM run is 1 prompt x 2 samples and 1 step a round, each stage on two processes (six
+engine starts: each round's generate job 0, whose job 1 has no prompt and starts none, and both teacher-dump
+jobs, with `--no-fast-path`, the teacher's own prompt log-probs, which needs no first-batch check engine; the
+fast path and its check are tests/test_stage1_vllm.py's); the hf run is 3 prompts x 2 samples, 2 steps a round.
 """
 
 from __future__ import annotations
