@@ -119,6 +119,10 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     names, projections, maps = _kinds_and_projections(cfg, manifests, caps, tokenizer, student_fp, combine)
     if cfg.loader.corpus_cache:
         _check_corpus(cfg, manifests[0], names[0], student_fp)
+    if "rkl-pg" in names and (foreign := train.dataset.foreign_rows()):  # --corpus-cache is refused with rkl-pg
+        raise ConfigError(f"--loss rkl-pg trains the student on its own samples, and the cache {foreign} are no "
+                          "rollouts of it (corpus rows, or samples of another policy): keep them in a cache of their "
+                          "own and train on it with another --loss")
     weights = cfg.teacher_weights()
     kinds = names[:1] if combine == "mean-probs" else names
     objectives = [Objective.from_config(cfg.loss, caps[i], projections[i], kind=None if cfg.loss.loss == "ce" else

@@ -171,6 +171,23 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self._cache: OrderedDict[tuple[int, int], ShardSource] = OrderedDict()
         self._order: tuple[int, np.ndarray] | None = None
 
+    def foreign_rows(self) -> str | None:
+        """Where a cache whose alignment group for this student records its rollouts (each one a sampled turn,
+        `sampled_turns`: STORE_FORMAT.md 5.1) also holds documents that are none (corpus rows, or rollouts of
+        another policy): the first such part, as `CACHE part SID: N of its D documents`, else None."""
+        for c in self.caches:
+            if c.identity:  # no alignment group: no rollouts of this student are recorded
+                continue
+            parts = CacheReader(c.url, self.storage_options).alignment_parts(self.fingerprint)
+            if not any("sampled_turns" in parts[sid].conversation for sid in c.shard_ids):
+                continue  # no rollouts of this student recorded here
+            for sid in c.shard_ids:
+                meta = parts[sid]
+                other = meta.num_docs - meta.conversation.get("sampled_turns", 0)
+                if other > 0:
+                    return f"{c.url} part {sid}: {other} of its {meta.num_docs} documents"
+        return None
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_readers"], state["_cache"], state["_order"] = {}, OrderedDict(), None

@@ -64,10 +64,10 @@ def behaviour_rows(batch: dict, rows, is_cap: float) -> Tensor | None:
     """The sampling log-probs of a block's KD rows (`rows`: flat logit positions), float32 [P], or None
     without a ratio (`--is-cap 0`). Host side, in `Objective.prepare`: raises when the batch carries no
     sampling log-probs, or none at a trained row outside the sampled turns (`--train-on` trains a prompt).
-    With `--train-on last-assistant` a row without one lies in a last assistant turn stored without them (a
-    rollout turn whose sampled ids do not spell its text, counted by `xtcache inspect` and rounds'
-    `retokenized_turns`, or a row that is no rollout of this student): it stays NaN, and its chunk trains
-    without the ratio (w = 1, `stage2_student.blocked`), logged once."""
+    With `--train-on last-assistant` a row without one lies in a rollout turn stored without them (its sampled
+    ids do not spell its text, counted by `xtcache inspect` and rounds' `retokenized_turns`; a cache holding rows
+    that are no rollouts of this student is refused before training, `stage2_student.data`): it stays NaN, and
+    its chunk trains without the ratio (w = 1, `stage2_student.blocked`), logged once."""
     global _warned_unsampled
     if is_cap <= 0:
         return None
@@ -86,9 +86,9 @@ def behaviour_rows(batch: dict, rows, is_cap: float) -> Tensor | None:
                                "use --is-cap 0")
         if not _warned_unsampled:  # only sampled turns are trained: turns whose ids do not spell their text
             _warned_unsampled = True
-            log.warning("%s: they lie in last assistant turns stored without sampling log-probs (rollout turns whose "
-                        "sampled ids do not spell their text, counted by `xtcache inspect`, or rows that are no rollout "
-                        "of this student) and train without the importance ratio (w = 1); logged once", missing)
+            log.warning("%s: they lie in rollout turns stored without sampling log-probs (their sampled ids do not "
+                        "spell their text, counted by `xtcache inspect`) and train without the importance ratio (w = 1); "
+                        "logged once", missing)
     return out
 
 

@@ -10,6 +10,7 @@ process (`tests.commands.xtcache`: the same entry point, no new interpreter), fi
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -291,6 +292,23 @@ def test_rkl_pg_trains_with_the_ratio_on_and_a_store_without_the_array_still_tra
     evals = [r for r in map(json.loads, (tmp_path / "eval-run" / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "eval"]
     assert evals and all(np.isfinite(r["kl"]) and r["objective_kd_name"] == "rkl-pg" for r in evals)
+
+
+def test_rkl_pg_refuses_a_rollout_cache_that_also_holds_rows_that_are_no_rollouts(rollouts, procs, tmp_path):
+    setup, _, _, parts, _ = rollouts
+    rows = _rows(parts)
+    key = sorted(rows)[0]
+    corpus = {f: v for f, v in rows[key].items() if f not in ("sampled_ids", "sampled_logprobs", "chat_fingerprint")}
+    _write_rows(tmp_path / "mixed", {**rows, ("corpus.jsonl", 0): corpus})  # a conversation nobody sampled
+    store = _dump(setup, tmp_path / "mixed", tmp_path / "mixed-cache")
+    _, _, totals, _ = _group(store, setup)
+    assert totals["sampled_turns"] == len(rows)
+    for cap in ("2", "0"):  # the data is wrong for the policy gradient, with the ratio or without it
+        refused = _train(procs, setup, store, tmp_path / f"run{cap}", "--is-cap", cap, check=False)
+        assert refused.returncode != 0
+        assert re.search(rf"--loss rkl-pg trains the student on its own samples, and the cache {store} part \S+: "
+                         rf"1 of its {len(rows) + 1} documents are no rollouts of it", refused.stderr), refused.stderr[-2000:]
+    _train(procs, setup, store, tmp_path / "pkl", "--loss", "pkl")  # any other loss trains on every row
 
 
 def test_non_canonical_sampled_ids_are_stored_aligned_and_trained_with_the_ratio(rollouts, procs, tmp_path):
