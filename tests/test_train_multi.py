@@ -122,7 +122,8 @@ def heldout_kls(model_dir: Path, toy_setup, caches, fraction: float) -> dict:
     pm = build_projection(load_tokenizer(toy_setup.student_tokenizer), teacher_tok)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     w = pm.to_torch_sparse(len(teacher_tok)).coalesce()
-    w = torch.sparse_coo_tensor(w.indices(), w.values(), (model.config.vocab_size, w.shape[1])).coalesce()
+    w = torch.sparse_coo_tensor(w.indices(), w.values(), (model.config.vocab_size, w.shape[1]),
+                                check_invariants=True).coalesce()
     measure = Objective("pkl", ce_weight=0.0, projection=ProjectionOperator(w), with_ce=False)
     ds = CacheDataset(list(caches), str(toy_setup.student_tokenizer), LoaderConfig(seq_len=64, micro_batch_size=4), split="eval",
                       holdout_fraction=fraction)
