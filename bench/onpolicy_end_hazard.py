@@ -79,7 +79,7 @@ def hazard_models(work: Path, seeds: list[int]) -> list[tuple[str, object, Path]
     from bench.quality_onpolicy_converged import ROWS, finished_run
 
     off = next(i for i, (_, how, _, _) in enumerate(ROWS) if how == "off")
-    on = next(i for i, (_, how, flags, _) in enumerate(ROWS) if how == "on" and not flags)  # rounds' defaults
+    on = next(i for i, (_, how, flags, _) in enumerate(ROWS) if how == "on" and flags == ["--loss", "forward"])
     models = [("teacher", "-", work / "chat" / "teacher")]
     for seed in seeds:
         for name, run in (("converged student", work / f"converged-s{seed}"),

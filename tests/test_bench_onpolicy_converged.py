@@ -248,7 +248,7 @@ def test_the_hazard_bench_reads_the_teacher_and_each_seeds_three_students_from_t
     from bench.onpolicy_end_hazard import hazard_models
 
     off = next(i for i, (_, how, _, _) in enumerate(ROWS) if how == "off")
-    on = next(i for i, (_, how, flags, _) in enumerate(ROWS) if how == "on" and not flags)
+    on = next(i for i, (_, how, flags, _) in enumerate(ROWS) if how == "on" and flags == ["--loss", "forward"])
     for run in (tmp_path / "converged-s0", tmp_path / "runs" / f"row{off}-seed0"):
         (run / "hf").mkdir(parents=True)
         (run / "summary.json").write_text(json.dumps({"final_eval_kl": 2.0}))

@@ -246,21 +246,38 @@ def _cfg(tmp_path, **kw):
                            "workdir": str(tmp_path / "w"), "engine": "hf", "train_on": "last-assistant", **kw})
 
 
-def test_the_default_loss_is_the_forward_kl_on_the_stored_support_for_either_tokenizer_pair(chat, tmp_path):
+def test_the_default_loss_is_the_measured_one_for_the_tokenizer_pair_and_the_prompts(chat, tmp_path):
+    """Across tokenizers the forward P-KL + 0.1 CE; one tokenizer: the reverse KL without CE on conversations, the
+    forward KL + 0.1 CE on text prefixes and on drawn caches (docs/on-policy.md)."""
     from xtcache.app.rounds import RoundsConfig, stage_command
+    from xtcache.errors import ConfigError
 
     setup, prompts = chat
+    text = tmp_path / "prefixes.jsonl"
+    text.write_text(json.dumps({"text": "def main():\n"}) + "\n")
 
     def train(student: str, **kw) -> list[str]:
-        cfg = RoundsConfig(student=student, teacher=str(setup.teacher_model), prompts=[str(prompts)],
-                           workdir=str(tmp_path / "w"), **kw)
+        cfg = RoundsConfig(**{"student": student, "teacher": str(setup.teacher_model), "prompts": [str(prompts)],
+                              "workdir": str(tmp_path / "w"), **kw})
         return stage_command(cfg, 0, "train-student")
 
+    def loss(command: list[str]) -> tuple[list[str], str]:
+        at = command.index("--loss")
+        return command[at:at + (4 if command[at + 1] == "pkl" else 2)], command[command.index("--ce-weight") + 1]
+
     cross = train(str(setup.student_model))
-    assert cross[cross.index("--loss"):cross.index("--loss") + 4] == ["--loss", "pkl", "--pkl-divergence", "forward"]
-    assert cross[cross.index("--ce-weight") + 1] == "0.1"  # a small anchor on the student's own samples
-    same = train(str(setup.teacher_model))  # a student on the teacher's own tokenizer
-    assert same[same.index("--loss"):same.index("--loss") + 2] == ["--loss", "kl"] and "--pkl-divergence" not in same
+    assert loss(cross) == (["--loss", "pkl", "--pkl-divergence", "forward"], "0.1")  # an anchor on its own samples
+    assert loss(train(str(setup.student_model), prompts=[str(text)]))[0][-1] == "forward"
+    same = train(str(setup.teacher_model))  # a student on the teacher's own tokenizer, conversations
+    assert loss(same) == (["--loss", "rkl"], "0.0") and "--pkl-divergence" not in same
+    assert loss(train(str(setup.teacher_model), prompts=[str(text)])) == (["--loss", "kl"], "0.1")
+    drawn = train(str(setup.teacher_model), dump_args="--mode sampled --num-samples 8")  # the reverse needs top-k/full
+    assert loss(drawn) == (["--loss", "kl"], "0.1")
+    assert loss(train(str(setup.teacher_model), loss="forward")) == (["--loss", "kl"], "0.1")  # given: as given
+    assert loss(train(str(setup.teacher_model), train_args=["--ce-weight", "0.5"]))[0] == ["--loss", "rkl"]
+    assert train(str(setup.teacher_model), train_args=["--ce-weight", "0.5"]).count("--ce-weight") == 1
+    with pytest.raises(ConfigError, match=r"^--prompts \S+missing.jsonl: no such file"):  # read for the choice
+        train(str(setup.teacher_model), prompts=[str(tmp_path / "missing.jsonl")])
     reverse = train(str(setup.student_model), loss="reverse", train_args=["--ce-weight", "0"])
     assert reverse[reverse.index("--loss"):reverse.index("--loss") + 4] == ["--loss", "pkl", "--pkl-divergence",
                                                                             "reverse"]

@@ -56,7 +56,7 @@ from schemas.models import DRAWN_MODES
 from xtcache.app.store_commands import part_counts, rollout_summary
 from xtcache.cliconfig import command
 from xtcache.devices import cuda_device_count
-from xtcache.errors import ConfigError
+from xtcache.errors import ConfigError, XtcacheError
 from xtcache.fingerprint import sha256_file, tokenizer_fingerprint
 from xtcache.reaper import guard_children
 from xtcache.store import CacheReader
@@ -65,6 +65,7 @@ from xtcache.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 STAGES = ("generate", "teacher-dump", "train-student")
 ROLLOUT_CE_WEIGHT = 0.1  # train-student --ce-weight on a round's rollouts unless given after `--` (docs/on-policy.md)
+# ... and where rounds picks the loss itself and picks the reverse KL (one tokenizer, conversations): none
 SETTINGS_FILE = "rounds.json"
 DIVERGENCES = {"forward": "kl", "reverse": "rkl"}  # rounds' --loss -> train-student's same-tokenizer loss
 # generate's and teacher-dump's flags that rounds sets itself (its own options, the round's paths), that would split a
@@ -118,8 +119,8 @@ class RoundsConfig:
     """train-student --seed; round r generates with --seed SEED + r."""
     steps_per_round: int = 100
     """Optimizer steps per round (round r trains to (r+1) x this)."""
-    loss: str = "forward"
-    """forward (default): the forward KL on the teacher's stored support + rest (train-student --loss kl with the teacher's tokenizer, else --loss pkl --pkl-divergence forward); reverse: the reverse KL (rkl, or P-KL's reverse divergence); any other value is train-student's --loss with its defaults (auto: the KL / P-KL of a corpus cache; rkl-pg: the policy gradient). docs/on-policy.md."""
+    loss: str | None = None
+    """forward: the forward KL on the teacher's stored support + rest (train-student --loss kl with the teacher's tokenizer, else --loss pkl --pkl-divergence forward); reverse: the reverse KL (rkl, or P-KL's reverse divergence); any other value is train-student's --loss with its defaults (auto: the KL / P-KL of a corpus cache; rkl-pg: the policy gradient). Default, as measured (docs/on-policy.md): reverse without CE for a student of the teacher's tokenizer on conversation prompts (top-k or full caches), else forward."""
     train_on: str = "last-assistant"
     """train-student --train-on: the generated turn (of a conversation, or the completion of a text prefix)."""
     projection: str | None = None
@@ -153,6 +154,11 @@ class RoundsConfig:
             raise ValueError(f"--dump-args {self.dump_args!r}: --tensor-parallel-size {value}: give a whole number") \
                 from None
 
+    @property
+    def dump_mode(self) -> str:
+        """teacher-dump's --mode in --dump-args (its default, topk, when not given)."""
+        return self.dump_flags[self.dump_flags.index("--mode") + 1] if "--mode" in self.dump_flags[:-1] else "topk"
+
     def jobs(self, stage: str) -> int:
         """The processes `stage` runs on: --nproc-per-node, teacher-dump's divided by its tensor-parallel size."""
         return self.nproc_per_node // self.tensor_parallel_size if stage == "teacher-dump" else self.nproc_per_node
@@ -175,13 +181,13 @@ class RoundsConfig:
         if not self.prompts:
             raise ValueError("--prompts: give at least one prompt file")
         owned = {"--cache", "--student", "--out", "--max-steps", "--resume", "--init-from", "--loss", "--train-on",
-                 "--projection", "--eval-cache"} | ({"--pkl-divergence"} if self.loss in DIVERGENCES else set())
+                 "--projection", "--eval-cache"} | ({"--pkl-divergence"} if self.loss in (None, *DIVERGENCES) else set())
         clash = sorted(flag_names(self.train_args) & owned)
         if clash:
             raise ValueError(f"extra train-student flags {', '.join(clash)}: set by xtcache rounds itself; use its "
                              "own options (--loss, --train-on, --projection, --eval-cache, --steps-per-round; "
                              "another P-KL divergence: --loss pkl -- --pkl-divergence D)")
-        mode = self.dump_flags[self.dump_flags.index("--mode") + 1] if "--mode" in self.dump_flags[:-1] else "topk"
+        mode = self.dump_mode
         if self.loss == "reverse" and mode in DRAWN_MODES:
             raise ValueError(f"--loss reverse with --dump-args '--mode {mode}': the reverse KL takes the log of the "
                              "teacher's probabilities, which a drawn cache only estimates; use --mode topk or full, or "
@@ -249,8 +255,10 @@ def _stage_args(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
         args += ["--eval-cache", cfg.eval_cache]
     if "--ce-weight" not in flag_names(cfg.train_args):
         # on the student's own fresh samples CE has no expected gradient: a small anchor, not train-student's
-        # cross-tokenizer corpus default (docs/on-policy.md: measured with the forward KL)
-        args += ["--ce-weight", str(ROLLOUT_CE_WEIGHT)]
+        # cross-tokenizer corpus default (docs/on-policy.md: measured with the forward KL); none beside the reverse
+        # KL that rounds picks itself (measured without it)
+        picked_reverse = cfg.loss is None and resolved_loss(cfg) == "reverse"
+        args += ["--ce-weight", "0.0" if picked_reverse else str(ROLLOUT_CE_WEIGHT)]
     return [*args, *cfg.train_args]
 
 
@@ -268,15 +276,46 @@ def shown(command: list[str]) -> str:
     return shlex.join(command) if command[0] == TORCHRUN[0] else "xtcache " + shlex.join(command)
 
 
+def resolved_loss(cfg: RoundsConfig) -> str:
+    """rounds' --loss, or without one the measured choice (docs/on-policy.md, bench/quality.py's converged sections):
+    `reverse` for a student of the teacher's tokenizer on conversation prompts whose rounds score top-k or full
+    caches (there the reverse KL without CE beat continued off-policy KD on both measures, every seed), else
+    `forward` (text prefixes across tokenizers: it beat continued KD; conversations across tokenizers: no loss
+    tried did, and it came as close as any; text prefixes with one tokenizer: not measured)."""
+    if cfg.loss is not None:
+        return cfg.loss
+    if cfg.dump_mode in DRAWN_MODES or not same_tokenizer(cfg):
+        return "forward"
+    return "reverse" if _conversations(cfg.prompts[0], flag_value(cfg.generate_flags, "--text-field") or "text") \
+        else "forward"
+
+
+def same_tokenizer(cfg: RoundsConfig) -> bool:
+    """Whether the student's tokenizer is the teacher's (the same fingerprint, as the store compares them)."""
+    return _tokenizer_fingerprint(cfg.student) == _tokenizer_fingerprint(cfg.teacher)
+
+
+@functools.lru_cache(maxsize=8)
+def _conversations(prompts: str, text_field: str) -> bool:
+    """Whether a prompt file holds conversations (a `messages` field and no `text_field`), as generate reads it."""
+    from stage1_teacher.corpus import detect_messages_field
+
+    try:
+        return detect_messages_field(prompts, text_field) is not None
+    except XtcacheError as e:  # the corpus names its --data: here the file is rounds' --prompts
+        raise ConfigError(str(e).replace("--data", "--prompts", 1)) from None
+
+
 def loss_flags(cfg: RoundsConfig) -> list[str]:
-    """train-student's loss flags for --loss: `forward` and `reverse` are that KL on the teacher's stored support,
-    `kl` / `rkl` when the student's tokenizer is the teacher's (the same fingerprint, as the store compares them),
-    else P-KL with that divergence; another --loss passes through."""
-    if cfg.loss not in DIVERGENCES:
-        return ["--loss", cfg.loss]
-    if _tokenizer_fingerprint(cfg.student) == _tokenizer_fingerprint(cfg.teacher):
-        return ["--loss", DIVERGENCES[cfg.loss]]
-    return ["--loss", "pkl", "--pkl-divergence", cfg.loss]
+    """train-student's loss flags for rounds' loss (`resolved_loss`): `forward` and `reverse` are that KL on the
+    teacher's stored support, `kl` / `rkl` when the student's tokenizer is the teacher's, else P-KL with that
+    divergence; another --loss passes through."""
+    loss = resolved_loss(cfg)
+    if loss not in DIVERGENCES:
+        return ["--loss", loss]
+    if same_tokenizer(cfg):
+        return ["--loss", DIVERGENCES[loss]]
+    return ["--loss", "pkl", "--pkl-divergence", loss]
 
 
 @functools.lru_cache(maxsize=8)
@@ -446,7 +485,7 @@ def check_objective(cfg: RoundsConfig, r: int, done: dict) -> None:
         keys = sorted(k for k in set(was["objective"]) | set(mine) if was["objective"].get(k) != mine.get(k))
         diff = "; ".join(f"{k} {was['objective'].get(k)} -> {mine.get(k)}" for k in keys)
         pins = [_pin(k, was["objective"][k]) for k in keys if k in OBJECTIVE_FLAGS
-                and was["objective"].get(k) is not None and not (k == "pkl_divergence" and cfg.loss in DIVERGENCES)]
+                and was["objective"].get(k) is not None and not (k == "pkl_divergence" and resolved_loss(cfg) in DIVERGENCES)]
         again = f" with `-- {' '.join(pins)}` among the flags after -- to train as round {q} did" if pins else ""
         raise ConfigError(
             f"round {r} train-student resolved another loss than round {q} from the same settings ({diff}): the "
