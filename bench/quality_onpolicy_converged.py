@@ -93,26 +93,31 @@ ROWS = [
     # the forward KL + 0.1 CE, rounds' only default until it came to pick the reverse KL without CE for one tokenizer
     # on conversations (row 1 there), pinned
     ("on-policy rounds, forward P-KL + 0.1 CE (rounds' default across tokenizers)", "on", ["--loss", "forward"], KINDS),
-    # train-student's cross-tokenizer defaults of the time, pinned since the defaults moved to the half-and-half mix
+    # train-student's cross-tokenizer defaults of the time, pinned since the defaults moved to the half-and-half mix;
+    # the "(defaults)" rows below pin rounds' forward KL + 0.1 CE, its only default when they ran
     ("on-policy rounds, `--loss auto` (0.25 forward + 0.75 reverse P-KL, CE 0.5)", "on",
      ["--loss", "auto", "--", "--pkl-divergence", "forward-reverse", "--pkl-reverse-weight", "0.75", "--ce-weight", "0.5"],
      ("chat",)),
-    ("on-policy rounds (defaults), full-vocabulary teacher caches", "on", ["--dump-args", "--mode full"], ("chat",)),
+    ("on-policy rounds (defaults), full-vocabulary teacher caches", "on",
+     ["--loss", "forward", "--dump-args", "--mode full"], ("chat",)),
     ("on-policy rounds (defaults), 4 rounds of 4 steps, 1 sample a prompt", "on",
-     ["--rounds", "4", "--steps-per-round", "4", "--samples-per-prompt", "1"], KINDS),
+     ["--loss", "forward", "--rounds", "4", "--steps-per-round", "4", "--samples-per-prompt", "1"], KINDS),
     # GKD's lambda: half the micro-batches from half the continuation cache, half the rollouts (1 sample a prompt)
     ("on-policy rounds (defaults), 1 sample a prompt, mixed 1:1 with half the continuation cache", "on",
-     ["--samples-per-prompt", "1", "--", "--corpus-cache", "{continue_half_cache}", "--rollout-fraction", "0.5"],
+     ["--loss", "forward", "--samples-per-prompt", "1", "--", "--corpus-cache", "{continue_half_cache}",
+      "--rollout-fraction", "0.5"],
      ("chat",)),
     # as many rollouts from twice the prompts: the rounds' 24 and the first 24 continuation conversations' prompts
     ("on-policy rounds (defaults), 48 prompts x 1 sample", "on",
-     ["--prompts", "{wide_prompts}", "--samples-per-prompt", "1"], ("chat",)),
+     ["--loss", "forward", "--prompts", "{wide_prompts}", "--samples-per-prompt", "1"], ("chat",)),
     ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE", "on", ["--loss", "pkl", "--", "--pkl-divergence", "jsd"],
      KINDS),
     # rollouts drawn at temperature 0.7 (policy-eval still samples at 1): text the teacher finds likelier to go on
-    ("on-policy rounds (defaults), rollouts at temperature 0.7", "on", ["--temperature", "0.7"], ("chat",)),
+    ("on-policy rounds (defaults), rollouts at temperature 0.7", "on", ["--loss", "forward", "--temperature", "0.7"],
+     ("chat",)),
     # the rounds' caches at the corpus caches' k (the other rows: teacher-dump's default, top-64)
-    ("on-policy rounds (defaults), top-16 rollout caches", "on", ["--dump-args", "--top-k 16"], KINDS),
+    ("on-policy rounds (defaults), top-16 rollout caches", "on", ["--loss", "forward", "--dump-args", "--top-k 16"],
+     KINDS),
     # the sampled reverse KL of each chunk's text (policy gradient, train-student's ratio cap 2): the student's own
     # probability of the tokens it sampled, not its distribution projected onto the teacher's pieces
     ("on-policy rounds, `--loss rkl-pg` + 0.1 CE", "on", ["--loss", "rkl-pg"], KINDS),

@@ -271,8 +271,11 @@ def test_the_default_loss_is_the_measured_one_for_the_tokenizer_pair_and_the_pro
     same = train(str(setup.teacher_model))  # a student on the teacher's own tokenizer, conversations
     assert loss(same) == (["--loss", "rkl"], "0.0") and "--pkl-divergence" not in same
     assert loss(train(str(setup.teacher_model), prompts=[str(text)])) == (["--loss", "kl"], "0.1")
-    drawn = train(str(setup.teacher_model), dump_args="--mode sampled --num-samples 8")  # the reverse needs top-k/full
-    assert loss(drawn) == (["--loss", "kl"], "0.1")
+    for drawn in ("--mode sampled --num-samples 8", "--mode=headtail"):  # the reverse needs top-k or full; the
+        assert loss(train(str(setup.teacher_model), dump_args=drawn)) == (["--loss", "sampled"], "0.1")  # forward KL
+    assert loss(train(str(setup.student_model), dump_args="--mode=sampled"))[0][-1] == "forward"  # P-KL of the draws
+    named = train(str(setup.teacher_model), prompts=[str(text)], generate_args="--messages-field turns")
+    assert loss(named) == (["--loss", "rkl"], "0.0")  # generate reads conversations from that field
     assert loss(train(str(setup.teacher_model), loss="forward")) == (["--loss", "kl"], "0.1")  # given: as given
     assert loss(train(str(setup.teacher_model), train_args=["--ce-weight", "0.5"]))[0] == ["--loss", "rkl"]
     assert train(str(setup.teacher_model), train_args=["--ce-weight", "0.5"]).count("--ce-weight") == 1
@@ -289,6 +292,27 @@ def test_the_default_loss_is_the_measured_one_for_the_tokenizer_pair_and_the_pro
     with pytest.raises(ValueError, match=r"--loss reverse with --dump-args '--mode sampled': .*--loss forward \(the default"):
         RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", loss="reverse",
                      dump_args="--mode sampled --num-samples 8")
+    with pytest.raises(ValueError, match=r"--loss reverse with --dump-args '--mode sampled': "):
+        RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", loss="reverse", dump_args="--mode=sampled")
+
+
+def test_a_work_directory_that_recorded_the_forward_default_is_refused_the_picked_loss_once_it_trained(chat, tmp_path):
+    """Before rounds picked its loss, a work directory recorded --loss forward: a same-tokenizer run on conversations
+    rerun without --loss would train the reverse KL, refused once a train-student has finished."""
+    from xtcache.app.rounds import STAGES, RoundsConfig, check_settings
+    from xtcache.errors import ConfigError
+
+    setup, prompts = chat
+    kw = {"student": str(setup.teacher_model), "teacher": str(setup.teacher_model), "prompts": [str(prompts)],
+          "workdir": str(tmp_path / "w"), "engine": "hf"}
+    old = RoundsConfig(**kw, loss="forward")
+    check_settings(old)
+    for stage in STAGES:
+        _finish(old, 0, stage)
+    with pytest.raises(ConfigError, match=r"--loss forward -> no --loss changes round 0 train-student, which has "
+                                          r"finished .*Rerun with --loss forward to go on"):
+        check_settings(RoundsConfig(**kw))
+    check_settings(RoundsConfig(**kw, loss="forward"))
 
 
 def test_teacher_dump_flags_of_every_round_and_the_check_trusted_after_round_0(tmp_path):

@@ -157,7 +157,7 @@ class RoundsConfig:
     @property
     def dump_mode(self) -> str:
         """teacher-dump's --mode in --dump-args (its default, topk, when not given)."""
-        return self.dump_flags[self.dump_flags.index("--mode") + 1] if "--mode" in self.dump_flags[:-1] else "topk"
+        return flag_value(self.dump_flags, "--mode") or "topk"
 
     def jobs(self, stage: str) -> int:
         """The processes `stage` runs on: --nproc-per-node, teacher-dump's divided by its tensor-parallel size."""
@@ -286,8 +286,7 @@ def resolved_loss(cfg: RoundsConfig) -> str:
         return cfg.loss
     if cfg.dump_mode in DRAWN_MODES or not same_tokenizer(cfg):
         return "forward"
-    return "reverse" if _conversations(cfg.prompts[0], flag_value(cfg.generate_flags, "--text-field") or "text") \
-        else "forward"
+    return "reverse" if conversation_prompts(cfg) else "forward"
 
 
 def same_tokenizer(cfg: RoundsConfig) -> bool:
@@ -295,14 +294,23 @@ def same_tokenizer(cfg: RoundsConfig) -> bool:
     return _tokenizer_fingerprint(cfg.student) == _tokenizer_fingerprint(cfg.teacher)
 
 
+def conversation_prompts(cfg: RoundsConfig) -> bool:
+    """Whether the prompts are conversations, as generate reads them: a `--messages-field` in --generate-args, else
+    the first prompt file's first row (or schema) with a `messages` field and no text field (`--text-field`)."""
+    flags = cfg.generate_flags
+    if flag_value(flags, "--messages-field"):
+        return True
+    options = flag_value(flags, "--data-storage-options") or flag_value(flags, "--storage-options")
+    return _conversations(cfg.prompts[0], flag_value(flags, "--text-field") or "text", options)
+
+
 @functools.lru_cache(maxsize=8)
-def _conversations(prompts: str, text_field: str) -> bool:
-    """Whether a prompt file holds conversations (a `messages` field and no `text_field`), as generate reads it."""
+def _conversations(prompts: str, text_field: str, options: str | None) -> bool:
     from stage1_teacher.corpus import detect_messages_field
 
     try:
-        return detect_messages_field(prompts, text_field) is not None
-    except XtcacheError as e:  # the corpus names its --data: here the file is rounds' --prompts
+        return detect_messages_field(prompts, text_field, json.loads(options) if options else None) is not None
+    except (XtcacheError, ValueError) as e:  # the corpus names its --data: here the file is rounds' --prompts
         raise ConfigError(str(e).replace("--data", "--prompts", 1)) from None
 
 
@@ -313,8 +321,8 @@ def loss_flags(cfg: RoundsConfig) -> list[str]:
     loss = resolved_loss(cfg)
     if loss not in DIVERGENCES:
         return ["--loss", loss]
-    if same_tokenizer(cfg):
-        return ["--loss", DIVERGENCES[loss]]
+    if same_tokenizer(cfg):  # the forward KL of a drawn cache is train-student's sampled-target estimate
+        return ["--loss", "sampled" if loss == "forward" and cfg.dump_mode in DRAWN_MODES else DIVERGENCES[loss]]
     return ["--loss", "pkl", "--pkl-divergence", loss]
 
 
@@ -450,8 +458,9 @@ def run_stage(cfg: RoundsConfig, r: int, stage: str) -> dict:
 
 
 def loss_settings(cfg: RoundsConfig) -> dict:
-    """The settings a round's train-student resolves its loss from: rounds' --loss and the flags after `--`."""
-    return {"loss": cfg.loss, "train_args": list(cfg.train_args)}
+    """The settings a round's train-student resolves its loss from: rounds' loss (`resolved_loss`) and the flags
+    after `--`."""
+    return {"loss": resolved_loss(cfg), "train_args": list(cfg.train_args)}
 
 
 # the resolved objective's settings (`Objective.describe`) as train-student's flags, to pin one
