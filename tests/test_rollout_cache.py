@@ -377,6 +377,12 @@ def test_a_same_tokenizer_rollout_cache_stores_and_trains_with_the_ratio(rollout
     train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)
+    corpus = {f: v for f, v in rows[sorted(rows)[0]].items() if f not in ("sampled_ids", "sampled_logprobs",
+                                                                          "chat_fingerprint")}
+    _write_rows(tmp_path / "mixed", {**rows, ("corpus.jsonl", 0): corpus})  # the identity group refuses it too
+    mixed = _dump(setup, tmp_path / "mixed", tmp_path / "mixed-cache", student=setup.teacher_model)
+    refused = _train(procs, setup, mixed, tmp_path / "mixed-run", student=setup.teacher_model, check=False)
+    assert refused.returncode != 0 and "1 of its 9 documents are no rollouts of it" in refused.stderr
 
 
 def test_the_teacher_scores_the_ids_a_same_tokenizer_student_sampled(rollouts, tmp_path):
