@@ -315,9 +315,9 @@ class Preparer:
             if side is None:
                 if not self.unmatched_rollouts:
                     log.warning("row %d of %s is a rollout of a student (chat fingerprint %s..) that is none of the "
-                                "--student-tokenizer's: its sampling log-probs are not stored (rkl-pg refuses a store that also holds "
-                                "rollouts of the student it trains); pass the sampling student's tokenizer", docs[i].row,
-                                docs[i].source, sampled.chat[:12])
+                                "--student-tokenizer's: its sampling log-probs are not stored (rkl-pg refuses a store "
+                                "that also holds rollouts of the student it trains); pass the sampling student's "
+                                "tokenizer", docs[i].row, docs[i].source, sampled.chat[:12])
                 self.unmatched_rollouts += 1
             elif side.fingerprint in by_fp:
                 fp = side.fingerprint

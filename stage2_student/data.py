@@ -96,7 +96,8 @@ def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, stu
     if model_vocab < w.shape[0]:
         raise ConfigError(f"the student model has {model_vocab} logits, fewer than its tokenizer's {w.shape[0]} tokens")
     if model_vocab > w.shape[0]:  # padded lm_head columns: rows that map nowhere
-        w = torch.sparse_coo_tensor(w.indices(), w.values(), (model_vocab, w.shape[1]), check_invariants=True).coalesce()
+        w = torch.sparse_coo_tensor(w.indices(), w.values(), (model_vocab, w.shape[1]),
+                                    check_invariants=True).coalesce()
     return w, source
 
 

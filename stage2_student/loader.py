@@ -175,10 +175,10 @@ class CacheDataset(torch.utils.data.IterableDataset):
         """Where a cache whose alignment group for this student records its rollouts (each one a sampled turn,
         `sampled_turns`: STORE_FORMAT.md 5.1) also holds documents that are none (corpus rows, or rollouts of
         another policy): the first such part, as `CACHE part SID: N of its D documents`, else None."""
-        for c in self.caches:
+        for ci, c in enumerate(self.caches):
             if c.identity:  # no alignment group: no rollouts of this student are recorded
                 continue
-            parts = CacheReader(c.url, self.storage_options).alignment_parts(self.fingerprint)
+            parts = self._reader(ci).alignment_parts(self.fingerprint)
             if not any("sampled_turns" in parts[sid].conversation for sid in c.shard_ids):
                 continue  # no rollouts of this student recorded here
             for sid in c.shard_ids:
@@ -315,6 +315,12 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
     # -- reading
 
+    def _reader(self, cache_index: int) -> CacheReader:
+        """This process's reader of one cache (opened once)."""
+        if cache_index not in self._readers:
+            self._readers[cache_index] = CacheReader(self.caches[cache_index].url, self.storage_options)
+        return self._readers[cache_index]
+
     def source(self, cache_index: int, shard_index: int) -> ShardSource:
         """Decoded part of one cache (LRU cache of `shard_cache` parts per cache and process)."""
         key = (cache_index, shard_index)
@@ -322,10 +328,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
             self._cache.move_to_end(key)
             return self._cache[key]
 
-        cache = self.caches[cache_index]
-        if cache_index not in self._readers:
-            self._readers[cache_index] = CacheReader(cache.url, self.storage_options)
-        reader = self._readers[cache_index]
+        cache, reader = self.caches[cache_index], self._reader(cache_index)
         sid = cache.shard_ids[shard_index]
         sd = reader.read_shard(sid)
         if cache.identity:

@@ -65,7 +65,6 @@ from xtcache.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 STAGES = ("generate", "teacher-dump", "train-student")
 ROLLOUT_CE_WEIGHT = 0.1  # train-student --ce-weight on a round's rollouts unless given after `--` (docs/on-policy.md)
-# ... and where rounds picks the loss itself and picks the reverse KL (one tokenizer, conversations): none
 SETTINGS_FILE = "rounds.json"
 DIVERGENCES = {"forward": "kl", "reverse": "rkl"}  # rounds' --loss -> train-student's same-tokenizer loss
 # generate's and teacher-dump's flags that rounds sets itself (its own options, the round's paths), that would split a
@@ -181,7 +180,9 @@ class RoundsConfig:
         if not self.prompts:
             raise ValueError("--prompts: give at least one prompt file")
         owned = {"--cache", "--student", "--out", "--max-steps", "--resume", "--init-from", "--loss", "--train-on",
-                 "--projection", "--eval-cache"} | ({"--pkl-divergence"} if self.loss in (None, *DIVERGENCES) else set())
+                 "--projection", "--eval-cache"}
+        if self.loss in (None, *DIVERGENCES):  # rounds sets the divergence itself
+            owned.add("--pkl-divergence")
         clash = sorted(flag_names(self.train_args) & owned)
         if clash:
             raise ValueError(f"extra train-student flags {', '.join(clash)}: set by xtcache rounds itself; use its "
@@ -493,8 +494,9 @@ def check_objective(cfg: RoundsConfig, r: int, done: dict) -> None:
             return
         keys = sorted(k for k in set(was["objective"]) | set(mine) if was["objective"].get(k) != mine.get(k))
         diff = "; ".join(f"{k} {was['objective'].get(k)} -> {mine.get(k)}" for k in keys)
+        divergence_owned = resolved_loss(cfg) in DIVERGENCES  # rounds sets --pkl-divergence itself
         pins = [_pin(k, was["objective"][k]) for k in keys if k in OBJECTIVE_FLAGS
-                and was["objective"].get(k) is not None and not (k == "pkl_divergence" and resolved_loss(cfg) in DIVERGENCES)]
+                and was["objective"].get(k) is not None and not (k == "pkl_divergence" and divergence_owned)]
         again = f" with `-- {' '.join(pins)}` among the flags after -- to train as round {q} did" if pins else ""
         raise ConfigError(
             f"round {r} train-student resolved another loss than round {q} from the same settings ({diff}): the "
