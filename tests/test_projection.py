@@ -13,7 +13,14 @@ import pytest
 from tests.commands import xtcache
 from xtcache.align.tokenizer import tokenizer_info
 from xtcache.errors import ProjectionError
-from xtcache.projection import ProjectionMap, build_projection, coverage, format_report, import_nemo
+from xtcache.projection import (
+    ProjectionMap,
+    build_projection,
+    coverage,
+    format_report,
+    import_nemo,
+    unreached_teacher_ids,
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +109,31 @@ def test_digit_groups_decompose_into_their_first_piece(pieces, student_tokenizer
             assert ids[1:] == [-1, -1, -1] and pm.weights[r, 0] == 1.0
         else:
             assert second in ids and pm.weights[r, 0] > pm.weights[r, ids.index(second)]
+
+
+def test_teacher_ids_no_student_row_reaches_are_counted_and_named(toy_map, student_tokenizer, teacher_tokenizer):
+    """A teacher token whose text the student splits (the toy teacher's "Ġbase", the toy student's "Ġb" + "ase")
+    has no student row pointing at it: at a chunk's first row its probability has no student counterpart.
+    `coverage` counts such ids and the report names some; a teacher token the student spells exactly is reached."""
+    s, t = student_tokenizer, teacher_tokenizer
+    split = t.convert_tokens_to_ids("Ġbase")
+    assert split != t.unk_token_id and "Ġbase" not in s.get_vocab()
+    assert len(s(" base", add_special_tokens=False)["input_ids"]) > 1  # the student splits its text
+    unreached = unreached_teacher_ids(toy_map)
+    pointed = set(toy_map.indices[toy_map.indices >= 0].tolist())
+    assert split in unreached.tolist() and split not in pointed
+    exact_targets = toy_map.indices[toy_map.exact, 0]
+    assert not np.isin(exact_targets, unreached).any()
+    assert sorted(set(range(len(t))) - pointed) == unreached.tolist()
+    assert coverage(toy_map)["unreached_teacher_ids"] == unreached.size > 0
+    report = format_report(toy_map, s, t)
+    assert f"teacher ids no student row reaches: {unreached.size} of {len(t)}" in report
+    # a map that reaches every teacher id reports none; one without a known teacher vocabulary counts -1
+    full = ProjectionMap(np.arange(4, dtype=np.int64)[:, None], np.ones((4, 1), np.float32), "s", "t",
+                         exact=np.ones(4, bool), teacher_vocab_size=4)
+    assert unreached_teacher_ids(full).size == 0 and "no student row reaches" not in format_report(full)
+    unknown = ProjectionMap(full.indices, full.weights, "s", "t", exact=full.exact)
+    assert coverage(unknown)["unreached_teacher_ids"] == -1
 
 
 def test_sentencepiece_student_matches_byte_level_teacher(sp_tokenizer, teacher_tokenizer):
@@ -251,6 +283,7 @@ def test_cli_build_inspect_import(toy_setup, tmp_path):
     assert pm.top_k == 3
     res = xtcache("projection", "inspect", out, "--student-tokenizer", s, "--teacher-tokenizer", t)
     assert res.returncode == 0 and "rows with mapping" in res.stdout and "'</s>' -> '<|endoftext|>'" in res.stdout
+    assert "teacher ids no student row reaches" in res.stdout
     assert "  empty rows: '<s>'" in res.stdout, res.stdout  # the student's <s> has no teacher counterpart
     assert f"  content sha256    {pm.digest()} " in res.stdout  # what a run's summary names its map by
     res = xtcache("projection", "inspect", out)  # no tokenizers: rows shown as ids

@@ -409,8 +409,22 @@ def _is_text(piece: bytes) -> bool:
     return True
 
 
+def unreached_teacher_ids(pm: ProjectionMap) -> np.ndarray:
+    """The teacher ids no student row points at, ascending (empty when the teacher vocabulary is unknown).
+
+    Mostly teacher tokens whose text the student splits: the student spells them with two or more tokens, so at
+    a chunk's first position it reaches them only through its first piece, whose row stands for the teacher's
+    token of that piece. Their probability at a first row has no student counterpart in P-KL (docs/losses.md)."""
+    if pm.teacher_vocab_size < 0:
+        return np.zeros(0, dtype=np.int64)
+    reached = np.zeros(pm.teacher_vocab_size, dtype=bool)
+    reached[pm.indices[pm.indices >= 0]] = True
+    return np.flatnonzero(~reached)
+
+
 def coverage(pm: ProjectionMap) -> dict:
-    """Share of student ids with an exact match, with any mapping, and mean entries per row."""
+    """Share of student ids with an exact match, with any mapping, mean entries per row, and the teacher ids no
+    student row reaches (`unreached_teacher_ids`; -1 when the teacher vocabulary is unknown)."""
     mapped = pm.indices[:, 0] >= 0
     return {
         "student_vocab": pm.student_vocab_size, "teacher_vocab": pm.teacher_vocab_size, "top_k": pm.top_k,
@@ -418,6 +432,7 @@ def coverage(pm: ProjectionMap) -> dict:
         "mapped_share": float(mapped.mean()) if pm.student_vocab_size else 0.0,
         "mean_entries": float((pm.indices >= 0).sum(axis=1).mean()) if pm.student_vocab_size else 0.0,
         "empty_rows": int((~mapped).sum()),
+        "unreached_teacher_ids": int(unreached_teacher_ids(pm).size) if pm.teacher_vocab_size >= 0 else -1,
     }
 
 
@@ -434,6 +449,12 @@ def format_report(pm: ProjectionMap, student_tok=None, teacher_tok=None, *, exam
         f"  entries per row   {c['mean_entries']:.2f}",
         f"  content sha256    {pm.digest()} (train-student's summary.json: data.projections)",
     ]
+    unreached = unreached_teacher_ids(pm)
+    if unreached.size:
+        names = ", ".join(t_name(int(i)) for i in unreached[:: max(1, unreached.size // examples)][:examples])
+        lines.append(f"  teacher ids no student row reaches: {unreached.size} of {c['teacher_vocab']} "
+                     f"({unreached.size / c['teacher_vocab']:.1%}, e.g. {names}): at a chunk's first row P-KL has no "
+                     "student probability to set against theirs (docs/losses.md)")
     inexact = np.flatnonzero(~pm.exact & (pm.indices[:, 0] >= 0))
     exact = np.flatnonzero(pm.exact)
     picks = list(exact[:: max(1, exact.size // 2)][:2]) + list(inexact[:: max(1, inexact.size // examples)][:examples])

@@ -116,7 +116,8 @@ def inspect(
     student_tokenizer: str = typer.Option(None, help="Student tokenizer, to show rows as token strings."),
     teacher_tokenizer: str = typer.Option(None, help="Teacher tokenizer, to show rows as token strings."),
 ) -> None:
-    """Print coverage: exact-match share, rows with a mapping, entries per row, the content digest a run's summary names it by, example rows."""
+    """Print coverage: exact-match share, rows with a mapping, entries per row, the content digest a run's summary
+    names it by, the teacher ids no student row reaches, example rows."""
     pm = ProjectionMap.load(path)
     s_tok = load_tokenizer(student_tokenizer, "student") if student_tokenizer else None
     t_tok = load_tokenizer(teacher_tokenizer, "teacher") if teacher_tokenizer else None
