@@ -731,8 +731,8 @@ def main(argv=None) -> None:
                         "(bench/quality_onpolicy_converged.py; its quality-on-policy-converged block); "
                         "on-policy-converged-stronger: the same on conversations alone with a chat teacher twice the "
                         "student's width pre-trained longer (its quality-on-policy-converged-stronger block); "
-                        "on-policy-converged-same: conversations alone with a student of the teacher's tokenizer and "
-                        "chat template (its quality-on-policy-converged-same block)")
+                        "on-policy-converged-same: both kinds with a student of the teacher's tokenizer (and chat "
+                        "template; its quality-on-policy-converged-same block)")
     p.add_argument("--from-report", help="render the table of this report (an earlier run's JSON: "
                                          "quality-on-policy(-converged).json, or with --teacher real its section's "
                                          "quality-real(-modes, -cross).json) instead of running")
@@ -885,7 +885,7 @@ def converged_section(args) -> None:
     s = QUICK if args.quick else ConvergedSettings(**({"seeds": args.seeds} if args.seeds else {}))
     if variant:
         s = replace(s, **variant)
-    kinds = ("chat",) if variant else KINDS
+    kinds = ("chat",) if variant is STRONGER_CHAT_TEACHER else KINDS
     work = Path(args.workdir) / args.section
     if args.add_rows and not args.from_report:
         raise SystemExit("--add-rows: give --from-report (the report whose rows are reused)")

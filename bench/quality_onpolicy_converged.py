@@ -73,12 +73,12 @@ class ConvergedSettings:
     text_continue: int = 100  # continuation prefix + completion rows (about 60 student tokens each)
     chat_teacher_hidden: int = 64  # the chat teacher (2 layers, the student's size at 64)
     chat_teacher_steps: int = 150  # its pre-training steps on the chat corpus
-    same_tokenizer: bool = False  # chat: a student of the teacher's tokenizer and template (no projection)
+    same_tokenizer: bool = False  # a student of the teacher's tokenizer (and chat template): no projection
 
 
 # `--section on-policy-converged-stronger`: a chat teacher twice the student's width, pre-trained longer
 STRONGER_CHAT_TEACHER = {"chat_teacher_hidden": 128, "chat_teacher_steps": 400}
-# `--section on-policy-converged-same`: the chat student of the teacher's tokenizer and chat template
+# `--section on-policy-converged-same`: students of the teacher's tokenizer (and the chat student its chat template)
 SAME_TOKENIZER = {"same_tokenizer": True}
 QUICK = ConvergedSettings(converge_steps=20, steps=4, prompts=6, eval_prompts=6, chat_eval_samples=1,
                           text_eval_samples=1, seeds=1, chat_train=120, chat_continue=12, text_continue=12)
@@ -131,13 +131,12 @@ def _setup(kind: str, work: Path, s: ConvergedSettings):
     from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
 
     base = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
-    if kind == "text":
-        return base
-    setup = build_chat_setup(base, work / "chat", num_train=s.chat_train, num_heldout=s.eval_prompts,
-                             teacher_steps=s.chat_teacher_steps, teacher_hidden=s.chat_teacher_hidden)
+    setup = base if kind == "text" else build_chat_setup(
+        base, work / "chat", num_train=s.chat_train, num_heldout=s.eval_prompts, teacher_steps=s.chat_teacher_steps,
+        teacher_hidden=s.chat_teacher_hidden)
     if not s.same_tokenizer:
         return setup
-    # the chat setup's fresh student (2-layer Llama of hidden size 64, its seed) on the teacher's tokenizer
+    # the kind's fresh student (2-layer Llama of hidden size 64, its seed) on the teacher's tokenizer
     student = work / "student-same"
 
     def build() -> str:
@@ -185,7 +184,7 @@ def prepare(kind: str, work: Path, s: ConvergedSettings, log_file: Path) -> dict
 
     work.mkdir(parents=True, exist_ok=True)
     setup = _setup(kind, work, s)
-    projection = None if kind == "chat" and s.same_tokenizer else work / "projection.safetensors"
+    projection = None if s.same_tokenizer else work / "projection.safetensors"
     p = {"setup": setup, "kind": kind, "projection": projection, "eval_cache": work / "cache-heldout",
          "converge_cache": work / "cache-converge", "continue_cache": work / "cache-continue",
          "continue_half_cache": work / "cache-continue-half"}
@@ -447,8 +446,8 @@ def complete_seeds(report: dict) -> dict:
 def markdown(report: dict) -> str:
     report = complete_seeds(report)
     s = {**LATER_SETTINGS, **report["settings"]}
-    pair = ("One tokenizer: the chat student reads the teacher's tokenizer and chat template (no projection; "
-            "policy-eval's teacher scores the sampled ids)" if s["same_tokenizer"] else "Cross-tokenizer")
+    pair = ("One tokenizer: the student reads the teacher's tokenizer (and the chat student its chat template; no "
+            "projection; policy-eval's teacher scores the sampled ids)" if s["same_tokenizer"] else "Cross-tokenizer")
     lines = [f"From a converged off-policy student ({s['converge_steps']} steps of `--loss auto` at lr "
              f"{s['converge_lr']}, cosine to 0.1), each row {s['steps']} more optimizer steps at a constant lr {s['lr']} "
              f"(a fresh optimizer, 2 warmup steps), micro-batch 4 x 256; on-policy: `xtcache rounds --engine hf`, 2 rounds "

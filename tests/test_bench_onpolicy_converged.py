@@ -309,8 +309,8 @@ def test_a_report_from_before_the_chat_teacher_settings_counts_as_trained_with_t
 def test_the_same_tokenizer_section_trains_a_student_of_the_teachers_tokenizer_without_a_projection(
         toy_setup, tmp_path, monkeypatch):
     """`--section on-policy-converged-same`: the chat student is the setup's fresh Llama on the teacher's tokenizer
-    and chat template (built once), no projection map is built or passed to train-student, and the table says
-    one tokenizer. The stages' commands are recorded, not run."""
+    and chat template (built once), the text student one on the text teacher's tokenizer, no projection map is
+    built or passed to train-student, and the table says one tokenizer. The stages' commands are recorded, not run."""
     from xtcache.chat.render import chat_fingerprint
     from xtcache.testing import chat
     from xtcache.tokenizer import load_tokenizer
@@ -347,5 +347,11 @@ def test_the_same_tokenizer_section_trains_a_student_of_the_teachers_tokenizer_w
              "teacher_nll_per_token": 2.5, "mean_student_tokens": 9.0, "stopped_fraction": 1.0, "samples": 6,
              "max_new_tokens": 100, "teacher_mean_student_tokens": 50.0}]
     text = conv.markdown({"settings": asdict(s), "kinds": {"chat": {"converged student": runs, OFF: runs}}})
-    assert "One tokenizer: the chat student reads the teacher's tokenizer and chat template" in text
+    assert "One tokenizer: the student reads the teacher's tokenizer (and the chat student its chat template" in text
     assert "Cross-tokenizer" not in text
+    calls.clear()  # text prefixes: a fresh Llama on the text teacher's tokenizer, no projection either
+    text_p = conv.prepare("text", tmp_path / "text", s, tmp_path / "log")
+    assert text_p["setup"].student_model == tmp_path / "text" / "student-same"
+    assert text_p["setup"].student_tokenizer == text_p["setup"].teacher_tokenizer == toy_setup.teacher_tokenizer
+    assert load_tokenizer(text_p["setup"].student_model).get_vocab() == load_tokenizer(toy_setup.teacher_model).get_vocab()
+    assert text_p["projection"] is None and calls == [("dumps", None)]

@@ -281,8 +281,8 @@ def resolved_loss(cfg: RoundsConfig) -> str:
     """rounds' --loss, or without one the measured choice (docs/on-policy.md, bench/quality.py's converged sections):
     `reverse` for a student of the teacher's tokenizer on conversation prompts whose rounds score top-k or full
     caches (there the reverse KL without CE beat continued off-policy KD on both measures, every seed), else
-    `forward` (text prefixes across tokenizers: it beat continued KD; conversations across tokenizers: no loss
-    tried did, and it came as close as any; text prefixes with one tokenizer: not measured)."""
+    `forward` (text prefixes across tokenizers: it beat continued KD; conversations across tokenizers and text
+    prefixes with one tokenizer: no loss tried did, and it came as close as any)."""
     if cfg.loss is not None:
         return cfg.loss
     if cfg.dump_mode in DRAWN_MODES or not same_tokenizer(cfg):
