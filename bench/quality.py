@@ -861,7 +861,8 @@ def converged_section(args) -> None:
     """`--section on-policy-converged`: bench/quality_onpolicy_converged.py's rows (both kinds), its table printed
     and written (quality-on-policy-converged.md); `--from-report` renders an earlier run's JSON again.
     `--section on-policy-converged-stronger`: conversations alone, with `STRONGER_CHAT_TEACHER`, in a work
-    directory and a block of their own; `--section on-policy-converged-same` likewise with `SAME_TOKENIZER`."""
+    directory and a block of their own; `--section on-policy-converged-same` both kinds with `SAME_TOKENIZER`,
+    likewise."""
     from bench.quality_onpolicy_converged import (
         KINDS,
         QUICK,
