@@ -65,7 +65,9 @@ class StageData:
 def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, student_fp: str, model_vocab: int,
                     path: str | None = None):
     """The projection W as a sparse [V_model, V_t] tensor, checked against both tokenizer fingerprints, and where
-    it came from: {"cache", "map" (the --projection file, or "built"), "sha256" (`ProjectionMap.digest`)}.
+    it came from: {"cache", "map" (the --projection file, or "built"), "sha256" (`ProjectionMap.digest`),
+    "unreached_teacher_ids" (how many teacher ids no row of W points at: P-KL has no student probability for
+    them, `xtcache.projection.unreached_teacher_ids`, docs/losses.md)}.
 
     `path`: the --projection of the cache at `url`. Without one, W is built on the fly from the
     student tokenizer and the teacher tokenizer the store carries (`xtcache.store.tokenizer`), or,
@@ -91,7 +93,13 @@ def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, stu
                 "w.safetensors` and pass --projection w.safetensors")
         log.warning("no --projection: building the projection map from %s and the student tokenizer", where)
         pm = xproj.build_projection(student_tokenizer, teacher_tok)
-    source = {"cache": url, "map": str(path) if path else "built", "sha256": pm.digest()}
+    unreached = int(xproj.unreached_teacher_ids(pm).size)
+    source = {"cache": url, "map": str(path) if path else "built", "sha256": pm.digest(),
+              "unreached_teacher_ids": unreached}
+    if unreached:
+        log.info("projection of %s: %d of the %d teacher ids no student row reaches: at a chunk's first row P-KL "
+                 "has no student probability to set against theirs (`xtcache projection inspect` names some; "
+                 "docs/losses.md)", url, unreached, pm.teacher_vocab_size)
     w = pm.to_torch_sparse(manifest.teacher_vocab_size).coalesce()
     if model_vocab < w.shape[0]:
         raise ConfigError(f"the student model has {model_vocab} logits, fewer than its tokenizer's {w.shape[0]} tokens")

@@ -82,5 +82,8 @@ def test_projected_kl_beats_ce_only_on_heldout_kl(tmp_path, toy_setup, kd_caches
     from xtcache.tokenizer import load_tokenizer
 
     again = build_projection(load_tokenizer(toy_setup.student_tokenizer), load_tokenizer(toy_setup.teacher_tokenizer))
+    unreached = len(set(range(again.teacher_vocab_size)) - set(again.indices.ravel().tolist()))  # teacher ids W misses
+    assert unreached > 0  # the toy student splits some of the toy teacher's tokens (docs/losses.md)
     for run in (kd, ce):
-        assert run["summary"]["data"]["projections"] == [{"cache": train, "map": "built", "sha256": again.digest()}]
+        assert run["summary"]["data"]["projections"] == [{"cache": train, "map": "built", "sha256": again.digest(),
+                                                          "unreached_teacher_ids": unreached}]
