@@ -355,3 +355,40 @@ def test_the_same_tokenizer_section_trains_a_student_of_the_teachers_tokenizer_w
     assert text_p["setup"].student_tokenizer == text_p["setup"].teacher_tokenizer == toy_setup.teacher_tokenizer
     assert load_tokenizer(text_p["setup"].student_model).get_vocab() == load_tokenizer(toy_setup.teacher_model).get_vocab()
     assert text_p["projection"] is None and calls == [("dumps", None)]
+
+
+def test_chunk_shapes_end_where_both_tokenizations_end_a_token_and_name_each_tokens_shape():
+    """Chunks of 'abcdefghijklmn' cut by hand: 'abc' (one teacher token, two student tokens: split by the
+    student), 'defghi' (two teacher tokens, one student token: split by the teacher), 'j' (1:1), 'klmn' (teacher
+    'kl' 'mn', student 'k' 'lmn': split by both), against shapes_of's codes (SHAPES' order)."""
+    from bench.onpolicy_chunk_shapes import SHAPES, shapes_of
+
+    teacher = [(0, 3), (3, 5), (5, 9), (9, 10), (10, 12), (12, 14)]
+    student = [(0, 1), (1, 3), (3, 9), (9, 10), (10, 11), (11, 14)]
+    t_shape, s_shape, ends, shape = shapes_of(teacher, student)
+    assert ends.tolist() == [3, 9, 10, 14]
+    named = [SHAPES[i] for i in shape.tolist()]
+    assert named == ["split by the student", "split by the teacher", "1:1", "split by both"]
+    assert [SHAPES[i] for i in t_shape.tolist()] == [named[0], named[1], named[1], named[2], named[3], named[3]]
+    assert [SHAPES[i] for i in s_shape.tolist()] == [named[0], named[0], named[1], named[2], named[3], named[3]]
+
+
+def test_answer_tokens_tile_the_answer_in_each_template(toy_setup, tmp_path):
+    """Each side's answer tokens cover the answer's characters end to end with no gap (one after the other up to
+    the CJK characters), and their ids in the rendering decode to the answer; an empty answer is None."""
+    from bench.onpolicy_chunk_shapes import answer_tokens
+    from xtcache.testing.chat import chat_tokenizer
+
+    answer = "the cache stores 4690 log-probs once, 東京"
+    convs = [{"messages": [{"role": "user", "content": "what is the cache?"}, {"role": "assistant", "content": c}]}
+             for c in (answer, "")]
+    for family, base in (("chatml", toy_setup.teacher_tokenizer), ("llama3", toy_setup.student_tokenizer)):
+        tok = chat_tokenizer(base, family, tmp_path / family)
+        got, empty = answer_tokens(tok, convs)
+        assert empty is None
+        ids, spans, cover = got
+        assert spans[0][0] == 0 and spans[-1][1] == len(answer)
+        # no gap; tokens overlap only where byte tokens share a character (東京: several tokens of one character)
+        assert all(b[0] <= a[1] <= b[1] and a[0] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]) if b[1] <= answer.index("東"))
+        assert tok.decode([ids[j] for j in cover]) == answer

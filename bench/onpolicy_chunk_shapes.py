@@ -1,0 +1,162 @@
+"""Where the teacher's NLL per byte of on-policy chat answers sits, by the shape of the chunk that holds each piece
+of text: the teacher and the students of `bench/quality.py --section on-policy-converged` (its chat work directory).
+
+    python bench/onpolicy_chunk_shapes.py --workdir WORK/on-policy-converged/chat --write-docs  # 8 min on 2 CPU cores
+
+Each model answers the section's held-out prompts (12 samples each, temperature 1, draw seed 1, at most 100 student
+tokens: policy-eval's sampler and cap). Each answer's text is tokenized twice, in the teacher's template and in the
+student's, and cut into chunks at the character offsets where both tokenizations have a token boundary (the
+chunks xtcache aligns; here of the canonical tokenizations of the answer text). A chunk is 1:1 (one student token,
+one teacher token: the same text, which the first-piece map projects exactly), split by the student (several
+student tokens, one teacher token: the teacher token no student row reaches, docs/losses.md), split by the
+teacher (one student token, several teacher tokens) or split by both. The teacher (transformers, float32) reads
+every answer after the prompt in its own template; its NLL of each chunk's teacher tokens, summed per shape and
+divided by all the answers' bytes, splits policy-eval's teacher NLL per byte (without the end-of-turn marker) into
+the shares of the four shapes, which add up to the total. Last, the model's own NLL per token of its answer tokens
+(the model reading its answers in its own template), at the 1:1 chunks and elsewhere: where it samples with more
+or less entropy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+DOC_BLOCKS = {"onpolicy-chunk-shapes": "docs/on-policy.md"}  # --write-docs: block -> file
+SHAPES = ("1:1", "split by the student", "split by the teacher", "split by both")
+HEAD = ["| model | seed | answers | bytes | bytes in 1:1 chunks | teacher NLL/byte | of it: 1:1 | split by the student "
+        "| split by the teacher | split by both | own NLL/token: 1:1 | elsewhere |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+
+def answer_tokens(tokenizer, convs: list[dict]) -> list[tuple[list[int], list[tuple[int, int]], list[int]] | None]:
+    """Per conversation (its last message the answer): (the ids of its rendering in `tokenizer`'s template, the
+    character spans of the answer's tokens relative to the answer's start, those tokens' indices in the ids), or None
+    where the template does not write the answer whole or no token boundary falls on its ends."""
+    from xtcache.chat.render import render, renderings
+    from xtcache.chat.spans import message_texts
+
+    rs = renderings(tokenizer, [render(tokenizer, c, where="an answer") for c in convs], convs, side="tokenizer")
+    out = []
+    for conv, r in zip(convs, rs):
+        last, turn = len(conv["messages"]) - 1, conv["messages"][-1]["content"]
+        k = next((k for k, (m, f, _) in enumerate(message_texts(conv)) if m == last and f == 1), None)
+        if not turn or k is None or r.located.at[k] < 0 or r.located.width[k] != len(turn):
+            out.append(None)
+            continue
+        a, b = int(r.located.at[k]), int(r.located.at[k]) + len(turn)
+        cover = [j for j in range(len(r.ids)) if r.offsets[j, 0] < b and r.offsets[j, 1] > a]
+        if not cover or r.offsets[cover[0], 0] != a or r.offsets[cover[-1], 1] != b:
+            out.append(None)
+            continue
+        out.append((r.ids.tolist(), [(int(r.offsets[j, 0]) - a, int(r.offsets[j, 1]) - a) for j in cover], cover))
+    return out
+
+
+def token_nll(model, ids: list[int], device="cpu"):
+    """-log p(ids[j] | ids[:j]) for j >= 1 (index j - 1), float64 numpy."""
+    import torch
+
+    with torch.inference_mode():
+        x = torch.tensor([ids], device=device)
+        logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].double(), dim=-1)
+        return -logp.gather(1, x[0, 1:, None]).squeeze(1).cpu().numpy()
+
+
+def shapes_of(teacher_spans, student_spans):
+    """(shape index of each teacher token, of each student token, and whether that student token is its chunk's
+    first): chunks end where both tokenizations end a token."""
+    import numpy as np
+
+    ends = np.array(sorted({e for _, e in teacher_spans} & {e for _, e in student_spans}))
+    t_chunk = np.searchsorted(ends, [e for _, e in teacher_spans])
+    s_chunk = np.searchsorted(ends, [e for _, e in student_spans])
+    n_t, n_s = np.bincount(t_chunk, minlength=ends.size), np.bincount(s_chunk, minlength=ends.size)
+    shape = np.where(n_s == 1, np.where(n_t == 1, 0, 2), np.where(n_t == 1, 1, 3))  # SHAPES' order
+    return shape[t_chunk], shape[s_chunk], ends, shape
+
+
+def shape_row(name, seed, convs, teacher_side, own_side, teacher_scorer, own_model, student_tok) -> str:
+    """One table row from the answers `convs` of one model."""
+    import numpy as np
+
+    student_side = own_side if own_model is not teacher_scorer.model else answer_tokens(student_tok, convs)
+    nll, byte_total, byte_11, answers = np.zeros(4), 0, 0, 0
+    own = {True: [0.0, 0], False: [0.0, 0]}  # at 1:1 chunks, elsewhere: (NLL, tokens)
+    for conv, t, s, o in zip(convs, teacher_side, student_side, own_side):
+        if t is None or s is None or o is None:
+            continue
+        answers += 1
+        text = conv["messages"][-1]["content"]
+        t_shape, s_shape, ends, shape = shapes_of(t[1], s[1])
+        starts = np.concatenate([[0], ends[:-1]])
+        sizes = np.array([len(text[a:b].encode()) for a, b in zip(starts.tolist(), ends.tolist())])
+        byte_total += int(sizes.sum())
+        byte_11 += int(sizes[shape == 0].sum())
+        t_nll = token_nll(teacher_scorer.model, t[0], teacher_scorer.device)
+        np.add.at(nll, t_shape, t_nll[np.array(t[2]) - 1])
+        o_shape = t_shape if own_model is teacher_scorer.model else s_shape
+        o_nll = t_nll if own_model is teacher_scorer.model else token_nll(own_model, o[0])
+        for sh, j in zip(o_shape.tolist(), o[2]):
+            own[sh == 0][0] += float(o_nll[j - 1])
+            own[sh == 0][1] += 1
+    per = nll / max(byte_total, 1)
+    return (f"| {name} | {seed} | {answers} | {byte_total} | {byte_11 / max(byte_total, 1):.3f} | {per.sum():.3f} | "
+            + " | ".join(f"{x:.3f}" for x in per)
+            + f" | {own[True][0] / max(own[True][1], 1):.3f} | {own[False][0] / max(own[False][1], 1):.3f} |")
+
+
+def shape_rows(work: Path, seeds: list[int], samples: int = 12, cap: int = 100) -> list[str]:
+    """The table's rows (markdown), each printed as it is measured."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.onpolicy_end_hazard import hazard_models
+    from stage1_teacher.onpolicy.policy_eval import TeacherScorer, read_prompts, sample_conversations, sample_student
+    from xtcache.tokenizer import load_tokenizer
+
+    prompts_path = str(work / "prompts-heldout.jsonl")
+    models = hazard_models(work, seeds)
+    scorer = TeacherScorer(str(models[0][2]))  # the live teacher as policy-eval loads it
+    student_tok = load_tokenizer(str(work / "chat" / "student"), "student tokenizer")
+    table = []
+    try:
+        for name, seed, path in models:
+            tok = load_tokenizer(str(path), "model tokenizer")
+            prompts = read_prompts(prompts_path, tok)
+            _, texts = sample_student(str(path), tok, prompts, samples_per_prompt=samples, max_new_tokens=cap, seed=1)
+            convs = sample_conversations(prompts, texts)
+            model = scorer.model if name == "teacher" else AutoModelForCausalLM.from_pretrained(
+                str(path), torch_dtype=torch.float32).eval()
+            teacher_side = answer_tokens(scorer.tokenizer, convs)
+            own_side = teacher_side if name == "teacher" else answer_tokens(tok, convs)
+            table.append(shape_row(name, seed, convs, teacher_side, own_side, scorer, model, student_tok))
+            print(table[-1], flush=True)
+    finally:
+        scorer.close()
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", required=True, help="the chat work directory of the on-policy-converged section")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--write-docs", action="store_true", help="replace docs/on-policy.md's onpolicy-chunk-shapes block")
+    args = p.parse_args()
+    from xtcache.app.docblock import require_blocks, write_block
+
+    if args.write_docs:
+        require_blocks(REPO, DOC_BLOCKS)
+    print("\n".join(HEAD))
+    rows = shape_rows(Path(args.workdir), [int(s) for s in args.seeds.split(",")])
+    if args.write_docs:
+        write_block(REPO / DOC_BLOCKS["onpolicy-chunk-shapes"], "onpolicy-chunk-shapes", "\n".join([*HEAD, *rows]))
+
+
+if __name__ == "__main__":
+    main()
