@@ -1,7 +1,9 @@
 """Where the teacher's NLL per byte of on-policy chat answers sits, by the shape of the chunk that holds each piece
 of text: the teacher and the students of `bench/quality.py --section on-policy-converged` (its chat work directory).
 
-    python bench/onpolicy_chunk_shapes.py --workdir WORK/on-policy-converged/chat --write-docs  # 8 min on 2 CPU cores
+    python bench/onpolicy_chunk_shapes.py --workdir WORK/on-policy-converged/chat --write-docs  # 9 min on 2 CPU cores
+    python bench/onpolicy_chunk_shapes.py --workdir WORK/on-policy-converged-same/chat \
+        --student-tokenizer WORK/on-policy-converged-same/chat/converged-s0/hf --block onpolicy-chunk-shapes-same --write-docs
 
 Each model answers the section's held-out prompts (12 samples each, temperature 1, draw seed 1, at most 100 student
 tokens: policy-eval's sampler and cap). Each answer's text is tokenized twice, in the teacher's template and in the
@@ -12,9 +14,10 @@ student tokens, one teacher token: the teacher token no student row reaches, doc
 teacher (one student token, several teacher tokens) or split by both. The teacher (transformers, float32) reads
 every answer after the prompt in its own template; its NLL of each chunk's teacher tokens, summed per shape and
 divided by all the answers' bytes, splits policy-eval's teacher NLL per byte (without the end-of-turn marker) into
-the shares of the four shapes, which add up to the total. Last, the model's own NLL per token of its answer tokens
+the shares of the four shapes, which add up to the total. Then the model's own NLL per token of its answer tokens
 (the model reading its answers in its own template), at the 1:1 chunks and elsewhere: where it samples with more
-or less entropy.
+or less entropy. Last, at the 1:1 chunks (the same token on both sides, read after the same text), the entropy of
+the teacher's next-token distribution and of the model's own, in nats: which of the two is the surer there.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-DOC_BLOCKS = {"onpolicy-chunk-shapes": "docs/on-policy.md"}  # --write-docs: block -> file
+# --write-docs: block -> file; the second for the students of the one-tokenizer section (--block)
+DOC_BLOCKS = {"onpolicy-chunk-shapes": "docs/on-policy.md", "onpolicy-chunk-shapes-same": "docs/on-policy.md"}
 SHAPES = ("1:1", "split by the student", "split by the teacher", "split by both")
 HEAD = ["| model | seed | answers | bytes | bytes in 1:1 chunks | teacher NLL/byte | of it: 1:1 | split by the student "
-        "| split by the teacher | split by both | own NLL/token: 1:1 | elsewhere |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        "| split by the teacher | split by both | own NLL/token: 1:1 | elsewhere | entropy at 1:1: teacher | model |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
 
 def answer_tokens(tokenizer, convs: list[dict]) -> list[tuple[list[int], list[tuple[int, int]], list[int]] | None]:
@@ -58,14 +62,15 @@ def answer_tokens(tokenizer, convs: list[dict]) -> list[tuple[list[int], list[tu
     return out
 
 
-def token_nll(model, ids: list[int], device="cpu"):
-    """-log p(ids[j] | ids[:j]) for j >= 1 (index j - 1), float64 numpy."""
+def token_scores(model, ids: list[int], device="cpu"):
+    """(-log p(ids[j] | ids[:j]), the entropy of p(. | ids[:j])) for j >= 1 (index j - 1), float64 numpy."""
     import torch
 
     with torch.inference_mode():
         x = torch.tensor([ids], device=device)
         logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].double(), dim=-1)
-        return -logp.gather(1, x[0, 1:, None]).squeeze(1).cpu().numpy()
+        nll = -logp.gather(1, x[0, 1:, None]).squeeze(1)
+        return nll.cpu().numpy(), -(logp.exp() * logp).sum(dim=-1).cpu().numpy()
 
 
 def shapes_of(teacher_spans, student_spans):
@@ -88,6 +93,7 @@ def shape_row(name, seed, convs, teacher_side, own_side, teacher_scorer, own_mod
     student_side = own_side if own_model is not teacher_scorer.model else answer_tokens(student_tok, convs)
     nll, byte_total, byte_11, answers = np.zeros(4), 0, 0, 0
     own = {True: [0.0, 0], False: [0.0, 0]}  # at 1:1 chunks, elsewhere: (NLL, tokens)
+    entropy = [0.0, 0.0, 0]  # at 1:1 chunks: teacher, model, tokens
     for conv, t, s, o in zip(convs, teacher_side, student_side, own_side):
         if t is None or s is None or o is None:
             continue
@@ -98,20 +104,28 @@ def shape_row(name, seed, convs, teacher_side, own_side, teacher_scorer, own_mod
         sizes = np.array([len(text[a:b].encode()) for a, b in zip(starts.tolist(), ends.tolist())])
         byte_total += int(sizes.sum())
         byte_11 += int(sizes[shape == 0].sum())
-        t_nll = token_nll(teacher_scorer.model, t[0], teacher_scorer.device)
+        t_nll, t_ent = token_scores(teacher_scorer.model, t[0], teacher_scorer.device)
         np.add.at(nll, t_shape, t_nll[np.array(t[2]) - 1])
         o_shape = t_shape if own_model is teacher_scorer.model else s_shape
-        o_nll = t_nll if own_model is teacher_scorer.model else token_nll(own_model, o[0])
+        o_nll, o_ent = (t_nll, t_ent) if own_model is teacher_scorer.model else token_scores(own_model, o[0])
         for sh, j in zip(o_shape.tolist(), o[2]):
             own[sh == 0][0] += float(o_nll[j - 1])
             own[sh == 0][1] += 1
+        # a 1:1 chunk is one token on each side: the k-th of them in either tokenization is the same text
+        t_11 = [j for sh, j in zip(t_shape.tolist(), t[2]) if sh == 0]
+        o_11 = [j for sh, j in zip(o_shape.tolist(), o[2]) if sh == 0]
+        entropy[0] += float(t_ent[np.array(t_11, dtype=np.int64) - 1].sum())
+        entropy[1] += float(o_ent[np.array(o_11, dtype=np.int64) - 1].sum())
+        entropy[2] += len(t_11)
     per = nll / max(byte_total, 1)
     return (f"| {name} | {seed} | {answers} | {byte_total} | {byte_11 / max(byte_total, 1):.3f} | {per.sum():.3f} | "
             + " | ".join(f"{x:.3f}" for x in per)
-            + f" | {own[True][0] / max(own[True][1], 1):.3f} | {own[False][0] / max(own[False][1], 1):.3f} |")
+            + f" | {own[True][0] / max(own[True][1], 1):.3f} | {own[False][0] / max(own[False][1], 1):.3f}"
+            + f" | {entropy[0] / max(entropy[2], 1):.3f} | {entropy[1] / max(entropy[2], 1):.3f} |")
 
 
-def shape_rows(work: Path, seeds: list[int], samples: int = 12, cap: int = 100) -> list[str]:
+def shape_rows(work: Path, seeds: list[int], samples: int = 12, cap: int = 100,
+               student_tokenizer: Path | None = None) -> list[str]:
     """The table's rows (markdown), each printed as it is measured."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -123,7 +137,7 @@ def shape_rows(work: Path, seeds: list[int], samples: int = 12, cap: int = 100) 
     prompts_path = str(work / "prompts-heldout.jsonl")
     models = hazard_models(work, seeds)
     scorer = TeacherScorer(str(models[0][2]))  # the live teacher as policy-eval loads it
-    student_tok = load_tokenizer(str(work / "chat" / "student"), "student tokenizer")
+    student_tok = load_tokenizer(str(student_tokenizer or work / "chat" / "student"), "student tokenizer")
     table = []
     try:
         for name, seed, path in models:
@@ -146,16 +160,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", required=True, help="the chat work directory of the on-policy-converged section")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--write-docs", action="store_true", help="replace docs/on-policy.md's onpolicy-chunk-shapes block")
+    p.add_argument("--student-tokenizer", type=Path, help="the students' tokenizer (default: WORKDIR/chat/student; "
+                   "the one-tokenizer section's students read the teacher's: give a converged student's hf directory)")
+    p.add_argument("--block", choices=sorted(DOC_BLOCKS), default="onpolicy-chunk-shapes",
+                   help="the block --write-docs replaces: onpolicy-chunk-shapes-same for the one-tokenizer section")
+    p.add_argument("--write-docs", action="store_true", help="replace that block of docs/on-policy.md")
     args = p.parse_args()
     from xtcache.app.docblock import require_blocks, write_block
 
     if args.write_docs:
         require_blocks(REPO, DOC_BLOCKS)
     print("\n".join(HEAD))
-    rows = shape_rows(Path(args.workdir), [int(s) for s in args.seeds.split(",")])
+    rows = shape_rows(Path(args.workdir), [int(s) for s in args.seeds.split(",")],
+                      student_tokenizer=args.student_tokenizer)
     if args.write_docs:
-        write_block(REPO / DOC_BLOCKS["onpolicy-chunk-shapes"], "onpolicy-chunk-shapes", "\n".join([*HEAD, *rows]))
+        write_block(REPO / DOC_BLOCKS[args.block], args.block, "\n".join([*HEAD, *rows]))
 
 
 if __name__ == "__main__":

@@ -392,3 +392,31 @@ def test_answer_tokens_tile_the_answer_in_each_template(toy_setup, tmp_path):
         assert all(b[0] <= a[1] <= b[1] and a[0] <= b[0] for a, b in zip(spans, spans[1:]))
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]) if b[1] <= answer.index("東"))
         assert tok.decode([ids[j] for j in cover]) == answer
+
+
+def test_token_scores_are_each_tokens_nll_and_the_entropy_of_the_row_that_predicts_it():
+    """A fake model whose row i puts logit log(i + 1) on id 0 and 0 on the other V - 1 ids: p0 = (i + 1) / (i + V),
+    against closed forms (the second construction: the entropy written out from p0)."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.onpolicy_chunk_shapes import token_scores
+
+    V = 5
+
+    def model(input_ids):
+        n = input_ids.shape[1]
+        logits = torch.zeros((1, n, V))
+        logits[0, :, 0] = torch.log(torch.arange(n, dtype=torch.float64) + 1).float()
+        return SimpleNamespace(logits=logits)
+
+    ids = [3, 0, 2, 0]
+    nll, ent = token_scores(model, ids)
+    for j in range(1, len(ids)):
+        i = j - 1  # the row that predicts token j
+        p0 = (i + 1) / (i + V)
+        q = 1 / (i + V)  # each of the other ids
+        assert nll[i] == pytest.approx(-math.log(p0 if ids[j] == 0 else q), rel=1e-5)
+        assert ent[i] == pytest.approx(-p0 * math.log(p0) - (V - 1) * q * math.log(q), rel=1e-5)
