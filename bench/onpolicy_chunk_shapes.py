@@ -22,7 +22,6 @@ the teacher's next-token distribution and of the model's own, in nats: which of 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -127,39 +126,25 @@ def shape_row(name, seed, convs, teacher_side, own_side, teacher_scorer, own_mod
 def shape_rows(work: Path, seeds: list[int], samples: int = 12, cap: int = 100,
                student_tokenizer: Path | None = None) -> list[str]:
     """The table's rows (markdown), each printed as it is measured."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from bench.onpolicy_end_hazard import hazard_models
-    from stage1_teacher.onpolicy.policy_eval import TeacherScorer, read_prompts, sample_conversations, sample_student
+    from bench.onpolicy_end_hazard import section_answers
+    from stage1_teacher.onpolicy.policy_eval import sample_conversations
     from xtcache.tokenizer import load_tokenizer
 
-    prompts_path = str(work / "prompts-heldout.jsonl")
-    models = hazard_models(work, seeds)
-    scorer = TeacherScorer(str(models[0][2]))  # the live teacher as policy-eval loads it
     student_tok = load_tokenizer(str(student_tokenizer or work / "chat" / "student"), "student tokenizer")
     table = []
-    try:
-        for name, seed, path in models:
-            tok = load_tokenizer(str(path), "model tokenizer")
-            prompts = read_prompts(prompts_path, tok)
-            _, texts = sample_student(str(path), tok, prompts, samples_per_prompt=samples, max_new_tokens=cap, seed=1)
-            convs = sample_conversations(prompts, texts)
-            model = scorer.model if name == "teacher" else AutoModelForCausalLM.from_pretrained(
-                str(path), torch_dtype=torch.float32).eval()
-            teacher_side = answer_tokens(scorer.tokenizer, convs)
-            own_side = teacher_side if name == "teacher" else answer_tokens(tok, convs)
-            table.append(shape_row(name, seed, convs, teacher_side, own_side, scorer, model, student_tok))
-            print(table[-1], flush=True)
-    finally:
-        scorer.close()
+    for scorer, (name, seed, tok, model, prompts, _, texts) in section_answers(work, seeds, samples=samples, cap=cap):
+        convs = sample_conversations(prompts, texts)
+        teacher_side = answer_tokens(scorer.tokenizer, convs)
+        own_side = teacher_side if name == "teacher" else answer_tokens(tok, convs)
+        table.append(shape_row(name, seed, convs, teacher_side, own_side, scorer, model, student_tok))
+        print(table[-1], flush=True)
     return table
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", required=True, help="the chat work directory of the on-policy-converged section")
-    p.add_argument("--seeds", default="0,1,2")
+    from bench.onpolicy_end_hazard import section_parser
+
+    p = section_parser(__doc__)
     p.add_argument("--student-tokenizer", type=Path, help="the students' tokenizer (default: WORKDIR/chat/student; "
                    "the one-tokenizer section's students read the teacher's: give a converged student's hf directory)")
     p.add_argument("--block", choices=sorted(DOC_BLOCKS), default="onpolicy-chunk-shapes",

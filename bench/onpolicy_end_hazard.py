@@ -93,60 +93,85 @@ def hazard_models(work: Path, seeds: list[int]) -> list[tuple[str, object, Path]
     return models
 
 
-def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) -> list[str]:
-    """The table's rows (markdown), each printed as it is measured."""
-    import numpy as np
+class Answers(NamedTuple):
+    name: str
+    seed: object
+    tokenizer: object  # the model's own
+    model: object  # the model (the teacher's row: the scorer's model)
+    prompts: list
+    completions: list  # per prompt, the sampler's completions
+    texts: list  # per prompt, their texts
+
+
+def section_answers(work: Path, seeds: list[int], *, samples: int, cap: int):
+    """(the live teacher as policy-eval loads it, `Answers`) per model of `hazard_models` (the teacher first): its
+    answers to the section's held-out prompts, `samples` a prompt at temperature 1, draw seed 1, at most `cap`
+    student tokens (policy-eval's sampler)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from stage1_teacher.onpolicy.policy_eval import TeacherScorer, read_prompts, sample_student
     from xtcache.tokenizer import load_tokenizer
 
-    prompts_path = str(work / "prompts-heldout.jsonl")
     models = hazard_models(work, seeds)
-    scorer = TeacherScorer(str(models[0][2]))  # the live teacher as policy-eval loads it
-    table = []
+    scorer = TeacherScorer(str(models[0][2]))
     try:
         for name, seed, path in models:
             tok = load_tokenizer(str(path), "model tokenizer")
-            prompts = read_prompts(prompts_path, tok)
+            prompts = read_prompts(str(work / "prompts-heldout.jsonl"), tok)
             completions, texts = sample_student(str(path), tok, prompts, samples_per_prompt=samples,
                                                 max_new_tokens=cap, seed=1)
             model = scorer.model if name == "teacher" else AutoModelForCausalLM.from_pretrained(
                 str(path), torch_dtype=torch.float32).eval()
-            per, second, chars, teacher_rate, own_rate, end_nll, head = [], [], [], [], [], [], []
-            for prompt, comps, answers in zip(prompts, completions, texts):
-                stopped = {text: c.stop_reason == "stop" for c, text in zip(comps, answers)}
-                scored = end_probabilities(scorer.model, scorer.tokenizer, prompt.conversation, answers, scorer.device)
-                # the model itself reading its answers: for the teacher's own row, that reading
-                own = {a.text: a.inner for a in (scored if name == "teacher" else
-                                                 end_probabilities(model, tok, prompt.conversation, answers))}
-                for a in scored:
-                    if a.text not in own:  # one student token: no end probability after its first
-                        continue
-                    per.append(a.inner.mean())
-                    second.append(a.inner[len(a.inner) // 2:].mean())
-                    chars.append(len(a.text))
-                    teacher_rate.append(100 * a.inner.sum() / len(a.text))
-                    own_rate.append(100 * own[a.text].sum() / len(a.text))
-                    if stopped[a.text]:
-                        end_nll.append(-np.log(max(a.last, 1e-30)))
-                    if a.head_nll is not None:
-                        head.append((a.head_nll, a.head_bytes))
-            head_nll, head_bytes = (sum(x) for x in zip(*head)) if head else (float("nan"), 1)
-            table.append(f"| {name} | {seed} | {len(per)} | {np.mean(chars):.1f} | {np.mean(per):.4f} | "
-                         f"{np.mean(second):.4f} | {np.mean(teacher_rate):.3f} | {np.mean(own_rate):.3f} | "
-                         f"{len(end_nll)} | {np.mean(end_nll):.2f} | {len(head)} | {head_nll / head_bytes:.3f} |")
-            print(table[-1], flush=True)
+            yield scorer, Answers(name, seed, tok, model, prompts, completions, texts)
     finally:
         scorer.close()
+
+
+def section_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags of the benches that read the section's chat work directory."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--workdir", required=True, help="the chat work directory of the on-policy-converged section")
+    p.add_argument("--seeds", default="0,1,2")
+    return p
+
+
+def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) -> list[str]:
+    """The table's rows (markdown), each printed as it is measured."""
+    import numpy as np
+
+    table = []
+    for scorer, (name, seed, tok, model, prompts, completions, texts) in section_answers(work, seeds, samples=samples,
+                                                                                          cap=cap):
+        per, second, chars, teacher_rate, own_rate, end_nll, head = [], [], [], [], [], [], []
+        for prompt, comps, answers in zip(prompts, completions, texts):
+            stopped = {text: c.stop_reason == "stop" for c, text in zip(comps, answers)}
+            scored = end_probabilities(scorer.model, scorer.tokenizer, prompt.conversation, answers, scorer.device)
+            # the model itself reading its answers: for the teacher's own row, that reading
+            own = {a.text: a.inner for a in (scored if name == "teacher" else
+                                             end_probabilities(model, tok, prompt.conversation, answers))}
+            for a in scored:
+                if a.text not in own:  # one student token: no end probability after its first
+                    continue
+                per.append(a.inner.mean())
+                second.append(a.inner[len(a.inner) // 2:].mean())
+                chars.append(len(a.text))
+                teacher_rate.append(100 * a.inner.sum() / len(a.text))
+                own_rate.append(100 * own[a.text].sum() / len(a.text))
+                if stopped[a.text]:
+                    end_nll.append(-np.log(max(a.last, 1e-30)))
+                if a.head_nll is not None:
+                    head.append((a.head_nll, a.head_bytes))
+        head_nll, head_bytes = (sum(x) for x in zip(*head)) if head else (float("nan"), 1)
+        table.append(f"| {name} | {seed} | {len(per)} | {np.mean(chars):.1f} | {np.mean(per):.4f} | "
+                     f"{np.mean(second):.4f} | {np.mean(teacher_rate):.3f} | {np.mean(own_rate):.3f} | "
+                     f"{len(end_nll)} | {np.mean(end_nll):.2f} | {len(head)} | {head_nll / head_bytes:.3f} |")
+        print(table[-1], flush=True)
     return table
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", required=True, help="the chat work directory of the on-policy-converged section")
-    p.add_argument("--seeds", default="0,1,2")
+    p = section_parser(__doc__)
     p.add_argument("--write-docs", action="store_true", help="replace docs/on-policy.md's onpolicy-end-hazard block")
     args = p.parse_args()
     from xtcache.app.docblock import require_blocks, write_block
