@@ -124,7 +124,7 @@ def shape_row(name, seed, convs, teacher_side, own_side, teacher_scorer, own_mod
 
 
 def shape_rows(work: Path, seeds: list[int], samples: int = 12, cap: int = 100,
-               student_tokenizer: Path | None = None) -> list[str]:
+               student_tokenizer: Path | None = None, row: int | None = None) -> list[str]:
     """The table's rows (markdown), each printed as it is measured."""
     from bench.onpolicy_end_hazard import section_answers
     from stage1_teacher.onpolicy.policy_eval import sample_conversations
@@ -132,7 +132,8 @@ def shape_rows(work: Path, seeds: list[int], samples: int = 12, cap: int = 100,
 
     student_tok = load_tokenizer(str(student_tokenizer or work / "chat" / "student"), "student tokenizer")
     table = []
-    for scorer, (name, seed, tok, model, prompts, _, texts) in section_answers(work, seeds, samples=samples, cap=cap):
+    for scorer, (name, seed, tok, model, prompts, _, texts) in section_answers(work, seeds, samples=samples, cap=cap,
+                                                                               row=row):
         convs = sample_conversations(prompts, texts)
         teacher_side = answer_tokens(scorer.tokenizer, convs)
         own_side = teacher_side if name == "teacher" else answer_tokens(tok, convs)
@@ -157,7 +158,7 @@ def main() -> None:
         require_blocks(REPO, DOC_BLOCKS)
     print("\n".join(HEAD))
     rows = shape_rows(Path(args.workdir), [int(s) for s in args.seeds.split(",")],
-                      student_tokenizer=args.student_tokenizer)
+                      student_tokenizer=args.student_tokenizer, row=args.row)
     if args.write_docs:
         write_block(REPO / DOC_BLOCKS[args.block], args.block, "\n".join([*HEAD, *rows]))
 

@@ -73,18 +73,25 @@ def end_probabilities(teacher, tokenizer, prompt: dict, answers: list[str], devi
     return out
 
 
-def hazard_models(work: Path, seeds: list[int]) -> list[tuple[str, object, Path]]:
+def hazard_models(work: Path, seeds: list[int], row: int | None = None) -> list[tuple[str, object, Path]]:
     """(name, seed, model directory) of the teacher and, per seed, the section's converged student and its
-    continued off-policy KD and rounds' defaults rows; SystemExit naming a run that is not there."""
+    continued off-policy KD and on-policy rows (`row`: an index of the section's ROWS, by default the rounds'
+    defaults, forward P-KL + 0.1 CE); SystemExit naming a run that is not there or a row that is no on-policy one."""
     from bench.quality_onpolicy_converged import ROWS, finished_run
 
     off = next(i for i, (_, how, _, _) in enumerate(ROWS) if how == "off")
-    on = next(i for i, (_, how, flags, _) in enumerate(ROWS) if how == "on" and flags == ["--loss", "forward"])
+    if row is None:
+        on = next(i for i, (_, how, flags, _) in enumerate(ROWS) if how == "on" and flags == ["--loss", "forward"])
+        on_name = "on-policy rounds (rounds' defaults)"
+    elif 0 <= row < len(ROWS) and ROWS[row][1] == "on":
+        on, on_name = row, ROWS[row][0]
+    else:
+        raise SystemExit(f"--row {row}: not an on-policy row of the section (ROWS in bench/quality_onpolicy_converged.py)")
     models = [("teacher", "-", work / "chat" / "teacher")]
     for seed in seeds:
         for name, run in (("converged student", work / f"converged-s{seed}"),
                           ("continued off-policy KD", work / "runs" / f"row{off}-seed{seed}"),
-                          ("on-policy rounds (rounds' defaults)", work / "runs" / f"row{on}-seed{seed}")):
+                          (on_name, work / "runs" / f"row{on}-seed{seed}")):
             student = finished_run(run)[1]
             if student is None or not student.is_dir():
                 raise SystemExit(f"{run}: no finished run there; run bench/quality.py --section on-policy-converged "
@@ -103,7 +110,7 @@ class Answers(NamedTuple):
     texts: list  # per prompt, their texts
 
 
-def section_answers(work: Path, seeds: list[int], *, samples: int, cap: int):
+def section_answers(work: Path, seeds: list[int], *, samples: int, cap: int, row: int | None = None):
     """(the live teacher as policy-eval loads it, `Answers`) per model of `hazard_models` (the teacher first): its
     answers to the section's held-out prompts, `samples` a prompt at temperature 1, draw seed 1, at most `cap`
     student tokens (policy-eval's sampler)."""
@@ -113,7 +120,7 @@ def section_answers(work: Path, seeds: list[int], *, samples: int, cap: int):
     from stage1_teacher.onpolicy.policy_eval import TeacherScorer, read_prompts, sample_student
     from xtcache.tokenizer import load_tokenizer
 
-    models = hazard_models(work, seeds)
+    models = hazard_models(work, seeds, row)
     scorer = TeacherScorer(str(models[0][2]))
     try:
         for name, seed, path in models:
@@ -133,16 +140,18 @@ def section_parser(doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--workdir", required=True, help="the chat work directory of the on-policy-converged section")
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--row", type=int, help="the on-policy row of the section (an index of its ROWS; default: the "
+                   "rounds' defaults, forward P-KL + 0.1 CE)")
     return p
 
 
-def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103) -> list[str]:
+def hazard_rows(work: Path, seeds: list[int], samples: int = 4, cap: int = 103, row: int | None = None) -> list[str]:
     """The table's rows (markdown), each printed as it is measured."""
     import numpy as np
 
     table = []
     for scorer, (name, seed, tok, model, prompts, completions, texts) in section_answers(work, seeds, samples=samples,
-                                                                                          cap=cap):
+                                                                                          cap=cap, row=row):
         per, second, chars, teacher_rate, own_rate, end_nll, head = [], [], [], [], [], [], []
         for prompt, comps, answers in zip(prompts, completions, texts):
             stopped = {text: c.stop_reason == "stop" for c, text in zip(comps, answers)}
@@ -179,7 +188,7 @@ def main() -> None:
     if args.write_docs:
         require_blocks(REPO, DOC_BLOCKS)
     print("\n".join(HEAD))
-    rows = hazard_rows(Path(args.workdir), [int(s) for s in args.seeds.split(",")])
+    rows = hazard_rows(Path(args.workdir), [int(s) for s in args.seeds.split(",")], row=args.row)
     if args.write_docs:
         write_block(REPO / DOC_BLOCKS["onpolicy-end-hazard"], "onpolicy-end-hazard", "\n".join([*HEAD, *rows]))
 

@@ -261,6 +261,15 @@ def test_the_hazard_bench_reads_the_teacher_and_each_seeds_three_students_from_t
         ("converged student", 0, tmp_path / "converged-s0" / "hf"),
         ("continued off-policy KD", 0, tmp_path / "runs" / f"row{off}-seed0" / "hf"),
         ("on-policy rounds (rounds' defaults)", 0, rounds / "round-001" / "train" / "hf")]
+    reverse = next(i for i, (_, how, flags, _) in enumerate(ROWS) if how == "on" and i != on)  # --row picks another
+    (tmp_path / "runs" / f"row{reverse}-seed0" / "round-001" / "train" / "hf").mkdir(parents=True)
+    (tmp_path / "runs" / f"row{reverse}-seed0" / "metrics.jsonl").write_text(json.dumps(
+        {"round": 1, "hf_dir": str(tmp_path / "runs" / f"row{reverse}-seed0" / "round-001" / "train" / "hf")}) + "\n")
+    assert hazard_models(tmp_path, [0], reverse)[-1] == (
+        ROWS[reverse][0], 0, tmp_path / "runs" / f"row{reverse}-seed0" / "round-001" / "train" / "hf")
+    for bad in (off, len(ROWS)):  # continued KD is no on-policy row; past the rows
+        with pytest.raises(SystemExit, match=f"--row {bad}: not an on-policy row"):
+            hazard_models(tmp_path, [0], bad)
     (rounds / "metrics.jsonl").write_text("")  # a run killed before its first round ended
     with pytest.raises(SystemExit, match=f"row{on}-seed0: no finished run there"):
         hazard_models(tmp_path, [0])
