@@ -3,7 +3,8 @@ of text: the teacher and the students of `bench/quality.py --section on-policy-c
 
     python bench/onpolicy_chunk_shapes.py --workdir WORK/on-policy-converged/chat --write-docs  # 9 min on 2 CPU cores
     python bench/onpolicy_chunk_shapes.py --workdir WORK/on-policy-converged-same/chat \
-        --student-tokenizer WORK/on-policy-converged-same/chat/converged-s0/hf --block onpolicy-chunk-shapes-same --write-docs
+        --student-tokenizer WORK/on-policy-converged-same/chat/converged-s0/hf --row 1 \
+        --block onpolicy-chunk-shapes-same --write-docs  # its rounds' default there: the reverse KL without CE
 
 Each model answers the section's held-out prompts (12 samples each, temperature 1, draw seed 1, at most 100 student
 tokens: policy-eval's sampler and cap). Each answer's text is tokenized twice, in the teacher's template and in the
