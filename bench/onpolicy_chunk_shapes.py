@@ -74,8 +74,8 @@ def token_scores(model, ids: list[int], device="cpu"):
 
 
 def shapes_of(teacher_spans, student_spans):
-    """(shape index of each teacher token, of each student token, and whether that student token is its chunk's
-    first): chunks end where both tokenizations end a token."""
+    """(the shape index of each teacher token's chunk, of each student token's, the chunks' end offsets, each
+    chunk's shape index): chunks end where both tokenizations end a token."""
     import numpy as np
 
     ends = np.array(sorted({e for _, e in teacher_spans} & {e for _, e in student_spans}))
