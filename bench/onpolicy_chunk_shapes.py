@@ -42,19 +42,17 @@ def answer_tokens(tokenizer, convs: list[dict]) -> list[tuple[list[int], list[tu
     """Per conversation (its last message the answer): (the ids of its rendering in `tokenizer`'s template, the
     character spans of the answer's tokens relative to the answer's start, those tokens' indices in the ids), or None
     where the template does not write the answer whole or no token boundary falls on its ends."""
+    from stage1_teacher.onpolicy.policy_eval import last_turn_tokens
     from xtcache.chat.render import render, renderings
-    from xtcache.chat.spans import message_texts
 
     rs = renderings(tokenizer, [render(tokenizer, c, where="an answer") for c in convs], convs, side="tokenizer")
     out = []
     for conv, r in zip(convs, rs):
-        last, turn = len(conv["messages"]) - 1, conv["messages"][-1]["content"]
-        k = next((k for k, (m, f, _) in enumerate(message_texts(conv)) if m == last and f == 1), None)
-        if not turn or k is None or r.located.at[k] < 0 or r.located.width[k] != len(turn):
+        located = last_turn_tokens(conv, r)
+        if located is None:
             out.append(None)
             continue
-        a, b = int(r.located.at[k]), int(r.located.at[k]) + len(turn)
-        cover = [j for j in range(len(r.ids)) if r.offsets[j, 0] < b and r.offsets[j, 1] > a]
+        a, b, cover = located
         if not cover or r.offsets[cover[0], 0] != a or r.offsets[cover[-1], 1] != b:
             out.append(None)
             continue

@@ -93,13 +93,14 @@ def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, stu
                 "w.safetensors` and pass --projection w.safetensors")
         log.warning("no --projection: building the projection map from %s and the student tokenizer", where)
         pm = xproj.build_projection(student_tokenizer, teacher_tok)
-    unreached = int(xproj.unreached_teacher_ids(pm).size)
+    unreached = int(xproj.unreached_teacher_ids(pm, manifest.teacher_vocab_size).size)
     source = {"cache": url, "map": str(path) if path else "built", "sha256": pm.digest(),
               "unreached_teacher_ids": unreached}
     if unreached:
         log.info("projection of %s: %d of the %d teacher ids no student row reaches: at a chunk's first row P-KL "
                  "has no student probability to set against theirs (`xtcache projection inspect` names some; "
-                 "docs/losses.md)", url, unreached, pm.teacher_vocab_size)
+                 "docs/losses.md)", url, unreached,
+                 pm.teacher_vocab_size if pm.teacher_vocab_size >= 0 else manifest.teacher_vocab_size)
     w = pm.to_torch_sparse(manifest.teacher_vocab_size).coalesce()
     if model_vocab < w.shape[0]:
         raise ConfigError(f"the student model has {model_vocab} logits, fewer than its tokenizer's {w.shape[0]} tokens")

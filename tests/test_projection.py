@@ -134,6 +134,8 @@ def test_teacher_ids_no_student_row_reaches_are_counted_and_named(toy_map, stude
     assert unreached_teacher_ids(full).size == 0 and "no student row reaches" not in format_report(full)
     unknown = ProjectionMap(full.indices, full.weights, "s", "t", exact=full.exact)
     assert coverage(unknown)["unreached_teacher_ids"] == -1
+    # train-student gives the store's teacher vocabulary for a map that does not record one (an imported map)
+    assert unreached_teacher_ids(unknown, 6).tolist() == [4, 5] and unreached_teacher_ids(full, 6).size == 0
 
 
 def test_sentencepiece_student_matches_byte_level_teacher(sp_tokenizer, teacher_tokenizer):

@@ -409,15 +409,17 @@ def _is_text(piece: bytes) -> bool:
     return True
 
 
-def unreached_teacher_ids(pm: ProjectionMap) -> np.ndarray:
-    """The teacher ids no student row points at, ascending (empty when the teacher vocabulary is unknown).
+def unreached_teacher_ids(pm: ProjectionMap, teacher_vocab: int = -1) -> np.ndarray:
+    """The teacher ids no student row points at, ascending, of the map's teacher vocabulary or, where the map does
+    not record one (an imported map), of `teacher_vocab` (empty when neither is known).
 
     Mostly teacher tokens whose text the student splits: the student spells them with two or more tokens, so at
     a chunk's first position it reaches them only through its first piece, whose row stands for the teacher's
     token of that piece. Their probability at a first row has no student counterpart in P-KL (docs/losses.md)."""
-    if pm.teacher_vocab_size < 0:
+    vocab = pm.teacher_vocab_size if pm.teacher_vocab_size >= 0 else teacher_vocab
+    if vocab < 0:
         return np.zeros(0, dtype=np.int64)
-    reached = np.zeros(pm.teacher_vocab_size, dtype=bool)
+    reached = np.zeros(vocab, dtype=bool)
     reached[pm.indices[pm.indices >= 0]] = True
     return np.flatnonzero(~reached)
 

@@ -158,6 +158,18 @@ def sample_student(student: str, tokenizer, prompts: list, *, samples_per_prompt
     return completions, texts
 
 
+def last_turn_tokens(conv: dict, r) -> tuple[int, int, list[int]] | None:
+    """(start, end, the indices of the tokens that overlap it) of the conversation's last message's text in the
+    rendering `r` (`xtcache.chat.render.Rendering`), or None where the template does not write that text whole."""
+    last = len(conv["messages"]) - 1
+    k = next((k for k, (m, f, _) in enumerate(message_texts(conv)) if m == last and f == 1), None)
+    if k is None or r.located.at[k] < 0 or r.located.width[k] != len(conv["messages"][last]["content"]):
+        return None
+    a = int(r.located.at[k])
+    b = a + int(r.located.width[k])
+    return a, b, [j for j in range(len(r.ids)) if r.offsets[j, 0] < b and r.offsets[j, 1] > a]
+
+
 class TeacherScorer:
     """The live teacher (transformers, float32, no remote code): log-probs of completion texts."""
 
@@ -187,15 +199,11 @@ class TeacherScorer:
         rs = renderings(self.tokenizer, texts, convs, side="teacher tokenizer")
         out = []
         for conv, r, stop in zip(convs, rs, stopped):
-            last = len(conv["messages"]) - 1
-            k = next((k for k, (m, f, _) in enumerate(message_texts(conv)) if m == last and f == 1), None)
-            turn = conv["messages"][last]["content"]
-            if k is None or r.located.at[k] < 0 or r.located.width[k] != len(turn):
+            located = last_turn_tokens(conv, r)
+            if located is None:
                 out.append(None)
                 continue
-            a = r.located.at[k]
-            b = a + r.located.width[k]
-            cover = [j for j in range(len(r.ids)) if r.offsets[j, 0] < b and r.offsets[j, 1] > a]
+            cover = located[2]
             last_tok = cover[-1]
             if stop:
                 end = next((j for j in range(last_tok + 1, len(r.ids)) if r.markers[j]), None)
