@@ -29,15 +29,21 @@ def place_job(tensor_parallel_size: int) -> None:
 
 
 def share_cpu_with_vllm(cfg):
-    """On a CPU host, use one torch thread while vLLM's worker holds the other cores.
+    """On a CPU host whose vLLM worker runs in a process of its own, use one torch thread while that
+    worker holds the other cores.
 
     vLLM's CPU worker binds its OpenMP threads to all cores but the reserved one; two OpenMP
     teams contending for the same cores made our lm_head/top-k 4x slower (measured on 2 cores:
-    10k vs 40k rows/s). Returns the function that restores the previous setting.
+    10k vs 40k rows/s). An engine in this process (xtcache's default on a CPU host,
+    `engine_in_process`) shares this process's threads, one call after the other: nothing to
+    change. Returns the function that restores the previous setting.
     """
     import torch
 
-    if cfg.teacher.engine != "vllm" or devices.cuda_present():
+    from stage1_teacher.capture.vllm_engine import engine_in_process
+
+    if (cfg.teacher.engine != "vllm" or devices.cuda_present()
+            or engine_in_process(cfg.teacher.tensor_parallel_size)):
         return lambda: None
     before = torch.get_num_threads()
     reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)

@@ -25,15 +25,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
-# vLLM's engine core runs inside the process that starts it (VLLM_ENABLE_V1_MULTIPROCESSING=0) in
-# the tests: on these 2 cores an engine start then takes about 7 s instead of 30-45 s (engine core
-# and worker processes each import vLLM and torch), and the two on-policy rounds with vLLM at every
-# stage 135 s instead of 320 s (2026-11-27, side by side on a machine shared with other work). Production
-# keeps vLLM's default, separate engine processes; tests/test_stage1_vllm.py's killed dump runs that way
-# (`xtcache.testing.suite.VLLM_PROCESSES`): its engine processes must exit with it. Its other dumps run
-# in-process engines in a fresh interpreter (tests/vllm_dump_jobs.py): vLLM's in-process start scans the
-# modules loaded in its process, and a pytest worker holds those other test files imported (flask, moto).
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM's engine runs inside the process that starts it: xtcache's default on a CPU host with one worker
+# (stage1_teacher.capture.vllm_engine.engine_in_process), so the tests run the production process model.
+# tests/test_stage1_vllm.py's killed dump runs vLLM's own one, as on CUDA (`xtcache.testing.suite.VLLM_PROCESSES`):
+# its engine processes must exit with it. Its other dumps run in a fresh interpreter (tests/vllm_dump_jobs.py):
+# vLLM's in-process start scans the modules loaded in its process, and a pytest worker holds those other test
+# files imported (flask, moto).
 
 # vLLM compiles its sampler's helper functions (log-prob ranks, top-k/top-p) with torch.compile in every
 # process that samples or returns log-probs: on the CPU an inductor C++ build, 10-22 s a process while

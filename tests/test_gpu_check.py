@@ -6,8 +6,8 @@ the transformers engine in every mode, the lm_head against float32 logits, two `
 P-KL runs compared bit for bit, and the imports checked against a bare image plus
 `bench/gpu_wheels.py`'s wheels; and once with vLLM (forward only, teacher-dump on the fast path with
 its first-batch check) and `--steps 0`, where the steps without vLLM run again but not the two
-train-student runs, the same as the first run's. Its vLLM engines run in process (tests/conftest.py); the production
-process model is tests/test_stage1_vllm.py's.
+train-student runs, the same as the first run's. Its vLLM engines run in process (xtcache's default on a CPU host);
+vLLM's own process model, CUDA's, is tests/test_stage1_vllm.py's killed dump.
 
     .venv/bin/python -m pytest -q tests/test_gpu_check.py
 """

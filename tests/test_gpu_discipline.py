@@ -387,3 +387,50 @@ def test_the_engines_pin_the_model_runner_they_are_proven_on(monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the user's own choice stays, and the check names it
     VllmOptions(model="m").llm_kwargs()
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1" and requested_model_runner() == "v2"
+
+
+def test_the_engine_runs_in_process_on_a_cpu_host_with_one_worker_and_a_value_set_wins(monkeypatch):
+    """On a CPU host with one worker the engine runs in the process that starts it (vLLM's engine core and worker
+    processes cost a toy dump 2.7x its wall time on 2 cores), and the dump keeps its torch threads; on CUDA, with
+    several workers, or where VLLM_ENABLE_V1_MULTIPROCESSING is set, vLLM's own process model stays."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    from stage1_teacher.capture import vllm_engine as ve
+    from stage1_teacher.placement import share_cpu_with_vllm
+
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.setattr(ve, "on_cuda", lambda: False)
+    monkeypatch.setattr("xtcache.devices.cuda_present", lambda: False)
+    assert ve.engine_in_process(1) and not ve.engine_in_process(2)
+    ve.VllmOptions(model="m", tensor_parallel_size=2).llm_kwargs()
+    assert key not in os.environ
+    ve.VllmOptions(model="m").llm_kwargs()
+    assert os.environ[key] == "0"
+
+    def cfg(tp):
+        return SimpleNamespace(teacher=SimpleNamespace(engine="vllm", tensor_parallel_size=tp))
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        share_cpu_with_vllm(cfg(1))  # the engine's forward and the head share this process's threads in turn
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv(key, "1")  # vLLM's own processes, asked for: its worker holds all cores but one
+        assert not ve.engine_in_process(1)
+        restore = share_cpu_with_vllm(cfg(1))
+        assert torch.get_num_threads() == 1
+        restore()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    ve.VllmOptions(model="m").llm_kwargs()
+    assert os.environ[key] == "1"
+    monkeypatch.delenv(key)
+    monkeypatch.setattr(ve, "on_cuda", lambda: True)
+    ve.VllmOptions(model="m").llm_kwargs()
+    assert key not in os.environ and not ve.engine_in_process(1)

@@ -1,12 +1,12 @@
 """`xtcache teacher-dump` with real vLLM on the CPU: top-k, full and sampled stores, same and cross tokenizer.
 
 The in-process dumps (`run_teacher_dump`) run in one fresh interpreter (tests/vllm_dump_jobs.py),
-one after another, with vLLM's engine core in that process: each of the two engines (the prompt
-log-prob reference and the hidden-state fast path) starts once, in about 7 s instead of 30-45 s
-for an engine in its own processes. The tests then check the stores and what each dump reported.
-One more test runs the real command line with vLLM's production process model: killed with
-SIGKILL while its engine runs (the engine processes exit with it), then resumed to a complete
-store (its engine shut down at the end).
+one after another, with vLLM's engine in that process (xtcache's default on a CPU host): each of
+the two engines (the prompt log-prob reference and the hidden-state fast path) starts once. The
+tests then check the stores and what each dump reported. One more test runs the real command line
+with vLLM's own process model, as on CUDA (`VLLM_ENABLE_V1_MULTIPROCESSING=1`): killed with SIGKILL
+while its engine runs (the engine processes exit with it), then resumed to a complete store (its
+engine shut down at the end).
 
     .venv/bin/python -m pytest -q tests/test_stage1_vllm.py
 """
@@ -87,7 +87,7 @@ def dumps(teacher, corpus, toy_setup, tmp_path_factory):
                                   ("other-1", "other", 1, {})):
         jobs.append({"name": name, "config": two_writer_config(teacher, toy_setup, data, root / store, i, **extra)})
     (root / "jobs.json").write_text(json.dumps(jobs))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "tests.vllm_dump_jobs", str(root / "jobs.json"),
                            str(root / "results.json")], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -216,7 +216,7 @@ def test_cli_killed_while_its_engine_runs_leaves_no_engine_then_resumes(teacher,
     gone, alive = psutil.wait_procs(everything, timeout=60)
     assert not alive, f"processes outlived the killed dump: {[q.name() for q in alive]}"
 
-    in_process = {**os.environ, "PYTHONPATH": str(REPO)}  # the resume's engine in process: 7 s to start, not 30-45
+    in_process = {**os.environ, "PYTHONPATH": str(REPO)}  # the resume's engine in process, the CPU default
     done = subprocess.run(args, cwd=REPO, env=in_process, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "vLLM prompt log-probs" in done.stdout and "positions/s" in done.stdout

@@ -1,7 +1,7 @@
 """Stage 1 dumps on vLLM run in a fresh interpreter, sharing one pair of in-process engines
 (tests/test_stage1_vllm.py runs it once per module).
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 python -m tests.vllm_dump_jobs JOBS.json RESULTS.json
+    python -m tests.vllm_dump_jobs JOBS.json RESULTS.json
 
 JOBS.json is a list of {"name", "config" (the values of `build_config`), "head_architectures"
 (optional: the set `stage1_teacher.capture.head` treats as supported, [] to force the fallback)}. The jobs

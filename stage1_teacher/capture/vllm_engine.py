@@ -13,7 +13,8 @@ Two engines, both fed pre-tokenized windows (`{"prompt_token_ids": ids}`, no det
 
 On a CPU build vLLM needs `VLLM_CPU_KVCACHE_SPACE` (set here to 1 GiB only when not on CUDA and
 not already set) and a `gpu_memory_utilization` around 0.3 (the fraction of host memory it
-reserves). vLLM starts worker processes, so scripts that use these engines need the
+reserves). There the engine runs inside this process (`engine_in_process`). On CUDA vLLM starts
+its engine core and worker processes, so scripts that use these engines need the
 `if __name__ == "__main__":` guard. `close()` shuts the engine's processes down; if this process
 dies first (even by SIGKILL), `xtcache.reaper` stops them.
 
@@ -65,6 +66,35 @@ def platform_name() -> str:
     return kind
 
 
+def engine_in_process(tensor_parallel_size: int = 1) -> bool:
+    """Whether vLLM's engine runs inside this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, which
+    `VllmOptions.llm_kwargs` sets where this holds and the variable is unset; a value set wins).
+
+    xtcache's choice on a CPU host with one worker: there vLLM's own process model (an engine core
+    and a worker process, each importing vLLM and torch, the worker's threads bound to all cores but
+    one) cost a toy teacher-dump more than twice its wall time on 2 cores, mostly in engine starts
+    (`bench/engine_process.py`, docs/troubleshooting.md). On CUDA, or with several workers, vLLM's
+    processes stay."""
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "").strip()
+    if value:
+        return value == "0"
+    return tensor_parallel_size == 1 and not on_cuda()
+
+
+def _quiet_thread_setting() -> None:
+    """Drop vLLM's CPU worker warning that it skipped a `torch.set_num_threads` call. In this process the
+    worker makes the call a no-op (the dump's torch threads stay as they are) and vLLM's own start makes
+    several: a screenful of warnings about nothing the user set."""
+    worker_log = logging.getLogger("vllm.v1.worker.cpu_worker")
+    if not any(isinstance(f, _SkippedThreadSetting) for f in worker_log.filters):
+        worker_log.addFilter(_SkippedThreadSetting())
+
+
+class _SkippedThreadSetting(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "torch.set_num_threads" not in record.getMessage()
+
+
 def requested_model_runner() -> str:
     """The model runner the engines run: 'v1' unless VLLM_USE_V2_MODEL_RUNNER asks for 'v2' ('auto': empty).
 
@@ -95,6 +125,9 @@ class VllmOptions:
         if not cuda:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner xtcache is proven on (requested_model_runner)
+        if engine_in_process(self.tensor_parallel_size):
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            _quiet_thread_setting()
         util = self.gpu_memory_utilization
         if util is None:
             util = 0.8 if cuda else 0.3
@@ -128,7 +161,8 @@ class _VllmEngine:
 
         kw = options.llm_kwargs()
         kw.update(extra)
-        log.info("starting vLLM (%s) for %s", self.name, options.model)
+        log.info("starting vLLM (%s) for %s, its engine %s", self.name, options.model,
+                 "in this process" if engine_in_process(options.tensor_parallel_size) else "in processes of its own")
         with guard_children():  # a killed dump must not leave its engine holding the device
             self.llm = LLM(**kw)
         self.options = options
