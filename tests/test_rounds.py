@@ -520,7 +520,9 @@ def test_each_stage_on_several_processes_is_recorded_as_its_torchrun_command_and
 
 
 FAKE_RANK = """import os, pathlib, sys, time
-pathlib.Path(sys.argv[sys.argv.index("--out") + 1], f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+pid = pathlib.Path(sys.argv[sys.argv.index("--out") + 1], f"rank{os.environ['RANK']}.pid")
+pid.with_suffix(".tmp").write_text(str(os.getpid()))
+pid.with_suffix(".tmp").rename(pid)  # whole or absent: the test reads it as soon as it appears
 time.sleep(600)
 """
 
@@ -557,8 +559,8 @@ def test_a_killed_driver_leaves_no_torchrun_rank_running(tmp_path, launcher_too)
         time.sleep(1.0)  # the driver's watcher registers new descendants twice a second
         if launcher_too:
             launcher.kill()
+    finally:  # also when an assertion above fails: a driver left running would wait out its ranks' sleep
         proc.kill()
-    finally:
         proc.wait()
     _, alive = psutil.wait_procs([launcher, *ranks], timeout=30)
     assert not alive, [p.cmdline() for p in alive]
