@@ -13,19 +13,22 @@ inside the function so `xtcache --help` stays fast.
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from stage2_student.config import TrainConfig
 from xtcache.cliconfig import command
+from xtcache.errors import ConfigError, XtcacheError
 
 
 def _train(cfg: TrainConfig) -> None:
     import json
-    import os
 
     from stage2_student.config import deepspeed_config
 
     deepspeed_config(cfg)  # a --deepspeed file that is not a JSON object fails here, before DeepSpeed is imported
+    check_inputs(cfg)
     from stage2_student.trainer import train  # lazy: loads torch only when called
 
     summary = train(cfg)
@@ -33,6 +36,26 @@ def _train(cfg: TrainConfig) -> None:
         typer.echo(json.dumps({k: summary[k] for k in ("steps", "final_eval_kl", "final_eval_ce", "metrics")}))
         for t in summary.get("teachers") or []:  # several teachers: one line each, and the mixture's
             typer.echo(json.dumps(t))
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """Refuse, in a second and one line, a store without a valid manifest (--cache, --eval-cache, --corpus-cache)
+    and a --student directory without a tokenizer or a model config: before DeepSpeed is imported and the process
+    group starts (10-30 s on a CPU host), where the trainer would meet them, and with its flag named."""
+    from xtcache.store.reader import read_manifest
+    from xtcache.tokenizer import require_tokenizer_files
+
+    stores = [("--cache", u) for u in cfg.cache] + [("--eval-cache", u) for u in cfg.eval.eval_cache]
+    stores += [("--corpus-cache", cfg.loader.corpus_cache)] if cfg.loader.corpus_cache else []
+    for flag, url in stores:
+        try:
+            read_manifest(url, cfg.loader.storage_options)
+        except XtcacheError as err:
+            raise type(err)(f"{flag} {err}") from None
+    require_tokenizer_files(cfg.student, "--student")
+    if os.path.isdir(cfg.student) and not os.path.isfile(os.path.join(cfg.student, "config.json")):
+        raise ConfigError(f"--student {cfg.student}: the directory holds no model (no config.json); pass the student's "
+                          "Hugging Face model directory")
 
 
 train_student = command(

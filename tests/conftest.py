@@ -112,6 +112,18 @@ def kd_caches(toy_setup, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def manifest_only(toy_setup, tmp_path_factory) -> Path:
+    """A directory holding only the manifest.json of a real store (two documents): a valid manifest, no parts,
+    no alignment. train-student reads the manifest before DeepSpeed starts and meets the rest after."""
+    root = tmp_path_factory.mktemp("manifest_only")
+    store = teacher_dump(root / "store", toy_setup, toy_setup.train_jsonl, 2)
+    bare = root / "bare"
+    bare.mkdir()
+    (bare / "manifest.json").write_bytes((Path(store) / "manifest.json").read_bytes())
+    return bare
+
+
+@pytest.fixture(scope="session")
 def procs():
     """The warm process server of this pytest worker (`tests.commands.WarmProcs`, CPU-pinned like every
     stage 2 run of the suite): stage 2 runs and `xtcache` commands that must be processes of their own

@@ -9,6 +9,9 @@ before any model loads or any process group starts.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.commands import xtcache
@@ -87,3 +90,62 @@ def test_out_holding_another_key_names_the_setting_that_differs(toy_setup, tmp_p
 def test_cache_ls_of_an_empty_directory_says_where_stores_come_from(tmp_path):
     proc = xtcache("cache", "ls", "--cache-dir", tmp_path)
     assert proc.returncode == 0 and f"no caches under {tmp_path}" in proc.stdout and "--cache-dir" in proc.stdout
+
+
+TRAIN_INPUTS = ["--cache", "--eval-cache", "--corpus-cache", "--student without a tokenizer",
+                "--student without a model"]
+
+
+@pytest.mark.parametrize("case", TRAIN_INPUTS)
+def test_train_student_refuses_a_directory_that_is_not_what_its_flag_needs_before_deepspeed(
+        case, toy_setup, manifest_only, tmp_path, monkeypatch):
+    """An existing directory of the wrong kind: one line naming the flag, and DeepSpeed is never imported
+    (blocked here: a refusal that came after its import would be an ImportError instead)."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    empty, tokenizer_only = tmp_path / "empty", tmp_path / "tokenizer_only"
+    empty.mkdir()
+    tokenizer_only.mkdir()
+    for f in Path(toy_setup.student_model).glob("tokenizer*"):
+        (tokenizer_only / f.name).write_bytes(f.read_bytes())
+    train = ["train-student", "--cache", manifest_only, "--student", toy_setup.student_model, "--out", tmp_path / "r"]
+    argv, want = {
+        "--cache": (["train-student", "--cache", empty, "--student", toy_setup.student_model, "--out", tmp_path / "r"],
+                    f"error: --cache {empty} is not an xtcache store (no manifest.json)"),
+        "--eval-cache": ([*train, "--eval-cache", empty], f"error: --eval-cache {empty} is not an xtcache store"),
+        "--corpus-cache": ([*train, "--corpus-cache", empty, "--rollout-fraction", "0.5"],
+                           f"error: --corpus-cache {empty} is not an xtcache store"),
+        "--student without a tokenizer": (["train-student", "--cache", manifest_only, "--student", empty, "--out",
+                                           tmp_path / "r"], f"error: --student {empty}: the directory holds no tokenizer"),
+        "--student without a model": (["train-student", "--cache", manifest_only, "--student", tokenizer_only,
+                                       "--out", tmp_path / "r"],
+                                      f"error: --student {tokenizer_only}: the directory holds no model (no config.json)"),
+    }[case]
+    line = _one_line_error(xtcache(*argv))
+    assert line.startswith(want), line
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "projection build"])
+def test_a_tokenizer_directory_without_a_tokenizer_is_one_line_naming_its_flag(command, toy_setup, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"text": "def f():"}\n')
+    argv, flag = {
+        "generate": (["generate", "--student", empty, "--data", data, "--out", tmp_path / "g", "--engine", "hf"],
+                     "--student"),
+        "projection build": (["projection", "build", "--student-tokenizer", empty, "--teacher-tokenizer",
+                              toy_setup.teacher_tokenizer, "--out", tmp_path / "w.safetensors"], "--student-tokenizer"),
+    }[command]
+    line = _one_line_error(xtcache(*argv))
+    assert line.startswith(f"error: {flag} {empty}: the directory holds no tokenizer (none of tokenizer.json, "), line
+
+
+@pytest.mark.parametrize("prompts, says", [("nope.jsonl", "no such file"), ("nope-*.jsonl", "the pattern matches no file")])
+def test_rounds_names_its_prompts_flag_for_a_missing_file_before_anything_runs(prompts, says, toy_setup, tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = _one_line_error(xtcache("rounds", "--student", toy_setup.student_model, "--teacher",
+                                   toy_setup.teacher_model, "--prompts", prompts, "--workdir", tmp_path / "w"))
+    assert line == f"error: --prompts {prompts}: {says}", line
+    assert not (tmp_path / "w").exists()  # no work directory, no stage started

@@ -1,8 +1,8 @@
 """The demo's quiet console and `xtcache demo --on-policy`'s table.
 
-The console test runs a real stage through the demo's runner: `train-student` on a directory that is
-not a store imports DeepSpeed (its "Setting accelerator to CPU" warning) and then fails with xtcache's
-one-line error. The end-to-end run of `xtcache demo --on-policy --size small --engine hf` is not in
+The console test runs a real stage through the demo's runner: `train-student` on a store that holds only its
+manifest imports DeepSpeed (its "Setting accelerator to CPU" warning) and then fails with xtcache's one-line
+error (no alignment for the student's tokenizer). The end-to-end run of `xtcache demo --on-policy --size small --engine hf` is not in
 the suite: on 2026-11-25 it took 438 s wall time (108 s of user CPU) on the shared 2-core machine,
 against a 60 s allowance; the table is built here from a result of the shape it returns.
 """
@@ -38,20 +38,23 @@ def test_console_keeps_xtcache_lines_and_sends_engine_lines_to_the_log(line, con
 
 
 @pytest.mark.slow  # a train-student subprocess that imports DeepSpeed (11 s alone on 2 cores)
-def test_engine_warning_goes_to_the_log_and_a_failed_stage_to_the_console(toy_setup, tmp_path, capsys):
+def test_engine_warning_goes_to_the_log_and_a_failed_stage_to_the_console(toy_setup, manifest_only, tmp_path,
+                                                                          capsys):
     log_path = tmp_path / "demo.log"
     runner = StageRunner(log_path)
-    (tmp_path / "not_a_store").mkdir()  # refused by the stage's reader, after DeepSpeed's import printed its notice
+    # its manifest passes the check before DeepSpeed; the missing alignment is met after DeepSpeed's notice
     with pytest.raises(StageFailed, match=r"exit 2\): xtcache train-student .*demo\.log"):
-        runner.xtcache("train-student", "--cache", str(tmp_path / "not_a_store"), "--student",
+        runner.xtcache("train-student", "--cache", str(manifest_only), "--student",
                        str(toy_setup.student_model), "--out", str(tmp_path / "out"), "--max-steps", "1")
     out, err = capsys.readouterr()
     logged = log_path.read_text()
-    assert DEEPSPEED_NOTICE in logged and "is not an xtcache store" in logged  # everything the stage wrote
+    refusal = f"error: the cache {manifest_only} has no alignment for the student tokenizer"
+    assert DEEPSPEED_NOTICE in logged and refusal in logged  # everything the stage wrote
+    assert logged.index(DEEPSPEED_NOTICE) < logged.index(refusal)
     assert f"engine logs: {log_path}" in err
     live, tail = err.split("--- last ", 1)
     # while the stage ran: its error line on the console, the engine's notice not
-    assert "is not an xtcache store" in live and DEEPSPEED_NOTICE not in live and DEEPSPEED_NOTICE not in out
+    assert refusal in live and DEEPSPEED_NOTICE not in live and DEEPSPEED_NOTICE not in out
     # after it failed: the tail of its output, the notice included, names the log and the exit code
     assert "exit 2" in tail and str(log_path) in tail and DEEPSPEED_NOTICE in tail
 

@@ -263,6 +263,7 @@ def test_the_deterministic_flag_reaches_the_config(monkeypatch, tmp_path):
 
     seen = []
     monkeypatch.setattr("stage2_student.trainer.train", seen.append)
+    monkeypatch.setattr("stage2_student.cli.check_inputs", lambda cfg: None)  # empty directories stand for them
     for d in ("c", "s"):  # paths are checked before anything reads them; the training itself is replaced
         (tmp_path / d).mkdir()
     base = ["--cache", str(tmp_path / "c"), "--student", str(tmp_path / "s"), "--out", str(tmp_path / "o")]

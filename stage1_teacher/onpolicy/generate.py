@@ -148,7 +148,7 @@ def run_generate(cfg: GenerateConfig) -> GenerateSummary:
     for f in corpus.files:  # before the student is loaded: refused in a second
         if f.size == 0:
             raise ConfigError(f"--data {f.url}: the file is empty; give prompt files with at least one row")
-    tokenizer = load_tokenizer(cfg.student, "student")
+    tokenizer = load_tokenizer(cfg.student, "--student")
     policy = policy_fingerprint(cfg.student, tokenizer, cfg.sampling)
     loc = Location(o.out, o.storage_options)
     open_manifest(loc, _manifest(cfg, policy, corpus))

@@ -52,10 +52,10 @@ class ProjectionBuildConfig:
             raise ValueError(f"--pieces {self.pieces!r}: use first or all")
 
 
-def load_tokenizer(name: str, side: str):
-    """A fast tokenizer from a local directory, loaded as stage 1 and stage 2 load it."""
+def load_tokenizer(name: str, flag: str):
+    """A fast tokenizer from a local directory, loaded as stage 1 and stage 2 load it; errors name `flag`."""
     try:
-        return load(name, f"{side} tokenizer")
+        return load(name, flag)
     except ConfigError as e:
         raise ProjectionError(str(e)) from None
 
@@ -77,8 +77,8 @@ def build(
                                     out=out, top_k=top_k, decay=decay, reverse_scale=reverse_scale, pieces=pieces)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    s_tok = load_tokenizer(cfg.student_tokenizer, "student")
-    t_tok = load_tokenizer(cfg.teacher_tokenizer, "teacher")
+    s_tok = load_tokenizer(cfg.student_tokenizer, "--student-tokenizer")
+    t_tok = load_tokenizer(cfg.teacher_tokenizer, "--teacher-tokenizer")
     pm = build_projection(s_tok, t_tok, top_k=cfg.top_k, decay=cfg.decay, reverse_scale=cfg.reverse_scale,
                           pieces=cfg.pieces)
     pm.save(cfg.out)
@@ -99,8 +99,8 @@ def import_(
     out: Path = typer.Option(..., help="Output safetensors file."),
 ) -> None:
     """Convert a NeMo-RL projection map (.pt) into an xtcache map, checking shapes and ids."""
-    s_tok = load_tokenizer(student_tokenizer, "student")
-    t_tok = load_tokenizer(teacher_tokenizer, "teacher")
+    s_tok = load_tokenizer(student_tokenizer, "--student-tokenizer")
+    t_tok = load_tokenizer(teacher_tokenizer, "--teacher-tokenizer")
     pm, changes = import_nemo(source, s_tok, t_tok)
     pm.save(out)
     typer.echo(format_report(pm, s_tok, t_tok))
@@ -119,7 +119,7 @@ def inspect(
     """Print coverage: exact-match share, rows with a mapping, entries per row, the content digest a run's summary
     names it by, the teacher ids no student row reaches, example rows."""
     pm = ProjectionMap.load(path)
-    s_tok = load_tokenizer(student_tokenizer, "student") if student_tokenizer else None
-    t_tok = load_tokenizer(teacher_tokenizer, "teacher") if teacher_tokenizer else None
+    s_tok = load_tokenizer(student_tokenizer, "--student-tokenizer") if student_tokenizer else None
+    t_tok = load_tokenizer(teacher_tokenizer, "--teacher-tokenizer") if teacher_tokenizer else None
     typer.echo(format_report(pm, s_tok, t_tok))
     typer.echo(f"  student fingerprint {pm.student_fingerprint[:16]}  teacher fingerprint {pm.teacher_fingerprint[:16]}")

@@ -29,8 +29,9 @@ Per-round metrics go to W/metrics.jsonl (TensorBoard: each train/ writes its own
 printed at the end. docs/on-policy.md, "Rounds".
 
 Before any stage runs, every round's three command lines are built into their stages' configs, as the
-stages will build them (`check_commands`): a typo or a refused value in --generate-args, --dump-args or after `--`, or a
-path they name that does not exist, fails the run there, not after round 0's generate and teacher-dump.
+stages will build them (`check_commands`): a --prompts file that is not there, a typo or a refused value in
+--generate-args, --dump-args or after `--`, or a path they name that does not exist, fails the run there, not after
+round 0's generate and teacher-dump.
 This module composes the stages' command lines and reads their command-line definitions only: it runs no
 stage in its own process.
 """
@@ -309,10 +310,30 @@ def conversation_prompts(cfg: RoundsConfig) -> bool:
 def _conversations(prompts: str, text_field: str, options: str | None) -> bool:
     from stage1_teacher.corpus import detect_messages_field
 
-    try:
+    with _as_prompts():
         return detect_messages_field(prompts, text_field, json.loads(options) if options else None) is not None
-    except (XtcacheError, ValueError) as e:  # the corpus names its --data: here the file is rounds' --prompts
+
+
+@contextlib.contextmanager
+def _as_prompts():
+    """The corpus's errors name its --data: read for rounds, the files are its --prompts."""
+    try:
+        yield
+    except (XtcacheError, ValueError) as e:
         raise ConfigError(str(e).replace("--data", "--prompts", 1)) from None
+
+
+def check_prompts(cfg: RoundsConfig) -> None:
+    """Every --prompts file there, of a known format, as generate resolves its --data (globs expanded), before
+    anything runs: a ConfigError naming --prompts and the file."""
+    from stage1_teacher.config import expand_globs
+    from stage1_teacher.corpus import Corpus
+
+    options = flag_value(cfg.generate_flags, "--data-storage-options") or flag_value(cfg.generate_flags,
+                                                                                     "--storage-options")
+    with _as_prompts():
+        options = json.loads(options) if options else None
+        Corpus.resolve(expand_globs(cfg.prompts, options), storage_options=options)
 
 
 def loss_flags(cfg: RoundsConfig) -> list[str]:
@@ -690,6 +711,7 @@ def check_commands(cfg: RoundsConfig) -> None:
     from stage2_student.cli import train_student
     from xtcache.cliconfig import check_paths, config_of
 
+    check_prompts(cfg)
     commands = {"generate": generate, "teacher-dump": teacher_dump, "train-student": train_student}
     gpus = cuda_device_count() if cfg.nproc_per_node > 1 else None  # the driver imports torch only then
     if gpus and gpus < cfg.nproc_per_node:

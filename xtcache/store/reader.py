@@ -65,6 +65,21 @@ def _check_manifest(m: Manifest, url: str) -> None:
                               f"(mode {m.mode})")
 
 
+def read_manifest(url: str, storage_options: dict | None = None, *, loc: Location | None = None) -> Manifest:
+    """The store's manifest.json, checked (version, fields, a transform for every array its mode stores); a
+    directory without one is refused as not a store. The first thing `CacheReader` reads, and all that
+    train-student reads of each store before it starts DeepSpeed (stage2_student.cli)."""
+    loc = loc or Location(url, storage_options)
+    raw = loc.read_json("manifest.json")
+    if raw is None:
+        raise StoreError(f"{url} is not an xtcache store (no manifest.json); "
+                         "pass the directory written by `xtcache teacher-dump`")
+    check_version(raw, f"store {url}")
+    manifest: Manifest = read_model(Manifest, raw, f"{url}/manifest.json")
+    _check_manifest(manifest, url)
+    return manifest
+
+
 class CacheReader:
     """Reads committed parts of a store, every read checked; refuses stores of unknown format versions.
 
@@ -74,13 +89,7 @@ class CacheReader:
     def __init__(self, url: str, storage_options: dict | None = None, *, problems: list[str] | None = None):
         self.url = url
         self.loc = Location(url, storage_options)
-        raw = self.loc.read_json("manifest.json")
-        if raw is None:
-            raise StoreError(f"{url} is not an xtcache store (no manifest.json); "
-                             "pass the directory written by `xtcache teacher-dump`")
-        check_version(raw, f"store {url}")
-        self.manifest: Manifest = read_model(Manifest, raw, f"{url}/manifest.json")
-        _check_manifest(self.manifest, url)
+        self.manifest: Manifest = read_manifest(url, loc=self.loc)
         self._problems = problems
         self.shards: list[ShardMeta] = list_shards(self.loc, url, problems)
 
