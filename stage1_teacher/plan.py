@@ -164,6 +164,7 @@ def find_reusable(cfg: TeacherDumpConfig, plan: Plan) -> str | None:
         r = CacheReader(plan.out, cfg.store.storage_options)
     except StoreError:
         r = None
+        preflight.refuse_foreign(plan.out, cfg.store.storage_options)
     if r is not None:
         if r.manifest.cache_key != plan.cache_key and preflight.replace_stub(r, plan.out):
             return None

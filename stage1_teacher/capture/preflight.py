@@ -25,7 +25,8 @@ from stage1_teacher.capture.head import HEAD_ARCHITECTURES, read_config
 from stage1_teacher.corpus import Corpus, Skipped, iter_file
 from xtcache import devices
 from xtcache.errors import ConfigError
-from xtcache.location import is_local, local_path
+from xtcache.location import Location, is_local, local_path
+from xtcache.store.reader import foreign_entries
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +126,31 @@ def writable_location(flag: str, url: str, storage_options: dict | None) -> None
 
 def replace_stub(reader, url: str) -> bool:
     """Remove the store at `url` when a failed run left it with nothing in it: no committed part, no
-    writer claim, no done marker. True when removed (the caller then writes a fresh store)."""
+    writer claim, no done marker. True when removed (the caller then writes a fresh store). A directory that
+    also holds entries that are not the store's is refused, never removed."""
     loc = reader.loc
     if reader.shards or loc.listdir("claims") or loc.listdir("done") or any(
             loc.listdir(f"align/{fp}/index") for fp in loc.groups()):
         return False
+    if extra := foreign_entries(loc):
+        raise ConfigError(f"--out {url} holds a store of another cache key without any committed part, beside entries "
+                          f"that are not the store's ({shown_entries(extra)}): nothing removed; use another --out")
     log.warning("--out %s holds a store of another cache key without any committed part (left by a failed "
                 "run): replacing it", url)
     loc.remove_tree("")
     return True
+
+
+def refuse_foreign(url: str, storage_options: dict | None) -> None:
+    """Refuse an --out that holds no store (no manifest) but other entries: the store would be written among
+    files that are not its own, and a later replacement of it (`replace_stub`) would have to leave them."""
+    if extra := foreign_entries(Location(url, storage_options)):
+        raise ConfigError(f"--out {url} holds no xtcache store but other entries ({shown_entries(extra)}); give a new "
+                          "or empty directory for the store")
+
+
+def shown_entries(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def check_device_memory(cfg, opts, *, window_len: int, k: int, reference_check: bool) -> object | None:

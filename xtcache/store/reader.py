@@ -65,6 +65,17 @@ def _check_manifest(m: Manifest, url: str) -> None:
                               f"(mode {m.mode})")
 
 
+# the entries of a store's root (schemas/STORE_FORMAT.md, section 2, and the writers' corpus digests); `.tmp-`
+# files are an atomic write's. Anything else there is not the store's, and no command removes it.
+STORE_ENTRIES = frozenset({"manifest.json", "zarr.json", "claims", "done", "shard_plan.json", "capture_checks",
+                           "teacher_tokenizer", "index", "shards", "align", "corpus_digests"})
+
+
+def foreign_entries(loc: Location) -> list[str]:
+    """The entries at the root of `loc` that are not a store's (STORE_ENTRIES), sorted."""
+    return [e for e in loc.listdir("") if e not in STORE_ENTRIES and not e.startswith(".tmp-")]
+
+
 def read_manifest(url: str, storage_options: dict | None = None, *, loc: Location | None = None) -> Manifest:
     """The store's manifest.json, checked (version, fields, a transform for every array its mode stores); a
     directory without one is refused as not a store. The first thing `CacheReader` reads, and all that
