@@ -30,6 +30,8 @@ from xtcache.errors import ConfigError
 log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
+SUMMARY_FILE = "summary.json"  # a finished run's summary, written last, beside its Hugging Face export
+HF_DIR = "hf"
 CONVERT_WAIT_S = 6 * 3600  # ranks wait this long for rank 0 to convert a checkpoint
 TRAINER_STATE_VERSION = 2
 
@@ -61,6 +63,26 @@ class ResumePoint:
     state: dict
     loader: dict | None  # None: --init-from, this run's data stream starts at its beginning
     reshard: bool  # saved with another number of ranks
+
+
+def complete_checkpoint(out: Path) -> Path | None:
+    """The newest checkpoint under OUT/checkpoints that train-student finished writing: its train_config.json is
+    written last (after DeepSpeed's files, which update checkpoints/latest, and the trainer state and RNG)."""
+    steps = [p for p in (Path(out) / CKPT_DIR).glob("step*") if p.name[4:].isdigit()]
+    done = sorted((p for p in steps if (p / "train_config.json").is_file()), key=lambda p: int(p.name[4:]))
+    return done[-1] if done else None
+
+
+def earlier_run(out: str | Path) -> str | None:
+    """What of an earlier run the directory `out` holds that a fresh run there would overwrite (a finished run's
+    summary and export, or a complete checkpoint), with the way to continue it; None: nothing, or a run killed
+    before its first checkpoint."""
+    out = Path(out)
+    if (out / SUMMARY_FILE).is_file():
+        return f"a finished run ({SUMMARY_FILE}, {HF_DIR}/): train it further with --resume latest and a larger " \
+               "--max-steps"
+    ckpt = complete_checkpoint(out)
+    return f"a run's checkpoint {ckpt.relative_to(out)}: continue it with --resume latest" if ckpt else None
 
 
 def checkpoint_dir(out: Path, where: str) -> Path:

@@ -39,9 +39,11 @@ def _train(cfg: TrainConfig) -> None:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """Refuse, in a second and one line, a store without a valid manifest (--cache, --eval-cache, --corpus-cache)
-    and a --student directory without a tokenizer or a model config: before DeepSpeed is imported and the process
-    group starts (10-30 s on a CPU host), where the trainer would meet them, and with its flag named."""
+    """Refuse, in a second and one line, a store without a valid manifest (--cache, --eval-cache, --corpus-cache),
+    an --out holding an earlier run's checkpoint or export without --resume, and a --student directory without a
+    tokenizer or a model config: before DeepSpeed is imported and the process group starts (10-30 s on a CPU
+    host), where the trainer would meet them (or overwrite the earlier run), and with its flag named."""
+    from stage2_student.checkpoint import earlier_run
     from xtcache.store.reader import read_manifest
     from xtcache.tokenizer import require_tokenizer_files
 
@@ -52,6 +54,8 @@ def check_inputs(cfg: TrainConfig) -> None:
             read_manifest(url, cfg.loader.storage_options)
         except XtcacheError as err:
             raise type(err)(f"{flag} {err}") from None
+    if cfg.checkpoint.resume is None and (held := earlier_run(cfg.out)):
+        raise ConfigError(f"--out {cfg.out} holds {held}, or give another --out: a fresh run would overwrite it")
     require_tokenizer_files(cfg.student, "--student")
     if os.path.isdir(cfg.student) and not os.path.isfile(os.path.join(cfg.student, "config.json")):
         raise ConfigError(f"--student {cfg.student}: the directory holds no model (no config.json); pass the student's "

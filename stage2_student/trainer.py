@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from stage2_student import checkpoint
+from stage2_student.checkpoint import HF_DIR, SUMMARY_FILE
 from stage2_student.config import TrainConfig, deepspeed_config, lr_lambda
 from stage2_student.data import StageData, open_stage_data
 from stage2_student.evaluation import evaluate
@@ -44,8 +45,6 @@ from xtcache.errors import ConfigError
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
-HF_DIR = "hf"
 
 
 class Trainer:

@@ -149,3 +149,39 @@ def test_rounds_names_its_prompts_flag_for_a_missing_file_before_anything_runs(p
                                    toy_setup.teacher_model, "--prompts", prompts, "--workdir", tmp_path / "w"))
     assert line == f"error: --prompts {prompts}: {says}", line
     assert not (tmp_path / "w").exists()  # no work directory, no stage started
+
+
+@pytest.mark.parametrize("held", ["finished", "checkpoint"])
+def test_train_student_refuses_to_overwrite_an_earlier_run_without_resume(held, toy_setup, manifest_only, tmp_path,
+                                                                         monkeypatch):
+    """A second train-student into the --out of an earlier run overwrote its checkpoints, metrics and export; now
+    it is one line naming the way to continue, before DeepSpeed (blocked here), and the run's files are kept."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    out = tmp_path / "run"
+    if held == "finished":
+        (out / "hf").mkdir(parents=True)
+        (out / "summary.json").write_text("{}")
+    else:
+        (out / "checkpoints" / "step3").mkdir(parents=True)
+        (out / "checkpoints" / "step3" / "train_config.json").write_text("{}")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    line = _one_line_error(xtcache("train-student", "--cache", manifest_only, "--student", toy_setup.student_model,
+                                   "--out", out))
+    assert line == f"error: --out {out} holds " + (
+        "a finished run (summary.json, hf/): train it further with --resume latest and a larger --max-steps"
+        if held == "finished" else "a run's checkpoint checkpoints/step3: continue it with --resume latest") + (
+        ", or give another --out: a fresh run would overwrite it"), line
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
+def test_a_run_killed_before_its_first_complete_checkpoint_is_no_earlier_run(tmp_path):
+    """Nothing of it to keep: a fresh run may start there (as `xtcache rounds` restarts such a stage)."""
+    from stage2_student.checkpoint import earlier_run
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step5").mkdir(parents=True)  # killed while saving: no train_config.json yet
+    (out / "metrics.jsonl").write_text("{}\n")
+    assert earlier_run(out) is None and earlier_run(tmp_path / "new") is None
+    (out / "checkpoints" / "step2").mkdir()
+    (out / "checkpoints" / "step2" / "train_config.json").write_text("{}")
+    assert earlier_run(out) == "a run's checkpoint checkpoints/step2: continue it with --resume latest"

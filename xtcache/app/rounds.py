@@ -361,7 +361,9 @@ def resume_flags(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
         return ["--resume"] if (d / "rollouts" / "manifest.json").exists() else []
     if stage == "teacher-dump":
         return ["--resume"] if (d / "cache").exists() and any((d / "cache").iterdir()) else []
-    ckpt = complete_checkpoint(d / "train")
+    from stage2_student.checkpoint import complete_checkpoint
+
+    ckpt = complete_checkpoint(d / "train")  # a driver killed while a checkpoint was saved resumes from the one before
     if ckpt is not None:
         return ["--resume", str(ckpt)]
     if (d / "train").exists():  # killed before its first checkpoint: nothing of it is kept
@@ -369,14 +371,6 @@ def resume_flags(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
         shutil.rmtree(d / "train")
     return []
 
-
-def complete_checkpoint(train_dir: Path) -> Path | None:
-    """The newest checkpoint train-student finished writing: its train_config.json is written last
-    (after DeepSpeed's files, which update checkpoints/latest, and the trainer state and RNG), so a
-    driver killed while a checkpoint was being saved resumes from the one before."""
-    steps = [p for p in (train_dir / "checkpoints").glob("step*") if p.name[4:].isdigit()]
-    done = sorted((p for p in steps if (p / "train_config.json").is_file()), key=lambda p: int(p.name[4:]))
-    return done[-1] if done else None
 
 
 
