@@ -86,7 +86,7 @@ class CaptureConfig:
 @dataclass(kw_only=True)
 class StoreConfig:
     out: str | None = None
-    """Store URL or path; default: <cache-dir>/xtc-<cache key>."""
+    """Store URL or path: a new or empty directory, or one holding a store (never one holding other files); default: <cache-dir>/xtc-<cache key>."""
     cache_dir: str | None = None
     """Directory of reusable caches: a complete cache with the same key is reused, not recomputed."""
     storage_options: dict[str, Any] = field(default_factory=dict)

@@ -173,7 +173,7 @@ class TrainConfig:
     student: str
     """Student model directory (Hugging Face format, with its tokenizer)."""
     out: str
-    """Output directory: metrics.jsonl, checkpoints/, hf/, summary.json."""
+    """Output directory: metrics.jsonl, checkpoints/, hf/, summary.json. One that holds an earlier run's complete checkpoint or export is refused unless --resume is given."""
     seed: int = 0
     """Seed of the data order and of torch."""
     deterministic: bool = False
