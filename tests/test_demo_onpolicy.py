@@ -2,9 +2,9 @@
 
 The console test runs a real stage through the demo's runner: `train-student` on a store that holds only its
 manifest imports DeepSpeed (its "Setting accelerator to CPU" warning) and then fails with xtcache's one-line
-error (no alignment for the student's tokenizer). The end-to-end run of `xtcache demo --on-policy --size small --engine hf` is not in
-the suite: on 2026-11-25 it took 438 s wall time (108 s of user CPU) on the shared 2-core machine,
-against a 60 s allowance; the table is built here from a result of the shape it returns.
+error (no alignment for the student's tokenizer). The end-to-end run of `xtcache demo --on-policy --size small
+--engine hf` is not in the suite: on 2026-11-25 it took 438 s wall time (108 s of user CPU) on the shared 2-core
+machine, against a 60 s allowance; the table is built here from a result of the shape it returns.
 """
 
 from __future__ import annotations

@@ -302,8 +302,14 @@ def conversation_prompts(cfg: RoundsConfig) -> bool:
     flags = cfg.generate_flags
     if flag_value(flags, "--messages-field"):
         return True
-    options = flag_value(flags, "--data-storage-options") or flag_value(flags, "--storage-options")
-    return _conversations(cfg.prompts[0], flag_value(flags, "--text-field") or "text", options)
+    return _conversations(cfg.prompts[0], flag_value(flags, "--text-field") or "text", _prompt_options(cfg))
+
+
+def _prompt_options(cfg: RoundsConfig) -> str | None:
+    """The fsspec options (JSON) generate reads the prompt files with: --data-storage-options in --generate-args,
+    else --storage-options."""
+    flags = cfg.generate_flags
+    return flag_value(flags, "--data-storage-options") or flag_value(flags, "--storage-options")
 
 
 @functools.lru_cache(maxsize=8)
@@ -329,8 +335,7 @@ def check_prompts(cfg: RoundsConfig) -> None:
     from stage1_teacher.config import expand_globs
     from stage1_teacher.corpus import Corpus
 
-    options = flag_value(cfg.generate_flags, "--data-storage-options") or flag_value(cfg.generate_flags,
-                                                                                     "--storage-options")
+    options = _prompt_options(cfg)
     with _as_prompts():
         options = json.loads(options) if options else None
         Corpus.resolve(expand_globs(cfg.prompts, options), storage_options=options)

@@ -13,8 +13,9 @@ from xtcache.testing import toy
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-"""Environment of a command that runs vLLM with its production process model (engine core and worker apart);
-the test suite otherwise runs the engine core in the calling process (tests/conftest.py)."""
+"""Environment of a command that runs vLLM with its own process model (engine core and worker apart), as on CUDA;
+on a CPU host with one worker xtcache otherwise runs the engine in the calling process
+(stage1_teacher.capture.vllm_engine.engine_in_process)."""
 
 TEST_CACHE = Path(os.environ.get("XTCACHE_TEST_CACHE", REPO / ".xtcache_test_cache"))
 
