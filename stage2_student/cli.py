@@ -28,21 +28,23 @@ def _train(cfg: TrainConfig) -> None:
     from stage2_student.config import deepspeed_config
 
     deepspeed_config(cfg)  # a --deepspeed file that is not a JSON object fails here, before DeepSpeed is imported
-    check_inputs(cfg)
+    tokenizer = check_inputs(cfg)
     from stage2_student.trainer import train  # lazy: loads torch only when called
 
-    summary = train(cfg)
+    summary = train(cfg, tokenizer=tokenizer)
     if summary is not None and os.environ.get("RANK", "0") == "0":
         typer.echo(json.dumps({k: summary[k] for k in ("steps", "final_eval_kl", "final_eval_ce", "metrics")}))
         for t in summary.get("teachers") or []:  # several teachers: one line each, and the mixture's
             typer.echo(json.dumps(t))
 
 
-def check_inputs(cfg: TrainConfig) -> None:
-    """Refuse, in a second and one line, a store without a valid manifest (--cache, --eval-cache, --corpus-cache),
-    an --out holding an earlier run's checkpoint or export without --resume, and a --student directory without a
-    tokenizer or a model config: before DeepSpeed is imported and the process group starts (10-30 s on a CPU
-    host), where the trainer would meet them (or overwrite the earlier run), and with its flag named."""
+def check_inputs(cfg: TrainConfig):
+    """Refuse, in a few seconds and one line, a store without a valid manifest (--cache, --eval-cache,
+    --corpus-cache), an --out holding an earlier run's checkpoint or export without --resume, a --student
+    directory without a tokenizer or a model config, and a student tokenizer a store holds no alignment for
+    (`stage2_student.data.check_stores`): before DeepSpeed is imported and the process group starts (10-30 s
+    on a CPU host), where the trainer would meet them (or overwrite the earlier run), with the flag named.
+    Returns the student tokenizer, loaded for the last check, for the trainer to use."""
     from stage2_student.checkpoint import earlier_run
     from xtcache.store.reader import read_manifest
     from xtcache.tokenizer import require_tokenizer_files
@@ -60,6 +62,12 @@ def check_inputs(cfg: TrainConfig) -> None:
     if os.path.isdir(cfg.student) and not os.path.isfile(os.path.join(cfg.student, "config.json")):
         raise ConfigError(f"--student {cfg.student}: the directory holds no model (no config.json); pass the student's "
                           "Hugging Face model directory")
+    from stage2_student.data import check_stores  # torch and transformers, not DeepSpeed
+    from stage2_student.student import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.student)
+    check_stores(cfg, tokenizer)
+    return tokenizer
 
 
 train_student = command(

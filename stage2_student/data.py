@@ -24,7 +24,7 @@ from stage2_student.objective import Capabilities, Objective, measure_definition
 from stage2_student.rollout_mix import MixedLoader
 from stage2_student.student import load_tokenizer
 from xtcache import projection as xproj
-from xtcache.errors import ConfigError
+from xtcache.errors import ConfigError, StoreError
 from xtcache.fingerprint import tokenizer_fingerprint
 from xtcache.store import CacheReader
 from xtcache.store.tokenizer import TOKENIZER_DIR, load_store_tokenizer
@@ -114,9 +114,7 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
     """Open the caches (and the held-out set), pick each teacher's KD kind, load W, build this rank's loaders."""
     manifests = [CacheReader(c, storage_options=cfg.loader.storage_options).manifest for c in cfg.cache]
     student_fp = tokenizer_fingerprint(tokenizer)
-    if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
-        check_eval_caches(cfg, manifests, tokenizer)
-    # the loader refuses a student tokenizer a cache has no alignment for, naming the cache and what to run
+    check_stores(cfg, tokenizer)  # stage2_student.cli runs it too, before DeepSpeed starts
     train, make_eval = make_loaders(cfg, tokenizer, rank, world)
     caps = [Capabilities(same_tokenizer=student_fp == m.fingerprints.get("teacher_tokenizer"), mode=m.mode)
             for m in manifests]
@@ -160,19 +158,41 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
                      mixture_measure=mixture, info=info)
 
 
-def check_eval_caches(cfg: TrainConfig, manifests, tokenizer) -> None:
+def check_stores(cfg: TrainConfig, tokenizer) -> None:
+    """Refuse an --eval-cache that cannot measure the distance to the --cache's teacher (`check_eval_caches`),
+    and a --cache, --corpus-cache or --eval-cache without an alignment group for the student tokenizer or,
+    without --allow-incomplete, not complete or not aligned in every part: one line naming the flag and the
+    store, before any model loads. The loader refuses the same (`CacheDataset`), for callers without this."""
+    opts = cfg.loader.storage_options
+    readers = [CacheReader(url, storage_options=opts) for url in cfg.cache]
+    named = [("--cache", r) for r in readers]
+    if cfg.loader.corpus_cache:
+        named.append(("--corpus-cache", CacheReader(cfg.loader.corpus_cache, storage_options=opts)))
+    if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
+        held = [CacheReader(url, storage_options=opts) for url in cfg.eval.eval_cache]
+        check_eval_caches(cfg, [r.manifest for r in readers], [r.manifest for r in held])
+        named += [("--eval-cache", r) for r in held]
+    for flag, reader in named:
+        fp = student_fingerprint(tokenizer, chat=reader.manifest.conversation)
+        group = reader.student_group(fp, f"{flag} {reader.url}")
+        if not cfg.loader.allow_incomplete:
+            try:
+                reader.usable_parts(None if group is None else fp)
+            except StoreError as err:
+                raise StoreError(f"{flag} {err}") from None
+
+
+def check_eval_caches(cfg: TrainConfig, manifests, held_manifests) -> None:
     """Refuse an --eval-cache whose held-out KL would not measure the distance to the --cache's teacher.
 
     The evaluation reads eval store i through training store i's teacher vocabulary, projection map
     and student alignment, so eval store i must agree with training store i on what those rely on:
     the teacher (model and tokenizer, hence the teacher vocabulary and any --projection, which is
-    checked against the training store), the kind of corpus (conversations or plain text) and an
-    alignment group for this student. One line naming --eval-cache and what differs, before any
-    model loads.
+    checked against the training store) and the kind of corpus (conversations or plain text); its
+    alignment group for this student is checked with the other stores' (`check_stores`). One line
+    naming --eval-cache and what differs, before any model loads.
     """
-    for url, train_url, train in zip(cfg.eval.eval_cache, cfg.cache, manifests):
-        reader = CacheReader(url, storage_options=cfg.loader.storage_options)
-        held = reader.manifest
+    for url, train_url, train, held in zip(cfg.eval.eval_cache, cfg.cache, manifests, held_manifests):
         differ = [f"{what} {_short(a)} vs {_short(b)}" for what, a, b in (
             ("teacher tokenizer", held.fingerprints.get("teacher_tokenizer"), train.fingerprints.get("teacher_tokenizer")),
             ("teacher vocabulary", held.teacher_vocab_size, train.teacher_vocab_size),
@@ -187,11 +207,6 @@ def check_eval_caches(cfg: TrainConfig, manifests, tokenizer) -> None:
             kinds = ("conversations", "plain text")
             raise ConfigError(f"--eval-cache {url} holds {kinds[not held.conversation]} and --cache {train_url} "
                               f"{kinds[not train.conversation]}: evaluate on a store of the same kind")
-        fp = student_fingerprint(tokenizer, chat=held.conversation)
-        if fp not in reader.alignment_groups() and fp != held.fingerprints.get("teacher_tokenizer"):
-            raise ConfigError(f"--eval-cache {url} has no alignment for the student tokenizer ({fp[:12]}..) that "
-                              f"--cache {train_url} is read with; run `xtcache align {url} --student-tokenizer "
-                              f"{cfg.student}` first")
 
 
 def _short(value) -> str:

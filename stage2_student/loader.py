@@ -226,15 +226,9 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
     def _open_cache(self, url: str, reader, allow_incomplete: bool) -> TeacherCache:
         """A cache's settings and usable parts; refuses a cache without an alignment for this student."""
-        groups = reader.alignment_groups()
+        group = reader.student_group(self.fingerprint, f"the cache {url}")
+        identity = group is None
         teacher_fp = reader.manifest.fingerprints.get("teacher_tokenizer", "")
-        identity = self.fingerprint not in groups and self.fingerprint == teacher_fp
-        if not identity and self.fingerprint not in groups:
-            have = ", ".join(f"{fp[:12]}.. ({g.tokenizer_name or '?'})" for fp, g in groups.items()) or "none"
-            raise ConfigError(
-                f"the cache {url} has no alignment for the student tokenizer {self.fingerprint[:12]}.. "
-                f"(stored alignment groups: {have}); run `xtcache align {url} --student-tokenizer "
-                f"<student tokenizer dir>` first, or pass the student tokenizer the cache was aligned for")
         m = reader.manifest
         # an incomplete store, or parts without this student's alignment, is refused (or, with
         # allow_incomplete, read as far as it is committed: usable_parts logs "N of M parts")
@@ -248,7 +242,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
                                   "applies to conversation caches and text rollouts")
         return TeacherCache(url=url, mode=m.mode, k=m.k, teacher_vocab_size=m.teacher_vocab_size,
                             teacher_fingerprint=teacher_fp, identity=identity,
-                            student_vocab_size=m.teacher_vocab_size if identity else groups[self.fingerprint].vocab_size,
+                            student_vocab_size=m.teacher_vocab_size if identity else group.vocab_size,
                             shard_ids=[s.shard_id for s in reader.shards if s.shard_id in usable])
 
     def _plan_units(self, readers, where: list[dict[str, tuple[int, int]]], split: str, fraction: float) -> None:

@@ -309,14 +309,16 @@ def peak_memory() -> dict:
             "peak_memory_kind": "host resident"}
 
 
-def train(cfg: TrainConfig, make_data: Callable[[TrainConfig, object, int, int], StageData] | None = None) -> dict:
-    """Run stage 2 in this process (one rank of the job); tears the process group down at the end."""
+def train(cfg: TrainConfig, make_data: Callable[[TrainConfig, object, int, int], StageData] | None = None,
+          tokenizer=None) -> dict:
+    """Run stage 2 in this process (one rank of the job); tears the process group down at the end. `tokenizer`:
+    the --student tokenizer where the caller loaded it already (stage2_student.cli's checks)."""
     set_deterministic(cfg.deterministic)  # before CUDA starts (setup_distributed picks the device)
     rank, _, world = setup_distributed()
     try:
         if rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        data = (make_data or open_stage_data)(cfg, load_tokenizer(cfg.student), rank, world)
+        data = (make_data or open_stage_data)(cfg, tokenizer or load_tokenizer(cfg.student), rank, world)
         return Trainer(cfg, data, rank=rank, world=world).run()
     finally:
         teardown_distributed()

@@ -112,14 +112,17 @@ def kd_caches(toy_setup, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def manifest_only(toy_setup, tmp_path_factory) -> Path:
-    """A directory holding only the manifest.json of a real store (two documents): a valid manifest, no parts,
-    no alignment. train-student reads the manifest before DeepSpeed starts and meets the rest after."""
-    root = tmp_path_factory.mktemp("manifest_only")
-    store = teacher_dump(root / "store", toy_setup, toy_setup.train_jsonl, 2)
-    bare = root / "bare"
-    bare.mkdir()
-    (bare / "manifest.json").write_bytes((Path(store) / "manifest.json").read_bytes())
+def two_doc_store(toy_setup, tmp_path_factory) -> Path:
+    """A real store of two documents, aligned for the toy student's tokenizer."""
+    return Path(teacher_dump(tmp_path_factory.mktemp("two_doc") / "store", toy_setup, toy_setup.train_jsonl, 2))
+
+
+@pytest.fixture(scope="session")
+def manifest_only(two_doc_store, tmp_path_factory) -> Path:
+    """A directory holding only the manifest.json of a real store: a valid manifest, no parts, no alignment.
+    train-student reads the manifest and refuses the missing alignment before DeepSpeed starts."""
+    bare = tmp_path_factory.mktemp("manifest_only")
+    (bare / "manifest.json").write_bytes((two_doc_store / "manifest.json").read_bytes())
     return bare
 
 

@@ -125,6 +125,33 @@ def test_train_student_refuses_a_directory_that_is_not_what_its_flag_needs_befor
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("case", ["--cache unaligned", "--eval-cache unaligned", "--cache incomplete"])
+def test_train_student_refuses_a_store_it_cannot_read_for_this_student_before_deepspeed(
+        case, toy_setup, two_doc_store, manifest_only, tmp_path, monkeypatch):
+    """A store without an alignment group for the --student tokenizer, or one whose teacher-dump has not
+    finished: the loader's own refusal, named by flag, before DeepSpeed (blocked here) starts."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    running = tmp_path / "running"  # a store whose writer left no done marker: crashed or still running
+    for f in two_doc_store.rglob("*"):
+        if f.is_file() and f.relative_to(two_doc_store).parts[0] != "done":
+            (running / f.relative_to(two_doc_store)).parent.mkdir(parents=True, exist_ok=True)
+            (running / f.relative_to(two_doc_store)).write_bytes(f.read_bytes())
+    base = ["train-student", "--student", toy_setup.student_model, "--out", tmp_path / "r"]
+    argv, want = {
+        "--cache unaligned": ([*base, "--cache", manifest_only],
+                              f"error: --cache {manifest_only} has no alignment for the student tokenizer "),
+        "--eval-cache unaligned": ([*base, "--cache", two_doc_store, "--eval-cache", manifest_only],
+                                   f"error: --eval-cache {manifest_only} has no alignment for the student tokenizer "),
+        "--cache incomplete": ([*base, "--cache", running],
+                               f"error: --cache store {running}: 1 of 1 writer(s) have not finished"),
+    }[case]
+    line = _one_line_error(xtcache(*argv))
+    assert line.startswith(want), line
+    assert ("xtcache align" in line) if "unaligned" in case else line.endswith("pass --allow-incomplete to use the "
+                                                                               "committed parts only"), line
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("command", ["generate", "projection build"])
 def test_a_tokenizer_directory_without_a_tokenizer_is_one_line_naming_its_flag(command, toy_setup, tmp_path):
     empty = tmp_path / "empty"

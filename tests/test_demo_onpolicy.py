@@ -1,8 +1,8 @@
 """The demo's quiet console and `xtcache demo --on-policy`'s table.
 
-The console test runs a real stage through the demo's runner: `train-student` on a store that holds only its
-manifest imports DeepSpeed (its "Setting accelerator to CPU" warning) and then fails with xtcache's one-line
-error (no alignment for the student's tokenizer). The end-to-end run of `xtcache demo --on-policy --size small
+The console test runs a real stage through the demo's runner: `train-student` with a --seq-len above the
+student's positions passes the checks that come before DeepSpeed, imports it (its "Setting accelerator to CPU"
+warning) and then fails with xtcache's one-line error when the loader meets the student's config. The end-to-end run of `xtcache demo --on-policy --size small
 --engine hf` is not in the suite: on 2026-11-25 it took 438 s wall time (108 s of user CPU) on the shared 2-core
 machine, against a 60 s allowance; the table is built here from a result of the shape it returns.
 """
@@ -38,17 +38,17 @@ def test_console_keeps_xtcache_lines_and_sends_engine_lines_to_the_log(line, con
 
 
 @pytest.mark.slow  # a train-student subprocess that imports DeepSpeed (11 s alone on 2 cores)
-def test_engine_warning_goes_to_the_log_and_a_failed_stage_to_the_console(toy_setup, manifest_only, tmp_path,
+def test_engine_warning_goes_to_the_log_and_a_failed_stage_to_the_console(toy_setup, two_doc_store, tmp_path,
                                                                           capsys):
     log_path = tmp_path / "demo.log"
     runner = StageRunner(log_path)
-    # its manifest passes the check before DeepSpeed; the missing alignment is met after DeepSpeed's notice
+    # the store passes the checks before DeepSpeed; the --seq-len is met after DeepSpeed's notice
     with pytest.raises(StageFailed, match=r"exit 2\): xtcache train-student .*demo\.log"):
-        runner.xtcache("train-student", "--cache", str(manifest_only), "--student",
+        runner.xtcache("train-student", "--cache", str(two_doc_store), "--seq-len", "1000000", "--student",
                        str(toy_setup.student_model), "--out", str(tmp_path / "out"), "--max-steps", "1")
     out, err = capsys.readouterr()
     logged = log_path.read_text()
-    refusal = f"error: the cache {manifest_only} has no alignment for the student tokenizer"
+    refusal = "error: --seq-len 1000000 is above the student's max_position_embeddings"
     assert DEEPSPEED_NOTICE in logged and refusal in logged  # everything the stage wrote
     assert logged.index(DEEPSPEED_NOTICE) < logged.index(refusal)
     assert f"engine logs: {log_path}" in err

@@ -19,7 +19,7 @@ import numpy as np
 
 from schemas.arrays import ArrayDef, align_arrays, entry_widths, teacher_arrays
 from schemas.models import AlignGroupMeta, AlignPartMeta, ArraySpec, Manifest, ShardMeta, WriterDone
-from xtcache.errors import CorruptionError, StoreError, XtcacheError
+from xtcache.errors import ConfigError, CorruptionError, StoreError, XtcacheError
 from xtcache.fingerprint import content_hash
 from xtcache.location import Location, check_version, read_model
 from xtcache.store import codecs
@@ -195,6 +195,21 @@ class CacheReader:
             g.stats = stats
             out[fp] = g
         return out
+
+    def student_group(self, fingerprint: str, name: str) -> AlignGroupMeta | None:
+        """The alignment group a student of tokenizer `fingerprint` reads this store through; None where that
+        is the teacher's own tokenizer and the store holds no group for it (identity: nothing to align). A
+        store with neither is refused in one line that begins with `name` (the flag and the store, or "the
+        cache URL") and names the groups it holds and the `xtcache align` command that adds one."""
+        groups = self.alignment_groups()
+        if fingerprint in groups:
+            return groups[fingerprint]
+        if fingerprint == self.manifest.fingerprints.get("teacher_tokenizer", ""):
+            return None
+        have = ", ".join(f"{fp[:12]}.. ({g.tokenizer_name or '?'})" for fp, g in groups.items()) or "none"
+        raise ConfigError(f"{name} has no alignment for the student tokenizer {fingerprint[:12]}.. (stored alignment "
+                          f"groups: {have}); run `xtcache align {self.url} --student-tokenizer <student tokenizer "
+                          "dir>` first, or pass the student tokenizer the cache was aligned for")
 
     def alignment_parts(self, fingerprint: str) -> dict[str, AlignPartMeta]:
         """Committed alignment parts of one group whose teacher part is committed too."""
