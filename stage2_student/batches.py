@@ -54,6 +54,7 @@ class ShardSource:
     realized_logprob: np.ndarray  # float32 [P]
     trained: np.ndarray | None = None  # bool [S] conversation caches: the student tokens --train-on trains
     sampled_logprobs: np.ndarray | None = None  # float32 [S] rollout caches: sampling log-probs, NaN: not sampled
+    skip_turn_starts: bool = False  # conversation caches: each trained turn's first row trains CE only (no KD)
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,8 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
                 trained = src.trained[s_off + s_begin:s_off + seg.s_stop]
                 labels[wi, pos:pos + len(toks) - 1][~trained[1:]] = IGNORE
             first = pos + (s_start - s_begin)  # [n] window position of each chunk's first token
+            if src.skip_turn_starts and src.trained is not None:
+                valid = valid & ~_turn_starts(trained, s_start - s_begin)
             if n_ctx:
                 masked_until = pos + int(s_len[:n_ctx].sum())
             ids = n_chunks + np.arange(int(valid.sum()), dtype=np.int64)
@@ -174,6 +177,14 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
         out["chunk_group"] = np.concatenate(groups).astype(np.int64)
     out.update(_teacher_side(rows_by_src))
     return out
+
+
+def _turn_starts(trained: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """[n] whether each chunk (its first token `first`, an index into `trained`) begins a trained turn: its
+    first token is trained and the token before it is not (the turn's header)."""
+    inside = (first >= 1) & (first < len(trained))
+    at = np.clip(first, 1, max(len(trained) - 1, 1))
+    return inside & trained[np.minimum(at, len(trained) - 1)] & ~trained[at - 1]
 
 
 def drawn_targets(ids: np.ndarray, head_logprobs: np.ndarray | None, counts: np.ndarray) -> dict[str, np.ndarray]:

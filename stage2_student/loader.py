@@ -28,9 +28,10 @@ prefetching, and `state_dict()` (micro-batches consumed) resumes exactly.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -39,12 +40,14 @@ from stage2_student.batches import ShardSource
 from stage2_student.config import LoaderConfig
 from stage2_student.join import build_joined_batch, chunk_group_lengths, join_counts, join_segment
 from stage2_student.order import epoch_window_order, global_micro_batch, is_held_out
-from xtcache.chat.render import TRAIN_ON, trained_roles
+from xtcache.chat.render import TRAIN_ON, trained_roles, turn_openers
 from xtcache.chat.side import tokenizer_side
 from xtcache.errors import ConfigError, XtcacheError
 from xtcache.fingerprint import doc_id
 from xtcache.packing import pack
 from xtcache.store import CacheReader
+from xtcache.store.tokenizer import load_store_tokenizer
+from xtcache.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,7 @@ class TeacherCache:
     identity: bool  # same tokenizer as the student, no alignment group: chunk = token
     student_vocab_size: int
     shard_ids: list[str]
+    turn_openers: tuple[int, ...] = ()  # teacher ids opening a structure at a turn's start the student cannot
 
 
 class CacheDataset(torch.utils.data.IterableDataset):
@@ -139,6 +143,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
         readers = [CacheReader(u, storage_options) for u in urls]
         self._resolve_student(readers, student, train_on)
         self.caches = [self._open_cache(u, r, allow_incomplete) for u, r in zip(urls, readers)]
+        if self.conversation:
+            self.caches = [self._with_turn_openers(c, r, student) for c, r in zip(self.caches, readers)]
         first = self.caches[0]
         self.mode, self.k, self.teacher_vocab_size = first.mode, first.k, first.teacher_vocab_size
         self.identity, self.student_vocab_size = first.identity, first.student_vocab_size
@@ -209,6 +215,27 @@ class CacheDataset(torch.utils.data.IterableDataset):
         # plain text: --train-on selects by role only on text rollouts (their parts hold the roles: `_open_cache`)
         self.train_on = (train_on or "assistant") if self.conversation else (
             None if train_on in (None, "all") else train_on)
+
+    def _with_turn_openers(self, cache: TeacherCache, reader, student) -> TeacherCache:
+        """`cache` with the teacher ids that open a structure at the start of an assistant turn which the
+        student's template does not write (`xtcache.chat.render.turn_openers`). The teacher's distribution at a
+        turn's first row then mixes them with the content's first token, so that row trains CE only
+        (`batches.ShardSource.skip_turn_starts`; docs/losses.md, "Turn starts across templates")."""
+        if cache.identity or isinstance(student, str) and not os.path.isdir(student):
+            return cache  # one template on both sides (the fingerprint covers it), or a fingerprint only
+        teacher_tok = load_store_tokenizer(cache.url, reader.manifest, self.storage_options)
+        if teacher_tok is None:
+            log.warning("cache %s stores no teacher tokenizer: whether its template opens a structure at a turn's "
+                        "start is not known, and each turn's first row trains KD as stored", cache.url)
+            return cache
+        student_tok = load_tokenizer(student, "student tokenizer") if isinstance(student, str) else student
+        openers = turn_openers(teacher_tok, student_tok)
+        if not openers:
+            return cache
+        log.info("cache %s: the teacher's template can open %s at the start of an assistant turn, where the "
+                 "student's does not: each trained turn's first row trains CE only (no KD)", cache.url,
+                 ", ".join(f"{what} ({teacher_tok.convert_ids_to_tokens(i)!r}, id {i})" for what, i in openers.items()))
+        return replace(cache, turn_openers=tuple(sorted(set(openers.values()))))
 
     def _batches_per_epoch(self) -> int:
         """Micro-batches per epoch on this rank: whole optimizer steps (eval: every window, once)."""
@@ -340,6 +367,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
                       sampled_logprobs=a.sampled_logprobs)
             if self.train_on is not None:
                 al["trained"] = trained_roles(a.student_role, self.train_on)
+                # every teacher of a joined batch skips the same rows, so that all see the same chunks
+                al["skip_turn_starts"] = any(c.turn_openers for c in self.caches)
         src = ShardSource(doc_pos_offsets=sd.doc_pos_offsets, has_pred=sd.has_pred, topk_ids=sd.topk_ids,
                           topk_logprobs=sd.topk_logprobs, topk_counts=sd.topk_counts, residual=sd.residual,
                           realized_logprob=sd.realized_logprob, **al)

@@ -409,3 +409,75 @@ def test_a_flipped_bit_in_a_conversation_array_is_named(chat_run, tmp_path, grou
         for ci, cache in enumerate(ds.caches):
             for i in range(len(cache.shard_ids)):
                 ds.source(ci, i)
+
+
+def test_turn_openers_are_the_structures_the_student_template_does_not_open_alike(chat_toks):
+    """ChatML with thinking writes a reasoning block (`<think>` in text) and a tool call (`\\n<tool_call>`) at the
+    start of an assistant turn; Llama-3's template drops reasoning and writes a tool call as JSON (`{`): the
+    teacher's `<` and newline are openers for a Llama-3 student, none for a student of the same template."""
+    from xtcache.chat.render import turn_openers
+
+    _, chatml = chat_toks[("chatml-thinking", "teacher")]
+    _, llama = chat_toks[("llama3", "student")]
+    _, chatml_student = chat_toks[("chatml-thinking", "student")]
+    ids = chatml.convert_tokens_to_ids
+    assert turn_openers(chatml, llama) == {"reasoning": ids("<"), "tool call": ids("Ċ")}
+    assert turn_openers(chatml, chatml_student) == {}  # another tokenizer, the same template: it opens them alike
+    assert turn_openers(llama, chatml) == {"tool call": llama.convert_tokens_to_ids("{")}
+    _, mistral = chat_toks[("mistral", "teacher")]
+    assert "reasoning" not in turn_openers(mistral, llama)  # a template that writes no reasoning opens none
+
+
+def test_each_trained_turns_first_row_trains_ce_only_where_the_teacher_template_opens_a_structure(chat_run):
+    """The loader's batches for a Llama-3 student of a ChatML-with-thinking store against the same batches with no
+    turn opener known: the KD positions that predict a trained turn's first token (by the tokens' roles) are
+    gone, with their CE labels kept; every other KD position keeps its teacher rows."""
+    from stage2_student.config import LoaderConfig
+    from stage2_student.loader import CacheDataset
+    from xtcache.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(chat_run["student_tok"]))
+    cfg = LoaderConfig(seq_len=96, micro_batch_size=2, train_on="assistant")
+    ds = CacheDataset(str(chat_run["store"]), tok, cfg, shard_cache=1000)
+    assert ds.caches[0].turn_openers  # ChatML with thinking against Llama-3 (the test above)
+    plain = CacheDataset(str(chat_run["store"]), tok, cfg, shard_cache=1000)
+    plain.caches = [dataclasses.replace(c, turn_openers=()) for c in plain.caches]
+    starts_seen = kept = 0
+    for j in range(ds.batches_per_epoch):
+        b0, b1 = _with_roles(plain).micro_batch(0, j), _with_roles(ds).micro_batch(0, j)
+        for key in ("input_ids", "labels", "attention_mask"):
+            assert np.array_equal(b0[key], b1[key]), key
+        starts = _turn_starts_at(b0)
+        starts_seen += int(starts.sum())
+        assert np.all(b0["student_chunk"][starts] >= 0) and np.all(b1["student_chunk"][starts] < 0)
+        assert np.all(b1["labels"][starts] != -100)  # CE still trains the turn's first token
+        rest = (b0["student_chunk"] >= 0) & ~np.isin(b0["student_chunk"], b0["student_chunk"][starts])
+        assert np.array_equal(b1["student_chunk"] >= 0, rest)
+        for c0, c1 in zip(b0["student_chunk"][rest], b1["student_chunk"][rest]):
+            r0, r1 = np.flatnonzero(b0["teacher_chunk"] == c0), np.flatnonzero(b1["teacher_chunk"] == c1)
+            for key in ("teacher_ids", "teacher_logprobs", "teacher_residual"):
+                assert np.array_equal(b0[key][r0], b1[key][r1]), key
+            kept += 1
+    assert starts_seen > 10 and kept > 100
+
+
+def _with_roles(ds):
+    """`ds` with each source's student ids replaced by the tokens' role codes (its batches' input_ids say roles)."""
+    for i, sid in enumerate(ds.caches[0].shard_ids):
+        if (0, i) not in ds._cache or ds._cache[(0, i)].student_ids.dtype != np.uint8:
+            src = ds.source(0, i)
+            roles = ds._readers[0].read_alignment(ds.fingerprint, sid).student_role
+            ds._cache[(0, i)] = dataclasses.replace(src, student_ids=roles.astype(np.uint8))
+    return ds
+
+
+def _turn_starts_at(batch) -> np.ndarray:
+    """[B, L] the KD positions that predict a turn's first trained token: by the tokens' roles (input_ids hold role
+    codes), the predicted token is trained and the token at the position is not."""
+    from xtcache.chat.render import trained_roles
+
+    sc, roles = batch["student_chunk"], batch["input_ids"].astype(np.uint8)
+    trained = trained_roles(roles.ravel(), "assistant").reshape(roles.shape)
+    at = np.zeros_like(sc, dtype=bool)
+    at[:, :-1] = (sc[:, :-1] >= 0) & trained[:, 1:] & ~trained[:, :-1]
+    return at

@@ -159,6 +159,58 @@ def render(tokenizer, conv: dict, *, where: str = "", add_generation_prompt: boo
     return text
 
 
+# The structure a template may open at the start of an assistant turn, before any content: a reasoning block, a
+# tool call. Each probe is an assistant message that holds it.
+_TURN_STRUCTURES = {
+    "reasoning": {"role": "assistant", "content": "Fine.", "reasoning_content": "Think it over."},
+    "tool call": {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "lookup", "arguments": {"word": "cache"}}}]},
+}
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string"}}}}}]
+
+
+def _turn_prefix(tokenizer, message: dict) -> str | None:
+    """The text `tokenizer`'s template writes between the generation prompt and the rest of `message`, an
+    assistant turn after one user turn; None where the template does not extend the generation prompt (or
+    rejects the probe)."""
+    user = [{"role": "user", "content": "Hello?"}]
+    try:
+        prompt = render(tokenizer, {"messages": user, "tools": _PROBE_TOOLS}, add_generation_prompt=True)
+        full = render(tokenizer, {"messages": [*user, message], "tools": _PROBE_TOOLS})
+    except ConversationError:
+        return None
+    return full[len(prompt):] if full.startswith(prompt) else None
+
+
+def turn_openers(teacher_tok, student_tok) -> dict[str, int]:
+    """The teacher ids that open a structure at the start of an assistant turn which the student's template does
+    not open with the same text: {structure: teacher id}.
+
+    Where the teacher's template writes a turn without that structure straight after its generation prompt,
+    the teacher's next-token distribution at a turn's first content position holds the probability of opening
+    it ("<" of a reasoning block written `<think>` in text, say). The student's template writes the same turn
+    another way (a Llama-3 template drops reasoning), so no text of the turn the student trains on can express
+    it (docs/losses.md, "Turn starts across templates")."""
+    plain = _turn_prefix(teacher_tok, {"role": "assistant", "content": "Fine."})
+    if plain is None or not plain.startswith("Fine."):
+        return {}  # the template writes something before every turn's content: its content row follows that
+    out = {}
+    for name, message in _TURN_STRUCTURES.items():
+        prefix = _turn_prefix(teacher_tok, message)
+        if not prefix or prefix.startswith(message["content"] or "\0"):
+            continue  # the structure is not written before the content, or not at all
+        enc = teacher_tok(prefix, add_special_tokens=False, return_offsets_mapping=True)
+        if not enc["input_ids"] or enc["offset_mapping"][0][0] != 0:
+            continue
+        opener = int(enc["input_ids"][0])
+        opened = prefix[:enc["offset_mapping"][0][1]]
+        if (_turn_prefix(student_tok, message) or "").startswith(opened):
+            continue  # the student writes the structure with the same opening text: it can say it too
+        out[name] = opener
+    return out
+
+
 # ------------------------------------------------------------------------------ alignment
 
 
