@@ -160,11 +160,11 @@ def render(tokenizer, conv: dict, *, where: str = "", add_generation_prompt: boo
 
 
 # The structure a template may open at the start of an assistant turn, before any content: a reasoning block, a
-# tool call. Each probe is an assistant message that holds it.
+# tool call. Each probe is an assistant message that holds it, with a text only the structure writes.
 _TURN_STRUCTURES = {
-    "reasoning": {"role": "assistant", "content": "Fine.", "reasoning_content": "Think it over."},
-    "tool call": {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "lookup", "arguments": {"word": "cache"}}}]},
+    "reasoning": ({"role": "assistant", "content": "Fine.", "reasoning_content": "Think it over."}, "Think it over."),
+    "tool call": ({"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "lookup", "arguments": {"word": "cache"}}}]}, "lookup"),
 }
 _PROBE_TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
     "type": "object", "properties": {"word": {"type": "string"}}}}}]
@@ -196,18 +196,18 @@ def turn_openers(teacher_tok, student_tok) -> dict[str, int]:
     if plain is None or not plain.startswith("Fine."):
         return {}  # the template writes something before every turn's content: its content row follows that
     out = {}
-    for name, message in _TURN_STRUCTURES.items():
+    for name, (message, marker) in _TURN_STRUCTURES.items():
         prefix = _turn_prefix(teacher_tok, message)
-        if not prefix or prefix.startswith(message["content"] or "\0"):
-            continue  # the structure is not written before the content, or not at all
+        at = prefix.find(marker) if prefix else -1
+        if at < 0 or (message["content"] and prefix.find(message["content"]) < at):
+            continue  # the template does not write the structure, or not before the content
         enc = teacher_tok(prefix, add_special_tokens=False, return_offsets_mapping=True)
-        if not enc["input_ids"] or enc["offset_mapping"][0][0] != 0:
-            continue
-        opener = int(enc["input_ids"][0])
+        if not enc["input_ids"] or enc["offset_mapping"][0][0] != 0 or enc["offset_mapping"][0][1] > at:
+            continue  # no token of its own opens it
         opened = prefix[:enc["offset_mapping"][0][1]]
         if (_turn_prefix(student_tok, message) or "").startswith(opened):
             continue  # the student writes the structure with the same opening text: it can say it too
-        out[name] = opener
+        out[name] = int(enc["input_ids"][0])
     return out
 
 
