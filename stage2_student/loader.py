@@ -220,7 +220,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
         """`cache` with the teacher ids that open a structure at the start of an assistant turn which the
         student's template does not write (`xtcache.chat.render.turn_openers`). The teacher's distribution at a
         turn's first row then mixes them with the content's first token, so that row trains CE only
-        (`batches.ShardSource.skip_turn_starts`; docs/losses.md, "Turn starts across templates")."""
+        (`batches.ShardSource.skip_turn_starts`; docs/conversations.md, "Turn starts across templates")."""
         if cache.identity or isinstance(student, str) and not os.path.isdir(student):
             return cache  # one template on both sides (the fingerprint covers it), or a fingerprint only
         teacher_tok = load_store_tokenizer(cache.url, reader.manifest, self.storage_options)

@@ -191,7 +191,7 @@ def turn_openers(teacher_tok, student_tok) -> dict[str, int]:
     the teacher's next-token distribution at a turn's first content position holds the probability of opening
     it ("<" of a reasoning block written `<think>` in text, say). The student's template writes the same turn
     another way (a Llama-3 template drops reasoning), so no text of the turn the student trains on can express
-    it (docs/losses.md, "Turn starts across templates")."""
+    it (docs/conversations.md, "Turn starts across templates")."""
     plain = _turn_prefix(teacher_tok, {"role": "assistant", "content": "Fine."})
     if plain is None or not plain.startswith("Fine."):
         return {}  # the template writes something before every turn's content: its content row follows that
