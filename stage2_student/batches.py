@@ -180,11 +180,10 @@ def build_micro_batch(windows: list[list[tuple]], seq_len: int, pad_id: int) -> 
 
 
 def _turn_starts(trained: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """[n] whether each chunk (its first token `first`, an index into `trained`) begins a trained turn: its
-    first token is trained and the token before it is not (the turn's header)."""
-    inside = (first >= 1) & (first < len(trained))
-    at = np.clip(first, 1, max(len(trained) - 1, 1))
-    return inside & trained[np.minimum(at, len(trained) - 1)] & ~trained[at - 1]
+    """[n] whether each chunk (its first token `first`, an index into `trained` up to its length) begins a
+    trained turn: its first token is trained and the token before it is not (the turn's header)."""
+    begins = np.concatenate([[False], trained[1:] & ~trained[:-1], [False]])
+    return begins[first]
 
 
 def drawn_targets(ids: np.ndarray, head_logprobs: np.ndarray | None, counts: np.ndarray) -> dict[str, np.ndarray]:

@@ -377,8 +377,6 @@ def resume_flags(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
     return []
 
 
-
-
 def stage_outputs(cfg: RoundsConfig, r: int, stage: str) -> dict[str, str]:
     """sha256 of the files that make a stage's result (what the next stage reads; small files only for
     the cache: its manifest and writers' done markers, which name and count every committed part)."""
