@@ -64,7 +64,9 @@ class ConvergedSettings:
     samples_per_prompt: int = 2
     max_new_tokens: int = 64
     eval_prompts: int = 32
-    chat_eval_samples: int = 12  # 384 samples per student: at 96 a lead of 0.025 NLL/byte was sampling noise
+    # 1,152 samples per student (about 25 s of CPU): at 384 one student's NLL/byte moved by up to 0.05 between draw
+    # seeds, more than most rows' leads; at 96 a lead of 0.025 NLL/byte was sampling noise
+    chat_eval_samples: int = 36
     text_eval_samples: int = 12  # 384 (text samples run to about 420 tokens: about 4 min a student)
     top_k: int = 16
     seeds: int = 3
@@ -121,7 +123,18 @@ ROWS = [
     # the sampled reverse KL of each chunk's text (policy gradient, train-student's ratio cap 2): the student's own
     # probability of the tokens it sampled, not its distribution projected onto the teacher's pieces
     ("on-policy rounds, `--loss rkl-pg` + 0.1 CE", "on", ["--loss", "rkl-pg"], KINDS),
+    # the off-policy arm on the rounds' own objective: what the corpus adds at the same loss (row 0: train-student's
+    # defaults, whose CE weight across tokenizers is 0.5)
+    ("continued off-policy KD, the rounds' objective (forward P-KL + 0.1 CE)", "off",
+     ["--loss", "pkl", "--pkl-divergence", "forward", "--ce-weight", "0.1"], ("chat",)),
+    # half the micro-batches CE alone on the continuation conversations' text (no teacher values read: only the
+    # rollouts count as teacher-scored), half the rounds' defaults on the rollouts
+    ("on-policy rounds (defaults), mixed 1:1 with CE on the continuation text (`--corpus-loss ce`)", "on",
+     ["--loss", "forward", "--", "--corpus-cache", "{continue_cache}", "--rollout-fraction", "0.5",
+      "--corpus-loss", "ce"], ("chat",)),
 ]
+# on-policy rows also compared with the continued off-policy row of their own objective
+SAME_OBJECTIVE = {ROWS[2][0]: ROWS[12][0]}
 MEASURES = (("reverse_kl_per_sequence", "reverse KL/sequence"), ("teacher_nll_per_byte", "teacher NLL/byte"))
 
 
@@ -238,12 +251,15 @@ def converge(p: dict, out: Path, s: ConvergedSettings, seed: int, log_file: Path
     return json.loads((out / "summary.json").read_text())
 
 
-def off_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, log_file: Path) -> dict:
+def off_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, flags: list[str],
+               log_file: Path) -> dict:
+    """train-student on the continuation cache from the converged student: its defaults (`--loss auto`), or the
+    row's loss flags."""
     shutil.rmtree(out, ignore_errors=True)
     run_xtcache("train-student", "--cache", str(p["continue_cache"]), "--eval-cache", str(p["eval_cache"]), "--student",
                 str(start), "--out", str(out), *projection_flags(p), "--max-steps", str(s.steps),
-                "--train-on", "last-assistant", "--seed", str(seed), "--loss", "auto", *_flags(s.lr, 2, 1.0),
-                log_file=log_file)
+                "--train-on", "last-assistant", "--seed", str(seed), *(flags or ["--loss", "auto"]),
+                *_flags(s.lr, 2, 1.0), log_file=log_file)
     summary = json.loads((out / "summary.json").read_text())
     return {"hf": out / "hf", "heldout_kl": summary.get("final_eval_kl"), "start_kl": summary.get("initial_eval_kl"),
             "teacher_positions": p["continue_positions"]}
@@ -279,7 +295,9 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
               log_file: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     own, train = split_row_flags(flags)
-    mixed = "--corpus-cache" in train  # its corpus: a cache of the section's, named by its key in braces
+    # its corpus (a cache of the section's, named by its key in braces) counts when its teacher values train
+    corpus_loss = train[train.index("--corpus-loss") + 1] if "--corpus-loss" in train else "kd"
+    mixed = "--corpus-cache" in train and corpus_loss == "kd"
     train = [filled(p, a) for a in train]
     run_xtcache("rounds", "--student", str(start), "--teacher", str(p["setup"].teacher_model),
                 "--workdir", str(out), "--engine", "hf", *rounds_plan(p, s, own),
@@ -288,7 +306,7 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
                 *_flags(s.lr, 2, 1.0), *train, log_file=log_file)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     positions = sum(trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
-    if mixed:  # the corpus cache counted whole: at most what the rounds read of it
+    if mixed:  # the corpus cache counted whole: at most what the rounds read of it (--corpus-loss ce: none)
         positions += trained_positions(Path(train[train.index("--corpus-cache") + 1]))
     return {"hf": Path(metrics[-1]["hf_dir"]), "heldout_kl": metrics[-1].get("final_eval_kl"),
             "teacher_positions": positions, "staleness": [m.get("stale_mean_abs_log_ratio") for m in metrics],
@@ -387,7 +405,7 @@ def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, base: dict |
                     rows[name].append(old if old["samples"] == n else _remeasure(p, old, out, "heldout_kl", s))
                 else:
                     log.info("%s seed %d: %s", kind, seed, name)
-                    r = off_policy(p, start, out, s, seed, log_file) if how == "off" else \
+                    r = off_policy(p, start, out, s, seed, flags, log_file) if how == "off" else \
                         on_policy(p, start, out, s, seed, flags, log_file)
                     rows[name].append({"seed": seed, **{k: v for k, v in r.items() if k != "hf"},
                                        **measure(p, r["hf"], s)})
@@ -403,35 +421,38 @@ def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, base: dict |
 
 
 def verdicts(rows: dict) -> list[str]:
-    """Each on-policy row against continued off-policy KD, paired by seed."""
-    base_name = ROWS[0][0]
-    base = {r["seed"]: r for r in rows[base_name]}
-    notes = []
-    for name, runs in rows.items():
-        if name in (base_name, "converged student") or len(runs) < 2:
-            continue
-        parts, won = [], []
-        for key, label in MEASURES:
-            d = [r[key] - base[r["seed"]][key] for r in runs]
-            mean, sd = statistics.fmean(d), statistics.stdev(d)
-            better = sum(x < 0 for x in d)
-            parts.append(f"{label} {mean:+.3f} (sd {sd:.3f}, lower on {better}/{len(d)} seeds)")
-            if better == len(d) and -mean > sd:
-                won.append(label)
-        for key, label, fmt in (("reverse_kl_per_token", "(beside them) reverse KL/token", ".3f"),
-                                ("mean_student_tokens", "sample length", ".1f")):
-            d = [r[key] - base[r["seed"]][key] for r in runs]
-            parts.append(f"{label} {statistics.fmean(d):+{fmt}} (sd {statistics.stdev(d):{fmt}})")
-        a = [r["heldout_kl"] for r in runs]
-        b = [r["heldout_kl"] for r in rows[base_name]]
-        gap = statistics.fmean(a) - statistics.fmean(b)
-        spread = statistics.stdev(a) + statistics.stdev(b)
-        kl = "within the spread" if abs(gap) <= spread else "lower beyond the spread" if gap < 0 else \
-            "higher beyond the spread"
-        parts.append(f"held-out KL {gap:+.4f} ({kl}: the spread is {spread:.4f})")
-        verdict = (f"beats it on {' and '.join(won)}" if won else "beats it on neither") + f", held-out KL {kl}"
-        notes.append(f"- {name} vs {base_name}, paired by seed: " + "; ".join(parts) + f": **{verdict}**")
-    return notes
+    """Each on-policy row against continued off-policy KD (train-student's defaults), then against the continued
+    row of its own objective where the table has one (SAME_OBJECTIVE), paired by seed."""
+    off = {name for name, how, _, _ in ROWS if how == "off"}
+    pairs = [(name, ROWS[0][0]) for name in rows if name not in off and name != "converged student"]
+    pairs += [(name, SAME_OBJECTIVE[name]) for name in rows if SAME_OBJECTIVE.get(name) in rows]
+    return [_verdict(name, rows[name], base, rows[base]) for name, base in pairs if len(rows[name]) >= 2]
+
+
+def _verdict(name: str, runs: list[dict], base_name: str, base_runs: list[dict]) -> str:
+    """One row against another, paired by seed: each measure's mean difference and its verdict."""
+    base = {r["seed"]: r for r in base_runs}
+    parts, won = [], []
+    for key, label in MEASURES:
+        d = [r[key] - base[r["seed"]][key] for r in runs]
+        mean, sd = statistics.fmean(d), statistics.stdev(d)
+        better = sum(x < 0 for x in d)
+        parts.append(f"{label} {mean:+.3f} (sd {sd:.3f}, lower on {better}/{len(d)} seeds)")
+        if better == len(d) and -mean > sd:
+            won.append(label)
+    for key, label, fmt in (("reverse_kl_per_token", "(beside them) reverse KL/token", ".3f"),
+                            ("mean_student_tokens", "sample length", ".1f")):
+        d = [r[key] - base[r["seed"]][key] for r in runs]
+        parts.append(f"{label} {statistics.fmean(d):+{fmt}} (sd {statistics.stdev(d):{fmt}})")
+    a = [r["heldout_kl"] for r in runs]
+    b = [r["heldout_kl"] for r in base_runs]
+    gap = statistics.fmean(a) - statistics.fmean(b)
+    spread = statistics.stdev(a) + statistics.stdev(b)
+    kl = "within the spread" if abs(gap) <= spread else "lower beyond the spread" if gap < 0 else \
+        "higher beyond the spread"
+    parts.append(f"held-out KL {gap:+.4f} ({kl}: the spread is {spread:.4f})")
+    verdict = (f"beats it on {' and '.join(won)}" if won else "beats it on neither") + f", held-out KL {kl}"
+    return f"- {name} vs {base_name}, paired by seed: " + "; ".join(parts) + f": **{verdict}**"
 
 
 def complete_seeds(report: dict) -> dict:

@@ -52,6 +52,8 @@ class LoaderConfig:
     """An off-policy corpus cache (same teacher tokenizer) mixed into the rollouts of --cache at 1 - --rollout-fraction of the micro-batches (GKD's lambda, docs/on-policy.md)."""
     rollout_fraction: float = 1.0
     """With --corpus-cache: the probability lambda that a micro-batch is drawn from --cache (the rollouts), fixed by --seed and the micro-batch index."""
+    corpus_loss: str = "kd"
+    """With --corpus-cache: what its micro-batches train: kd (the run's objective, GKD's lambda) or ce (cross-entropy on the corpus text alone, at weight 1 as with --loss ce; its teacher values unused: docs/on-policy.md)."""
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
@@ -245,6 +247,10 @@ class TrainConfig:
                                  "sampled; mix with a distribution loss (kl, jsd, pkl, auto)")
         elif lo.rollout_fraction != 1.0:
             raise ValueError(f"--rollout-fraction {lo.rollout_fraction} needs --corpus-cache (the corpus to mix in)")
+        if lo.corpus_loss not in ("kd", "ce"):
+            raise ValueError(f"--corpus-loss {lo.corpus_loss!r}: choose kd or ce")
+        if lo.corpus_loss != "kd" and lo.corpus_cache is None:
+            raise ValueError(f"--corpus-loss {lo.corpus_loss} needs --corpus-cache (the corpus it trains on)")
         if loss.teacher_combine not in ("sum", "dynamic", "select", "mean-probs"):
             raise ValueError(f"--teacher-combine {loss.teacher_combine!r}: choose sum, dynamic, select or mean-probs")
         if loss.teacher_score not in ("likelihood", "entropy", "max-prob"):

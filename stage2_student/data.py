@@ -299,7 +299,8 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
         corpus_ds = CacheDataset([cfg.loader.corpus_cache], tokenizer, cfg.loader, grad_accum=cfg.optim.grad_accum,
                                  split="train", holdout_fraction=fraction, **common)
         train = MixedLoader(train, CacheLoader(corpus_ds, num_workers=cfg.loader.num_workers),
-                            fraction=cfg.loader.rollout_fraction, seed=cfg.seed)
+                            fraction=cfg.loader.rollout_fraction, seed=cfg.seed,
+                            corpus_ce_only=cfg.loader.corpus_loss == "ce")
     if fraction > 0:
         eval_ds = CacheDataset(cfg.cache, tokenizer, cfg.loader, split="eval", holdout_fraction=fraction, **common)
     elif cfg.eval.eval_cache:

@@ -5,7 +5,9 @@ micro-batch on the rollout cache with probability lambda (`--rollout-fraction`),
 cache (Agarwal et al. 2024 draw each batch on-policy with probability lambda). The draw is a pure
 function of (seed, global micro-batch index), so the mixture is the same on every run, whatever the
 number of DataLoader workers, and a resumed run reads exactly the micro-batches an uninterrupted one
-would have (each stream keeps its own `CacheLoader` position).
+would have (each stream keeps its own `CacheLoader` position). With `--corpus-loss ce` each corpus
+micro-batch leaves its teacher keys behind (`ce_only`): the objective trains cross-entropy on its text
+alone, at `CORPUS_CE_WEIGHT`, and the step's KD is normalised by the rollouts' chunks only.
 
     train = MixedLoader(CacheLoader(rollouts), CacheLoader(corpus), fraction=0.5, seed=0)
 """
@@ -14,8 +16,18 @@ from __future__ import annotations
 
 import hashlib
 
+from stage2_student.join import TEACHER_KEYS
 from stage2_student.order import global_micro_batch
 from xtcache.errors import ConfigError
+
+CORPUS_CE_WEIGHT = 1.0  # --corpus-loss ce: the weight of CE on the corpus text, as `--loss ce` trains it
+
+
+def ce_only(batch: dict) -> dict:
+    """A micro-batch without its teacher: CE on its labelled tokens at CORPUS_CE_WEIGHT (`Prepared.ce_weight`)."""
+    student = {k: v for k, v in batch.items()
+               if k not in TEACHER_KEYS and "/" not in k and k not in ("num_groups", "num_teachers")}
+    return {**student, "num_chunks": 0, "ce_only_weight": CORPUS_CE_WEIGHT}
 
 
 def draws_rollout(seed: int, g: int, fraction: float) -> bool:
@@ -35,10 +47,11 @@ class MixedLoader:
     so a mixed stream resumes on the same ranks x --grad-accum only (`loader.reshard_state` refuses).
     """
 
-    def __init__(self, rollouts, corpus, *, fraction: float, seed: int):
+    def __init__(self, rollouts, corpus, *, fraction: float, seed: int, corpus_ce_only: bool = False):
         if not 0.0 < fraction <= 1.0:
             raise ConfigError(f"--rollout-fraction {fraction}: must lie in (0, 1]")
         self.rollouts, self.corpus, self.fraction, self.seed = rollouts, corpus, float(fraction), int(seed)
+        self.corpus_ce_only = corpus_ce_only  # --corpus-loss ce: its micro-batches train CE alone
         self.consumed = 0
 
     @property
@@ -67,7 +80,7 @@ class MixedLoader:
             except StopIteration:
                 return
             self.consumed += 1
-            yield batch
+            yield ce_only(batch) if name == "corpus" and self.corpus_ce_only else batch
 
     def state_dict(self) -> dict:
         return {"mixture": {"consumed": self.consumed, "fraction": self.fraction, "seed": self.seed},

@@ -109,8 +109,10 @@ class Trainer:
         t0 = time.perf_counter()
         obj = self.data.objective
         local = [obj.counts(b) for b in batches]
-        chunks, tokens = self.all_reduce([float(sum(c for c, _ in local)), float(sum(t for _, t in local))])
-        if chunks == 0 and obj.kind is not None:
+        kd_batches = float(sum("ce_only_weight" not in b for b in batches))  # --corpus-loss ce: CE-only ones
+        chunks, tokens, kd_batches = self.all_reduce([float(sum(c for c, _ in local)),
+                                                      float(sum(t for _, t in local)), kd_batches])
+        if chunks == 0 and obj.kind is not None and kd_batches:
             # every rank sees the same all-reduced count, so every rank raises here together
             raise NoValidChunksError(
                 f"optimizer step {self.step + 1}: no valid chunk in the whole accumulated batch on any rank, so "
@@ -138,8 +140,8 @@ class Trainer:
                "tokens_per_s": seq_tokens / dt, "step_s": dt, "chunks": chunks,
                "valid_share": valid_pos / tokens if tokens else None,
                "top1_agree": agree / agree_n if agree_n else None}
-        if obj.kind is not None:
-            row["kd"], row["kd_name"] = kd / max(chunks, 1.0), obj.kind
+        if obj.kind is not None:  # a step of CE-only micro-batches (--corpus-loss ce) has no KD
+            row["kd"], row["kd_name"] = kd / chunks if chunks else None, obj.kind
         if sampled:  # rollouts: how stale the samples are for the student at this step (onpolicy.staleness)
             row.update(sampled_labels=sampled, stale_mean_abs_log_ratio=stale_abs / stale_read,
                        stale_share_over_cap=stale_over / stale_read)

@@ -59,6 +59,21 @@ def test_a_row_beats_on_a_measure_only_when_lower_on_every_seed_beyond_the_paire
     assert "**beats it on neither, held-out KL higher beyond the spread**" in line
 
 
+def test_a_row_with_a_continued_row_of_its_own_objective_is_compared_with_both_and_that_row_with_neither():
+    """Continued KD on the rounds' objective is an off-policy row: no verdict of its own; the rounds' default row
+    gets one against train-student's defaults and one against it, each paired by seed."""
+    same_name, rounds_name = conv.SAME_OBJECTIVE[ROWS[2][0]], ROWS[2][0]
+    rows = {"converged student": [], OFF: _runs([20, 22, 24], [1.10, 1.12, 1.14], [2.08, 2.09, 2.10]),
+            rounds_name: _runs([15, 16, 18], [1.11, 1.13, 1.15], [2.08, 2.09, 2.10]),
+            same_name: _runs([25, 27, 29], [1.20, 1.22, 1.24], [2.08, 2.09, 2.10])}
+    first, second = verdicts(rows)
+    assert first.startswith(f"- {rounds_name} vs {OFF}") and "**beats it on reverse KL/sequence," in first
+    assert second.startswith(f"- {rounds_name} vs {same_name}") and "teacher NLL/byte -0.090" in second
+    assert "**beats it on reverse KL/sequence and teacher NLL/byte, held-out KL within the spread**" in second
+    del rows[same_name]
+    assert len(verdicts(rows)) == 1
+
+
 def test_end_probabilities_read_each_answer_after_its_prompt_one_row_per_answer_token_after_the_first(
         toy_setup, tmp_path):
     """A fake teacher whose logits give the end-of-turn id the logit log(position): the probabilities returned
@@ -107,7 +122,7 @@ def test_end_probabilities_read_each_answer_after_its_prompt_one_row_per_answer_
 def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
     """A row's own --prompts, --rounds, --steps-per-round and --samples-per-prompt replace the section's (a value
     in braces names a file of the kind's); every row keeps the equal-cost rule: rounds x steps = the section's
-    steps, rounds x prompts x samples = 2 rounds' worth (a row mixed 1:1 with a corpus cache: half of it)."""
+    steps, rounds x prompts x samples = 2 rounds' worth (a row mixed 1:1 with a corpus cache's KD: half of it)."""
     s = ConvergedSettings()
     p = {"train_prompts": "train.jsonl", "wide_prompts": "wide.jsonl"}
     prompts = {"train.jsonl": s.prompts, "wide.jsonl": 2 * s.prompts}  # what prepare writes (test below)
@@ -121,7 +136,9 @@ def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
             own, train = split_row_flags(flags)
             plan = dict(zip(rounds_plan(p, s, own)[::2], rounds_plan(p, s, own)[1::2], strict=True))
             rounds = int(plan["--rounds"])
-            share = float(train[train.index("--rollout-fraction") + 1]) if "--corpus-cache" in train else 1.0
+            # a corpus whose teacher values train takes the place of rollouts; `--corpus-loss ce` reads its text only
+            kd_corpus = "--corpus-cache" in train and "--corpus-loss" not in train
+            share = float(train[train.index("--rollout-fraction") + 1]) if kd_corpus else 1.0
             assert rounds * int(plan["--steps-per-round"]) == s.steps
             assert (rounds * prompts[plan["--prompts"]] * int(plan["--samples-per-prompt"])
                     == 2 * s.prompts * s.samples_per_prompt * share)
@@ -134,7 +151,7 @@ def test_every_on_policy_rows_flags_are_ones_xtcache_rounds_takes(tmp_path):
     from xtcache.cliconfig import config_of
 
     s = ConvergedSettings()
-    p = {key: str(tmp_path / key) for key in ("train_prompts", "wide_prompts", "continue_half_cache")}
+    p = {key: str(tmp_path / key) for key in ("train_prompts", "wide_prompts", "continue_cache", "continue_half_cache")}
     for name, how, flags, _ in ROWS:
         if how == "on":
             own, train = split_row_flags(flags)
@@ -163,7 +180,7 @@ def _fake_stages(monkeypatch, calls):
         (out / "summary.json").write_text(json.dumps({"final_eval_kl": 2.0 + seed}))
         return {"final_eval_kl": 2.0 + seed}
 
-    def on_policy(p, start, out, s, seed, flags, log_file):
+    def train(p, start, out, s, seed, flags, log_file):  # a continued off-policy row or rounds
         calls.append(("train", out.name))
         return {"hf": out / "hf", "heldout_kl": 1.0, "teacher_positions": 10}
 
@@ -173,7 +190,8 @@ def _fake_stages(monkeypatch, calls):
 
     monkeypatch.setattr(conv, "prepare", prepare)
     monkeypatch.setattr(conv, "converge", converge)
-    monkeypatch.setattr(conv, "on_policy", on_policy)
+    monkeypatch.setattr(conv, "off_policy", train)
+    monkeypatch.setattr(conv, "on_policy", train)
     monkeypatch.setattr(conv, "measure", measure)
 
 
@@ -278,12 +296,6 @@ def test_the_hazard_bench_reads_the_teacher_and_each_seeds_three_students_from_t
 def test_rows_chosen_by_index_run_beside_continued_kd_and_an_unknown_index_is_refused(tmp_path, monkeypatch):
     calls = []
     _fake_stages(monkeypatch, calls)
-
-    def off_policy(p, start, out, s, seed, log_file):
-        calls.append(("train", out.name))
-        return {"hf": out / "hf", "heldout_kl": 1.0, "teacher_positions": 10}
-
-    monkeypatch.setattr(conv, "off_policy", off_policy)
     report = conv.run_converged(tmp_path / "w", ConvergedSettings(seeds=2), only={2})
     assert [c[1] for c in calls if c[0] == "train"] == ["row0-seed0", "row2-seed0", "row0-seed1", "row2-seed1"] * 2
     for rows in report["kinds"].values():
@@ -298,7 +310,6 @@ def test_a_report_from_before_the_chat_teacher_settings_counts_as_trained_with_t
     older = {k: v for k, v in asdict(s).items() if k not in conv.LATER_SETTINGS}  # as the reports of 2026-11-29
     base = {"settings": older, "kinds": {}, "wall_s": 1.0}
     _fake_stages(monkeypatch, [])
-    monkeypatch.setattr(conv, "off_policy", lambda p, start, out, s, seed, log_file: {"hf": out / "hf", "heldout_kl": 1.0})
     report = conv.run_converged(tmp_path / "w", s, kinds=("chat",), base=base, only=set())
     assert set(report["kinds"]["chat"]) == {"converged student", OFF}
     stronger = replace(s, **conv.STRONGER_CHAT_TEACHER)
@@ -346,8 +357,13 @@ def test_the_same_tokenizer_section_trains_a_student_of_the_teachers_tokenizer_w
     assert chat_fingerprint(student) == chat_fingerprint(teacher)  # tokenizer and template
     assert p["projection"] is None and calls == [("dumps", None)]
     conv.converge(p, tmp_path / "conv", s, 0, tmp_path / "log")
-    conv.off_policy(p, tmp_path / "conv" / "hf", tmp_path / "off", s, 0, tmp_path / "log")
-    assert [c[0] for c in calls[1:]] == ["train-student", "train-student"]
+    conv.off_policy(p, tmp_path / "conv" / "hf", tmp_path / "off", s, 0, [], tmp_path / "log")
+    conv.off_policy(p, tmp_path / "conv" / "hf", tmp_path / "off", s, 0, ROWS[12][2], tmp_path / "log")
+    assert [c[0] for c in calls[1:]] == ["train-student"] * 3
+    defaults, own = calls[2], calls[3]  # train-student's defaults, or the row's loss flags in their place
+    assert defaults[defaults.index("--loss") + 1] == "auto" and "--ce-weight" not in defaults
+    assert own.count("--loss") == 1 and own[own.index("--loss") + 1] == "pkl"
+    assert own[own.index("--ce-weight") + 1] == "0.1" and own[own.index("--pkl-divergence") + 1] == "forward"
     assert not any("--projection" in c for c in calls)
     cross = conv.prepare("chat", tmp_path / "cross", replace(conv.QUICK, chat_teacher_steps=0), tmp_path / "log")
     assert cross["projection"] == tmp_path / "cross" / "projection.safetensors"

@@ -473,3 +473,28 @@ def test_rollout_mixture_reads_each_stream_in_order_and_resumes_exactly(store, t
         mixed(seed=4).load_state_dict(state)
     with pytest.raises(ConfigError, match="own ranks"):
         L.reshard_state(state, rank=0, world_size=2, grad_accum=1)
+
+
+def test_corpus_loss_ce_gives_the_corpus_micro_batches_without_their_teacher_and_the_rollouts_as_they_are(
+        store, tmp_path, toy_setup, teacher_tokenizer, student_tokenizer):
+    from stage2_student.join import TEACHER_KEYS
+    from stage2_student.rollout_mix import MixedLoader
+
+    corpus, fp = store
+    rollouts, _ = _write_store(tmp_path / "rollouts", toy_setup, teacher_tokenizer, student_tokenizer, n_docs=6,
+                               parts=2)
+    loader = MixedLoader(L.CacheLoader(_dataset(rollouts, fp)), L.CacheLoader(_dataset(corpus, fp)), fraction=0.4,
+                         seed=3, corpus_ce_only=True)
+    it = iter(loader)
+    alone = {"rollouts": iter(L.CacheLoader(_dataset(rollouts, fp))), "corpus": iter(L.CacheLoader(_dataset(corpus, fp)))}
+    for j in range(12):
+        batch, name = next(it), loader.source(j)
+        want = next(alone[name])
+        if name == "rollouts":
+            _same(batch, want)
+            continue
+        assert batch["ce_only_weight"] == 1.0 and batch["num_chunks"] == 0 and want["num_chunks"] > 0
+        assert not set(TEACHER_KEYS) - {"num_chunks"} & set(batch)  # no teacher key is left to read
+        teacher = {*TEACHER_KEYS, "num_groups", "num_teachers", "ce_only_weight"}
+        _same({k: v for k, v in batch.items() if k not in teacher},
+              {k: v for k, v in want.items() if k not in teacher})  # the same text, labels and masks

@@ -237,9 +237,46 @@ def test_mixture_flags_are_checked_against_each_other():
                          ({"corpus_cache": "corpus", "rollout_fraction": 0.0}, "strictly between 0 and 1"),
                          ({"rollout_fraction": 0.5}, "needs --corpus-cache"),
                          ({"corpus_cache": "corpus", "rollout_fraction": 0.5, "loss": "rkl-pg"}, "sampled"),
-                         ({"corpus_cache": "corpus", "rollout_fraction": 0.5, "cache": ["a", "b"]}, "one --cache")]:
+                         ({"corpus_cache": "corpus", "rollout_fraction": 0.5, "cache": ["a", "b"]}, "one --cache"),
+                         ({"corpus_loss": "ce"}, "--corpus-loss ce needs --corpus-cache"),
+                         ({"corpus_cache": "corpus", "rollout_fraction": 0.5, "corpus_loss": "sft"}, "choose kd or ce")]:
         with pytest.raises(ValueError, match=match):
             TrainConfig.from_flat({**base, **extra})
+    assert TrainConfig.from_flat({**base, "corpus_cache": "c", "rollout_fraction": 0.5}).loader.corpus_loss == "kd"
+
+
+@pytest.mark.parametrize("kind", ["kl", "rkl", "jsd"])
+def test_a_corpus_micro_batch_under_corpus_loss_ce_trains_cross_entropy_alone_at_weight_one(kind):
+    """`rollout_mix.ce_only` drops the teacher: whatever the run's loss and CE weight, the micro-batch's loss and
+    gradient are those of CE at 1.0 over its labelled tokens (a second construction: torch's cross_entropy), and it
+    counts no chunk toward the step's KD normalisation."""
+    from stage2_student.config import LossConfig
+    from stage2_student.mix import TeacherMix
+    from stage2_student.rollout_mix import CORPUS_CE_WEIGHT, ce_only
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, V, (6,), generator=g)
+    batch = _sample_batch(y, torch.log_softmax(torch.randn(V, generator=g), -1))
+    batch["labels"][0, 2] = -100  # a position that trains nothing
+    batch["input_ids"] = torch.zeros_like(batch["labels"])
+    plain = ce_only(batch)
+    assert not {"teacher_ids", "teacher_logprobs", "student_chunk", "teacher_chunk"} & set(plain)
+    assert plain["num_chunks"] == 0 and torch.equal(plain["labels"], batch["labels"])
+    obj = Objective.from_config(LossConfig(loss=kind, ce_weight=0.1), Capabilities(same_tokenizer=True, mode="topk"))
+    mix = TeacherMix([obj])
+    assert mix.counts(plain) == (0, 5) and mix.counts(batch) == (6, 5)
+    z = torch.randn((1, 6, V), generator=g, requires_grad=True)
+    loss, m = mix(z, mix.prepare(plain, vocab=V), chunks_total=6.0, tokens_total=8.0)
+    loss.backward()
+    want_z = z.detach().clone().requires_grad_(True)
+    keep = batch["labels"][0] != -100
+    want = CORPUS_CE_WEIGHT * torch.nn.functional.cross_entropy(want_z[0][keep], batch["labels"][0][keep],
+                                                                 reduction="sum") / 8.0
+    want.backward()
+    assert CORPUS_CE_WEIGHT == 1.0 and float(m["kd_sum"]) == 0.0
+    assert torch.allclose(loss, want.to(loss.dtype), atol=1e-6) and torch.allclose(z.grad, want_z.grad, atol=1e-6)
+    kd_loss, _ = mix(z, mix.prepare(batch, vocab=V), chunks_total=6.0, tokens_total=8.0)
+    assert not torch.allclose(kd_loss, loss)  # the same batch with its teacher: KD + 0.1 CE
 
 
 def test_staleness_counts_log_ratios_at_sampled_labels_only():

@@ -129,6 +129,17 @@ def test_a_step_without_valid_chunks_raises_instead_of_a_silent_zero_kd():
                                  all_reduce=lambda values: [float(v) for v in values])
     with pytest.raises(NoValidChunksError, match="optimizer step 4.*--seq-len"):
         Trainer.train_step(stub, [batch, dict(batch)])
+    with pytest.raises(NoValidChunksError):  # a KD micro-batch beside a CE-only one: still no chunk to train
+        Trainer.train_step(stub, [batch, {**batch, "ce_only_weight": 1.0}])
+
+    class Passed(Exception):
+        pass
+
+    def get_lr():
+        raise Passed
+    stub.engine = types.SimpleNamespace(get_lr=get_lr)  # the step goes on past the guard
+    with pytest.raises(Passed):  # every micro-batch CE-only (--corpus-loss ce): no KD was asked for
+        Trainer.train_step(stub, [{**batch, "ce_only_weight": 1.0}])
 
 
 def test_trainer_state_of_the_previous_version_loads_and_a_newer_one_is_refused(tmp_path):
