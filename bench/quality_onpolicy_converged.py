@@ -21,20 +21,22 @@ fresh optimizer at a constant `lr` after 2 warmup steps:
 | row | what it trains on |
 | --- | --- |
 | continued off-policy KD | the teacher's top-k cache of unseen training turns (text: prefix + next lines), `--loss auto` |
+| continued off-policy KD, the rounds' objective | the same cache, forward P-KL + 0.1 CE (chat) |
 | on-policy rounds, forward P-KL + 0.1 CE | `xtcache rounds --loss forward`, 2 rounds of steps/2: its own samples for P training prompts, scored by the teacher |
 | others | `xtcache rounds` with the row's flags |
 
 The continuation rows are sized so that their trained teacher tokens are about those of the rounds'
 rollouts (the table gives both); the chat-only rows vary one setting of the rounds each (ROWS), the mixed
 one training half its micro-batches on half the continuation cache. Measures: `xtcache policy-eval` on
-held-out prompts (32 x 12 samples; its default cap,
+held-out prompts (conversations 32 x 36 samples, text 32 x 12; its default cap,
 twice the teacher's mean sample length; the same seed for every row, so each row's samples are drawn
 with the same generators): reverse KL per sequence and teacher NLL per byte of the student's own
 samples, and the held-out KL (train-student's `--eval-cache`: the teacher's full distribution on
 held-out turns or completions). A row beats continued off-policy KD on a measure when it is better on
 every seed and the mean paired difference exceeds its standard deviation; the held-out KL is within the
 spread when |mean difference| <= the two rows' standard deviations added (and said to be lower or higher
-beyond it otherwise).
+beyond it otherwise). The rounds' defaults are also compared with continued KD on their own objective
+(SAME_OBJECTIVE).
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ class ConvergedSettings:
     samples_per_prompt: int = 2
     max_new_tokens: int = 64
     eval_prompts: int = 32
-    # 1,152 samples per student (about 25 s of CPU): at 384 one student's NLL/byte moved by up to 0.05 between draw
-    # seeds, more than most rows' leads; at 96 a lead of 0.025 NLL/byte was sampling noise
+    # 1,152 samples per student (about 35 s on 2 CPU cores, the teacher's own samples included): at 384 one
+    # student's NLL/byte moved by up to 0.05 between draw seeds, more than most rows' leads
     chat_eval_samples: int = 36
     text_eval_samples: int = 12  # 384 (text samples run to about 420 tokens: about 4 min a student)
     top_k: int = 16
@@ -507,7 +509,9 @@ def markdown(report: dict) -> str:
                   "NLL of its samples per token (teacher NLL/token - reverse KL/token: its sampling entropy, "
                   "estimated). Teacher-scored tokens: the trained "
                   "(last-assistant) student tokens of the caches a row trained on after convergence (on-policy: every "
-                  "round's rollouts; a mixed row: its corpus cache counted whole, at most what it read).", "", *verdicts(rows), ""]
+                  "round's rollouts; a row mixed with the corpus cache's KD: that cache counted whole, at most what it read; "
+                  "with `--corpus-loss ce` the rollouts alone, the corpus's teacher values unread).", "",
+                  *verdicts(rows), ""]
     runs = report.get("runs_s") or []
     lines.append(f"Wall time {report.get('wall_s', 0) / 60:.1f} min" + (
         f" in all: the first run {runs[0] / 60:.1f} min, then `--add-rows` runs of "
