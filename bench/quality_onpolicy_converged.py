@@ -27,7 +27,8 @@ fresh optimizer at a constant `lr` after 2 warmup steps:
 
 The continuation rows are sized so that their trained teacher tokens are about those of the rounds'
 rollouts (the table gives both); the chat-only rows vary one setting of the rounds each (ROWS), the mixed
-one training half its micro-batches on half the continuation cache. Measures: `xtcache policy-eval` on
+ones training half their micro-batches on the continuation conversations (half the cache under the rounds'
+objective, or with `--corpus-loss ce` CE alone on the whole cache's text). Measures: `xtcache policy-eval` on
 held-out prompts (conversations 32 x 36 samples, text 32 x 12; its default cap,
 twice the teacher's mean sample length; the same seed for every row, so each row's samples are drawn
 with the same generators): reverse KL per sequence and teacher NLL per byte of the student's own
