@@ -134,7 +134,7 @@ ROWS = [
     # rollouts count as teacher-scored), half the rounds' defaults on the rollouts
     ("on-policy rounds (defaults), mixed 1:1 with CE on the continuation text (`--corpus-loss ce`)", "on",
      ["--loss", "forward", "--", "--corpus-cache", "{continue_cache}", "--rollout-fraction", "0.5",
-      "--corpus-loss", "ce"], ("chat",)),
+      "--corpus-loss", "ce"], KINDS),
 ]
 # on-policy rows also compared with the continued off-policy row of their own objective
 SAME_OBJECTIVE = {ROWS[2][0]: ROWS[12][0]}
