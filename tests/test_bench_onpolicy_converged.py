@@ -445,3 +445,28 @@ def test_token_scores_are_each_tokens_nll_and_the_entropy_of_the_row_that_predic
         q = 1 / (i + V)  # each of the other ids
         assert nll[i] == pytest.approx(-math.log(p0 if ids[j] == 0 else q), rel=1e-5)
         assert ent[i] == pytest.approx(-p0 * math.log(p0) - (V - 1) * q * math.log(q), rel=1e-5)
+
+
+def test_a_mixed_row_counts_its_corpus_as_teacher_scored_only_when_the_corpus_trains_its_kd(tmp_path, monkeypatch):
+    """on_policy's teacher-scored tokens: every round's rollout cache, plus the corpus cache when its KD trains
+    (--corpus-loss kd, the default); with --corpus-loss ce its teacher values are never read, so it adds none."""
+    from types import SimpleNamespace
+
+    def run_xtcache(*args, log_file):  # rounds: two rounds' metrics, as `xtcache rounds` writes them
+        out = tmp_path / "run"
+        out.mkdir(exist_ok=True)
+        (out / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "hf_dir": str(out / f"r{r}")}) + "\n"
+                                                   for r in range(2)))
+
+    sizes = {"cache": 100, "corpus": 7}  # each round's cache, and the corpus cache
+    monkeypatch.setattr(conv, "run_xtcache", run_xtcache)
+    monkeypatch.setattr(conv, "trained_positions", lambda cache: sizes[cache.name])
+    p = {"setup": SimpleNamespace(teacher_model="T"), "train_prompts": "train.jsonl", "projection": None,
+         "eval_cache": tmp_path / "eval", "continue_cache": str(tmp_path / "corpus")}
+    s = ConvergedSettings()
+    mix = ["--loss", "forward", "--", "--corpus-cache", "{continue_cache}", "--rollout-fraction", "0.5"]
+    counted = {name: conv.on_policy(p, tmp_path / "start", tmp_path / "run", s, 0, flags, tmp_path / "log")
+               ["teacher_positions"] for name, flags in [("rollouts", ["--loss", "forward"]), ("kd", mix),
+                                                         ("ce", [*mix, "--corpus-loss", "ce"])]}
+    assert counted == {"rollouts": 200, "kd": 207, "ce": 200}
+    assert ROWS[13][2][-2:] == ["--corpus-loss", "ce"]  # the section's row of it
