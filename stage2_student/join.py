@@ -24,6 +24,8 @@ from xtcache.packing import common_boundaries, group_trained
 TEACHER_KEYS = ("student_chunk", "teacher_ids", "teacher_logprobs", "teacher_counts", "teacher_residual",
                 "teacher_realized", "teacher_chunk", "num_chunks", "chunk_exact", "chunk_group")
 """The keys of a micro-batch that belong to one teacher; teacher i > 0 holds them as `t{i}/KEY`."""
+CE_ONLY_KEY = "ce_only_weight"
+"""A micro-batch without a teacher that trains CE alone at this key's weight (`rollout_mix.ce_only`)."""
 
 
 def num_teachers(batch: dict) -> int:
@@ -31,9 +33,14 @@ def num_teachers(batch: dict) -> int:
     return int(batch.get("num_teachers", 1))
 
 
+def student_view(batch: dict) -> dict:
+    """The student keys of a micro-batch: none of any teacher's (unprefixed or `t{i}/`)."""
+    return {k: v for k, v in batch.items() if "/" not in k and k not in TEACHER_KEYS}
+
+
 def teacher_view(batch: dict, i: int) -> dict:
     """Teacher i's single-teacher micro-batch: the student keys plus that teacher's keys unprefixed."""
-    view = {k: v for k, v in batch.items() if "/" not in k and k not in TEACHER_KEYS}
+    view = student_view(batch)
     prefix = "" if i == 0 else f"t{i}/"
     for key in TEACHER_KEYS:
         if prefix + key in batch:

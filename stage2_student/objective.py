@@ -35,6 +35,7 @@ from torch import Tensor
 
 from schemas.models import DRAWN_MODES
 from stage2_student.blocked import Block, Prepared, TermSpec, blocked_terms
+from stage2_student.join import CE_ONLY_KEY
 from stage2_student.losses import EmptyMappedSupportError, NoValidChunksError, ProjectionOperator
 from stage2_student.onpolicy import behaviour_rows
 from xtcache.errors import ConfigError, ProjectionError, XtcacheError
@@ -264,7 +265,7 @@ class Objective:
             plan = self._plan_ce_only(ce_pos, labels, vocab)
         agree = self._plan_agreement(batch, sc, n_chunks) if kd and self.measure_agreement else None
         return Prepared(plan, teacher, agree, chunks=n_chunks, tokens=int(labelled.size),
-                        valid_pos=int(((sc >= 0) & (labels != -100)).sum()), ce_weight=batch.get("ce_only_weight"))
+                        valid_pos=int(((sc >= 0) & (labels != -100)).sum()), ce_weight=batch.get(CE_ONLY_KEY))
 
     def _budget(self, vocab: int) -> float:
         return 2.0 * self.row_chunk * vocab * 4

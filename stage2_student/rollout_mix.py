@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 
-from stage2_student.join import TEACHER_KEYS
+from stage2_student.join import CE_ONLY_KEY, student_view
 from stage2_student.order import global_micro_batch
 from xtcache.errors import ConfigError
 
@@ -24,10 +24,10 @@ CORPUS_CE_WEIGHT = 1.0  # --corpus-loss ce: the weight of CE on the corpus text,
 
 
 def ce_only(batch: dict) -> dict:
-    """A micro-batch without its teacher: CE on its labelled tokens at CORPUS_CE_WEIGHT (`Prepared.ce_weight`)."""
-    student = {k: v for k, v in batch.items()
-               if k not in TEACHER_KEYS and "/" not in k and k not in ("num_groups", "num_teachers")}
-    return {**student, "num_chunks": 0, "ce_only_weight": CORPUS_CE_WEIGHT}
+    """A micro-batch without its teacher: CE on its labelled tokens at CORPUS_CE_WEIGHT (`Prepared.ce_weight`).
+    A joined batch's teacher count and chunk groups go too (`TeacherMix.counts` would read its groups)."""
+    student = {k: v for k, v in student_view(batch).items() if k not in ("num_groups", "num_teachers")}
+    return {**student, "num_chunks": 0, CE_ONLY_KEY: CORPUS_CE_WEIGHT}
 
 
 def draws_rollout(seed: int, g: int, fraction: float) -> bool:

@@ -28,6 +28,7 @@ from stage2_student.config import TrainConfig, deepspeed_config, lr_lambda
 from stage2_student.data import StageData, open_stage_data
 from stage2_student.evaluation import evaluate
 from stage2_student.export import export_hf
+from stage2_student.join import CE_ONLY_KEY
 from stage2_student.losses import NoValidChunksError
 from stage2_student.onpolicy import staleness
 from stage2_student.student import (  # noqa: F401
@@ -109,7 +110,7 @@ class Trainer:
         t0 = time.perf_counter()
         obj = self.data.objective
         local = [obj.counts(b) for b in batches]
-        kd_batches = float(sum("ce_only_weight" not in b for b in batches))  # --corpus-loss ce: CE-only ones
+        kd_batches = float(sum(CE_ONLY_KEY not in b for b in batches))  # --corpus-loss ce: CE-only ones
         chunks, tokens, kd_batches = self.all_reduce([float(sum(c for c, _ in local)),
                                                       float(sum(t for _, t in local)), kd_batches])
         if chunks == 0 and obj.kind is not None and kd_batches:
