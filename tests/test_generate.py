@@ -246,6 +246,19 @@ def test_bad_prompts_are_refused_in_one_line(chat, request, tmp_path, rows, mess
     assert last.startswith("error: --data ") and "bad.jsonl" in last and message in last, last
 
 
+def test_an_out_among_other_files_is_refused_and_left_as_it_was(chat, tmp_path):
+    setup, conv, _ = chat
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = _generate(setup, conv, out, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --out {out} holds no rollouts but other entries (notes.txt); give a new or empty directory for the "
+        "rollouts"), proc.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
 def test_an_empty_prompt_file_is_refused_before_the_student_is_read(tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("")

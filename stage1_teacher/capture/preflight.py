@@ -26,7 +26,7 @@ from stage1_teacher.corpus import Corpus, Skipped, iter_file
 from xtcache import devices
 from xtcache.errors import ConfigError
 from xtcache.location import Location, is_local, local_path
-from xtcache.store.reader import foreign_entries
+from xtcache.store.reader import foreign_entries, shown_entries
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +147,6 @@ def refuse_foreign(url: str, storage_options: dict | None) -> None:
     if extra := foreign_entries(Location(url, storage_options)):
         raise ConfigError(f"--out {url} holds no xtcache store but other entries ({shown_entries(extra)}); give a new "
                           "or empty directory for the store")
-
-
-def shown_entries(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def check_device_memory(cfg, opts, *, window_len: int, k: int, reference_check: bool) -> object | None:

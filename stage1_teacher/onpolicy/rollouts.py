@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from xtcache.chat.render import ConversationError, chat_fingerprint, render, require_template
 from xtcache.errors import ConfigError, StoreError
 from xtcache.fingerprint import canonical_sha256, model_fingerprint
+from xtcache.store.reader import foreign_entries, shown_entries
 
 ROLLOUT_FORMAT = 1
 MANIFEST = "manifest.json"
+ENTRIES = frozenset({MANIFEST, "claims", "parts", "index", "done"})  # the output directory's (module docstring)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,11 @@ def write_part(loc, rel: str, rows: list[dict]) -> str:
 
 def open_manifest(loc, manifest: dict) -> dict:
     """Create `manifest.json`, or check that the one there was written for the same policy and
-    settings; StoreError naming --out otherwise."""
+    settings; StoreError naming --out otherwise. A directory without a manifest that holds other entries is
+    refused: the rollouts would be written among files that are not theirs."""
+    if not loc.exists(MANIFEST) and (extra := foreign_entries(loc, ENTRIES)):
+        raise ConfigError(f"--out {loc.url} holds no rollouts but other entries ({shown_entries(extra)}); give a new "
+                          "or empty directory for the rollouts")
     if loc.create_exclusive(MANIFEST, manifest):
         return manifest
     have = loc.read_json(MANIFEST) or {}

@@ -71,9 +71,15 @@ STORE_ENTRIES = frozenset({"manifest.json", "zarr.json", "claims", "done", "shar
                            "teacher_tokenizer", "index", "shards", "align", "corpus_digests"})
 
 
-def foreign_entries(loc: Location) -> list[str]:
-    """The entries at the root of `loc` that are not a store's (STORE_ENTRIES), sorted."""
-    return [e for e in loc.listdir("") if e not in STORE_ENTRIES and not e.startswith(".tmp-")]
+def foreign_entries(loc: Location, known: frozenset[str] = STORE_ENTRIES) -> list[str]:
+    """The entries at the root of `loc` that are not among `known` (a store's: STORE_ENTRIES) nor an atomic
+    write's temp file, sorted."""
+    return [e for e in loc.listdir("") if e not in known and not e.startswith(".tmp-")]
+
+
+def shown_entries(names: list[str]) -> str:
+    """The first three of `names` for an error message, and how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def read_manifest(url: str, storage_options: dict | None = None, *, loc: Location | None = None) -> Manifest:
