@@ -35,7 +35,7 @@ class SamplingConfig:
 @dataclass(kw_only=True)
 class RolloutOutConfig:
     out: str
-    """Output directory (local or fsspec URL): parts/*.jsonl, manifest.json, index/, done/."""
+    """Output directory (local or fsspec URL): parts/*.jsonl, manifest.json, index/, done/. A new or empty directory, or one holding rollouts (never one holding other files)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec storage options for a remote --out (JSON object); also for --data unless --data-storage-options is given."""
     prompts_per_part: int = 64
