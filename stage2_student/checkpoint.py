@@ -9,10 +9,13 @@ versioned record below), `rng_rank{R}.pt` (torch RNG states, loaded with weights
 rank 0's `train_config.json`, written last, after every rank's files: its presence marks the checkpoint
 complete (`xtcache rounds` resumes from the newest checkpoint that has it).
 
-Trainer-state record, version 2: {"version": 2, "step": int, "world": int, "loader": the
-loader's state_dict, "objective": the KD kind trained}. Version 1 (before the objective was its
-own object) had no "version" and no "objective" field and is read as such; a newer version is
-refused with a message naming the version needed.
+Trainer-state record, version 3: {"version": 3, "step": int, "world": int, "loader": the
+loader's state_dict, "objective": the objective trained, as summary.json records it
+(`Objective.describe()`: the loss and every setting that shapes it)}. Version 2 recorded the KD kind
+alone (read as {"kind": kind}); version 1 (before the objective was its own object) had no "version"
+and no "objective" field and is read as such; a newer version is refused with a message naming the
+version needed. Resuming under another objective is allowed (a changed loss is a choice), and logged
+with every setting that changed.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ CKPT_DIR = "checkpoints"
 SUMMARY_FILE = "summary.json"  # a finished run's summary, written last, beside its Hugging Face export
 HF_DIR = "hf"
 CONVERT_WAIT_S = 6 * 3600  # ranks wait this long for rank 0 to convert a checkpoint
-TRAINER_STATE_VERSION = 2
+TRAINER_STATE_VERSION = 3
 
 
-def trainer_state_record(*, step: int, world: int, loader: dict, objective: str | None) -> dict:
+def trainer_state_record(*, step: int, world: int, loader: dict, objective: dict | None) -> dict:
     """The per-rank trainer state written next to DeepSpeed's checkpoint (current version)."""
     return {"version": TRAINER_STATE_VERSION, "step": step, "world": world, "loader": loader,
             "objective": objective}
@@ -49,10 +52,17 @@ def read_trainer_state(path: Path) -> dict:
     if not isinstance(version, int) or version > TRAINER_STATE_VERSION:
         raise ConfigError(f"--resume: {path} is a version {version} trainer state; this xtcache reads versions "
                           f"1-{TRAINER_STATE_VERSION}: resume it with an xtcache that writes version {version}")
-    if version == 1:  # no objective recorded
+    if version < 3:  # version 1: no objective recorded; version 2: its KD kind alone
+        kind = state.get("objective")
         state = trainer_state_record(step=state["step"], world=state["world"], loader=state["loader"],
-                                     objective=None)
+                                     objective=None if version == 1 else {"kind": kind})
     return state
+
+
+def objective_changes(was: dict | None, now: dict) -> list[str]:
+    """`setting old -> new` for each setting of the recorded objective `was` that `now` sets otherwise (a
+    setting `was` does not record is not compared: older records hold the kind alone)."""
+    return [f"{k} {was[k]!r} -> {now.get(k)!r}" for k in sorted(was or {}) if was[k] != now.get(k)]
 
 
 @dataclass
@@ -128,7 +138,7 @@ def save(trainer) -> Path:
     dist.barrier()
     trainer.engine.save_checkpoint(str(root), tag=tag, client_state={"step": trainer.step, "world": trainer.world})
     state = trainer_state_record(step=trainer.step, world=trainer.world, loader=trainer.data.train.state_dict(),
-                                 objective=trainer.data.objective.kind)
+                                 objective=trainer.data.objective.describe())
     (root / tag / f"trainer_state_rank{trainer.rank}.json").write_text(json.dumps(state))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -180,8 +190,8 @@ def load(trainer, point: ResumePoint) -> int:
         torch.manual_seed(int(seed))
         log.warning("random state re-seeded for the new rank layout (dropout masks differ from an "
                     "uninterrupted run)")
-    if state["objective"] not in (None, trainer.data.objective.kind):
-        log.warning("resuming a run trained with %s on %s", state["objective"], trainer.data.objective.kind)
+    if changed := objective_changes(state["objective"], trainer.data.objective.describe()):
+        log.warning("resuming under another objective than the checkpoint's: %s", ", ".join(changed))
     log.info("resumed from %s at step %d", ckpt, state["step"])
     return state["step"]
 

@@ -143,8 +143,8 @@ def test_a_step_without_valid_chunks_raises_instead_of_a_silent_zero_kd():
 
 
 def test_trainer_state_of_the_previous_version_loads_and_a_newer_one_is_refused(tmp_path):
-    """Version 1 records (written before the objective was recorded) still resume; unknown versions
-    are refused with the version needed."""
+    """Version 1 records (written before the objective was recorded) and version 2 (its kind alone) still
+    resume; unknown versions are refused with the version needed."""
     from stage2_student.checkpoint import TRAINER_STATE_VERSION, read_trainer_state, resume_point
     from xtcache.errors import ConfigError
 
@@ -157,9 +157,27 @@ def test_trainer_state_of_the_previous_version_loads_and_a_newer_one_is_refused(
     assert point.state == {"version": TRAINER_STATE_VERSION, "step": 3, "world": 1, "loader": loader,
                            "objective": None}
     assert point.loader == loader and not point.reshard
+    (ckpt / "trainer_state_rank0.json").write_text(json.dumps({"version": 2, "step": 3, "world": 1, "loader": loader,
+                                                               "objective": "pkl"}))
+    assert read_trainer_state(ckpt / "trainer_state_rank0.json")["objective"] == {"kind": "pkl"}
     (ckpt / "trainer_state_rank0.json").write_text(json.dumps({"version": 99, "step": 3, "world": 1, "loader": {}}))
     with pytest.raises(ConfigError, match="version 99"):
         read_trainer_state(ckpt / "trainer_state_rank0.json")
+
+
+def test_a_resume_under_another_objective_names_every_changed_setting():
+    from stage2_student.checkpoint import objective_changes
+    from stage2_student.objective import Objective
+
+    was = Objective("kl", ce_weight=0.1).describe()
+    assert objective_changes(was, Objective("kl", ce_weight=0.1).describe()) == []
+    assert objective_changes(was, Objective("kl", ce_weight=0.5, temperature=2.0).describe()) == [
+        "ce_weight 0.1 -> 0.5", "temperature 1.0 -> 2.0"]
+    assert objective_changes(was, Objective(None, ce_weight=1.0).describe()) == [
+        "ce_weight 0.1 -> 1.0", "dynamic_scaling False -> None", "kd_weight 1.0 -> None", "kind 'kl' -> None",
+        "teacher_tail 'ghost' -> None", "temperature 1.0 -> None"]
+    assert objective_changes({"kind": "kl"}, Objective("kl", ce_weight=0.5).describe()) == []  # a version 2 record
+    assert objective_changes(None, Objective("kl").describe()) == []  # version 1: nothing recorded
 
 
 @pytest.mark.parametrize("rank", [0, 1])
