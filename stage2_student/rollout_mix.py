@@ -15,10 +15,13 @@ alone, at `CORPUS_CE_WEIGHT`, and the step's KD is normalised by the rollouts' c
 from __future__ import annotations
 
 import hashlib
+import logging
 
 from stage2_student.join import CE_ONLY_KEY, student_view
 from stage2_student.order import global_micro_batch
 from xtcache.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 CORPUS_CE_WEIGHT = 1.0  # --corpus-loss ce: the weight of CE on the corpus text, as `--loss ce` trains it
 
@@ -55,6 +58,10 @@ class MixedLoader:
         self.consumed = 0
 
     @property
+    def corpus_loss(self) -> str:
+        return "ce" if self.corpus_ce_only else "kd"
+
+    @property
     def dataset(self):
         """The rollout stream's dataset (what the run describes as its training data)."""
         return self.rollouts.dataset
@@ -83,7 +90,8 @@ class MixedLoader:
             yield ce_only(batch) if name == "corpus" and self.corpus_ce_only else batch
 
     def state_dict(self) -> dict:
-        return {"mixture": {"consumed": self.consumed, "fraction": self.fraction, "seed": self.seed},
+        return {"mixture": {"consumed": self.consumed, "fraction": self.fraction, "seed": self.seed,
+                            "corpus_loss": self.corpus_loss},
                 "rollouts": self.rollouts.state_dict(), "corpus": self.corpus.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -93,6 +101,10 @@ class MixedLoader:
             raise ConfigError(f"cannot resume the data stream: the checkpoint has {was}, this run "
                               f"--rollout-fraction {self.fraction}, --seed {self.seed}; resume with the settings of "
                               "the interrupted run")
+        was = mix.get("corpus_loss", "kd")  # recorded since --corpus-loss existed; before it, kd
+        if was != self.corpus_loss:  # the stream is the same; the corpus micro-batches' loss is a choice, logged
+            log.warning("resuming with --corpus-loss %s on a checkpoint trained with --corpus-loss %s",
+                        self.corpus_loss, was)
         self.rollouts.load_state_dict(state["rollouts"])
         self.corpus.load_state_dict(state["corpus"])
         self.consumed = int(mix["consumed"])

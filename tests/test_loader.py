@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -439,7 +440,7 @@ def test_rollout_draws_are_a_pure_function_near_the_fraction():
 
 
 def test_rollout_mixture_reads_each_stream_in_order_and_resumes_exactly(store, tmp_path, toy_setup, teacher_tokenizer,
-                                                                          student_tokenizer):
+                                                                          student_tokenizer, caplog):
     from stage2_student.rollout_mix import MixedLoader
 
     corpus, fp = store
@@ -471,6 +472,12 @@ def test_rollout_mixture_reads_each_stream_in_order_and_resumes_exactly(store, t
         _same(a, b)
     with pytest.raises(ConfigError, match="cannot resume"):
         mixed(seed=4).load_state_dict(state)
+    assert state["mixture"]["corpus_loss"] == "kd"
+    other = MixedLoader(L.CacheLoader(_dataset(rollouts, fp)), L.CacheLoader(_dataset(corpus, fp)), fraction=0.4,
+                        seed=3, corpus_ce_only=True)
+    with caplog.at_level(logging.WARNING, logger="stage2_student.rollout_mix"):
+        other.load_state_dict(state)  # the same stream, another loss on its corpus micro-batches: allowed, logged
+    assert "resuming with --corpus-loss ce on a checkpoint trained with --corpus-loss kd" in caplog.text
     with pytest.raises(ConfigError, match="own ranks"):
         L.reshard_state(state, rank=0, world_size=2, grad_accum=1)
 
