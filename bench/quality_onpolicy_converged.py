@@ -135,6 +135,11 @@ ROWS = [
     ("on-policy rounds (defaults), mixed 1:1 with CE on the continuation text (`--corpus-loss ce`)", "on",
      ["--loss", "forward", "--", "--corpus-cache", "{continue_cache}", "--rollout-fraction", "0.5",
       "--corpus-loss", "ce"], KINDS),
+    # the same mix with the generalized JSD (beta 0.5) + 0.1 CE on the rollouts (row 8's objective)
+    ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, mixed 1:1 with CE on the continuation text "
+     "(`--corpus-loss ce`)", "on",
+     ["--loss", "pkl", "--", "--pkl-divergence", "jsd", "--corpus-cache", "{continue_cache}", "--rollout-fraction",
+      "0.5", "--corpus-loss", "ce"], ("chat",)),
 ]
 # on-policy rows also compared with the continued off-policy row of their own objective
 SAME_OBJECTIVE = {ROWS[2][0]: ROWS[12][0]}
