@@ -71,14 +71,15 @@ def test_prompts_are_conversations_cut_after_their_last_user_message(tmp_path):
 
 def _result(**row_overrides) -> dict:
     names = [("initial student", 0), ("off-policy KD (converged)", 40), ("continued off-policy KD", 48),
-             ("on-policy round 1", 44), ("on-policy round 2", 48)]
+             ("on-policy round 1", 44), ("on-policy round 2", 48), ("JSD + corpus CE, round 1", 44),
+             ("JSD + corpus CE, round 2", 48)]
     rows = [{"student": n, "step": s, "heldout_kl": 3.0 - i * 0.1, "reverse_kl_per_sequence": 15.5 - i * 2,
              "teacher_nll_per_byte": 4.0 - i * 0.3, "dir": f"d{i}", "report": f"r{i}.json"}
             for i, (n, s) in enumerate(names)]
-    rows[-1].update(row_overrides)
+    rows[4].update(row_overrides)
     return {"rows": rows, "engine": "transformers", "steps_per_round": 4, "kd_steps": 40, "prompts": 24,
             "samples_per_prompt": 2, "eval_prompts": 8, "eval_samples_per_prompt": 2, "max_new_tokens": 32,
-            "eval_cache_docs": 32, "commands": "w/rounds/commands.sh", "metrics": "w/rounds/metrics.jsonl",
+            "eval_cache_docs": 32, "commands": "w/rounds/commands.sh and w/rounds-jsd-corpus-ce/commands.sh",
             "wall_s": 240.0}
 
 
@@ -88,15 +89,19 @@ def test_table_shows_both_measures_for_every_student_and_compares_at_equal_steps
         line = next(x for x in table.splitlines() if x.strip().startswith(row["student"]))
         assert line.split()[-4:] == [str(row["step"]), f"{row['heldout_kl']:.3f}",
                                      f"{row['reverse_kl_per_sequence']:.3f}", f"{row['teacher_nll_per_byte']:.3f}"]
-    # the last round against continued off-policy KD at the same step (48), on each measure
-    assert "on-policy at step 48 is lower than continued off-policy KD on held-out KL: 2.600 vs 2.800" in table
-    assert "on-policy at step 48 is lower than continued off-policy KD on reverse KL/sequence: 7.500 vs 11.500" in table
-    assert "w/rounds/commands.sh" in table
+    # each rounds arm's last round against continued off-policy KD at the same step (48), on each measure
+    assert "  on-policy at step 48 is lower than continued off-policy KD on held-out KL: 2.600 vs 2.800" in table
+    assert "  on-policy at step 48 is lower than continued off-policy KD on reverse KL/sequence: 7.500 vs 11.500" in table
+    assert ("  on-policy (JSD + corpus CE) at step 48 is lower than continued off-policy KD on teacher NLL/byte: "
+            "2.200 vs 3.400") in table
+    assert "w/rounds/commands.sh and w/rounds-jsd-corpus-ce/commands.sh" in table
 
 
 def test_table_says_not_lower_and_shows_a_missing_measure_as_a_dash():
     table = on_policy_table(_result(heldout_kl=2.9, teacher_nll_per_byte=None))
     assert "is NOT lower than continued off-policy KD on held-out KL: 2.900 vs 2.800" in table
-    assert "teacher NLL/byte:" not in table  # no comparison without the number
+    assert "  on-policy at step 48 is lower than continued off-policy KD on reverse KL/sequence" in table
+    assert not [x for x in table.splitlines() if x.startswith("  on-policy at") and "teacher NLL/byte" in x]  # no number
+    assert "  on-policy (JSD + corpus CE) at step 48 is lower than continued off-policy KD on teacher NLL/byte" in table
     last = next(x for x in table.splitlines() if x.strip().startswith("on-policy round 2"))
     assert last.split()[-1] == "-"

@@ -429,13 +429,21 @@ def test_common_boundaries_cut_teacher_windows_only_at_every_alignments_chunk_en
 # ------------------------------------------------------------------------------ rollouts + corpus (GKD's lambda)
 
 
-def test_rollout_draws_are_a_pure_function_near_the_fraction():
+@pytest.mark.parametrize("fraction", [0.5, 0.3, 0.25, 0.75, 0.9, 0.1])
+def test_every_run_of_micro_batches_holds_the_fraction_of_rollouts_rounded(fraction):
+    """Any n consecutive micro-batches (a round of a few steps starts at 0) hold fraction x n rollout micro-batches
+    rounded up or down, for every seed; the seed moves the phase, and the schedule is a pure function."""
     from stage2_student.rollout_mix import draws_rollout
 
-    draws = [draws_rollout(5, g, 0.3) for g in range(20_000)]
-    assert draws == [draws_rollout(5, g, 0.3) for g in range(20_000)]
-    assert abs(np.mean(draws) - 0.3) < 0.02  # binomial sd 0.003
-    assert draws != [draws_rollout(6, g, 0.3) for g in range(20_000)]
+    for seed in range(20):
+        draws = np.array([draws_rollout(seed, g, fraction) for g in range(400)])
+        assert draws.tolist() == [draws_rollout(seed, g, fraction) for g in range(400)]
+        sums = np.concatenate([[0], np.cumsum(draws)])
+        for n in (1, 2, 3, 4, 8, 16, 57):
+            window = sums[n:] - sums[:-n]  # every run of n consecutive micro-batches
+            assert window.min() >= np.floor(fraction * n) and window.max() <= np.ceil(fraction * n), (seed, n)
+    phases = {tuple(draws_rollout(seed, g, 0.3) for g in range(10)) for seed in range(20)}
+    assert len(phases) > 1  # the seed moves the phase
     assert all(draws_rollout(5, g, 1.0) for g in range(100))
 
 

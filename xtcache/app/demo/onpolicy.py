@@ -11,10 +11,13 @@ student; `xtcache demo --chat`), then, each stage an `xtcache` subprocess:
    steps, to the end of its cosine schedule): the converged student, where on-policy distillation starts
    (after SFT or KD: a fresh student's own samples are noise to the teacher, docs/on-policy.md);
 3. from it, 2 R more steps each (R = `round_steps`), a fresh optimizer at a constant lr 1e-4 after 2 warmup
-   steps (`FINE_TUNE`): continued off-policy KD on the same cache, and `xtcache rounds` with its defaults (the
-   forward P-KL + 0.1 CE on the rollouts), 2 rounds of R steps: the student answers prompts
-   cut from the training conversations (after their last user message), the teacher scores its answers, the
-   student trains on them, and the next round samples from the trained student;
+   steps (`FINE_TUNE`): continued off-policy KD on the same cache, and `xtcache rounds` twice, 2 rounds of R
+   steps each: with its defaults (the forward P-KL + 0.1 CE on the rollouts), and with the mix that beat
+   continued KD across tokenizers on conversations in the converged bench (`MIX`: the generalized JSD +
+   0.1 CE on the rollouts, half the micro-batches CE alone on the training cache's text, whose teacher values it
+   does not read). In each round the student answers prompts cut from the training conversations (after their
+   last user message), the teacher scores its answers, the student trains on them, and the next round samples
+   from the trained student;
 4. `xtcache policy-eval` of every student (before training, converged, continued, after each round) on
    held-out prompts: the live teacher's reverse KL per sequence and its NLL per byte, on the student's own
    samples.
@@ -73,6 +76,10 @@ def write_prompts(conversations: Path, out: Path, limit: int) -> Path:
 
 
 FINE_TUNE = ("--lr", "1e-4", "--warmup-steps", "2", "--min-lr-ratio", "1")  # both arms after convergence
+# the second rounds arm: (rounds flags, train-student flags before the corpus cache's path); docs/on-policy.md
+MIX = (("--loss", "pkl"), ("--pkl-divergence", "jsd", "--rollout-fraction", "0.5", "--corpus-loss", "ce",
+                           "--corpus-cache"))
+ARMS = (("on-policy round", "on-policy"), ("JSD + corpus CE, round", "on-policy (JSD + corpus CE)"))
 
 
 def _student_flags(size: DemoSize) -> list[str]:
@@ -82,16 +89,18 @@ def _student_flags(size: DemoSize) -> list[str]:
 
 
 def run_rounds(run: StageRunner, setup, start: Path, prompts: Path, workdir: Path, projection: Path,
-               eval_cache: Path, size: DemoSize, ps: OnPolicySize, steps: int, engine: str) -> list[dict]:
-    """`xtcache rounds` with its default objective from the student `start` (a fresh work directory every demo
-    run); returns its per-round metrics."""
+               eval_cache: Path, size: DemoSize, ps: OnPolicySize, steps: int, engine: str,
+               rounds_flags: tuple[str, ...] = (), train_flags: tuple[str, ...] = ()) -> list[dict]:
+    """`xtcache rounds` from the student `start` (a fresh work directory every demo run), its default objective
+    unless `rounds_flags` and `train_flags` (train-student's) say otherwise; returns its per-round metrics."""
     if workdir.exists():
         shutil.rmtree(workdir)
     run.xtcache("rounds", "--student", str(start), "--teacher", str(setup.teacher_model),
                 "--prompts", str(prompts), "--rounds", str(ROUNDS), "--workdir", str(workdir), "--engine", engine,
                 "--samples-per-prompt", str(ps.samples_per_prompt), "--max-new-tokens", str(ps.max_new_tokens),
                 "--steps-per-round", str(steps), "--train-on", TRAIN_ON[1], "--projection",
-                str(projection), "--eval-cache", str(eval_cache), "--", *_student_flags(size))
+                str(projection), "--eval-cache", str(eval_cache), *rounds_flags, "--", *_student_flags(size),
+                *train_flags)
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
@@ -138,16 +147,18 @@ def _run(run: StageRunner, workdir: Path, size_name: str, engine: str) -> dict:
                 steps=kd_steps)
     more = train(run, setup, dump["path"], eval_dump["path"], projection, more_dir, size, kd=True, extra=TRAIN_ON,
                  steps=ROUNDS * steps, student=off_dir / "hf", schedule=FINE_TUNE)
-    rounds_dir = out / "rounds"
+    rounds_dir, mix_dir = out / "rounds", out / "rounds-jsd-corpus-ce"
     rounds = run_rounds(run, setup, off_dir / "hf", train_prompts, rounds_dir, projection, eval_dump["path"], size,
                         ps, steps, engine)
+    mixed = run_rounds(run, setup, off_dir / "hf", train_prompts, mix_dir, projection, eval_dump["path"], size, ps,
+                       steps, engine, MIX[0], (*MIX[1], str(dump["path"])))
 
     log.info("step 5/5: policy-eval of every student on %d held-out prompts", ps.eval_prompts)
     students = [("initial student", 0, Path(setup.student_model), off.get("initial_eval_kl")),
                 ("off-policy KD (converged)", kd_steps, off_dir / "hf", off.get("final_eval_kl")),
                 ("continued off-policy KD", total, more_dir / "hf", more.get("final_eval_kl")),
-                *[(f"on-policy round {m['round'] + 1}", kd_steps + m["step"], Path(m["hf_dir"]), m.get("final_eval_kl"))
-                  for m in rounds]]
+                *[(f"{prefix} {m['round'] + 1}", kd_steps + m["step"], Path(m["hf_dir"]), m.get("final_eval_kl"))
+                  for (prefix, _), metrics in zip(ARMS, (rounds, mixed)) for m in metrics]]
     rows = []
     for i, (name, step, student, kl) in enumerate(students):
         report_path = out / f"policy-eval-{i}.json"
@@ -159,7 +170,8 @@ def _run(run: StageRunner, workdir: Path, size_name: str, engine: str) -> dict:
               "steps_per_round": steps, "kd_steps": kd_steps, "prompts": ps.prompts,
               "samples_per_prompt": ps.samples_per_prompt, "eval_prompts": ps.eval_prompts,
               "eval_samples_per_prompt": ps.eval_samples_per_prompt, "max_new_tokens": ps.max_new_tokens,
-              "eval_cache_docs": eval_dump.get("documents"), "commands": str(rounds_dir / "commands.sh"),
+              "eval_cache_docs": eval_dump.get("documents"),
+              "commands": " and ".join(str(d / "commands.sh") for d in (rounds_dir, mix_dir)),
               "metrics": str(rounds_dir / "metrics.jsonl"), "engine_log": str(run.log_path),
               "wall_s": time.perf_counter() - t0}
     (out / "demo_result.json").write_text(json.dumps(result, indent=2, default=str))
@@ -188,32 +200,38 @@ def on_policy_table(r: dict) -> str:
         "  * first-token KL to the teacher's full distribution, on the last assistant turns of "
         f"{fmt(r['eval_cache_docs'], 'd')}",
         "    held-out conversations (the demo's measure); off-policy KD: P-KL + 0.1 CE on the training conversations'",
-        f"    cache; from its step {r.get('kd_steps', '-')}, both arms at lr {FINE_TUNE[1]}: the same cache again, or "
+        f"    cache; from its step {r.get('kd_steps', '-')}, every arm at lr {FINE_TUNE[1]}: the same cache again, or "
         "`xtcache rounds` (the same",
-        "    objective on the student's own answers to prompts cut from the same conversations)",
+        "    objective on the student's own answers to prompts cut from the same conversations; JSD + corpus CE: the",
+        "    generalized JSD + 0.1 CE on them, half the micro-batches CE alone on the training cache's text)",
         "  ** xtcache policy-eval: the live teacher on the student's own samples for "
         f"{r['eval_prompts']} held-out prompts x {r['eval_samples_per_prompt']}",
         "     samples: mean log p_student(y) - log p_teacher(y) per sample, and -log p_teacher(y) per byte of its text",
         "",
     ]
     lines += _verdicts(r["rows"])
-    lines += [f"  rounds: {r['commands']} (every command), {r['metrics']}", f"  wall time: {r['wall_s']:.0f} s", ""]
+    lines += [f"  rounds: {r['commands']} (every command)", f"  wall time: {r['wall_s']:.0f} s", ""]
     return "\n".join(lines)
 
 
 def _verdicts(rows: list[dict]) -> list[str]:
-    """One line per measure comparing the last on-policy row with continued off-policy KD at its step."""
-    on = rows[-1]
-    off = next((r for r in rows if r["step"] == on["step"] and r["student"].startswith("continued")), None)
-    if off is None:
-        return []
+    """One line per rounds arm and measure comparing the arm's last round with continued off-policy KD at its
+    step."""
     lines = []
-    for key, name in (("heldout_kl", "held-out KL"), ("reverse_kl_per_sequence", "reverse KL/sequence"),
-                      ("teacher_nll_per_byte", "teacher NLL/byte")):
-        a, b = on.get(key), off.get(key)
-        if a is None or b is None:
+    for prefix, label in ARMS:
+        arm = [r for r in rows if r["student"].startswith(prefix)]
+        if not arm:
             continue
-        verdict = "lower" if a < b else "NOT lower"
-        lines.append(f"  on-policy at step {on['step']} is {verdict} than continued off-policy KD on {name}: "
-                     f"{a:.3f} vs {b:.3f}")
+        on = arm[-1]
+        off = next((r for r in rows if r["step"] == on["step"] and r["student"].startswith("continued")), None)
+        if off is None:
+            continue
+        for key, name in (("heldout_kl", "held-out KL"), ("reverse_kl_per_sequence", "reverse KL/sequence"),
+                          ("teacher_nll_per_byte", "teacher NLL/byte")):
+            a, b = on.get(key), off.get(key)
+            if a is None or b is None:
+                continue
+            verdict = "lower" if a < b else "NOT lower"
+            lines.append(f"  {label} at step {on['step']} is {verdict} than continued off-policy KD on {name}: "
+                         f"{a:.3f} vs {b:.3f}")
     return lines + [""] if lines else []
