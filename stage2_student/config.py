@@ -51,7 +51,7 @@ class LoaderConfig:
     corpus_cache: str | None = None
     """An off-policy corpus cache (same teacher tokenizer) mixed into the rollouts of --cache at 1 - --rollout-fraction of the micro-batches (GKD's lambda, docs/on-policy.md)."""
     rollout_fraction: float = 1.0
-    """With --corpus-cache: the probability lambda that a micro-batch is drawn from --cache (the rollouts), fixed by --seed and the micro-batch index."""
+    """With --corpus-cache: the fraction lambda of the micro-batches read from --cache (the rollouts), on a stratified schedule (any n consecutive micro-batches hold lambda n of them, rounded; --seed sets its phase)."""
     corpus_loss: str = "kd"
     """With --corpus-cache: what its micro-batches train: kd (the run's objective, GKD's lambda) or ce (cross-entropy on the corpus text alone, at weight 1 as with --loss ce; its teacher values unused: docs/on-policy.md)."""
 
