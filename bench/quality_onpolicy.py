@@ -161,12 +161,16 @@ def _rounds(p: dict, out: Path, s: OnPolicySettings, seed: int, loss: str, extra
     if out.exists():
         shutil.rmtree(out)
     setup = p["setup"]
+    own = []  # rounds takes the corpus cache itself (its --corpus-cache); the row's other flags go to train-student
+    if "--corpus-cache" in extra:
+        at = extra.index("--corpus-cache")
+        own, extra = extra[at:at + 2], extra[:at] + extra[at + 2:]
     run_xtcache("rounds", "--student", str(student or setup.student_model), "--teacher", str(setup.teacher_model),
                 "--prompts", str(prompts or p["train_prompts"]), "--rounds", str(ROUNDS), "--workdir", str(out),
                 "--engine", "hf", "--samples-per-prompt", str(s.samples_per_prompt), "--max-new-tokens",
                 str(s.max_new_tokens), "--seed", str(seed), "--steps-per-round", str(steps_per_round or s.steps_per_round),
                 "--loss", loss, "--train-on",
-                "last-assistant", "--projection", str(p["projection"]), "--eval-cache", str(p["eval_cache"]), "--",
+                "last-assistant", "--projection", str(p["projection"]), "--eval-cache", str(p["eval_cache"]), *own, "--",
                 *_without_seed(_common(s, seed)),
                 "--kd-weight", "1.0", "--ce-weight", "0.0", *_forward_unless_chosen(loss, extra), log_file=log_file)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -223,12 +227,13 @@ ROWS = [  # name, kind, loss flags
     ("off-policy KD then on-policy, 2 rounds, auto", "kd-then-rounds", ("auto", [])),
     ("off-policy KD then on-policy, 2 rounds, rkl-pg", "kd-then-rounds", ("rkl-pg", ["--is-cap", "0"])),
     ("off-policy KD then on-policy, 2 rounds, auto + corpus 0.5", "kd-then-rounds",
-     ("auto", ["--corpus-cache", HALF_CACHE, "--rollout-fraction", "0.5"])),
+     ("auto", ["--corpus-cache", HALF_CACHE, "--rollout-fraction", "0.5", "--corpus-loss", "kd"])),
     ("off-policy KD then on-policy, 2 rounds, P-KL reverse", "kd-then-rounds", ("pkl", ["--pkl-divergence", "reverse"])),
     ("off-policy KD then on-policy, 2 rounds, P-KL forward-reverse", "kd-then-rounds",
      ("pkl", ["--pkl-divergence", "forward-reverse", "--pkl-reverse-weight", "0.5"])),  # measured at the mean
     ("off-policy KD then on-policy, 2 rounds, P-KL reverse + corpus 0.5", "kd-then-rounds",
-     ("pkl", ["--pkl-divergence", "reverse", "--corpus-cache", HALF_CACHE, "--rollout-fraction", "0.5"])),
+     ("pkl", ["--pkl-divergence", "reverse", "--corpus-cache", HALF_CACHE, "--rollout-fraction", "0.5", "--corpus-loss",
+              "kd"])),
 ]
 
 

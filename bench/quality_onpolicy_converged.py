@@ -109,8 +109,8 @@ ROWS = [
      ["--loss", "forward", "--rounds", "4", "--steps-per-round", "4", "--samples-per-prompt", "1"], KINDS),
     # GKD's lambda: half the micro-batches from half the continuation cache, half the rollouts (1 sample a prompt)
     ("on-policy rounds (defaults), 1 sample a prompt, mixed 1:1 with half the continuation cache", "on",
-     ["--loss", "forward", "--samples-per-prompt", "1", "--", "--corpus-cache", "{continue_half_cache}",
-      "--rollout-fraction", "0.5"],
+     ["--loss", "forward", "--samples-per-prompt", "1", "--corpus-cache", "{continue_half_cache}", "--",
+      "--corpus-loss", "kd"],
      ("chat",)),
     # as many rollouts from twice the prompts: the rounds' 24 and the first 24 continuation conversations' prompts
     ("on-policy rounds (defaults), 48 prompts x 1 sample", "on",
@@ -133,13 +133,11 @@ ROWS = [
     # half the micro-batches CE alone on the continuation conversations' text (no teacher values read: only the
     # rollouts count as teacher-scored), half the rounds' defaults on the rollouts
     ("on-policy rounds (defaults), mixed 1:1 with CE on the continuation text (`--corpus-loss ce`)", "on",
-     ["--loss", "forward", "--", "--corpus-cache", "{continue_cache}", "--rollout-fraction", "0.5",
-      "--corpus-loss", "ce"], KINDS),
+     ["--loss", "forward", "--corpus-cache", "{continue_cache}"], KINDS),
     # the same mix with the generalized JSD (beta 0.5) + 0.1 CE on the rollouts (row 8's objective)
     ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, mixed 1:1 with CE on the continuation text "
      "(`--corpus-loss ce`)", "on",
-     ["--loss", "pkl", "--", "--pkl-divergence", "jsd", "--corpus-cache", "{continue_cache}", "--rollout-fraction",
-      "0.5", "--corpus-loss", "ce"], ("chat",)),
+     ["--loss", "jsd", "--corpus-cache", "{continue_cache}"], ("chat",)),
 ]
 # on-policy rows also compared with the continued off-policy row of their own objective
 SAME_OBJECTIVE = {ROWS[2][0]: ROWS[12][0]}
@@ -303,9 +301,10 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
               log_file: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     own, train = split_row_flags(flags)
-    # its corpus (a cache of the section's, named by its key in braces) counts when its teacher values train
-    corpus_loss = train[train.index("--corpus-loss") + 1] if "--corpus-loss" in train else "kd"
-    mixed = "--corpus-cache" in train and corpus_loss == "kd"
+    # its corpus (rounds' --corpus-cache: a cache of the section's, named by its key in braces) counts when its teacher
+    # values train (rounds mixes it with --corpus-loss ce unless the train-student flags say kd)
+    corpus = filled(p, own[own.index("--corpus-cache") + 1]) if "--corpus-cache" in own else None
+    mixed = corpus is not None and "kd" == (train[train.index("--corpus-loss") + 1] if "--corpus-loss" in train else "ce")
     train = [filled(p, a) for a in train]
     run_xtcache("rounds", "--student", str(start), "--teacher", str(p["setup"].teacher_model),
                 "--workdir", str(out), "--engine", "hf", *rounds_plan(p, s, own),
@@ -315,7 +314,7 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     positions = sum(trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
     if mixed:  # the corpus cache counted whole: at most what the rounds read of it (--corpus-loss ce: none)
-        positions += trained_positions(Path(train[train.index("--corpus-cache") + 1]))
+        positions += trained_positions(Path(corpus))
     return {"hf": Path(metrics[-1]["hf_dir"]), "heldout_kl": metrics[-1].get("final_eval_kl"),
             "teacher_positions": positions, "staleness": [m.get("stale_mean_abs_log_ratio") for m in metrics],
             "retokenized": [m.get("retokenized_turns") for m in metrics]}

@@ -23,6 +23,7 @@ from bench.quality_onpolicy_converged import (
     wide_prompt_rows,
 )
 from xtcache.app.docblock import run_record
+from xtcache.app.rounds import CORPUS_MIX
 from xtcache.testing.suite import REPO
 
 OFF, ON = ROWS[0][0], ROWS[1][0]
@@ -124,7 +125,7 @@ def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
     in braces names a file of the kind's); every row keeps the equal-cost rule: rounds x steps = the section's
     steps, rounds x prompts x samples = 2 rounds' worth (a row mixed 1:1 with a corpus cache's KD: half of it)."""
     s = ConvergedSettings()
-    p = {"train_prompts": "train.jsonl", "wide_prompts": "wide.jsonl"}
+    p = {"train_prompts": "train.jsonl", "wide_prompts": "wide.jsonl", "continue_cache": "c", "continue_half_cache": "h"}
     prompts = {"train.jsonl": s.prompts, "wide.jsonl": 2 * s.prompts}  # what prepare writes (test below)
     assert rounds_plan(p, s, []) == ["--prompts", "train.jsonl", "--rounds", "2", "--steps-per-round", "8",
                                      "--samples-per-prompt", "2"]
@@ -136,9 +137,11 @@ def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
             own, train = split_row_flags(flags)
             plan = dict(zip(rounds_plan(p, s, own)[::2], rounds_plan(p, s, own)[1::2], strict=True))
             rounds = int(plan["--rounds"])
-            # a corpus whose teacher values train takes the place of rollouts; `--corpus-loss ce` reads its text only
-            kd_corpus = "--corpus-cache" in train and "--corpus-loss" not in train
-            share = float(train[train.index("--rollout-fraction") + 1]) if kd_corpus else 1.0
+            # a corpus whose teacher values train (rounds' --corpus-cache with `-- --corpus-loss kd`) takes the place
+            # of rollouts; rounds' default, `--corpus-loss ce`, reads its text only
+            mix = {**CORPUS_MIX, **dict(zip(train[::2], train[1::2], strict=True))}
+            kd_corpus = "--corpus-cache" in own and mix["--corpus-loss"] == "kd"
+            share = float(mix["--rollout-fraction"]) if kd_corpus else 1.0
             assert rounds * int(plan["--steps-per-round"]) == s.steps
             assert (rounds * prompts[plan["--prompts"]] * int(plan["--samples-per-prompt"])
                     == 2 * s.prompts * s.samples_per_prompt * share)
@@ -449,7 +452,8 @@ def test_token_scores_are_each_tokens_nll_and_the_entropy_of_the_row_that_predic
 
 def test_a_mixed_row_counts_its_corpus_as_teacher_scored_only_when_the_corpus_trains_its_kd(tmp_path, monkeypatch):
     """on_policy's teacher-scored tokens: every round's rollout cache, plus the corpus cache when its KD trains
-    (--corpus-loss kd, the default); with --corpus-loss ce its teacher values are never read, so it adds none."""
+    (`-- --corpus-loss kd`); with --corpus-loss ce, rounds' default, its teacher values are never read, so it adds
+    none."""
     from types import SimpleNamespace
 
     def run_xtcache(*args, log_file):  # rounds: two rounds' metrics, as `xtcache rounds` writes them
@@ -464,9 +468,9 @@ def test_a_mixed_row_counts_its_corpus_as_teacher_scored_only_when_the_corpus_tr
     p = {"setup": SimpleNamespace(teacher_model="T"), "train_prompts": "train.jsonl", "projection": None,
          "eval_cache": tmp_path / "eval", "continue_cache": str(tmp_path / "corpus")}
     s = ConvergedSettings()
-    mix = ["--loss", "forward", "--", "--corpus-cache", "{continue_cache}", "--rollout-fraction", "0.5"]
+    mix = ["--loss", "forward", "--corpus-cache", "{continue_cache}"]
     counted = {name: conv.on_policy(p, tmp_path / "start", tmp_path / "run", s, 0, flags, tmp_path / "log")
-               ["teacher_positions"] for name, flags in [("rollouts", ["--loss", "forward"]), ("kd", mix),
-                                                         ("ce", [*mix, "--corpus-loss", "ce"])]}
+               ["teacher_positions"] for name, flags in [("rollouts", ["--loss", "forward"]),
+                                                         ("kd", [*mix, "--", "--corpus-loss", "kd"]), ("ce", mix)]}
     assert counted == {"rollouts": 200, "kd": 207, "ce": 200}
-    assert ROWS[13][2][-2:] == ["--corpus-loss", "ce"]  # the section's row of it
+    assert ROWS[13][2] == mix  # the section's row of it

@@ -296,6 +296,39 @@ def test_the_default_loss_is_the_measured_one_for_the_tokenizer_pair_and_the_pro
         RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", loss="reverse", dump_args="--mode=sampled")
 
 
+def test_loss_jsd_and_a_corpus_cache_give_train_student_the_measured_mix(chat, tmp_path):
+    """`--loss jsd`: P-KL's jsd divergence across tokenizers, train-student's jsd with one; `--corpus-cache C`: the
+    cache mixed in with --rollout-fraction 0.5 and --corpus-loss ce unless given after `--`, which may not name the
+    cache itself (docs/on-policy.md)."""
+    from xtcache.app.rounds import RoundsConfig, stage_command
+
+    setup, prompts = chat
+
+    def train(student: str, **kw) -> list[str]:
+        cfg = RoundsConfig(**{"student": student, "teacher": str(setup.teacher_model), "prompts": [str(prompts)],
+                              "workdir": str(tmp_path / "w"), **kw})
+        return stage_command(cfg, 1, "train-student")
+
+    def after(command: list[str], flag: str) -> list[str]:
+        return [command[i + 1] for i, x in enumerate(command) if x == flag]
+
+    cross = train(str(setup.student_model), loss="jsd", corpus_cache="C")
+    assert after(cross, "--loss") == ["pkl"] and after(cross, "--pkl-divergence") == ["jsd"]
+    assert after(cross, "--ce-weight") == ["0.1"]  # the rollouts' anchor, as with the forward KL
+    assert after(cross, "--corpus-cache") == ["C"] and after(cross, "--rollout-fraction") == ["0.5"]
+    assert after(cross, "--corpus-loss") == ["ce"]
+    assert after(train(str(setup.teacher_model), loss="jsd"), "--loss") == ["jsd"]  # one tokenizer
+    mine = train(str(setup.student_model), corpus_cache="C", train_args=["--rollout-fraction", "0.75", "--corpus-loss",
+                                                                         "kd"])
+    assert after(mine, "--rollout-fraction") == ["0.75"] and after(mine, "--corpus-loss") == ["kd"]  # given: as given
+    plain = train(str(setup.student_model))
+    assert not {"--corpus-cache", "--rollout-fraction", "--corpus-loss"} & set(plain)
+    with pytest.raises(ValueError, match="--corpus-cache: set by xtcache rounds itself"):
+        RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", train_args=["--corpus-cache", "C"])
+    with pytest.raises(ValueError, match=r"--loss jsd with --dump-args '--mode sampled': "):
+        RoundsConfig(student="S", teacher="T", prompts=["p"], workdir="w", loss="jsd", dump_args="--mode sampled")
+
+
 def test_a_work_directory_that_recorded_the_forward_default_is_refused_the_picked_loss_once_it_trained(chat, tmp_path):
     """Before rounds picked its loss, a work directory recorded --loss forward: a same-tokenizer run on conversations
     rerun without --loss would train the reverse KL, refused once a train-student has finished."""
@@ -582,7 +615,9 @@ def test_every_rounds_commands_are_built_before_anything_runs_and_a_refusal_name
     check_commands(_cfg(tmp_path, **base, train_args=["--lr", "1e-4"], dump_args="--top-k 8"))  # all well
     refused = [
         ({"train_args": ["--lr", "-1"]}, "round 0 train-student would be refused: --lr -1.0: must be positive "
-                                          "(from the flags after --); nothing has run"),
+                                          "(from xtcache rounds' own options or the flags after --); nothing has run"),
+        ({"corpus_cache": str(tmp_path / "corpus")}, "round 0 train-student would be refused: --corpus-cache "
+                                                     f"{tmp_path / 'corpus'}: no such directory"),
         ({"train_args": ["--lrr", "1e-4"]}, "round 0 train-student would be refused: No such option: --lrr"),
         ({"dump_args": "--top-k 0"}, "round 0 teacher-dump would be refused: --top-k 0: must be at least 1 "
                                      "(from --dump-args)"),

@@ -67,7 +67,9 @@ log = logging.getLogger(__name__)
 STAGES = ("generate", "teacher-dump", "train-student")
 ROLLOUT_CE_WEIGHT = 0.1  # train-student --ce-weight on a round's rollouts unless given after `--` (docs/on-policy.md)
 SETTINGS_FILE = "rounds.json"
-DIVERGENCES = {"forward": "kl", "reverse": "rkl"}  # rounds' --loss -> train-student's same-tokenizer loss
+DIVERGENCES = {"forward": "kl", "reverse": "rkl", "jsd": "jsd"}  # rounds' --loss -> train-student's same-tokenizer loss
+# train-student's mix flags that rounds' --corpus-cache sets unless given after `--` (as measured: docs/on-policy.md)
+CORPUS_MIX = {"--rollout-fraction": "0.5", "--corpus-loss": "ce"}
 # generate's and teacher-dump's flags that rounds sets itself (its own options, the round's paths), that would split a
 # round's stage otherwise than into its --nproc-per-node jobs, or (--config) a file that could set any of them
 GENERATE_OWNED = frozenset({"--student", "--data", "--out", "--engine", "--resume", "--samples-per-prompt",
@@ -120,13 +122,15 @@ class RoundsConfig:
     steps_per_round: int = 100
     """Optimizer steps per round (round r trains to (r+1) x this)."""
     loss: str | None = None
-    """forward: the forward KL on the teacher's stored support + rest (train-student --loss kl with the teacher's tokenizer, else --loss pkl --pkl-divergence forward); reverse: the reverse KL (rkl, or P-KL's reverse divergence); any other value is train-student's --loss with its defaults (auto: the KL / P-KL of a corpus cache; rkl-pg: the policy gradient). Default, as measured (docs/on-policy.md): reverse without CE for a student of the teacher's tokenizer on conversation prompts (top-k or full caches), else forward."""
+    """forward: the forward KL on the teacher's stored support + rest (train-student --loss kl with the teacher's tokenizer, else --loss pkl --pkl-divergence forward); reverse: the reverse KL (rkl, or P-KL's reverse divergence); jsd: the generalized JSD (jsd, or P-KL's jsd divergence); any other value is train-student's --loss with its defaults (auto: the KL / P-KL of a corpus cache; rkl-pg: the policy gradient). Default, as measured (docs/on-policy.md): reverse without CE for a student of the teacher's tokenizer on conversation prompts (top-k or full caches), else forward."""
     train_on: str = "last-assistant"
     """train-student --train-on: the generated turn (of a conversation, or the completion of a text prefix)."""
     projection: str | None = None
     """train-student --projection (cross-tokenizer)."""
     eval_cache: str | None = None
     """train-student --eval-cache: a held-out store, for the table's final eval KL."""
+    corpus_cache: str | None = None
+    """A corpus cache (same teacher tokenizer, aligned for the student) mixed into every round's training: train-student --corpus-cache, with --rollout-fraction 0.5 and --corpus-loss ce unless given after `--` (half the micro-batches CE alone on its text, its teacher values unread; with --loss jsd the mix that beat continued off-policy KD on conversations across tokenizers: docs/on-policy.md)."""
     generate_args: str = ""
     """Extra generate flags of every round, one shell-quoted string (e.g. '--top-p 0.95 --dtype bfloat16 --gpu-memory-utilization 0.5')."""
     dump_args: str = ""
@@ -181,18 +185,20 @@ class RoundsConfig:
         if not self.prompts:
             raise ValueError("--prompts: give at least one prompt file")
         owned = {"--cache", "--student", "--out", "--max-steps", "--resume", "--init-from", "--loss", "--train-on",
-                 "--projection", "--eval-cache"}
+                 "--projection", "--eval-cache", "--corpus-cache"}
         if self.loss in (None, *DIVERGENCES):  # rounds sets the divergence itself
             owned.add("--pkl-divergence")
         clash = sorted(flag_names(self.train_args) & owned)
         if clash:
             raise ValueError(f"extra train-student flags {', '.join(clash)}: set by xtcache rounds itself; use its "
-                             "own options (--loss, --train-on, --projection, --eval-cache, --steps-per-round; "
+                             "own options (--loss, --train-on, --projection, --eval-cache, --corpus-cache, "
+                             "--steps-per-round; "
                              "another P-KL divergence: --loss pkl -- --pkl-divergence D)")
         mode = self.dump_mode
-        if self.loss == "reverse" and mode in DRAWN_MODES:
-            raise ValueError(f"--loss reverse with --dump-args '--mode {mode}': the reverse KL takes the log of the "
-                             "teacher's probabilities, which a drawn cache only estimates; use --mode topk or full, or "
+        if self.loss in ("reverse", "jsd") and mode in DRAWN_MODES:
+            raise ValueError(f"--loss {self.loss} with --dump-args '--mode {mode}': the {self.loss} divergence takes "
+                             "the log of the teacher's probabilities, which a drawn cache only estimates; use --mode "
+                             "topk or full, or "
                              "--loss forward (the default: the forward KL, linear in the estimate)")
         clash = sorted(flag_names(self.generate_flags) & GENERATE_OWNED)
         if clash:
@@ -255,6 +261,10 @@ def _stage_args(cfg: RoundsConfig, r: int, stage: str) -> list[str]:
         args += ["--projection", cfg.projection]
     if cfg.eval_cache:
         args += ["--eval-cache", cfg.eval_cache]
+    if cfg.corpus_cache:
+        given = flag_names(cfg.train_args)
+        args += ["--corpus-cache", cfg.corpus_cache,
+                 *[x for flag, value in CORPUS_MIX.items() if flag not in given for x in (flag, value)]]
     if "--ce-weight" not in flag_names(cfg.train_args):
         # on the student's own fresh samples CE has no expected gradient: a small anchor, not train-student's
         # cross-tokenizer corpus default (docs/on-policy.md: measured with the forward KL); none beside the reverse
@@ -697,7 +707,7 @@ def check_settings(cfg: RoundsConfig) -> None:
 
 
 FLAGS_FROM = {"generate": "xtcache rounds' own options or --generate-args", "teacher-dump": "--dump-args",
-              "train-student": "the flags after --"}
+              "train-student": "xtcache rounds' own options or the flags after --"}
 
 
 def check_commands(cfg: RoundsConfig) -> None:
