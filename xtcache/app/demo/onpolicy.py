@@ -76,9 +76,8 @@ def write_prompts(conversations: Path, out: Path, limit: int) -> Path:
 
 
 FINE_TUNE = ("--lr", "1e-4", "--warmup-steps", "2", "--min-lr-ratio", "1")  # both arms after convergence
-# the second rounds arm: (rounds flags, train-student flags before the corpus cache's path); docs/on-policy.md
-MIX = (("--loss", "pkl"), ("--pkl-divergence", "jsd", "--rollout-fraction", "0.5", "--corpus-loss", "ce",
-                           "--corpus-cache"))
+# the second rounds arm's flags, before the corpus cache's path (rounds' own mix defaults; docs/on-policy.md)
+MIX = ("--loss", "jsd", "--corpus-cache")
 ARMS = (("on-policy round", "on-policy"), ("JSD + corpus CE, round", "on-policy (JSD + corpus CE)"))
 
 
@@ -90,17 +89,16 @@ def _student_flags(size: DemoSize) -> list[str]:
 
 def run_rounds(run: StageRunner, setup, start: Path, prompts: Path, workdir: Path, projection: Path,
                eval_cache: Path, size: DemoSize, ps: OnPolicySize, steps: int, engine: str,
-               rounds_flags: tuple[str, ...] = (), train_flags: tuple[str, ...] = ()) -> list[dict]:
+               rounds_flags: tuple[str, ...] = ()) -> list[dict]:
     """`xtcache rounds` from the student `start` (a fresh work directory every demo run), its default objective
-    unless `rounds_flags` and `train_flags` (train-student's) say otherwise; returns its per-round metrics."""
+    unless `rounds_flags` say otherwise; returns its per-round metrics."""
     if workdir.exists():
         shutil.rmtree(workdir)
     run.xtcache("rounds", "--student", str(start), "--teacher", str(setup.teacher_model),
                 "--prompts", str(prompts), "--rounds", str(ROUNDS), "--workdir", str(workdir), "--engine", engine,
                 "--samples-per-prompt", str(ps.samples_per_prompt), "--max-new-tokens", str(ps.max_new_tokens),
                 "--steps-per-round", str(steps), "--train-on", TRAIN_ON[1], "--projection",
-                str(projection), "--eval-cache", str(eval_cache), *rounds_flags, "--", *_student_flags(size),
-                *train_flags)
+                str(projection), "--eval-cache", str(eval_cache), *rounds_flags, "--", *_student_flags(size))
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
@@ -151,7 +149,7 @@ def _run(run: StageRunner, workdir: Path, size_name: str, engine: str) -> dict:
     rounds = run_rounds(run, setup, off_dir / "hf", train_prompts, rounds_dir, projection, eval_dump["path"], size,
                         ps, steps, engine)
     mixed = run_rounds(run, setup, off_dir / "hf", train_prompts, mix_dir, projection, eval_dump["path"], size, ps,
-                       steps, engine, MIX[0], (*MIX[1], str(dump["path"])))
+                       steps, engine, (*MIX, str(dump["path"])))
 
     log.info("step 5/5: policy-eval of every student on %d held-out prompts", ps.eval_prompts)
     students = [("initial student", 0, Path(setup.student_model), off.get("initial_eval_kl")),
