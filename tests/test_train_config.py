@@ -200,7 +200,7 @@ def test_a_checkpoint_is_marked_complete_only_after_every_rank_wrote_its_files(t
     trainer = types.SimpleNamespace(
         out=tmp_path, step=3, world=2, rank=rank, engine=types.SimpleNamespace(save_checkpoint=save_checkpoint),
         data=types.SimpleNamespace(train=types.SimpleNamespace(state_dict=lambda: {"next_micro_batch": 6}),
-                                   objective=types.SimpleNamespace(kind="kl")),
+                                   objective=types.SimpleNamespace(kind="kl", describe=lambda: {"kind": "kl"})),
         cfg=types.SimpleNamespace(to_json=lambda: "{}", checkpoint=types.SimpleNamespace(keep_checkpoints=0)))
     real_write = type(tmp_path).write_text
     monkeypatch.setattr(type(tmp_path), "write_text",
