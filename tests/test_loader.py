@@ -447,6 +447,20 @@ def test_every_run_of_micro_batches_holds_the_fraction_of_rollouts_rounded(fract
     assert all(draws_rollout(5, g, 1.0) for g in range(100))
 
 
+@pytest.mark.parametrize("world, accum", [(1, 4), (2, 1), (2, 2), (4, 1)])
+def test_every_optimizer_step_holds_the_fraction_of_rollouts_whatever_the_rank_layout(world, accum):
+    """A step's micro-batches are consecutive global indices, so each step (all ranks, all accumulation
+    micro-batches) holds fraction x world x accum rollout micro-batches, rounded up or down."""
+    from stage2_student.order import global_micro_batch
+    from stage2_student.rollout_mix import draws_rollout
+
+    for fraction in (0.5, 0.25, 0.75):
+        for step in range(50):
+            n = sum(draws_rollout(3, global_micro_batch(step * accum + a, rank=r, world_size=world, grad_accum=accum),
+                                  fraction) for r in range(world) for a in range(accum))
+            assert np.floor(fraction * world * accum) <= n <= np.ceil(fraction * world * accum), (fraction, step)
+
+
 def test_rollout_mixture_reads_each_stream_in_order_and_resumes_exactly(store, tmp_path, toy_setup, teacher_tokenizer,
                                                                           student_tokenizer, caplog):
     from stage2_student.rollout_mix import MixedLoader
