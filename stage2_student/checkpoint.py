@@ -59,9 +59,11 @@ def read_trainer_state(path: Path) -> dict:
     return state
 
 
-def objective_changes(was: dict | None, now: dict) -> list[str]:
-    """`setting old -> new` for each setting of the recorded objective `was` that `now` sets otherwise (a
-    setting `was` does not record is not compared: older records hold the kind alone)."""
+def objective_changes(was: dict | None, objective) -> list[str]:
+    """`setting old -> new` for each setting of the recorded objective `was` that the run's `objective` (its
+    `describe()`) sets otherwise. A version 2 record holds the KD kind alone and is compared with the objective's
+    `kind` (several teachers: their kinds joined by '+'); a version 1 record, nothing."""
+    now = {"kind": objective.kind} if was is not None and set(was) == {"kind"} else objective.describe()
     return [f"{k} {was[k]!r} -> {now.get(k)!r}" for k in sorted(was or {}) if was[k] != now.get(k)]
 
 
@@ -190,7 +192,7 @@ def load(trainer, point: ResumePoint) -> int:
         torch.manual_seed(int(seed))
         log.warning("random state re-seeded for the new rank layout (dropout masks differ from an "
                     "uninterrupted run)")
-    if changed := objective_changes(state["objective"], trainer.data.objective.describe()):
+    if changed := objective_changes(state["objective"], trainer.data.objective):
         log.warning("resuming under another objective than the checkpoint's: %s", ", ".join(changed))
     log.info("resumed from %s at step %d", ckpt, state["step"])
     return state["step"]

@@ -3,13 +3,14 @@
 `xtcache train-student --cache ROLLOUTS --corpus-cache CORPUS --rollout-fraction 0.5` trains a fraction
 lambda (`--rollout-fraction`) of the micro-batches on the rollout cache, the others on the corpus cache
 (Agarwal et al. 2024 draw each batch on-policy with probability lambda). The schedule is stratified, not
-drawn: any n consecutive global micro-batches hold lambda n rollout micro-batches, rounded up or down, so a
-short run (a round of a few steps) trains the share it asks for (independent draws of probability 0.5 gave 0
-of a round's 4 micro-batches to the rollouts on the demo's seed, and 2 to 5 of 8 on the converged bench's
-seeds). Only the phase comes from the seed. The schedule is a pure function of (seed, global micro-batch
-index), so the mixture is the same on every run, whatever the number of DataLoader workers, and a resumed
-run reads exactly the micro-batches an uninterrupted one would have (each stream keeps its own `CacheLoader`
-position). With `--corpus-loss ce` each corpus
+drawn (`draws_rollout`): any n consecutive micro-batches of a rank hold lambda n rollout micro-batches,
+rounded up or down, and so do the ranks' micro-batches of one optimizer step together, so a short run (a
+round of a few steps) trains the share it asks for (independent draws of probability 0.5 gave 0 of a round's
+4 micro-batches to the rollouts on the demo's seed, and 2 to 5 of 8 on the converged bench's seeds), and every
+rank reads its share of both caches. Only the phase comes from the seed (and the rank). The schedule is a pure
+function of (seed, rank, world size, the rank's micro-batch index), so the mixture is the same on every run,
+whatever the number of DataLoader workers, and a resumed run reads exactly the micro-batches an uninterrupted
+one would have (each stream keeps its own `CacheLoader` position). With `--corpus-loss ce` each corpus
 micro-batch leaves its teacher keys behind (`ce_only`): the objective trains cross-entropy on its text
 alone, at `CORPUS_CE_WEIGHT`, and the step's KD is normalised by the rollouts' chunks only.
 
@@ -23,7 +24,6 @@ import logging
 import math
 
 from stage2_student.join import CE_ONLY_KEY, student_view
-from stage2_student.order import global_micro_batch
 from xtcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -38,24 +38,31 @@ def ce_only(batch: dict) -> dict:
     return {**student, "num_chunks": 0, CE_ONLY_KEY: CORPUS_CE_WEIGHT}
 
 
-def draws_rollout(seed: int, g: int, fraction: float) -> bool:
-    """Whether global micro-batch g reads the rollouts: when floor((g + 1) f + u) > floor(g f + u), f the
-    fraction and u the seed's phase (sha256 of it read as a number in [0, 1)). Micro-batches 0 to n - 1 then
-    hold floor(n f + u) - floor(u) rollout micro-batches: n f rounded up or down."""
+SCHEDULE = "stratified"  # recorded in a mixed stream's state: a checkpoint of another schedule does not resume
+
+
+def draws_rollout(seed: int, j: int, fraction: float, *, rank: int = 0, world_size: int = 1) -> bool:
+    """Whether a rank's j-th micro-batch reads the rollouts: when floor((j + 1) f + v) > floor(j f + v), f the
+    fraction and v = u + rank / world_size, u the seed's phase (sha256 of it read as a number in [0, 1)).
+
+    Each rank's micro-batches 0 to n - 1 hold floor(n f + v) - floor(v) rollout micro-batches, n f rounded up or
+    down, so every rank reads both of its shares in proportion (each stream of a rank reads that rank's share of
+    its cache). Summed over the ranks, floor(x + r / W) adds up to floor(W x) (Hermite's identity), so the ranks'
+    micro-batches j0 to j1 - 1 together hold W (j1 - j0) f of them, rounded: every optimizer step holds its share."""
     if fraction >= 1.0:
         return True
     digest = hashlib.sha256(f"xtcache-rollout-mix:{seed}".encode()).digest()
-    u = int.from_bytes(digest[:8], "big") / 2**64
-    return math.floor((g + 1) * fraction + u) > math.floor(g * fraction + u)
+    v = int.from_bytes(digest[:8], "big") / 2**64 + rank / world_size
+    return math.floor((j + 1) * fraction + v) > math.floor(j * fraction + v)
 
 
 class MixedLoader:
     """This rank's micro-batches, each from the rollout or the corpus stream (`draws_rollout`), resumable.
 
-    Rank r's j-th micro-batch is global micro-batch `global_micro_batch(j, ...)`; its draw picks the
-    stream, and that stream's next micro-batch is yielded. `state_dict()` holds the micro-batches
-    consumed and both streams' states; the stream of a global micro-batch depends on the rank layout,
-    so a mixed stream resumes on the same ranks x --grad-accum only (`loader.reshard_state` refuses).
+    The schedule (`draws_rollout`) picks the stream of rank r's j-th micro-batch, and that stream's next
+    micro-batch is yielded. `state_dict()` holds the micro-batches consumed, the schedule and both streams'
+    states; the stream of a micro-batch depends on the rank layout, so a mixed stream resumes on the same
+    ranks x --grad-accum only (`loader.reshard_state` refuses).
     """
 
     def __init__(self, rollouts, corpus, *, fraction: float, seed: int, corpus_ce_only: bool = False):
@@ -80,8 +87,8 @@ class MixedLoader:
     def source(self, j: int) -> str:
         """'rollouts' or 'corpus': the stream of this rank's j-th micro-batch."""
         d = self.rollouts.dataset
-        g = global_micro_batch(j, rank=d.rank, world_size=d.world_size, grad_accum=d.grad_accum)
-        return "rollouts" if draws_rollout(self.seed, g, self.fraction) else "corpus"
+        return "rollouts" if draws_rollout(self.seed, j, self.fraction, rank=d.rank, world_size=d.world_size) \
+            else "corpus"
 
     def __iter__(self):
         streams = {}  # started on first use: an unused stream starts no workers
@@ -99,7 +106,7 @@ class MixedLoader:
 
     def state_dict(self) -> dict:
         return {"mixture": {"consumed": self.consumed, "fraction": self.fraction, "seed": self.seed,
-                            "corpus_loss": self.corpus_loss},
+                            "corpus_loss": self.corpus_loss, "schedule": SCHEDULE},
                 "rollouts": self.rollouts.state_dict(), "corpus": self.corpus.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -109,7 +116,12 @@ class MixedLoader:
             raise ConfigError(f"cannot resume the data stream: the checkpoint has {was}, this run "
                               f"--rollout-fraction {self.fraction}, --seed {self.seed}; resume with the settings of "
                               "the interrupted run")
-        was = mix.get("corpus_loss", "kd")  # recorded since --corpus-loss existed; before it, kd
+        if mix.get("schedule") != SCHEDULE:  # before it: an independent draw per global micro-batch
+            raise ConfigError("cannot resume the data stream: the checkpoint's micro-batches were drawn from the "
+                              "rollouts and the corpus independently (an xtcache before the stratified schedule of "
+                              "2026-12-01); resume it with that xtcache, or start from the checkpoint with "
+                              "--init-from")
+        was = mix.get("corpus_loss")  # recorded with the schedule
         if was != self.corpus_loss:  # the stream is the same; the corpus micro-batches' loss is a choice, logged
             log.warning("resuming with --corpus-loss %s on a checkpoint trained with --corpus-loss %s",
                         self.corpus_loss, was)

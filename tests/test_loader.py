@@ -447,18 +447,24 @@ def test_every_run_of_micro_batches_holds_the_fraction_of_rollouts_rounded(fract
     assert all(draws_rollout(5, g, 1.0) for g in range(100))
 
 
-@pytest.mark.parametrize("world, accum", [(1, 4), (2, 1), (2, 2), (4, 1)])
-def test_every_optimizer_step_holds_the_fraction_of_rollouts_whatever_the_rank_layout(world, accum):
-    """A step's micro-batches are consecutive global indices, so each step (all ranks, all accumulation
-    micro-batches) holds fraction x world x accum rollout micro-batches, rounded up or down."""
-    from stage2_student.order import global_micro_batch
+@pytest.mark.parametrize("world, accum", [(1, 4), (2, 1), (2, 2), (3, 1), (4, 1)])
+def test_every_rank_and_every_optimizer_step_hold_the_fraction_of_rollouts(world, accum):
+    """Each rank's micro-batches hold the fraction of rollouts, rounded, in every run of them (each rank reads its
+    own share of both caches: none may read one stream only), and so do the ranks' micro-batches of every
+    optimizer step together."""
     from stage2_student.rollout_mix import draws_rollout
 
-    for fraction in (0.5, 0.25, 0.75):
-        for step in range(50):
-            n = sum(draws_rollout(3, global_micro_batch(step * accum + a, rank=r, world_size=world, grad_accum=accum),
-                                  fraction) for r in range(world) for a in range(accum))
-            assert np.floor(fraction * world * accum) <= n <= np.ceil(fraction * world * accum), (fraction, step)
+    for fraction in (0.5, 0.25, 0.75, 1 / 3):
+        for seed in range(5):
+            draws = np.array([[draws_rollout(seed, j, fraction, rank=r, world_size=world) for j in range(200)]
+                              for r in range(world)])
+            for n in (1, 2, 4, 7):
+                sums = np.concatenate([np.zeros((world, 1)), np.cumsum(draws, axis=1)], axis=1)
+                window = sums[:, n:] - sums[:, :-n]  # every run of n micro-batches of every rank
+                assert window.min() >= np.floor(fraction * n) and window.max() <= np.ceil(fraction * n)
+            steps = draws.reshape(world, -1, accum).sum(axis=(0, 2))  # each step: every rank's accum micro-batches
+            assert steps.min() >= np.floor(fraction * world * accum) - 1e-9, (fraction, seed)
+            assert steps.max() <= np.ceil(fraction * world * accum) + 1e-9, (fraction, seed)
 
 
 def test_rollout_mixture_reads_each_stream_in_order_and_resumes_exactly(store, tmp_path, toy_setup, teacher_tokenizer,
@@ -494,6 +500,9 @@ def test_rollout_mixture_reads_each_stream_in_order_and_resumes_exactly(store, t
         _same(a, b)
     with pytest.raises(ConfigError, match="cannot resume"):
         mixed(seed=4).load_state_dict(state)
+    older = {**state, "mixture": {k: v for k, v in state["mixture"].items() if k not in ("schedule", "corpus_loss")}}
+    with pytest.raises(ConfigError, match="drawn from the rollouts and the corpus independently"):
+        mixed().load_state_dict(older)  # the independent draws of before: another stream
     assert state["mixture"]["corpus_loss"] == "kd"
     other = MixedLoader(L.CacheLoader(_dataset(rollouts, fp)), L.CacheLoader(_dataset(corpus, fp)), fraction=0.4,
                         seed=3, corpus_ce_only=True)

@@ -167,17 +167,22 @@ def test_trainer_state_of_the_previous_version_loads_and_a_newer_one_is_refused(
 
 def test_a_resume_under_another_objective_names_every_changed_setting():
     from stage2_student.checkpoint import objective_changes
+    from stage2_student.mix import TeacherMix
     from stage2_student.objective import Objective
 
     was = Objective("kl", ce_weight=0.1).describe()
-    assert objective_changes(was, Objective("kl", ce_weight=0.1).describe()) == []
-    assert objective_changes(was, Objective("kl", ce_weight=0.5, temperature=2.0).describe()) == [
+    assert objective_changes(was, Objective("kl", ce_weight=0.1)) == []
+    assert objective_changes(was, Objective("kl", ce_weight=0.5, temperature=2.0)) == [
         "ce_weight 0.1 -> 0.5", "temperature 1.0 -> 2.0"]
-    assert objective_changes(was, Objective(None, ce_weight=1.0).describe()) == [
+    assert objective_changes(was, Objective(None, ce_weight=1.0)) == [
         "ce_weight 0.1 -> 1.0", "dynamic_scaling False -> None", "kd_weight 1.0 -> None", "kind 'kl' -> None",
         "teacher_tail 'ghost' -> None", "temperature 1.0 -> None"]
-    assert objective_changes({"kind": "kl"}, Objective("kl", ce_weight=0.5).describe()) == []  # a version 2 record
-    assert objective_changes(None, Objective("kl").describe()) == []  # version 1: nothing recorded
+    assert objective_changes({"kind": "kl"}, Objective("kl", ce_weight=0.5)) == []  # a version 2 record
+    two = TeacherMix([Objective("kl"), Objective("kl", with_ce=False)], weights=[1.0, 1.0])
+    assert objective_changes({"kind": "kl+kl"}, two) == []  # version 2 of two teachers: their kinds
+    assert objective_changes({"kind": "kl+kl"}, TeacherMix([Objective("kl")])) == ["kind 'kl+kl' -> 'kl'"]
+    assert objective_changes(two.describe(), two) == []
+    assert objective_changes(None, Objective("kl")) == []  # version 1: nothing recorded
 
 
 @pytest.mark.parametrize("rank", [0, 1])
