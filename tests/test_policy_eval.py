@@ -301,3 +301,31 @@ def test_a_sampled_id_past_the_teachers_tokenizer_is_left_unscored(chat):
     got = scorer.score_sampled([[1, 2], [1, 2], [], [1, 2]], [[3, 4], [3, past], [3], []])
     assert got[1] is None and got[2] is None and got[3] is None
     assert got[0][1] == (3, 4) and got[0][0] == pytest.approx(float(scorer.token_logprobs([1, 2, 3, 4])[1:].sum()))
+
+
+def test_the_teachers_own_samples_are_drawn_once_per_process_for_the_same_prompts_and_settings(chat, tmp_path,
+                                                                                              monkeypatch):
+    """A bench grades many students on the same prompts: the teacher's own samples (the same whichever student is
+    graded) are drawn once, and again when the prompts or the settings change."""
+    from stage1_teacher.onpolicy import policy_eval as pe
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, prompts, _ = chat
+    mine = tmp_path / "prompts.jsonl"
+    mine.write_text(prompts.read_text())
+    drawn = []
+    real = pe.sample_student
+    monkeypatch.setattr(pe, "sample_student", lambda *a, **k: (drawn.append(k["samples_per_prompt"]), real(*a, **k))[1])
+    tok = load_tokenizer(str(setup.student_model))
+
+    def lengths(**kw):
+        return pe.teacher_lengths(str(setup.teacher_model), str(mine), tok, **{"samples_per_prompt": 1,
+                                                                               "max_new_tokens": 6, "seed": 0, **kw})
+
+    first = lengths()
+    assert lengths() == first and drawn == [1]  # the second call draws nothing, and gives the same measures
+    lengths(samples_per_prompt=2)
+    assert drawn == [1, 2]
+    mine.write_text("".join(mine.read_text().splitlines(keepends=True)[:2]))  # other prompts: drawn again
+    lengths()
+    assert drawn == [1, 2, 1]

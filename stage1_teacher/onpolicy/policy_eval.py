@@ -54,6 +54,7 @@ the live teacher scores them, and the report gives the per-token reverse KL and 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -294,16 +295,39 @@ def summarize(scores: list[SampleScore]) -> dict:
             "teacher_nll_per_byte": per_byte[0], "teacher_nll_per_byte_se": per_byte[1]}
 
 
+def _files_key(path: str) -> tuple:
+    """(name, size, mtime) of a file, or of each file directly in a directory: what a cached result was made from."""
+    if os.path.isdir(path):
+        return tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in sorted(os.scandir(path),
+                                                                                       key=lambda e: e.name)
+                     if e.is_file())
+    st = os.stat(path)
+    return ((path, st.st_size, st.st_mtime_ns),)
+
+
+@functools.lru_cache(maxsize=4)
+def _teacher_draws(teacher: str, prompts_path: str, samples_per_prompt: int, max_new_tokens: int, seed: int,
+                   files: tuple) -> list:
+    """The teacher's own samples of the prompts, [(completion, text)], kept for the process: they depend on the
+    teacher, the prompts and the draw settings alone (`files`: the state of the teacher's and the prompts' files),
+    and a bench grades many students on the same prompts."""
+    tokenizer = load_tokenizer(teacher, "teacher tokenizer")
+    completions, texts = sample_student(teacher, tokenizer, read_prompts(prompts_path, tokenizer),
+                                        samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, seed=seed)
+    return [(c, x) for cs, xs in zip(completions, texts) for c, x in zip(cs, xs)]
+
+
 def teacher_lengths(teacher: str, prompts_path: str, student_tokenizer, *, samples_per_prompt: int,
                     max_new_tokens: int, seed: int) -> dict:
     """The teacher's own completions of the prompts, sampled as the student's are: their mean UTF-8 bytes, their
     mean length in the student's tokens (the stop token counted where they stopped), the fraction that
     stopped before `max_new_tokens`, and the teacher's NLL per byte of them from the sampler's log-probs
-    (`teacher_self_nll_per_byte`: its sampling entropy per byte, estimated; module docstring)."""
-    tokenizer = load_tokenizer(teacher, "teacher tokenizer")
-    completions, texts = sample_student(teacher, tokenizer, read_prompts(prompts_path, tokenizer),
-                                        samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, seed=seed)
-    flat = [(c, x) for cs, xs in zip(completions, texts) for c, x in zip(cs, xs)]
+    (`teacher_self_nll_per_byte`: its sampling entropy per byte, estimated; module docstring). The samples are
+    drawn once per process for the same teacher, prompts and settings (`_teacher_draws`)."""
+    local = os.path.exists(teacher) and os.path.exists(prompts_path)
+    files = (_files_key(teacher), _files_key(prompts_path)) if local else None
+    flat = (_teacher_draws if local else _teacher_draws.__wrapped__)(
+        teacher, prompts_path, samples_per_prompt, max_new_tokens, seed, files)
     n = max(1, len(flat))
     student_tokens = sum(len(student_tokenizer(x, add_special_tokens=False)["input_ids"]) + (c.stop_reason == "stop")
                          for c, x in flat)
