@@ -300,7 +300,7 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
                                  split="train", holdout_fraction=fraction, **common)
         train = MixedLoader(train, CacheLoader(corpus_ds, num_workers=cfg.loader.num_workers),
                             fraction=cfg.loader.rollout_fraction, seed=cfg.seed,
-                            corpus_ce_only=cfg.loader.corpus_loss == "ce")
+                            corpus_loss=cfg.loader.corpus_loss)
     if fraction > 0:
         eval_ds = CacheDataset(cfg.cache, tokenizer, cfg.loader, split="eval", holdout_fraction=fraction, **common)
     elif cfg.eval.eval_cache:

@@ -65,16 +65,12 @@ class MixedLoader:
     ranks x --grad-accum only (`loader.reshard_state` refuses).
     """
 
-    def __init__(self, rollouts, corpus, *, fraction: float, seed: int, corpus_ce_only: bool = False):
+    def __init__(self, rollouts, corpus, *, fraction: float, seed: int, corpus_loss: str = "kd"):
         if not 0.0 < fraction <= 1.0:
             raise ConfigError(f"--rollout-fraction {fraction}: must lie in (0, 1]")
         self.rollouts, self.corpus, self.fraction, self.seed = rollouts, corpus, float(fraction), int(seed)
-        self.corpus_ce_only = corpus_ce_only  # --corpus-loss ce: its micro-batches train CE alone
+        self.corpus_loss = corpus_loss  # --corpus-loss: kd (the run's objective) or ce (its micro-batches CE alone)
         self.consumed = 0
-
-    @property
-    def corpus_loss(self) -> str:
-        return "ce" if self.corpus_ce_only else "kd"
 
     @property
     def dataset(self):
@@ -102,7 +98,7 @@ class MixedLoader:
             except StopIteration:
                 return
             self.consumed += 1
-            yield ce_only(batch) if name == "corpus" and self.corpus_ce_only else batch
+            yield ce_only(batch) if name == "corpus" and self.corpus_loss == "ce" else batch
 
     def state_dict(self) -> dict:
         return {"mixture": {"consumed": self.consumed, "fraction": self.fraction, "seed": self.seed,

@@ -505,7 +505,7 @@ def test_rollout_mixture_reads_each_stream_in_order_and_resumes_exactly(store, t
         mixed().load_state_dict(older)  # the independent draws of before: another stream
     assert state["mixture"]["corpus_loss"] == "kd"
     other = MixedLoader(L.CacheLoader(_dataset(rollouts, fp)), L.CacheLoader(_dataset(corpus, fp)), fraction=0.4,
-                        seed=3, corpus_ce_only=True)
+                        seed=3, corpus_loss="ce")
     with caplog.at_level(logging.WARNING, logger="stage2_student.rollout_mix"):
         other.load_state_dict(state)  # the same stream, another loss on its corpus micro-batches: allowed, logged
     assert "resuming with --corpus-loss ce on a checkpoint trained with --corpus-loss kd" in caplog.text
@@ -522,7 +522,7 @@ def test_corpus_loss_ce_gives_the_corpus_micro_batches_without_their_teacher_and
     rollouts, _ = _write_store(tmp_path / "rollouts", toy_setup, teacher_tokenizer, student_tokenizer, n_docs=6,
                                parts=2)
     loader = MixedLoader(L.CacheLoader(_dataset(rollouts, fp)), L.CacheLoader(_dataset(corpus, fp)), fraction=0.4,
-                         seed=3, corpus_ce_only=True)
+                         seed=3, corpus_loss="ce")
     it = iter(loader)
     alone = {"rollouts": iter(L.CacheLoader(_dataset(rollouts, fp))), "corpus": iter(L.CacheLoader(_dataset(corpus, fp)))}
     for j in range(12):
