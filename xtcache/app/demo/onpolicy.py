@@ -170,7 +170,7 @@ def _run(run: StageRunner, workdir: Path, size_name: str, engine: str) -> dict:
               "eval_samples_per_prompt": ps.eval_samples_per_prompt, "max_new_tokens": ps.max_new_tokens,
               "eval_cache_docs": eval_dump.get("documents"),
               "commands": " and ".join(str(d / "commands.sh") for d in (rounds_dir, mix_dir)),
-              "metrics": str(rounds_dir / "metrics.jsonl"), "engine_log": str(run.log_path),
+              "metrics": [str(d / "metrics.jsonl") for d in (rounds_dir, mix_dir)], "engine_log": str(run.log_path),
               "wall_s": time.perf_counter() - t0}
     (out / "demo_result.json").write_text(json.dumps(result, indent=2, default=str))
     typer.echo(on_policy_table(result))
