@@ -75,6 +75,7 @@ class ResumePoint:
     state: dict
     loader: dict | None  # None: --init-from, this run's data stream starts at its beginning
     reshard: bool  # saved with another number of ranks
+    carried: dict | None = None  # --init-from on its ranks: its loader state, where a --corpus-cache continues
 
 
 def complete_checkpoint(out: Path) -> Path | None:
@@ -120,7 +121,8 @@ def resume_point(out: Path, where: str, *, rank: int, world: int, grad_accum: in
     else:
         raise ConfigError(f"--resume: {ckpt} is not an xtcache checkpoint (no trainer_state_rank0.json)")
     if fresh_data:
-        return ResumePoint(ckpt, state, None, reshard=state["world"] != world)
+        same = state["world"] == world
+        return ResumePoint(ckpt, state, None, reshard=not same, carried=state["loader"] if same else None)
     if state["world"] == world:
         return ResumePoint(ckpt, state, state["loader"], reshard=False)
     loader = reshard_state(state["loader"], rank=rank, world_size=world, grad_accum=grad_accum)
@@ -170,6 +172,8 @@ def load(trainer, point: ResumePoint) -> int:
     import numpy as np
     import torch
 
+    from stage2_student.rollout_mix import MixedLoader
+
     ckpt, state = point.ckpt, point.state
     tag = ckpt.name
     if point.reshard:
@@ -181,6 +185,8 @@ def load(trainer, point: ResumePoint) -> int:
         raise ConfigError(f"--resume {ckpt}: DeepSpeed could not load {ckpt.parent / tag}")
     if point.loader is not None:
         trainer.data.train.load_state_dict(point.loader)
+    elif isinstance(trainer.data.train, MixedLoader):  # --init-from: a --corpus-cache it read continues
+        trainer.data.train.continue_corpus(point.carried, ckpt)
     rng_file = ckpt / f"rng_rank{trainer.rank}.pt"
     if not point.reshard and rng_file.exists():
         rng = torch.load(rng_file, weights_only=True)

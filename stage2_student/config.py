@@ -145,7 +145,7 @@ class CheckpointConfig:
     resume: str | None = None
     """Resume from a checkpoint directory, or 'latest' for the newest one under OUT/checkpoints. A checkpoint is code (DeepSpeed loads it with torch.load(weights_only=False)): resume only from checkpoints you wrote or trust."""
     init_from: str | None = None
-    """Start from another run's checkpoint directory (weights, optimizer, LR schedule, step and RNG) on this run's own data from its start: the next round of `xtcache rounds`; --resume, when given, wins. Trust as for --resume."""
+    """Start from another run's checkpoint directory (weights, optimizer, LR schedule, step and RNG) on this run's own data from its start (a --corpus-cache that checkpoint read, on the same --seed and ranks, continues where it left it): the next round of `xtcache rounds`; --resume, when given, wins. Trust as for --resume."""
     export_every: int = 0
     """Also write a Hugging Face directory OUT/hf-stepN every N steps (0: only OUT/hf at the end)."""
     keep_checkpoints: int = 0

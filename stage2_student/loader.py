@@ -143,6 +143,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
         readers = [CacheReader(u, storage_options) for u in urls]
         self._resolve_student(readers, student, train_on)
         self.caches = [self._open_cache(u, r, allow_incomplete) for u, r in zip(urls, readers)]
+        self.cache_keys = [r.manifest.cache_key for r in readers]  # which caches (teacher, corpus, settings)
         if self.conversation:
             self.caches = [self._with_turn_openers(c, r, student) for c, r in zip(self.caches, readers)]
         first = self.caches[0]
@@ -490,16 +491,19 @@ class CacheLoader:
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": d.seed, "rank": d.rank,
                 "world_size": d.world_size, "grad_accum": d.grad_accum, "micro_batch_size": d.micro_batch_size,
                 "seq_len": d.seq_len, "split": d.split, "fingerprint": d.fingerprint,
-                "num_windows": d.num_windows}
+                "num_windows": d.num_windows, "caches": d.cache_keys}
+
+    def differences(self, state: dict) -> list[str]:
+        """`setting saved -> now` for each setting of a saved stream `state` that another position means for this
+        stream (none: `load_state_dict` continues it)."""
+        mine = self.state_dict()
+        return [f"{k} {state.get(k)!r} -> {mine[k]!r}" for k in ("seed", "rank", "world_size", "grad_accum",
+                "micro_batch_size", "seq_len", "split", "fingerprint", "num_windows") if state.get(k) != mine[k]]
 
     def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        diff = [k for k in ("seed", "rank", "world_size", "grad_accum", "micro_batch_size", "seq_len", "split",
-                            "fingerprint", "num_windows") if state.get(k) != mine[k]]
-        if diff:
-            raise ConfigError(
-                "cannot resume the data stream: " + ", ".join(f"{k} {state.get(k)!r} -> {mine[k]!r}" for k in diff)
-                + "; resume with the settings (and committed shards) of the interrupted run")
+        if diff := self.differences(state):
+            raise ConfigError("cannot resume the data stream: " + ", ".join(diff)
+                              + "; resume with the settings (and committed shards) of the interrupted run")
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 

@@ -10,7 +10,10 @@ round of a few steps) trains the share it asks for (independent draws of probabi
 rank reads its share of both caches. Only the phase comes from the seed (and the rank). The schedule is a pure
 function of (seed, rank, world size, the rank's micro-batch index), so the mixture is the same on every run,
 whatever the number of DataLoader workers, and a resumed run reads exactly the micro-batches an uninterrupted
-one would have (each stream keeps its own `CacheLoader` position). With `--corpus-loss ce` each corpus
+one would have (each stream keeps its own `CacheLoader` position). A run started with `--init-from` a checkpoint
+that read the same corpus cache on the same ranks (the next round of `xtcache rounds`) continues the corpus stream
+where that run left it (`continue_corpus`): rounds do not train the corpus's first micro-batches over and over.
+With `--corpus-loss ce` each corpus
 micro-batch leaves its teacher keys behind (`ce_only`): the objective trains cross-entropy on its text
 alone, at `CORPUS_CE_WEIGHT`, and the step's KD is normalised by the rollouts' chunks only.
 
@@ -104,6 +107,30 @@ class MixedLoader:
         return {"mixture": {"consumed": self.consumed, "fraction": self.fraction, "seed": self.seed,
                             "corpus_loss": self.corpus_loss, "schedule": SCHEDULE},
                 "rollouts": self.rollouts.state_dict(), "corpus": self.corpus.state_dict()}
+
+    def continue_corpus(self, state: dict | None, ckpt) -> bool:
+        """Continue the corpus stream where the checkpoint `ckpt` (an --init-from) left it: `state` is its loader
+        state on this rank (None: saved on another number of ranks), a mixed stream's (its corpus) or an unmixed
+        one's (its --cache). Only the same cache (cache key, windows) read with the same seed and rank layout
+        continues; otherwise the stream starts at its beginning. The rollout stream and the schedule start at their
+        beginnings either way (another run's cache). Logged."""
+        if state is None:
+            log.info("--corpus-cache: its stream starts at its beginning (--init-from %s was saved on another number "
+                     "of ranks)", ckpt)
+            return False
+        was = state.get("corpus") if "mixture" in state else state
+        if was is None or was.get("caches") != self.corpus.dataset.cache_keys:  # none: before caches were recorded
+            log.info("--corpus-cache: its stream starts at its beginning (--init-from %s did not read that cache)",
+                     ckpt)
+            return False
+        if diff := self.corpus.differences(was):
+            log.info("--corpus-cache: its stream starts at its beginning (--init-from %s read it with other settings: "
+                     "%s)", ckpt, ", ".join(diff))
+            return False
+        self.corpus.load_state_dict(was)
+        log.info("--corpus-cache: its stream continues where --init-from %s left it (epoch %d, micro-batch %d)",
+                 ckpt, self.corpus.epoch, self.corpus.consumed)
+        return True
 
     def load_state_dict(self, state: dict) -> None:
         mix = state.get("mixture")

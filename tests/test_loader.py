@@ -101,12 +101,12 @@ def _doc(text, row, teacher_tok, rng, mode):
                      realized_logprob=realized.astype(np.float32))
 
 
-def _write_store(path, toy_setup, teacher_tok, student_tok, *, mode="topk", n_docs=14, parts=3):
+def _write_store(path, toy_setup, teacher_tok, student_tok, *, mode="topk", n_docs=14, parts=3, key=None):
     rng = np.random.default_rng(0)
     fp = tokenizer_fingerprint(student_tok)
     group = AlignGroupMeta(fingerprint=fp, tokenizer_name="toy-student", vocab_size=len(student_tok))
     # format version 2: float32 realized log-probs, which identify rows here (version 3 stores them as float16)
-    manifest = Manifest(cache_key=f"loader-{mode}", mode=mode, k=K, teacher_vocab_size=2048, format_version=2,
+    manifest = Manifest(cache_key=key or f"loader-{mode}", mode=mode, k=K, teacher_vocab_size=2048, format_version=2,
                         num_samples=12 if mode == "sampled" else None, alignment_groups=[group],
                         fingerprints={"teacher_tokenizer": tokenizer_fingerprint(teacher_tok)})
     texts = _texts(toy_setup, n_docs)
@@ -511,6 +511,57 @@ def test_rollout_mixture_reads_each_stream_in_order_and_resumes_exactly(store, t
     assert "resuming with --corpus-loss ce on a checkpoint trained with --corpus-loss kd" in caplog.text
     with pytest.raises(ConfigError, match="own ranks"):
         L.reshard_state(state, rank=0, world_size=2, grad_accum=1)
+
+
+def test_init_from_continues_the_corpus_stream_of_the_same_cache_and_starts_any_other_at_its_beginning(
+        store, tmp_path, toy_setup, teacher_tokenizer, student_tokenizer, caplog):
+    """The next round (--init-from the last one's checkpoint, new rollouts) reads the corpus micro-batches that
+    follow the ones the last round read, not the corpus's first ones again; a checkpoint of another cache, seed or
+    rank layout leaves the corpus stream at its beginning, logged."""
+    from stage2_student.rollout_mix import MixedLoader
+
+    corpus, fp = store
+    rollouts = [_write_store(tmp_path / f"rollouts{r}", toy_setup, teacher_tokenizer, student_tokenizer, n_docs=6,
+                             parts=2, key=f"rollouts-{r}")[0] for r in range(2)]
+
+    def mixed(r, seed=3):
+        return MixedLoader(L.CacheLoader(_dataset(rollouts[r], fp, seed=seed)),
+                           L.CacheLoader(_dataset(corpus, fp, seed=seed)), fraction=0.5, seed=seed)
+
+    first = mixed(0)
+    it = iter(first)
+    for _ in range(8):
+        next(it)
+    state = json.loads(json.dumps(first.state_dict()))
+    alone = iter(L.CacheLoader(_dataset(corpus, fp)))
+    read = [next(alone) for _ in range(state["corpus"]["consumed"])]  # round 0's corpus micro-batches
+    assert len(read) == 4
+    nxt = mixed(1)
+    with caplog.at_level(logging.INFO, logger="stage2_student.rollout_mix"):
+        assert nxt.continue_corpus(state, "ckpt/step2")
+    assert "continues where --init-from ckpt/step2 left it (epoch 0, micro-batch 4)" in caplog.text
+    it = iter(nxt)
+    own = iter(L.CacheLoader(_dataset(rollouts[1], fp)))
+    for j in range(8):  # its own rollouts from their start, the corpus from where round 0 left it
+        _same(next(it), next(alone) if nxt.source(j) == "corpus" else next(own))
+    unmixed = L.CacheLoader(_dataset(corpus, fp))  # a run that trained on the corpus as its --cache
+    it = iter(unmixed)
+    for _ in range(3):
+        next(it)
+    again = mixed(1)
+    assert again.continue_corpus(json.loads(json.dumps(unmixed.state_dict())), "ckpt") and again.corpus.consumed == 3
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="stage2_student.rollout_mix"):
+        assert not mixed(1).continue_corpus({"mixture": {}, "corpus": {**state["corpus"], "caches": ["other"]}}, "c")
+        assert not mixed(1, seed=4).continue_corpus(state, "c")
+        assert not mixed(1).continue_corpus(None, "c")
+        assert not mixed(1).continue_corpus({k: v for k, v in state["corpus"].items() if k != "caches"}, "c")
+    assert caplog.text.count("starts at its beginning") == 4
+    assert "did not read that cache" in caplog.text and "seed 3 -> 4" in caplog.text
+    assert "another number of ranks" in caplog.text
+    fresh = mixed(1)
+    fresh.continue_corpus(None, "c")
+    assert fresh.corpus.consumed == 0 and fresh.corpus.epoch == 0
 
 
 def test_corpus_loss_ce_gives_the_corpus_micro_batches_without_their_teacher_and_the_rollouts_as_they_are(
