@@ -90,24 +90,28 @@ def test_projected_kl_beats_ce_only_on_heldout_kl(tmp_path, toy_setup, kd_caches
 
 
 def test_the_next_round_continues_the_corpus_stream_where_init_from_left_it(tmp_path, toy_setup, kd_caches, procs):
-    """A mixed run (--corpus-cache) started --init-from another mixed run's checkpoint over the same corpus cache
-    (the next round of `xtcache rounds`) reads the corpus micro-batches after that run's, not its first ones
-    again: the saved corpus position counts both runs' corpus micro-batches; its rollout stream starts afresh."""
+    """A mixed run (--corpus-cache) on two ranks started --init-from another mixed run's checkpoint over the same
+    corpus cache (the next round of `xtcache rounds`) reads, on each rank, the corpus micro-batches after that
+    run's, not its first ones again: each rank's saved corpus position counts both runs' corpus micro-batches of
+    that rank (the stratified schedule's share of each rank); its rollout stream starts afresh."""
     from stage2_student.rollout_mix import draws_rollout
 
     train, held = kd_caches
     mix = ["--cache", held, "--corpus-cache", train, "--rollout-fraction", "0.5", "--student",
-           str(toy_setup.student_model), "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum", "3",
-           "--lr", "1e-3", "--zero-stage", "0", "--seed", "5"]
-    procs.run(tmp_path / "r0", *mix, "--max-steps", "2")
-    procs.run(tmp_path / "r1", *mix, "--max-steps", "4", "--init-from", str(tmp_path / "r0/checkpoints/step2"))
+           str(toy_setup.student_model), "--seq-len", "64", "--micro-batch-size", "1", "--grad-accum", "3",
+           "--lr", "1e-3", "--zero-stage", "1", "--seed", "5"]
+    procs.run(tmp_path / "r0", *mix, "--max-steps", "2", nproc=2)
+    procs.run(tmp_path / "r1", *mix, "--max-steps", "4", "--init-from", str(tmp_path / "r0/checkpoints/step2"),
+              nproc=2)
 
-    def loader(run: str, step: int) -> dict:
-        return json.loads((tmp_path / run / f"checkpoints/step{step}/trainer_state_rank0.json").read_text())["loader"]
+    def loader(run: str, step: int, rank: int) -> dict:
+        state = tmp_path / run / f"checkpoints/step{step}/trainer_state_rank{rank}.json"
+        return json.loads(state.read_text())["loader"]
 
-    corpus_batches = sum(not draws_rollout(5, j, 0.5) for j in range(6))  # each run: 2 steps x 3 micro-batches
-    assert corpus_batches in (2, 3, 4)
-    first, second = loader("r0", 2), loader("r1", 4)
-    assert first["corpus"]["consumed"] == corpus_batches
-    assert second["corpus"]["consumed"] == 2 * corpus_batches  # continued: not corpus_batches again
-    assert second["rollouts"]["consumed"] == 6 - corpus_batches  # the new run's own rollouts from their start
+    for rank in (0, 1):  # each run: 2 steps x 3 micro-batches a rank
+        corpus_batches = sum(not draws_rollout(5, j, 0.5, rank=rank, world_size=2) for j in range(6))
+        assert corpus_batches in (2, 3, 4)
+        first, second = loader("r0", 2, rank), loader("r1", 4, rank)
+        assert first["corpus"]["consumed"] == corpus_batches
+        assert second["corpus"]["consumed"] == 2 * corpus_batches, rank  # continued: not corpus_batches again
+        assert second["rollouts"]["consumed"] == 6 - corpus_batches  # the new run's own rollouts from their start
