@@ -497,8 +497,9 @@ class CacheLoader:
         """`setting saved -> now` for each setting of a saved stream `state` that another position means for this
         stream (none: `load_state_dict` continues it)."""
         mine = self.state_dict()
-        return [f"{k} {state.get(k)!r} -> {mine[k]!r}" for k in ("seed", "rank", "world_size", "grad_accum",
-                "micro_batch_size", "seq_len", "split", "fingerprint", "num_windows") if state.get(k) != mine[k]]
+        keys = ("seed", "rank", "world_size", "grad_accum", "micro_batch_size", "seq_len", "split", "fingerprint",
+                "num_windows", *(("caches",) if "caches" in state else ()))  # caches: recorded since 2026-12-01
+        return [f"{k} {state.get(k)!r} -> {mine[k]!r}" for k in keys if state.get(k) != mine[k]]
 
     def load_state_dict(self, state: dict) -> None:
         if diff := self.differences(state):

@@ -237,6 +237,10 @@ def test_resume_yields_exactly_the_remaining_batches(store, workers):
         _same(a, b)
     with pytest.raises(ConfigError, match="cannot resume"):
         L.CacheLoader(_dataset(url, fp, epochs=2, seed=4)).load_state_dict(state)
+    with pytest.raises(ConfigError, match="caches \\['another-cache'\\] -> \\['loader-topk'\\]"):
+        L.CacheLoader(_dataset(url, fp, epochs=2)).load_state_dict({**state, "caches": ["another-cache"]})
+    older = {k: v for k, v in state.items() if k != "caches"}  # a checkpoint from before the caches were recorded
+    L.CacheLoader(_dataset(url, fp, epochs=2)).load_state_dict(older)
 
 
 @pytest.mark.parametrize("workers", [0, 1])
