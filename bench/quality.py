@@ -79,6 +79,7 @@ sys.path.insert(0, str(REPO))
 DOC_BLOCKS = {"quality-table": "docs/benchmarks.md", "quality-on-policy": "docs/on-policy.md",
               "quality-on-policy-converged": "docs/on-policy.md",
               "quality-on-policy-converged-stronger": "docs/on-policy.md",
+              "quality-on-policy-converged-real": "docs/on-policy.md",
               "quality-on-policy-converged-same": "docs/on-policy.md", "quality-real": "docs/losses.md",
               "quality-real-modes": "docs/losses.md", "quality-real-cross": "README.md",
               "quality-real-cross-qwen3": "docs/losses.md"}  # --write-docs: block -> file
@@ -728,7 +729,8 @@ def main(argv=None) -> None:
                         "on-policy: on-policy rounds against off-policy KD "
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block); "
                         "on-policy-converged: rounds against continued off-policy KD from a converged student "
-                        "(bench/quality_onpolicy_converged.py; its quality-on-policy-converged block); "
+                        "(bench/quality_onpolicy_converged.py; its quality-on-policy-converged block; with --teacher "
+                        "real text prefixes of the real tier, its quality-on-policy-converged-real block); "
                         "on-policy-converged-stronger: the same on conversations alone with a chat teacher twice the "
                         "student's width pre-trained longer (its quality-on-policy-converged-stronger block); "
                         "on-policy-converged-same: both kinds with a student of the teacher's tokenizer (and chat "
@@ -748,6 +750,8 @@ def main(argv=None) -> None:
     if args.section == "on-policy":
         return on_policy_section(args)
     if args.section.startswith("on-policy-converged"):
+        if args.teacher == "real" and args.section != "on-policy-converged":
+            p.error(f"--section {args.section} is the toy teacher's: --teacher real runs --section on-policy-converged")
         return converged_section(args)
     if args.section in ("modes", "cross", "cross-qwen3") and args.teacher != "real":
         p.error(f"--section {args.section} is the real teacher's: add --teacher real")
@@ -862,10 +866,11 @@ def converged_section(args) -> None:
     and written (quality-on-policy-converged.md); `--from-report` renders an earlier run's JSON again.
     `--section on-policy-converged-stronger`: conversations alone, with `STRONGER_CHAT_TEACHER`, in a work
     directory and a block of their own; `--section on-policy-converged-same` both kinds with `SAME_TOKENIZER`,
-    likewise."""
+    likewise; `--teacher real` text prefixes alone with `REAL_TEACHER`, likewise."""
     from bench.quality_onpolicy_converged import (
         KINDS,
         QUICK,
+        REAL_TEACHER,
         SAME_TOKENIZER,
         STRONGER_CHAT_TEACHER,
         ConvergedSettings,
@@ -873,9 +878,10 @@ def converged_section(args) -> None:
         run_converged,
     )
 
-    block = "quality-" + args.section
-    variant = {"on-policy-converged-stronger": STRONGER_CHAT_TEACHER,
-               "on-policy-converged-same": SAME_TOKENIZER}.get(args.section)
+    section = args.section + ("-real" if args.teacher == "real" else "")
+    block = "quality-" + section
+    variant = {"on-policy-converged-stronger": STRONGER_CHAT_TEACHER, "on-policy-converged-same": SAME_TOKENIZER,
+               "on-policy-converged-real": REAL_TEACHER}.get(section)
     if args.write_docs:
         from xtcache.app.docblock import require_blocks
 
@@ -886,8 +892,8 @@ def converged_section(args) -> None:
     s = QUICK if args.quick else ConvergedSettings(**({"seeds": args.seeds} if args.seeds else {}))
     if variant:
         s = replace(s, **variant)
-    kinds = ("chat",) if variant is STRONGER_CHAT_TEACHER else KINDS
-    work = Path(args.workdir) / args.section
+    kinds = ("chat",) if variant is STRONGER_CHAT_TEACHER else ("text",) if variant is REAL_TEACHER else KINDS
+    work = Path(args.workdir) / section
     if args.add_rows and not args.from_report:
         raise SystemExit("--add-rows: give --from-report (the report whose rows are reused)")
     only = {int(i) for i in args.rows.split(",")} if args.rows else None

@@ -79,15 +79,23 @@ class ConvergedSettings:
     chat_teacher_hidden: int = 64  # the chat teacher (2 layers, the student's size at 64)
     chat_teacher_steps: int = 150  # its pre-training steps on the chat corpus
     same_tokenizer: bool = False  # a student of the teacher's tokenizer (and chat template): no projection
+    real_teacher: bool = False  # text kind: SmolLM2-135M-Instruct and a student on the Llama-3 vocabulary
+    eval_max_new_tokens: int = 0  # policy-eval's cap; 0: twice the teacher's mean length (its own samples, up to 512)
 
 
 # `--section on-policy-converged-stronger`: a chat teacher twice the student's width, pre-trained longer
 STRONGER_CHAT_TEACHER = {"chat_teacher_hidden": 128, "chat_teacher_steps": 400}
 # `--section on-policy-converged-same`: students of the teacher's tokenizer (and the chat student its chat template)
 SAME_TOKENIZER = {"same_tokenizer": True}
+# `--section on-policy-converged --teacher real`: text prefixes of the real tier (xtcache.testing.real), the trained
+# SmolLM2-135M-Instruct teacher (49,152 ids) and a fresh 2-layer Llama on the Llama-3 vocabulary (128,256 ids); a
+# student step there costs about 3x the toy's and a teacher forward about 20x, so fewer steps to convergence (80),
+# fewer graded samples (16 held-out prompts x 12: 192) and a fixed cap of 96 tokens (continuing documentation, the
+# teacher rarely stops: its own samples would run to the 512 of the probe, and each student's to twice that)
+REAL_TEACHER = {"real_teacher": True, "converge_steps": 80, "eval_prompts": 16, "eval_max_new_tokens": 96}
 QUICK = ConvergedSettings(converge_steps=20, steps=4, prompts=6, eval_prompts=6, chat_eval_samples=1,
                           text_eval_samples=1, seeds=1, chat_train=120, chat_continue=12, text_continue=12)
-EVAL_SETTINGS = ("eval_prompts", "chat_eval_samples", "text_eval_samples", "eval_samples")  # measure, not train
+EVAL_SETTINGS = ("eval_prompts", "chat_eval_samples", "text_eval_samples", "eval_samples", "eval_max_new_tokens")  # measure, not train
 
 # name, kind, `xtcache rounds` flags (on-policy rows; each row's flags after `--` go to train-student; its
 # --rounds, --steps-per-round and --samples-per-prompt replace the section's), the kinds it runs on. Rows are
@@ -149,6 +157,9 @@ def _setup(kind: str, work: Path, s: ConvergedSettings):
     from xtcache.testing.chat import build_chat_setup
     from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
 
+    if s.real_teacher:
+        return _real_setup(kind, work)
+
     base = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
     setup = base if kind == "text" else build_chat_setup(
         base, work / "chat", num_train=s.chat_train, num_heldout=s.eval_prompts, teacher_steps=s.chat_teacher_steps,
@@ -164,6 +175,27 @@ def _setup(kind: str, work: Path, s: ConvergedSettings):
 
     toy.build_once(student, build)
     return replace(setup, student_model=student, student_tokenizer=setup.teacher_tokenizer)
+
+
+def _real_setup(kind: str, work: Path):
+    """The real tier's text setup: its documentation corpus (train and held-out topics), the SmolLM2 teacher, and
+    the kind's fresh student (a 2-layer Llama of hidden size 64, seed 1) on the Llama-3 vocabulary, built once."""
+    from xtcache.testing import real, toy
+
+    if kind != "text":
+        raise SystemExit("--teacher real: the converged section runs text prefixes only (the real tier's corpus is "
+                         "documentation text)")
+    models = real.build_real_models()
+    student = work / "student-real"
+
+    def build() -> str:
+        toy.build_tiny_model("llama", models.llama3_tokenizer, student, hidden=64, layers=2, intermediate=192, seed=1)
+        return "llama, hidden 64, 2 layers, seed 1, the Llama-3 vocabulary"
+
+    toy.build_once(student, build)
+    return toy.ToySetup(root=models.root, train_jsonl=models.train_jsonl, heldout_jsonl=models.heldout_jsonl,
+                        teacher_tokenizer=models.teacher, student_tokenizer=models.llama3_tokenizer,
+                        teacher_model=models.teacher, student_model=student)
 
 
 def projection_flags(p: dict) -> list[str]:
@@ -328,7 +360,8 @@ def measure(p: dict, student: Path, s: ConvergedSettings) -> dict:
     from stage1_teacher.onpolicy.policy_eval import policy_eval
 
     report, _ = policy_eval(str(student), str(p["setup"].teacher_model), str(p["eval_prompts"]),
-                            samples_per_prompt=eval_samples(p["kind"], s), max_new_tokens=0, seed=0)
+                            samples_per_prompt=eval_samples(p["kind"], s), max_new_tokens=s.eval_max_new_tokens,
+                            seed=0)
     return {k: report[k] for k in ("reverse_kl_per_sequence", "reverse_kl_per_token", "teacher_nll_per_byte",
                                    "teacher_nll_per_token", "mean_student_tokens", "stopped_fraction",
                                    "teacher_mean_student_tokens", "max_new_tokens", "samples",
@@ -359,7 +392,8 @@ def _remeasure(p: dict, row: dict, run: Path, kl_key: str, s: ConvergedSettings)
 
 
 # settings added after reports were written, with the values those reports were trained with
-LATER_SETTINGS = {"chat_teacher_hidden": 64, "chat_teacher_steps": 150, "same_tokenizer": False}
+LATER_SETTINGS = {"chat_teacher_hidden": 64, "chat_teacher_steps": 150, "same_tokenizer": False, "real_teacher": False,
+                  "eval_max_new_tokens": 0}
 
 
 def _train_settings(settings: dict) -> dict:
@@ -485,6 +519,9 @@ def markdown(report: dict) -> str:
              f" of {s['seeds']} (mean ± sd; the seed sets the converged student, the rounds' samples and the data "
              f"order). {pair}; the corpus caches top-{s['top_k']}, the rounds' caches of their rollouts "
              "teacher-dump's default top-64 unless a row says otherwise, the held-out cache full-vocabulary." + (
+                 " The teacher: SmolLM2-135M-Instruct (the real tier, 49,152 ids), the student a fresh 2-layer Llama "
+                 "of hidden size 64 on the Llama-3 vocabulary (128,256 ids), text prefixes of the Python language "
+                 "reference (held-out prompts from topics never trained on)." if s["real_teacher"] else "") + (
                  f" The chat teacher: a 2-layer Qwen2 of hidden size {s['chat_teacher_hidden']} pre-trained for "
                  f"{s['chat_teacher_steps']} steps on the chat corpus (the student: a 2-layer Llama of hidden size "
                  "64)." if "chat" in report["kinds"] else ""), ""]
@@ -509,8 +546,10 @@ def markdown(report: dict) -> str:
         own = "" if own is None else f"; the teacher's NLL/byte of its own samples: {own:.3f}"
         lines += ["", f"policy-eval: {first['samples']} samples ({s['eval_prompts']} held-out prompts x "
                   f"{first['samples'] // s['eval_prompts']}{se}), "
-                  f"cap {first['max_new_tokens']} tokens (twice the teacher's mean length, "
-                  f"{first['teacher_mean_student_tokens']:.1f} student tokens{own}). Student NLL/token: the student's own "
+                  f"cap {first['max_new_tokens']} tokens ("
+                  + ("fixed: the teacher's own samples under it average " if s["eval_max_new_tokens"] else
+                     "twice the teacher's mean length, ")
+                  + f"{first['teacher_mean_student_tokens']:.1f} student tokens{own}). Student NLL/token: the student's own "
                   "NLL of its samples per token (teacher NLL/token - reverse KL/token: its sampling entropy, "
                   "estimated). Teacher-scored tokens: the trained "
                   "(last-assistant) student tokens of the caches a row trained on after convergence (on-policy: every "

@@ -474,3 +474,51 @@ def test_a_mixed_row_counts_its_corpus_as_teacher_scored_only_when_the_corpus_tr
                                                          ("kd", [*mix, "--", "--corpus-loss", "kd"]), ("ce", mix)]}
     assert counted == {"rollouts": 200, "kd": 207, "ce": 200}
     assert ROWS[13][2] == mix  # the section's row of it
+
+
+def test_the_real_teacher_section_runs_text_prefixes_of_the_real_tier_with_a_llama3_student_and_a_fixed_cap(
+        toy_setup, tmp_path, monkeypatch):
+    """`--section on-policy-converged --teacher real`: the text kind's corpus, teacher and tokenizers are the real
+    tier's (here stood in by the toy's files), the fresh student a 2-layer Llama built once on the Llama-3
+    vocabulary, a projection map between them; policy-eval runs at the fixed cap, which the table names as fixed;
+    conversations and the other sections are refused. The stages' commands are recorded, not run."""
+    from xtcache.testing import real
+
+    models = real.RealModels(root=tmp_path / "real", teacher=toy_setup.teacher_model,
+                             llama3_tokenizer=toy_setup.student_tokenizer, qwen3_tokenizer=toy_setup.student_tokenizer,
+                             train_jsonl=toy_setup.train_jsonl, heldout_jsonl=toy_setup.heldout_jsonl)
+    monkeypatch.setattr(real, "build_real_models", lambda: models)
+    calls = []
+    monkeypatch.setattr(conv, "dump_caches", lambda setup, dumps, projection, log_file: calls.append(
+        (setup, [d[1].name for d in dumps], projection)))
+    monkeypatch.setattr(conv, "trained_positions", lambda cache: 0)
+    s = replace(conv.QUICK, **conv.REAL_TEACHER)
+    p = conv.prepare("text", tmp_path / "text", s, tmp_path / "log")
+    setup = p["setup"]
+    assert (setup.teacher_model, setup.teacher_tokenizer) == (models.teacher, models.teacher)
+    assert setup.student_tokenizer == models.llama3_tokenizer and setup.train_jsonl == models.train_jsonl
+    assert setup.student_model == tmp_path / "text" / "student-real"
+    assert "the Llama-3 vocabulary" in (setup.student_model / "DONE").read_text()
+    assert calls == [(setup, ["cache-converge", "cache-continue", "cache-heldout"], p["projection"])]
+    assert p["projection"] == tmp_path / "text" / "projection.safetensors"
+    with pytest.raises(SystemExit, match="text prefixes only"):
+        conv.prepare("chat", tmp_path / "chat", s, tmp_path / "log")
+    import stage1_teacher.onpolicy.policy_eval as pe
+
+    graded = []
+    monkeypatch.setattr(pe, "policy_eval", lambda *a, **kw: (graded.append(kw["max_new_tokens"]), ({}, None))[1])
+    with pytest.raises(KeyError):  # the report's keys: only the cap it was asked for matters here
+        conv.measure(p, setup.student_model, s)
+    assert graded == [96] and conv.ConvergedSettings().eval_max_new_tokens == 0  # the toy's: auto
+    runs = [{"seed": 0, "reverse_kl_per_sequence": 1.0, "teacher_nll_per_byte": 1.0, "reverse_kl_per_token": 0.1,
+             "teacher_nll_per_token": 2.5, "mean_student_tokens": 9.0, "stopped_fraction": 0.1, "samples": 6,
+             "max_new_tokens": 96, "teacher_mean_student_tokens": 90.0}]
+    text = conv.markdown({"settings": asdict(s), "kinds": {"text": {"converged student": runs, OFF: runs}}})
+    assert "The teacher: SmolLM2-135M-Instruct" in text and "cap 96 tokens (fixed:" in text
+    older = conv.markdown({"settings": {k: v for k, v in asdict(conv.QUICK).items() if k not in conv.LATER_SETTINGS},
+                           "kinds": {"text": {"converged student": runs, OFF: runs}}})
+    assert "SmolLM2" not in older and "twice the teacher's mean length" in older
+    from bench.quality import main
+
+    with pytest.raises(SystemExit):
+        main(["--section", "on-policy-converged-same", "--teacher", "real"])
