@@ -110,7 +110,7 @@ ROWS = [
     # the "(defaults)" rows below pin rounds' forward KL + 0.1 CE, its only default when they ran
     ("on-policy rounds, `--loss auto` (0.25 forward + 0.75 reverse P-KL, CE 0.5)", "on",
      ["--loss", "auto", "--", "--pkl-divergence", "forward-reverse", "--pkl-reverse-weight", "0.75", "--ce-weight", "0.5"],
-     ("chat",)),
+     KINDS),
     ("on-policy rounds (defaults), full-vocabulary teacher caches", "on",
      ["--loss", "forward", "--dump-args", "--mode full"], ("chat",)),
     ("on-policy rounds (defaults), 4 rounds of 4 steps, 1 sample a prompt", "on",
