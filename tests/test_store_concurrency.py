@@ -154,3 +154,30 @@ def test_align_and_a_writer_rewriting_a_part_never_lose_each_others_parts(tmp_pa
     assert again["parts_aligned"] == 1 and again["parts_kept"] == 1
     align_store(url, str(toy_setup.student_tokenizer))  # the rewrite above wrote no group of its own
     assert verify_store(url, stop_first=False) == []
+
+
+def test_an_exclusive_create_shows_no_reader_the_file_before_its_bytes_are_whole(tmp_path, monkeypatch):
+    """A local `create_exclusive` (a manifest, a writer claim) publishes the file whole: while its bytes are being
+    written the path does not exist, so a concurrent job never reads an empty manifest.json (a job read one as
+    "not valid JSON" when the create opened the file with O_EXCL before writing it). A second create loses, and no
+    temp file stays behind."""
+    import json
+    import os
+
+    from xtcache.location import Location
+
+    loc = Location(str(tmp_path / "store"))
+    target = tmp_path / "store" / "manifest.json"
+    seen = []
+    real_fsync = os.fsync
+
+    def fsync(fd):  # while the bytes are written: what a concurrent reader of the path would find
+        seen.append(target.exists())
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert loc.create_exclusive("manifest.json", {"a": 1})
+    assert seen == [False] and json.loads(target.read_text()) == {"a": 1}
+    assert not loc.create_exclusive("manifest.json", {"a": 2}) and json.loads(target.read_text()) == {"a": 1}
+    assert sorted(p.name for p in target.parent.iterdir()) == ["manifest.json"]
+    assert target.stat().st_mode & 0o777 == 0o644

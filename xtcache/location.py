@@ -1,7 +1,7 @@
 """File access for the teacher-cache store: one store root on any fsspec URL.
 
 `Location` reads and writes the store's JSON metadata (atomically: temp file + rename on local
-disks, a single PUT on object stores), creates claim files exclusively (O_EXCL locally, a
+disks, a single PUT on object stores), creates claim files exclusively (a hard link of a whole temp file locally, a
 conditional PUT on S3 and GCS), lists parts and hands the Zarr v3 store to `xtcache.store`.
 `check_version` and `read_model` refuse metadata of another format version or schema before
 anything else is read.
@@ -168,7 +168,7 @@ ONE_JOB_ENV = "XTCACHE_ONE_JOB_PER_INDEX"  # "1": the scheduler guarantees one j
 class Location:
     """A store root on an fsspec filesystem plus the matching Zarr store.
 
-    Local paths (plain or file://) use the OS directly: exclusive create with O_EXCL and atomic
+    Local paths (plain or file://) use the OS directly: exclusive create by hard-linking a whole temp file and atomic
     writes with a temp file + os.replace. Other filesystems write small JSON files in one put, which
     object stores make visible atomically, and create exclusively with a conditional put where
     the store offers one (`atomic_create`). Every filesystem call is retried on transient errors.
@@ -181,7 +181,7 @@ class Location:
         self.fs, root = file_system(url, self.storage_options)
         self.root = root if self.local else root.rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
-        self.create_condition = "O_EXCL" if self.local else next(
+        self.create_condition = "link(2)" if self.local else next(
             (ATOMIC_CREATE[p] for p in protocols if p in ATOMIC_CREATE), None)
         self._zarr_store = None
 
@@ -250,21 +250,28 @@ class Location:
     def create_exclusive(self, rel: str, obj: dict) -> bool:
         """Create a JSON file only if absent; False when it already exists.
 
-        Atomic locally (O_EXCL) and on S3/GCS (conditional put); elsewhere a check then a put, which
+        Atomic locally (link(2) of a whole temp file) and on S3/GCS (conditional put); elsewhere a check then a put, which
         two processes can both pass (`atomic_create` is False: callers decide whether that is safe).
         A create whose answer was lost and whose retry finds the file compares the bytes: the same
         bytes (claims carry a unique token) are our own create.
         """
         data = json.dumps(obj, indent=1, sort_keys=True).encode("utf-8")
         path = self.path(rel)
-        if self.local:
+        if self.local:  # written whole to a temp file, then hard-linked: an O_EXCL create would show readers an
+            # empty file until its bytes are written (a concurrent job read manifest.json as "not valid JSON")
             os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.chmod(tmp, 0o644)
+                os.link(tmp, path)  # atomic and exclusive: FileExistsError when the file is there
             except FileExistsError:
                 return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            finally:
+                os.unlink(tmp)
             return True
 
         def create() -> bool:
