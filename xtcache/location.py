@@ -165,6 +165,23 @@ ATOMIC_CREATE = {"s3": "If-None-Match", "s3a": "If-None-Match", "gs": "ifGenerat
 ONE_JOB_ENV = "XTCACHE_ONE_JOB_PER_INDEX"  # "1": the scheduler guarantees one job per writer index
 
 
+def _written_temp(path: str, data: bytes) -> str:
+    """A `.tmp-` file beside the local `path` holding `data`, flushed to disk (listings skip `.tmp-` entries): what
+    an atomic write renames and an exclusive create links into place, so the path never shows partial bytes. The
+    caller removes it if it does not become the file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
 class Location:
     """A store root on an fsspec filesystem plus the matching Zarr store.
 
@@ -232,17 +249,11 @@ class Location:
         make visible atomically)."""
         path = self.path(rel)
         if self.local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
+            tmp = _written_temp(path, data)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.replace(tmp, path)
             except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                os.unlink(tmp)
                 raise
         else:
             retry(self._what(rel), self.fs.pipe_file, path, data)
@@ -259,13 +270,8 @@ class Location:
         path = self.path(rel)
         if self.local:  # written whole to a temp file, then hard-linked: an O_EXCL create would show readers an
             # empty file until its bytes are written (a concurrent job read manifest.json as "not valid JSON")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
+            tmp = _written_temp(path, data)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.chmod(tmp, 0o644)
                 os.link(tmp, path)  # atomic and exclusive: FileExistsError when the file is there
             except FileExistsError:

@@ -70,6 +70,7 @@ from xtcache.chat.spans import message_texts
 from xtcache.cliconfig import command
 from xtcache.devices import compute_device
 from xtcache.errors import ConfigError
+from xtcache.file_digest import validator
 from xtcache.fingerprint import tokenizer_fingerprint
 from xtcache.tokenizer import load_tokenizer
 
@@ -296,13 +297,13 @@ def summarize(scores: list[SampleScore]) -> dict:
 
 
 def _files_key(path: str) -> tuple:
-    """(name, size, mtime) of a file, or of each file directly in a directory: what a cached result was made from."""
+    """(name, validator) of a file, or of each file directly in a directory (`file_digest.validator`: size, mtime,
+    ctime, inode): what a cached result was made from."""
     if os.path.isdir(path):
-        return tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in sorted(os.scandir(path),
-                                                                                       key=lambda e: e.name)
-                     if e.is_file())
-    st = os.stat(path)
-    return ((path, st.st_size, st.st_mtime_ns),)
+        files = [(e.name, e.stat()) for e in sorted(os.scandir(path), key=lambda e: e.name) if e.is_file()]
+    else:
+        files = [(path, os.stat(path))]
+    return tuple((name, tuple(validator(st).items())) for name, st in files)
 
 
 @functools.lru_cache(maxsize=4)
