@@ -28,10 +28,10 @@ def _train(cfg: TrainConfig) -> None:
     from stage2_student.config import deepspeed_config
 
     deepspeed_config(cfg)  # a --deepspeed file that is not a JSON object fails here, before DeepSpeed is imported
-    tokenizer = check_inputs(cfg)
+    checked = check_inputs(cfg)
     from stage2_student.trainer import train  # lazy: loads torch only when called
 
-    summary = train(cfg, tokenizer=tokenizer)
+    summary = train(cfg, checked=checked)  # the trainer does not check the stores again
     if summary is not None and os.environ.get("RANK", "0") == "0":
         typer.echo(json.dumps({k: summary[k] for k in ("steps", "final_eval_kl", "final_eval_ce", "metrics")}))
         for t in summary.get("teachers") or []:  # several teachers: one line each, and the mixture's
@@ -44,7 +44,9 @@ def check_inputs(cfg: TrainConfig):
     directory without a tokenizer or a model config, and a student tokenizer a store holds no alignment for
     (`stage2_student.data.check_stores`): before DeepSpeed is imported and the process group starts (10-30 s
     on a CPU host), where the trainer would meet them (or overwrite the earlier run), with the flag named.
-    Returns the student tokenizer, loaded for the last check, for the trainer to use."""
+    Returns what the store check passed for (`CheckedStores`: the config and the student tokenizer, loaded for
+    it), for the trainer to use instead of checking again. Every rank of a launch runs this once, in its own
+    process."""
     from stage2_student.checkpoint import earlier_run
     from xtcache.store.reader import read_manifest
     from xtcache.tokenizer import require_tokenizer_files
@@ -65,9 +67,7 @@ def check_inputs(cfg: TrainConfig):
     from stage2_student.data import check_stores  # torch and transformers, not DeepSpeed
     from stage2_student.student import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.student)
-    check_stores(cfg, tokenizer)
-    return tokenizer
+    return check_stores(cfg, load_tokenizer(cfg.student))
 
 
 train_student = command(

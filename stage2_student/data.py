@@ -11,6 +11,7 @@ training loss (`objective.measure_definition`).
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,11 +111,15 @@ def load_projection(cfg: TrainConfig, url: str, manifest, student_tokenizer, stu
     return w, source
 
 
-def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> StageData:
-    """Open the caches (and the held-out set), pick each teacher's KD kind, load W, build this rank's loaders."""
+def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int, *,
+                    checked: CheckedStores | None = None) -> StageData:
+    """Open the caches (and the held-out set), pick each teacher's KD kind, load W, build this rank's loaders.
+    `checked`: what `check_stores` returned for this config and tokenizer (stage2_student.cli runs it before
+    DeepSpeed starts); without it, or when it covers another config or tokenizer, the stores are checked here."""
     manifests = [CacheReader(c, storage_options=cfg.loader.storage_options).manifest for c in cfg.cache]
     student_fp = tokenizer_fingerprint(tokenizer)
-    check_stores(cfg, tokenizer)  # stage2_student.cli runs it too, before DeepSpeed starts
+    if checked is None or not checked.covers(cfg, tokenizer):
+        check_stores(cfg, tokenizer)
     train, make_eval = make_loaders(cfg, tokenizer, rank, world)
     caps = [Capabilities(same_tokenizer=student_fp == m.fingerprints.get("teacher_tokenizer"), mode=m.mode)
             for m in manifests]
@@ -158,11 +163,25 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int) -> Stage
                      mixture_measure=mixture, info=info)
 
 
-def check_stores(cfg: TrainConfig, tokenizer) -> None:
+@dataclass(frozen=True)
+class CheckedStores:
+    """What `check_stores` passed for: a copy of the config and the student tokenizer object. Handed to
+    `open_stage_data` (through `trainer.train`) so that a process checks its stores once."""
+
+    config: TrainConfig
+    tokenizer: Any
+
+    def covers(self, cfg: TrainConfig, tokenizer) -> bool:
+        """Whether the check was of this config (as it is now) and this tokenizer."""
+        return self.tokenizer is tokenizer and self.config == cfg
+
+
+def check_stores(cfg: TrainConfig, tokenizer) -> CheckedStores:
     """Refuse an --eval-cache that cannot measure the distance to the --cache's teacher (`check_eval_caches`),
     and a --cache, --corpus-cache or --eval-cache without an alignment group for the student tokenizer or,
     without --allow-incomplete, not complete or not aligned in every part: one line naming the flag and the
-    store, before any model loads. The loader refuses the same (`CacheDataset`), for callers without this."""
+    store, before any model loads. The loader refuses the same (`CacheDataset`), for callers without this.
+    Returns the record of what passed (`CheckedStores`)."""
     opts = cfg.loader.storage_options
     readers = [CacheReader(url, storage_options=opts) for url in cfg.cache]
     named = [("--cache", r) for r in readers]
@@ -180,6 +199,7 @@ def check_stores(cfg: TrainConfig, tokenizer) -> None:
                 reader.usable_parts(None if group is None else fp)
             except StoreError as err:
                 raise StoreError(f"{flag} {err}") from None
+    return CheckedStores(copy.deepcopy(cfg), tokenizer)
 
 
 def check_eval_caches(cfg: TrainConfig, manifests, held_manifests) -> None:

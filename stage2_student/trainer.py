@@ -25,7 +25,7 @@ from typing import Callable
 from stage2_student import checkpoint
 from stage2_student.checkpoint import HF_DIR, SUMMARY_FILE
 from stage2_student.config import TrainConfig, deepspeed_config, lr_lambda
-from stage2_student.data import StageData, open_stage_data
+from stage2_student.data import CheckedStores, StageData, open_stage_data
 from stage2_student.evaluation import evaluate
 from stage2_student.export import export_hf
 from stage2_student.join import CE_ONLY_KEY
@@ -313,15 +313,20 @@ def peak_memory() -> dict:
 
 
 def train(cfg: TrainConfig, make_data: Callable[[TrainConfig, object, int, int], StageData] | None = None,
-          tokenizer=None) -> dict:
-    """Run stage 2 in this process (one rank of the job); tears the process group down at the end. `tokenizer`:
-    the --student tokenizer where the caller loaded it already (stage2_student.cli's checks)."""
+          checked: CheckedStores | None = None) -> dict:
+    """Run stage 2 in this process (one rank of the job); tears the process group down at the end. `checked`:
+    what `data.check_stores` returned where the caller checked the stores already (stage2_student.cli, before
+    DeepSpeed starts): its --student tokenizer is used and `open_stage_data` does not check them again."""
     set_deterministic(cfg.deterministic)  # before CUDA starts (setup_distributed picks the device)
     rank, _, world = setup_distributed()
     try:
         if rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        data = (make_data or open_stage_data)(cfg, tokenizer or load_tokenizer(cfg.student), rank, world)
+        if checked is not None and checked.config != cfg:
+            checked = None  # a check of another config: load the tokenizer and check the stores anew
+        tokenizer = checked.tokenizer if checked is not None else load_tokenizer(cfg.student)
+        data = (make_data(cfg, tokenizer, rank, world) if make_data
+                else open_stage_data(cfg, tokenizer, rank, world, checked=checked))
         return Trainer(cfg, data, rank=rank, world=world).run()
     finally:
         teardown_distributed()

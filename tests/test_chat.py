@@ -461,6 +461,37 @@ def test_each_trained_turns_first_row_trains_ce_only_where_the_teacher_template_
     assert starts_seen > 10 and kept > 100
 
 
+def test_a_stores_teacher_tokenizer_loads_once_per_content_in_a_process(chat_run, chat_toks, tmp_path, monkeypatch):
+    """A run opens several datasets over stores of one teacher (the training split, the held-out one, a corpus
+    cache): the turn-opener probe loads that teacher's tokenizer once. A store whose tokenizer files were edited
+    since (here: the template without thinking, which opens nothing a Llama-3 student cannot) is loaded anew."""
+    import shutil
+    from collections import OrderedDict
+
+    import xtcache.store.tokenizer as store_tokenizer
+    from stage2_student.config import LoaderConfig
+    from stage2_student.loader import CacheDataset
+    from xtcache.tokenizer import load_tokenizer
+
+    loads, real = [], store_tokenizer.load_tokenizer
+    monkeypatch.setattr(store_tokenizer, "_LOADED", OrderedDict())  # what earlier tests loaded is not counted
+    monkeypatch.setattr(store_tokenizer, "load_tokenizer", lambda path, side: loads.append(side) or real(path, side))
+    tok = load_tokenizer(str(chat_run["student_tok"]))
+    cfg = LoaderConfig(seq_len=96, micro_batch_size=2, train_on="assistant")
+    other = tmp_path / "other"  # another store of the same teacher
+    shutil.copytree(chat_run["store"], other)
+    openers = [CacheDataset(str(url), tok, cfg, shard_cache=1000).caches[0].turn_openers
+               for url in (chat_run["store"], chat_run["store"], other)]
+    assert openers[0] and openers == [openers[0]] * 3
+    assert len(loads) == 1, loads
+    plain_dir, _ = chat_toks[("chatml", "teacher")]
+    for f in (other / "teacher_tokenizer").iterdir():
+        if f.name != "tokenizer.json" and (plain_dir / f.name).is_file():
+            f.write_bytes((plain_dir / f.name).read_bytes())
+    assert CacheDataset(str(other), tok, cfg, shard_cache=1000).caches[0].turn_openers == ()
+    assert len(loads) == 2, loads
+
+
 def _with_roles(ds):
     """`ds` with each source's student ids replaced by the tokens' role codes (its batches' input_ids say roles)."""
     for i, sid in enumerate(ds.caches[0].shard_ids):

@@ -200,6 +200,47 @@ def test_train_student_refuses_to_overwrite_an_earlier_run_without_resume(held, 
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
 
 
+def test_train_student_checks_its_stores_once_and_train_alone_checks_them(toy_setup, two_doc_store, tmp_path,
+                                                                        monkeypatch):
+    """`xtcache train-student` (and so each rank of a launch, a process of its own) checks its stores once,
+    before DeepSpeed starts, and hands the record to the trainer, which does not check them again;
+    `trainer.train` called from Python checks them itself, and so it does given a record of another config."""
+    import dataclasses
+
+    import stage2_student.data as data
+    import stage2_student.trainer as trainer
+    from stage2_student.config import TrainConfig
+    from stage2_student.student import load_tokenizer
+    from xtcache.errors import ConfigError
+
+    calls, check_stores = [], data.check_stores
+
+    def counted(cfg, tokenizer):
+        calls.append(cfg.out)
+        return check_stores(cfg, tokenizer)
+
+    def stop(*args, **kwargs):  # the step after the check: no loader, no model, no process group
+        raise ConfigError("stopped after the store checks")
+
+    monkeypatch.setattr(data, "check_stores", counted)
+    monkeypatch.setattr(data, "make_loaders", stop)
+    monkeypatch.setattr(trainer, "setup_distributed", lambda: (0, 0, 1))
+    monkeypatch.setattr(trainer, "teardown_distributed", lambda: None)
+    out = tmp_path / "run"
+    proc = xtcache("train-student", "--cache", two_doc_store, "--student", toy_setup.student_model, "--out", out)
+    assert proc.returncode == 2 and "stopped after the store checks" in proc.stderr, proc.stderr
+    assert len(calls) == 1, calls
+    cfg = TrainConfig.from_flat({"cache": str(two_doc_store), "student": str(toy_setup.student_model), "out": str(out)})
+    record = check_stores(cfg, load_tokenizer(cfg.student))  # not counted
+    for run_cfg, given, checks in ((cfg, None, 1),  # from Python, no record: it checks
+                                   (cfg, record, 0),  # the record of this config: it does not again
+                                   (dataclasses.replace(cfg, seed=1), record, 1)):  # of another config: it checks
+        calls.clear()
+        with pytest.raises(ConfigError, match="stopped after the store checks"):
+            trainer.train(run_cfg, checked=given)
+        assert len(calls) == checks, (run_cfg, given, calls)
+
+
 def test_a_run_killed_before_its_first_complete_checkpoint_is_no_earlier_run(tmp_path):
     """Nothing of it to keep: a fresh run may start there (as `xtcache rounds` restarts such a stage)."""
     from stage2_student.checkpoint import earlier_run

@@ -262,7 +262,7 @@ def test_the_deterministic_flag_reaches_the_config(monkeypatch, tmp_path):
     from tests.commands import xtcache
 
     seen = []
-    monkeypatch.setattr("stage2_student.trainer.train", lambda cfg, tokenizer: seen.append(cfg))
+    monkeypatch.setattr("stage2_student.trainer.train", lambda cfg, checked: seen.append(cfg))
     monkeypatch.setattr("stage2_student.cli.check_inputs", lambda cfg: None)  # empty directories stand for them
     for d in ("c", "s"):  # paths are checked before anything reads them; the training itself is replaced
         (tmp_path / d).mkdir()

@@ -635,6 +635,50 @@ def test_every_rounds_commands_are_built_before_anything_runs_and_a_refusal_name
         assert not (tmp_path / "w").exists()  # nothing ran, nothing was recorded
 
 
+def test_a_plan_too_small_for_one_optimizer_step_is_refused_before_round_0_and_one_just_big_enough_is_not(
+        chat, tmp_path, monkeypatch):
+    """Issue 38: rollouts that cannot fill one optimizer step of train-student (--micro-batch-size x ranks x
+    --grad-accum windows of --seq-len) fail the run before round 0's generate, naming the flags. Each rollout makes
+    at most one window here: only its generated turn trains (--train-on last-assistant), and the turn fits in a
+    window less its context share; a corpus cache mixed in does not lower what the rollouts must fill. A plan that
+    might fill a step (enough rollouts, or ones that may make several windows each) is not refused."""
+    from xtcache.app import rounds
+    from xtcache.errors import ConfigError
+
+    setup, prompts = chat
+    one = tmp_path / "prompt.jsonl"
+    one.write_text(prompts.read_text().splitlines(keepends=True)[0])
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+
+    def plan(samples: int, *train_args: str, **kw) -> rounds.RoundsConfig:
+        return rounds.RoundsConfig(**{"student": str(setup.student_model), "teacher": str(setup.teacher_model),
+                                      "prompts": [str(one)], "workdir": str(tmp_path / "w"), "engine": "hf",
+                                      "samples_per_prompt": samples, "max_new_tokens": 8,
+                                      "train_args": ["--seq-len", "64", *train_args], **kw})
+
+    monkeypatch.setattr(rounds, "cuda_device_count", lambda: 0)  # --nproc-per-node 2 on this CPU machine
+    refused = [
+        (plan(1, "--micro-batch-size", "2"), "1 prompt(s) x --samples-per-prompt 1 give at most 1 rollouts, at most "
+                                             "one window of --seq-len 64 each (--max-new-tokens 8), and train-student "
+                                             "needs 2 windows for one optimizer step (--micro-batch-size 2 x "
+                                             "--nproc-per-node 1 x --grad-accum 1)"),
+        (plan(2, "--micro-batch-size", "1", "--grad-accum", "3"), "needs 3 windows"),
+        (plan(1, "--micro-batch-size", "1", nproc_per_node=2), "(--micro-batch-size 1 x --nproc-per-node 2 x"),
+        (plan(1, "--micro-batch-size", "2", corpus_cache=str(corpus)), "needs 2 windows"),
+    ]
+    for cfg, says in refused:
+        with pytest.raises(ConfigError) as err:
+            rounds.run_rounds(cfg)
+        assert says in str(err.value) and str(err.value).endswith("nothing has run"), str(err.value)
+        assert "--samples-per-prompt" in str(err.value) and "--micro-batch-size" in str(err.value)
+        assert not (tmp_path / "w").exists()  # no stage ran, nothing was recorded
+    for cfg in (plan(2, "--micro-batch-size", "2"),  # just big enough: 2 rollouts, one window each
+                plan(1, "--micro-batch-size", "2", "--seq-len", "16"),  # the turn may span two windows of 16
+                plan(1, "--micro-batch-size", "2", train_on="all")):  # the prompt is longer than a window: unbounded
+        rounds.check_commands(cfg)
+
+
 def test_a_run_failed_in_train_student_reruns_after_the_fix(killed_run):
     """The failure's advice holds: a train-student stage that fails at run time (the killed run's --deepspeed
     file, not JSON at first) fails the run with train-student's one-line error and the advice; the reruns with

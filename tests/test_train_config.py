@@ -17,7 +17,7 @@ from xtcache.errors import ConfigError
 
 def test_flags_override_config_file_and_file_overrides_defaults(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr("stage2_student.trainer.train", lambda cfg, tokenizer: seen.update(cfg=cfg))
+    monkeypatch.setattr("stage2_student.trainer.train", lambda cfg, checked: seen.update(cfg=cfg))
     monkeypatch.setattr("stage2_student.cli.check_inputs", lambda cfg: None)  # empty directories stand for them
     for d in ("c", "s"):  # the paths a command is given must exist
         (tmp_path / d).mkdir()

@@ -24,7 +24,14 @@ from stage2_student import loader as L
 from stage2_student.batches import IGNORE
 from tests.commands import xtcache
 from tests.loader_settings import loader_settings
-from xtcache.packing import CONTEXT_SHARE, common_boundaries, group_trained, pack_documents, pack_trained
+from xtcache.packing import (
+    CONTEXT_SHARE,
+    common_boundaries,
+    group_trained,
+    most_windows,
+    pack_documents,
+    pack_trained,
+)
 from xtcache.testing.chat import WORDS, chat_tokenizer, write_chat_jsonl
 
 SEQ = 64
@@ -72,6 +79,35 @@ def test_pack_trained_trains_each_trained_chunk_once_after_the_context_that_fits
     trained = [np.asarray([n if t else 0 for n, t in d], dtype=np.int64) for d in docs]
     plan = pack_trained(list(range(len(docs))), lens, trained, seq_len)
     _check_trained_plan(plan, lens, trained, seq_len)
+
+
+def _trained_span(lens: np.ndarray, trained: np.ndarray) -> int:
+    """Tokens from the start of the chunk before a document's first trained chunk to the end of its last one."""
+    cum, targets = np.concatenate([[0], np.cumsum(lens)]), np.flatnonzero(trained > 0)
+    if not targets.shape[0]:
+        return 0
+    return int(cum[targets[-1] + 1] - cum[max(int(targets[0]) - 1, 0)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 12), st.booleans()), max_size=40), min_size=1, max_size=8),
+       st.integers(4, 40))
+def test_most_windows_bounds_both_packers_whatever_the_chunks(docs, seq_len):
+    """`most_windows` (what `xtcache rounds` refuses a plan by, before any rollout exists): documents that fit in a
+    window, or whose trained chunks and the chunk before them fit in one less its context share, make at most one
+    window each under either packer (the trained span: `pack_trained` only)."""
+    lens = [np.asarray([n for n, _ in d], dtype=np.int64) for d in docs]
+    trained = [np.asarray([n if t else 0 for n, t in d], dtype=np.int64) for d in docs]
+    longest = max(int(x.sum()) for x in lens)
+    span = max(_trained_span(x, t) for x, t in zip(lens, trained))
+    plans = {"documents": pack_documents(range(len(docs)), lens, seq_len),
+             "trained": pack_trained(range(len(docs)), lens, trained, seq_len)}
+    for name, plan in plans.items():
+        bound = most_windows(len(docs), seq_len, longest=longest, trained_span=span if name == "trained" else None)
+        assert bound is None or plan.num_windows <= bound, (name, plan.num_windows, bound)
+    assert (most_windows(len(docs), seq_len, longest=longest) is None) == (longest > seq_len)
+    assert most_windows(3, 40, longest=41, trained_span=30) == 3 and most_windows(3, 40, longest=41, trained_span=31) \
+        is None  # a quarter window of context before the turn
 
 
 # ------------------------------------------------------------------------------ a chat cache

@@ -153,6 +153,25 @@ def pack_trained(doc_indices, chunk_lengths: list[np.ndarray], chunk_trained: li
     return w.plan(skipped, read, trained_total)
 
 
+def most_windows(num_docs: int, seq_len: int, *, longest: int, trained_span: int | None = None) -> int | None:
+    """The most windows the packers make of `num_docs` documents, whatever their chunks: one a document when each
+    has at most `longest` tokens and that fits in a window; with `pack_trained`, also when from the start of the
+    chunk just before each one's first trained chunk to the end of its last trained chunk at most
+    `trained_span` tokens run, and they fit in a window less its context share (`CONTEXT_SHARE`). Else None: no
+    bound without the chunks.
+
+    Such a document opens at most one window. `pack_trained` takes all its trained chunks as the targets of one
+    window: the room it keeps for them reaches the window's end (a whole document), or holds them after the
+    context it keeps (a quarter window, or the chunk before them: within `trained_span`); they go into the
+    window open before them when they fit there, else into a new one. `pack_documents` starts a document in a
+    new window only where it fits nowhere in the open one, and then whole, or goes on from the open window into
+    one new window, whose context chunk and the rest of the document are at most the document. Every window is
+    opened by a document of its shard."""
+    if longest <= seq_len or trained_span is not None and trained_span <= seq_len - seq_len // CONTEXT_SHARE:
+        return num_docs
+    return None
+
+
 def common_boundaries(ends: list[np.ndarray]) -> np.ndarray:
     """int64 [G] the positive chunk ends that every one of `ends` (chunk ends of one document, one
     array per tokenization or teacher) holds, ascending; empty when `ends` is.

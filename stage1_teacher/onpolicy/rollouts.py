@@ -25,7 +25,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from xtcache.chat.render import ConversationError, chat_fingerprint, render, require_template
+from xtcache.chat.render import ConversationError, chat_fingerprint, conversation_json, render, require_template
+from xtcache.chat.spans import placeholder_base
 from xtcache.errors import ConfigError, StoreError
 from xtcache.fingerprint import canonical_sha256, model_fingerprint
 from xtcache.store.reader import foreign_entries, shown_entries
@@ -75,6 +76,55 @@ def prompt_of(doc, tokenizer, flag: str = "--data") -> Prompt:
         raise ConfigError(str(e)) from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own specials
     return Prompt(doc.doc_id, where, list(ids), conv)
+
+
+# a token more at each cut between template text and a message's text: tokenized with its neighbour, text tokenizes
+# otherwise than alone (the Llama-3-style toy student's `ĊĊ` before a digit, `Ċ Ċ` before a letter)
+JUNCTION = 1
+
+
+@dataclass(frozen=True)
+class RolloutSize:
+    """At most how many student tokens one rollout of a prompt holds in a teacher-dump cache (`rollout_size`)."""
+
+    tokens: int
+    """The whole rollout."""
+    turn: int | None
+    """A conversation's generated turn and the template text around it: from the end of the prompt's last message
+    to the rollout's end (None: a text rollout, or a last message without text)."""
+
+
+def rollout_size(prompt: Prompt, tokenizer, max_new_tokens: int) -> RolloutSize | None:
+    """The most student tokens of one rollout of `prompt`, its generated turn counted as the sampled ids it trains
+    on (at most `max_new_tokens`, spliced into the rendering: `stage1_teacher.onpolicy.splice`). A text rollout:
+    the prefix's ids, the turn and the tokenizer's own special tokens. A conversation, rendered with a
+    placeholder for the turn (and one for the last message, for `turn`): the tokens before the turn (the
+    prompt's, or the rendering's where its template writes more there), the turn and the template's text after
+    it, with a `JUNCTION` token at each cut. None where the student's template rejects the placeholders or
+    writes the turn other than once."""
+    if prompt.conversation is None:
+        return RolloutSize(len(prompt.token_ids) + max_new_tokens + tokenizer.num_special_tokens_to_add(), None)
+    conv, count = prompt.conversation, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    *before, last = conv["messages"]
+    try:
+        base = placeholder_base(conversation_json(conv) + render(tokenizer, conv, add_generation_prompt=True), 2)
+        if base is None:
+            return None
+        mark, turn = chr(base), chr(base + 1)  # in neither the conversation nor the prompt: each one is ours
+        answered = {"role": "assistant", "content": turn}
+        whole = render(tokenizer, {**conv, "messages": [*before, last, answered]})
+        marked = render(tokenizer, {**conv, "messages": [*before, {**last, "content": mark}, answered]}) \
+            if isinstance(last.get("content"), str) and last["content"].strip() else ""
+    except ConversationError:
+        return None
+    if whole.count(turn) != 1:
+        return None
+    head, tail = whole.split(turn)
+    tokens = max(len(prompt.token_ids), count(head) + JUNCTION) + max_new_tokens + count(tail) + JUNCTION
+    if marked.count(mark) != 1 or marked.count(turn) != 1 or marked.index(mark) > marked.index(turn):
+        return RolloutSize(tokens, None)
+    gap = count(marked[marked.index(mark) + 1:marked.index(turn)])
+    return RolloutSize(tokens, gap + max_new_tokens + count(tail) + 2 * JUNCTION if gap else None)
 
 
 def completion_text(tokenizer, c: Completion, stop_ids: set[int]) -> str:

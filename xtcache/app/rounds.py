@@ -31,7 +31,8 @@ printed at the end. docs/on-policy.md, "Rounds".
 Before any stage runs, every round's three command lines are built into their stages' configs, as the
 stages will build them (`check_commands`): a --prompts file that is not there, a typo or a refused value in
 --generate-args, --dump-args or after `--`, or a path they name that does not exist, fails the run there, not after
-round 0's generate and teacher-dump.
+round 0's generate and teacher-dump; so do rollouts too few to fill one optimizer step of train-student, as far as
+they can be bounded before they exist (`check_windows`).
 This module composes the stages' command lines and reads their command-line definitions only: it runs no
 stage in its own process.
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -729,6 +731,7 @@ def check_commands(cfg: RoundsConfig) -> None:
                     "(generate and teacher-dump jobs each start their own engine)", cfg.nproc_per_node,
                     cfg.nproc_per_node)
     work = Path(cfg.workdir).resolve()
+    first = {}  # round 0's configs
     for r in range(cfg.rounds):
         for stage in STAGES:
             args = stage_flags(stage_command(cfg, r, stage))
@@ -741,6 +744,58 @@ def check_commands(cfg: RoundsConfig) -> None:
             except ConfigError as err:
                 raise ConfigError(f"round {r} {stage} would be refused: {err} (from {FLAGS_FROM[stage]}); "
                                   "nothing has run") from None
+            first.setdefault(stage, built)
+    check_windows(cfg, first["generate"], first["train-student"])
+
+
+def check_windows(cfg: RoundsConfig, generate_cfg, train_cfg) -> None:
+    """Refuse a plan whose rollouts cannot fill one optimizer step, which train-student's loader refuses
+    (`stage2_student.loader.CacheDataset`: fewer windows of --seq-len than --micro-batch-size x ranks x
+    --grad-accum) after the round's generate and teacher-dump. The windows are bounded before any sample exists:
+    prompts x --samples-per-prompt rollouts (`rollout_size`: at most --max-new-tokens generated) make at most one
+    window each when each fits in one, or when only the generated turn trains (--train-on last-assistant, or
+    assistant after prompts without an assistant turn) and it fits with its context share; the chunk just before
+    a turn is template text (`xtcache.chat.layout`: one token a chunk). Else the windows are not bounded, and
+    nothing is refused. A --corpus-cache changes nothing here: the rollout cache is planned on its own, on the
+    same ranks and --grad-accum (`stage2_student.data.make_loaders`). A prompt set with enough rows for a step's
+    windows is read no further."""
+    from stage1_teacher.capture.preflight import open_corpus
+    from stage1_teacher.corpus import Skipped, iter_corpus
+    from stage1_teacher.onpolicy.rollouts import prompt_of, rollout_size
+    from xtcache.packing import most_windows
+
+    loader, accum, ranks = train_cfg.loader, train_cfg.optim.grad_accum, cfg.jobs("train-student")
+    need = loader.micro_batch_size * ranks * accum
+    too_few = (need - 1) // cfg.samples_per_prompt  # the most prompts whose rollouts are fewer than `need`
+    if too_few == 0:
+        return
+    with _as_prompts():
+        rows = list(itertools.islice(iter_corpus(open_corpus(generate_cfg)), too_few + 1))
+    if not rows or len(rows) > too_few or any(isinstance(row, Skipped) for row in rows):
+        return  # enough prompts, or none usable: generate refuses the set itself
+    tokenizer = load_tokenizer(cfg.student, "--student")
+    try:
+        prompts = [prompt_of(row, tokenizer, "--prompts") for row in rows]
+    except ConfigError as err:
+        raise ConfigError(f"round 0 generate would be refused: {err}; nothing has run") from None
+    sizes = [rollout_size(p, tokenizer, cfg.max_new_tokens) for p in prompts]
+    if None in sizes:
+        return
+    turns = [s.turn for s in sizes]
+    only_turn = cfg.train_on == "last-assistant" or (cfg.train_on == "assistant" and not any(
+        m.get("role") == "assistant" for p in prompts for m in (p.conversation or {}).get("messages", ())))
+    rollouts = len(rows) * cfg.samples_per_prompt
+    windows = most_windows(rollouts, loader.seq_len, longest=max(s.tokens for s in sizes),
+                           trained_span=max(turns) if only_turn and None not in turns else None)
+    if windows is None or windows >= need:
+        return
+    raise ConfigError(
+        f"--prompts {' '.join(cfg.prompts)}: {len(rows)} prompt(s) x --samples-per-prompt {cfg.samples_per_prompt} "
+        f"give at most {rollouts} rollouts, at most one window of --seq-len {loader.seq_len} each (--max-new-tokens "
+        f"{cfg.max_new_tokens}), and train-student needs {need} windows for one optimizer step (--micro-batch-size "
+        f"{loader.micro_batch_size} x --nproc-per-node {ranks} x --grad-accum {accum}): it would be refused after "
+        "round 0's generate and teacher-dump. Give more prompts or a larger --samples-per-prompt, or a smaller "
+        "--micro-batch-size or --grad-accum after --; nothing has run")
 
 
 def run_rounds(cfg: RoundsConfig) -> list[dict]:

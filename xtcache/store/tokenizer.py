@@ -4,7 +4,9 @@ section 2), so that a store trains from any directory or machine with nothing el
 A cross-tokenizer store is read through a projection map between the student's tokenizer and the
 teacher's: `train-student` builds it when no --projection is given, and `xtcache align` checks the
 teacher side's bytes with it. teacher-dump copies the teacher's tokenizer files into the store (a few
-MB); the readers load that copy, checked against the manifest's `teacher_tokenizer` fingerprint.
+MB); the readers load that copy, checked against the manifest's `teacher_tokenizer` fingerprint. A process
+parses each version of those files once (`_LOADED`, keyed by their content): a run whose corpus cache, rollouts
+and held-out set all carry one teacher reads the files three times and loads the tokenizer once.
 
     save_teacher_tokenizer(url, teacher_dir, storage_options)   # teacher-dump: the files, where absent
     tok = load_store_tokenizer(url, manifest, storage_options)   # the copy; None in a store without one
@@ -12,8 +14,10 @@ MB); the readers load that copy, checked against the manifest's `teacher_tokeniz
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 
 from xtcache.errors import CorruptionError
@@ -27,6 +31,9 @@ TOKENIZER_DIR = "teacher_tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json")
 """The files of a Hugging Face model directory that make its tokenizer (those present are copied)."""
+
+_LOADED: OrderedDict[str, object] = OrderedDict()  # sha256 of the files' names and bytes -> the tokenizer they make
+_LOADED_MAX = 4  # tokenizers kept (a large vocabulary holds tens of MB)
 
 
 def save_teacher_tokenizer(url: str, teacher_dir: str | os.PathLike, storage_options: dict | None = None) -> list[str]:
@@ -46,17 +53,36 @@ def save_teacher_tokenizer(url: str, teacher_dir: str | os.PathLike, storage_opt
 def load_store_tokenizer(url: str, manifest, storage_options: dict | None = None):
     """The teacher tokenizer stored in the store at `url`, or None when the store holds none (stores
     written before teacher-dump stored it). A copy whose fingerprint is not the manifest's
-    `teacher_tokenizer` is damage: CorruptionError naming the store."""
+    `teacher_tokenizer` is damage: CorruptionError naming the store. The tokenizer is shared with every
+    caller given the same files in this process: read it, do not modify it."""
     loc = Location(url, storage_options)
     names = [n for n in loc.listdir(TOKENIZER_DIR) if n in TOKENIZER_FILES]
     if "tokenizer.json" not in names:
         return None
-    with tempfile.TemporaryDirectory(prefix="xtcache-teacher-tok-") as tmp:
-        for name in names:
-            rel = f"{TOKENIZER_DIR}/{name}"
-            Path(tmp, name).write_bytes(retry(f"{url}/{rel}", loc.fs.cat_file, loc.path(rel)))
-        tok = load_tokenizer(tmp, f"the teacher tokenizer stored in {url}")
+    files = {name: retry(f"{url}/{TOKENIZER_DIR}/{name}", loc.fs.cat_file, loc.path(f"{TOKENIZER_DIR}/{name}"))
+             for name in sorted(names)}
+    tok = _load_files(files, url)
     if tokenizer_fingerprint(tok) != manifest.fingerprints.get("teacher_tokenizer"):
         raise CorruptionError(f"store {url}: {TOKENIZER_DIR}/ does not hold the tokenizer of the manifest's "
                               "teacher_tokenizer fingerprint: the directory was edited or damaged")
+    return tok
+
+
+def _load_files(files: dict[str, bytes], url: str):
+    """The tokenizer that `files` (name -> bytes) make, loaded once per content in this process: the key is
+    their bytes, so an edited file is a new key, never a stale tokenizer."""
+    h = hashlib.sha256()
+    for name, data in files.items():
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+    key = h.hexdigest()
+    if key in _LOADED:
+        _LOADED.move_to_end(key)
+        return _LOADED[key]
+    with tempfile.TemporaryDirectory(prefix="xtcache-teacher-tok-") as tmp:
+        for name, data in files.items():
+            Path(tmp, name).write_bytes(data)
+        tok = _LOADED[key] = load_tokenizer(tmp, f"the teacher tokenizer stored in {url}")
+    while len(_LOADED) > _LOADED_MAX:
+        _LOADED.popitem(last=False)
     return tok
