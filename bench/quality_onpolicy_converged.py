@@ -105,7 +105,7 @@ ROWS = [
     ("on-policy rounds, reverse P-KL, no CE", "on", ["--loss", "reverse", "--", "--ce-weight", "0.0"], KINDS),
     # the forward KL + 0.1 CE, rounds' only default until it came to pick the reverse KL without CE for one tokenizer
     # on conversations (row 1 there), pinned
-    ("on-policy rounds, forward P-KL + 0.1 CE (rounds' default across tokenizers)", "on", ["--loss", "forward"], KINDS),
+    ("on-policy rounds, forward P-KL + 0.1 CE (rounds' default across tokenizers until 2026-12-01)", "on", ["--loss", "forward"], KINDS),
     # train-student's cross-tokenizer defaults of the time, pinned since the defaults moved to the half-and-half mix;
     # the "(defaults)" rows below pin rounds' forward KL + 0.1 CE, its only default when they ran
     ("on-policy rounds, `--loss auto` (0.25 forward + 0.75 reverse P-KL, CE 0.5)", "on",
@@ -146,6 +146,13 @@ ROWS = [
     ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, mixed 1:1 with CE on the continuation text "
      "(`--corpus-loss ce`)", "on",
      ["--loss", "jsd", "--corpus-cache", "{continue_cache}"], ("chat",)),
+    # the same JSD on the rollouts, half the micro-batches KD (the run's objective) on the cache the converged student
+    # was distilled from: its teacher values were paid for before the row starts, so no new teacher tokens beside
+    # the rollouts (the teacher-scored tokens count the rollouts alone). Conversations only: the text kind's converge
+    # cache holds whole documents, without the roles that --train-on last-assistant trains by (train-student refuses it)
+    ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, mixed 1:1 with KD on the converge cache "
+     "(`--corpus-loss kd`)", "on",
+     ["--loss", "jsd", "--corpus-cache", "{converge_cache}", "--", "--corpus-loss", "kd"], ("chat",)),
 ]
 # on-policy rows also compared with the continued off-policy row of their own objective
 SAME_OBJECTIVE = {ROWS[2][0]: ROWS[12][0]}
@@ -345,8 +352,8 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
                 *_flags(s.lr, 2, 1.0), *train, log_file=log_file)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     positions = sum(trained_positions(out / f"round-{m['round']:03d}" / "cache") for m in metrics)
-    if mixed:  # the corpus cache counted whole: at most what the rounds read of it (--corpus-loss ce: none)
-        positions += trained_positions(Path(corpus))
+    if mixed and Path(corpus) != Path(p["converge_cache"]):  # the corpus cache counted whole: at most what the rounds read
+        positions += trained_positions(Path(corpus))  # of it (--corpus-loss ce: none; the converge cache: scored before)
     return {"hf": Path(metrics[-1]["hf_dir"]), "heldout_kl": metrics[-1].get("final_eval_kl"),
             "teacher_positions": positions, "staleness": [m.get("stale_mean_abs_log_ratio") for m in metrics],
             "retokenized": [m.get("retokenized_turns") for m in metrics]}
@@ -554,7 +561,8 @@ def markdown(report: dict) -> str:
                   "estimated). Teacher-scored tokens: the trained "
                   "(last-assistant) student tokens of the caches a row trained on after convergence (on-policy: every "
                   "round's rollouts; a row mixed with the corpus cache's KD: that cache counted whole, at most what it read; "
-                  "with `--corpus-loss ce` the rollouts alone, the corpus's teacher values unread).", "",
+                  "with `--corpus-loss ce` the rollouts alone, the corpus's teacher values unread; mixed with KD on the "
+                  "converge cache, scored before the rows start, the rollouts alone).", "",
                   *verdicts(rows), ""]
     runs = report.get("runs_s") or []
     lines.append(f"Wall time {report.get('wall_s', 0) / 60:.1f} min" + (

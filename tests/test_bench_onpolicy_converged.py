@@ -123,9 +123,11 @@ def test_end_probabilities_read_each_answer_after_its_prompt_one_row_per_answer_
 def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
     """A row's own --prompts, --rounds, --steps-per-round and --samples-per-prompt replace the section's (a value
     in braces names a file of the kind's); every row keeps the equal-cost rule: rounds x steps = the section's
-    steps, rounds x prompts x samples = 2 rounds' worth (a row mixed 1:1 with a corpus cache's KD: half of it)."""
+    steps, rounds x prompts x samples = 2 rounds' worth (a row mixed 1:1 with a corpus cache's KD: half of it, unless
+    the corpus is the converge cache, whose teacher values were paid for before the rows)."""
     s = ConvergedSettings()
-    p = {"train_prompts": "train.jsonl", "wide_prompts": "wide.jsonl", "continue_cache": "c", "continue_half_cache": "h"}
+    p = {"train_prompts": "train.jsonl", "wide_prompts": "wide.jsonl", "continue_cache": "c", "continue_half_cache": "h",
+         "converge_cache": "v"}
     prompts = {"train.jsonl": s.prompts, "wide.jsonl": 2 * s.prompts}  # what prepare writes (test below)
     assert rounds_plan(p, s, []) == ["--prompts", "train.jsonl", "--rounds", "2", "--steps-per-round", "8",
                                      "--samples-per-prompt", "2"]
@@ -140,7 +142,8 @@ def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
             # a corpus whose teacher values train (rounds' --corpus-cache with `-- --corpus-loss kd`) takes the place
             # of rollouts; rounds' default, `--corpus-loss ce`, reads its text only
             mix = {**CORPUS_MIX, **dict(zip(train[::2], train[1::2], strict=True))}
-            kd_corpus = "--corpus-cache" in own and mix["--corpus-loss"] == "kd"
+            kd_corpus = ("--corpus-cache" in own and mix["--corpus-loss"] == "kd"
+                         and own[own.index("--corpus-cache") + 1] != "{converge_cache}")
             share = float(mix["--rollout-fraction"]) if kd_corpus else 1.0
             assert rounds * int(plan["--steps-per-round"]) == s.steps
             assert (rounds * prompts[plan["--prompts"]] * int(plan["--samples-per-prompt"])
@@ -154,7 +157,8 @@ def test_every_on_policy_rows_flags_are_ones_xtcache_rounds_takes(tmp_path):
     from xtcache.cliconfig import config_of
 
     s = ConvergedSettings()
-    p = {key: str(tmp_path / key) for key in ("train_prompts", "wide_prompts", "continue_cache", "continue_half_cache")}
+    p = {key: str(tmp_path / key) for key in ("train_prompts", "wide_prompts", "continue_cache", "continue_half_cache",
+                                                         "converge_cache")}
     for name, how, flags, _ in ROWS:
         if how == "on":
             own, train = split_row_flags(flags)
@@ -453,7 +457,7 @@ def test_token_scores_are_each_tokens_nll_and_the_entropy_of_the_row_that_predic
 def test_a_mixed_row_counts_its_corpus_as_teacher_scored_only_when_the_corpus_trains_its_kd(tmp_path, monkeypatch):
     """on_policy's teacher-scored tokens: every round's rollout cache, plus the corpus cache when its KD trains
     (`-- --corpus-loss kd`); with --corpus-loss ce, rounds' default, its teacher values are never read, so it adds
-    none."""
+    none; nor does the converge cache's KD, whose teacher values were paid for before the rows start."""
     from types import SimpleNamespace
 
     def run_xtcache(*args, log_file):  # rounds: two rounds' metrics, as `xtcache rounds` writes them
@@ -462,17 +466,19 @@ def test_a_mixed_row_counts_its_corpus_as_teacher_scored_only_when_the_corpus_tr
         (out / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "hf_dir": str(out / f"r{r}")}) + "\n"
                                                    for r in range(2)))
 
-    sizes = {"cache": 100, "corpus": 7}  # each round's cache, and the corpus cache
+    sizes = {"cache": 100, "corpus": 7, "converge": 9}  # each round's cache, the corpus caches
     monkeypatch.setattr(conv, "run_xtcache", run_xtcache)
     monkeypatch.setattr(conv, "trained_positions", lambda cache: sizes[cache.name])
     p = {"setup": SimpleNamespace(teacher_model="T"), "train_prompts": "train.jsonl", "projection": None,
-         "eval_cache": tmp_path / "eval", "continue_cache": str(tmp_path / "corpus")}
+         "eval_cache": tmp_path / "eval", "continue_cache": str(tmp_path / "corpus"),
+         "converge_cache": tmp_path / "converge"}
     s = ConvergedSettings()
     mix = ["--loss", "forward", "--corpus-cache", "{continue_cache}"]
     counted = {name: conv.on_policy(p, tmp_path / "start", tmp_path / "run", s, 0, flags, tmp_path / "log")
                ["teacher_positions"] for name, flags in [("rollouts", ["--loss", "forward"]),
-                                                         ("kd", [*mix, "--", "--corpus-loss", "kd"]), ("ce", mix)]}
-    assert counted == {"rollouts": 200, "kd": 207, "ce": 200}
+                                                         ("kd", [*mix, "--", "--corpus-loss", "kd"]), ("ce", mix),
+                                                         ("converge", ROWS[15][2])]}
+    assert counted == {"rollouts": 200, "kd": 207, "ce": 200, "converge": 200}
     assert ROWS[13][2] == mix  # the section's row of it
 
 

@@ -113,7 +113,7 @@ def test_two_rounds_chain_policies_checkpoints_and_print_their_commands(vllm_run
     assert [m["round"] for m in metrics] == [0, 1]
     for r in (0, 1):  # the loss each round resolved, recorded beside its command (compared between rounds)
         objective = json.loads((workdir / f"round-{r:03d}" / "done" / "train-student.json").read_text())["objective"]
-        assert (objective["kind"], objective["pkl_divergence"], objective["ce_weight"]) == ("pkl", "forward", 0.1)
+        assert (objective["kind"], objective["pkl_divergence"], objective["ce_weight"]) == ("pkl", "jsd", 0.1)
     assert [m["step"] for m in metrics] == [steps, 2 * steps] and all(m["train_steps"] == steps for m in metrics)
     assert all(m["rollouts"] == 2 and m["teacher_positions"] > 0 for m in metrics)
     assert metrics[0]["policy"] != metrics[1]["policy"]  # the second round's rollouts come from the trained student
@@ -247,8 +247,8 @@ def _cfg(tmp_path, **kw):
 
 
 def test_the_default_loss_is_the_measured_one_for_the_tokenizer_pair_and_the_prompts(chat, tmp_path):
-    """Across tokenizers the forward P-KL + 0.1 CE; one tokenizer: the reverse KL without CE on conversations, the
-    forward KL + 0.1 CE on text prefixes and on drawn caches (docs/on-policy.md)."""
+    """Across tokenizers the generalized JSD + 0.1 CE (the forward P-KL on drawn caches); one tokenizer: the reverse
+    KL without CE on conversations, the forward KL + 0.1 CE on text prefixes and on drawn caches (docs/on-policy.md)."""
     from xtcache.app.rounds import RoundsConfig, stage_command
     from xtcache.errors import ConfigError
 
@@ -266,8 +266,8 @@ def test_the_default_loss_is_the_measured_one_for_the_tokenizer_pair_and_the_pro
         return command[at:at + (4 if command[at + 1] == "pkl" else 2)], command[command.index("--ce-weight") + 1]
 
     cross = train(str(setup.student_model))
-    assert loss(cross) == (["--loss", "pkl", "--pkl-divergence", "forward"], "0.1")  # an anchor on its own samples
-    assert loss(train(str(setup.student_model), prompts=[str(text)]))[0][-1] == "forward"
+    assert loss(cross) == (["--loss", "pkl", "--pkl-divergence", "jsd"], "0.1")  # an anchor on its own samples
+    assert loss(train(str(setup.student_model), prompts=[str(text)]))[0][-1] == "jsd"
     same = train(str(setup.teacher_model))  # a student on the teacher's own tokenizer, conversations
     assert loss(same) == (["--loss", "rkl"], "0.0") and "--pkl-divergence" not in same
     assert loss(train(str(setup.teacher_model), prompts=[str(text)])) == (["--loss", "kl"], "0.1")

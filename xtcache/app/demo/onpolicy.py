@@ -12,10 +12,10 @@ student; `xtcache demo --chat`), then, each stage an `xtcache` subprocess:
    (after SFT or KD: a fresh student's own samples are noise to the teacher, docs/on-policy.md);
 3. from it, 2 R more steps each (R = `round_steps`), a fresh optimizer at a constant lr 1e-4 after 2 warmup
    steps (`FINE_TUNE`): continued off-policy KD on the same cache, and `xtcache rounds` twice, 2 rounds of R
-   steps each: with its defaults (the forward P-KL + 0.1 CE on the rollouts), and with the mix that beat
-   continued KD across tokenizers on conversations in the converged bench (`MIX`: the generalized JSD +
-   0.1 CE on the rollouts, half the micro-batches CE alone on the training cache's text, whose teacher values it
-   does not read). In each round the student answers prompts cut from the training conversations (after their
+   steps each: with its defaults (across tokenizers the generalized JSD + 0.1 CE on the rollouts), and with the
+   mix that beat continued KD across tokenizers on conversations in the converged bench (`MIX`: the same on the
+   rollouts, half the micro-batches CE alone on the training cache's text, whose teacher values it does not
+   read). In each round the student answers prompts cut from the training conversations (after their
    last user message), the teacher scores its answers, the student trains on them, and the next round samples
    from the trained student;
 4. `xtcache policy-eval` of every student (before training, converged, continued, after each round) on
@@ -199,9 +199,10 @@ def on_policy_table(r: dict) -> str:
         f"{fmt(r['eval_cache_docs'], 'd')}",
         "    held-out conversations (the demo's measure); off-policy KD: P-KL + 0.1 CE on the training conversations'",
         f"    cache; from its step {r.get('kd_steps', '-')}, every arm at lr {FINE_TUNE[1]}: the same cache again, or "
-        "`xtcache rounds` (the same",
-        "    objective on the student's own answers to prompts cut from the same conversations; JSD + corpus CE: the",
-        "    generalized JSD + 0.1 CE on them, half the micro-batches CE alone on the training cache's text)",
+        "`xtcache rounds` (its",
+        "    default across tokenizers, the generalized JSD + 0.1 CE, on the student's own answers to prompts cut from",
+        "    the same conversations; JSD + corpus CE: the same, half the micro-batches CE alone on the training cache's",
+        "    text)",
         "  ** xtcache policy-eval: the live teacher on the student's own samples for "
         f"{r['eval_prompts']} held-out prompts x {r['eval_samples_per_prompt']}",
         "     samples: mean log p_student(y) - log p_teacher(y) per sample, and -log p_teacher(y) per byte of its text",
