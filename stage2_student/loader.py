@@ -82,6 +82,29 @@ def student_fingerprint(tokenizer_or_path, *, chat: bool = False) -> str:
     return tokenizer_side(tokenizer_or_path, "student tokenizer", conversation=chat).fingerprint
 
 
+def check_token_roles(reader: CacheReader, fingerprint: str, *, conversation: bool, train_on: str | None, name: str,
+                      identity: bool | None = None) -> None:
+    """Refuse `--train-on assistant|last-assistant` on a plain-text cache with a part that keeps no token roles:
+    only text rollouts of `xtcache generate` record them, in their alignment parts (`student_role`); a cache read by
+    identity (`identity`, else looked up: `CacheReader.student_group`) holds none. Conversation caches, and plain
+    text trained on every token (`train_on` None or all), pass. `fingerprint`: the student tokenizer's, as the
+    cache's groups key it; `name` begins the refusal ("the cache URL", or the flag and the store). Parts without
+    this student's alignment are not read (the loader refuses or, with --allow-incomplete, skips them)."""
+    if conversation or train_on in (None, "all"):
+        return
+    if identity is None:
+        identity = reader.student_group(fingerprint, name) is None
+    if identity:
+        bare = sorted(m.shard_id for m in reader.shards)
+    else:
+        bare = sorted(sid for sid, part in reader.alignment_parts(fingerprint).items()
+                      if "student_role" not in part.arrays)
+    if bare:
+        raise ConfigError(f"--train-on {train_on}: {name} holds plain text whose part {bare[0]} keeps no token roles "
+                          "(text rollouts of `xtcache generate` keep them); --train-on applies to conversation caches "
+                          "and text rollouts")
+
+
 def _check_settings(*, rank: int, world_size: int, grad_accum: int, split: str, holdout_fraction: float) -> None:
     """Refuse a rank or split that cannot work (the LoaderConfig checked its own settings)."""
     if not 0 <= rank < world_size or grad_accum < 1:
@@ -213,7 +236,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.fingerprint = student_fingerprint(student, chat=self.conversation)
         if train_on is not None and train_on not in TRAIN_ON:
             raise ConfigError(f"--train-on {train_on!r}: use one of {', '.join(TRAIN_ON)}")
-        # plain text: --train-on selects by role only on text rollouts (their parts hold the roles: `_open_cache`)
+        # plain text: --train-on selects by role only on text rollouts (their parts hold the roles: `check_token_roles`)
         self.train_on = (train_on or "assistant") if self.conversation else (
             None if train_on in (None, "all") else train_on)
 
@@ -261,13 +284,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
         # an incomplete store, or parts without this student's alignment, is refused (or, with
         # allow_incomplete, read as far as it is committed: usable_parts logs "N of M parts")
         usable = set(reader.usable_parts(None if identity else self.fingerprint, allow_incomplete=allow_incomplete))
-        if not self.conversation and self.train_on is not None:
-            parts = {} if identity else reader.alignment_parts(self.fingerprint)
-            bare = sorted(sid for sid in usable if "student_role" not in getattr(parts.get(sid), "arrays", {}))
-            if bare:
-                raise ConfigError(f"--train-on {self.train_on}: the cache {url} holds plain text whose part {bare[0]} "
-                                  "keeps no token roles (text rollouts of `xtcache generate` keep them); --train-on "
-                                  "applies to conversation caches and text rollouts")
+        check_token_roles(reader, self.fingerprint, conversation=self.conversation, train_on=self.train_on,
+                          name=f"the cache {url}", identity=identity)
         return TeacherCache(url=url, mode=m.mode, k=m.k, teacher_vocab_size=m.teacher_vocab_size,
                             teacher_fingerprint=teacher_fp, identity=identity,
                             student_vocab_size=m.teacher_vocab_size if identity else group.vocab_size,

@@ -679,6 +679,40 @@ def test_a_plan_too_small_for_one_optimizer_step_is_refused_before_round_0_and_o
         rounds.check_commands(cfg)
 
 
+def test_a_plain_text_corpus_cache_without_token_roles_is_refused_before_round_0_under_train_on_by_role(
+        toy_setup, two_doc_store, chat, tmp_path):
+    """--train-on last-assistant (rounds' default) with a --corpus-cache of plain text, whose parts keep no token
+    roles (a teacher-dump of a text corpus), fails the run before round 0's generate, naming both flags, as
+    train-student's loader would after round 0's teacher-dump (`stage2_student.loader.check_token_roles`); a
+    conversation corpus cache, or --train-on all, is not refused."""
+    from tests.commands import xtcache
+    from xtcache.app.rounds import RoundsConfig, check_commands, run_rounds
+    from xtcache.errors import ConfigError
+
+    def plan(setup, prompts: Path, corpus, **kw) -> RoundsConfig:
+        return RoundsConfig(student=str(setup.student_model), teacher=str(setup.teacher_model), prompts=[str(prompts)],
+                            workdir=str(tmp_path / "w"), engine="hf", max_new_tokens=8, corpus_cache=str(corpus),
+                            train_args=["--seq-len", "64", "--micro-batch-size", "1"], **kw)
+
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(toy_setup.train_jsonl.read_text().splitlines(keepends=True)[:2]))
+    with pytest.raises(ConfigError) as err:
+        run_rounds(plan(toy_setup, text, two_doc_store))
+    says = str(err.value)
+    assert says.startswith(f"round 0 train-student would be refused: --train-on last-assistant: --corpus-cache "
+                           f"{two_doc_store} holds plain text whose part ") and "keeps no token roles" in says, says
+    assert says.endswith("; nothing has run") and "\n" not in says
+    assert not (tmp_path / "w").exists()  # no stage ran, nothing was recorded
+    check_commands(plan(toy_setup, text, two_doc_store, train_on="all"))
+
+    setup, prompts = chat
+    conversations = tmp_path / "conversations"
+    dump = xtcache("teacher-dump", "--teacher", setup.teacher_model, "--student-tokenizer", setup.student_tokenizer,
+                   "--data", setup.train_jsonl, "--out", conversations, "--engine", "hf", "--top-k", "8")
+    assert dump.returncode == 0, dump.stderr[-3000:]
+    check_commands(plan(setup, prompts, conversations))
+
+
 def test_a_run_failed_in_train_student_reruns_after_the_fix(killed_run):
     """The failure's advice holds: a train-student stage that fails at run time (the killed run's --deepspeed
     file, not JSON at first) fails the run with train-student's one-line error and the advice; the reruns with

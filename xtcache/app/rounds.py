@@ -750,6 +750,7 @@ def check_commands(cfg: RoundsConfig) -> None:
                                   "nothing has run") from None
             first.setdefault(stage, built)
     check_windows(cfg, first["generate"], first["train-student"])
+    check_corpus_roles(cfg, first["train-student"])
 
 
 def check_windows(cfg: RoundsConfig, generate_cfg, train_cfg) -> None:
@@ -800,6 +801,25 @@ def check_windows(cfg: RoundsConfig, generate_cfg, train_cfg) -> None:
         f"{loader.micro_batch_size} x --nproc-per-node {ranks} x --grad-accum {accum}): it would be refused after "
         "round 0's generate and teacher-dump. Give more prompts or a larger --samples-per-prompt, or a smaller "
         "--micro-batch-size or --grad-accum after --; nothing has run")
+
+
+def check_corpus_roles(cfg: RoundsConfig, train_cfg) -> None:
+    """Refuse a --corpus-cache that train-student's loader refuses under rounds' --train-on, after round 0's
+    generate and teacher-dump: by role (assistant, last-assistant) on plain text without token roles
+    (`stage2_student.loader.check_token_roles`): the rollouts and the corpus cache train under one --train-on."""
+    from stage2_student.loader import check_token_roles
+
+    loader = train_cfg.loader
+    if not loader.corpus_cache:
+        return
+    try:
+        reader = CacheReader(loader.corpus_cache, storage_options=loader.storage_options)
+        # a plain-text cache's groups are keyed by the tokenizer alone (a conversation cache passes unread)
+        check_token_roles(reader, _tokenizer_fingerprint(cfg.student), conversation=bool(reader.manifest.conversation),
+                          train_on=loader.train_on, name=f"--corpus-cache {loader.corpus_cache}")
+    except XtcacheError as err:
+        raise ConfigError(f"round 0 train-student would be refused: {err} (from {FLAGS_FROM['train-student']}); "
+                          "nothing has run") from None
 
 
 def run_rounds(cfg: RoundsConfig) -> list[dict]:
