@@ -730,7 +730,7 @@ def main(argv=None) -> None:
                         "(bench/quality_onpolicy.py; --write-docs writes docs/on-policy.md's quality-on-policy block); "
                         "on-policy-converged: rounds against continued off-policy KD from a converged student "
                         "(bench/quality_onpolicy_converged.py; its quality-on-policy-converged block; with --teacher "
-                        "real text prefixes of the real tier, its quality-on-policy-converged-real block); "
+                        "real both kinds on the real tier, its quality-on-policy-converged-real block); "
                         "on-policy-converged-stronger: the same on conversations alone with a chat teacher twice the "
                         "student's width pre-trained longer (its quality-on-policy-converged-stronger block); "
                         "on-policy-converged-same: both kinds with a student of the teacher's tokenizer (and chat "
@@ -866,7 +866,7 @@ def converged_section(args) -> None:
     and written (quality-on-policy-converged.md); `--from-report` renders an earlier run's JSON again.
     `--section on-policy-converged-stronger`: conversations alone, with `STRONGER_CHAT_TEACHER`, in a work
     directory and a block of their own; `--section on-policy-converged-same` both kinds with `SAME_TOKENIZER`,
-    likewise; `--teacher real` text prefixes alone with `REAL_TEACHER`, likewise."""
+    likewise; `--teacher real` both kinds with `REAL_TEACHER`, likewise."""
     from bench.quality_onpolicy_converged import (
         KINDS,
         QUICK,
@@ -892,7 +892,7 @@ def converged_section(args) -> None:
     s = QUICK if args.quick else ConvergedSettings(**({"seeds": args.seeds} if args.seeds else {}))
     if variant:
         s = replace(s, **variant)
-    kinds = ("chat",) if variant is STRONGER_CHAT_TEACHER else ("text",) if variant is REAL_TEACHER else KINDS
+    kinds = ("chat",) if variant is STRONGER_CHAT_TEACHER else KINDS
     work = Path(args.workdir) / section
     if args.add_rows and not args.from_report:
         raise SystemExit("--add-rows: give --from-report (the report whose rows are reused)")

@@ -80,22 +80,28 @@ class ConvergedSettings:
     chat_teacher_steps: int = 150  # its pre-training steps on the chat corpus
     same_tokenizer: bool = False  # a student of the teacher's tokenizer (and chat template): no projection
     real_teacher: bool = False  # text kind: SmolLM2-135M-Instruct and a student on the Llama-3 vocabulary
-    eval_max_new_tokens: int = 0  # policy-eval's cap; 0: twice the teacher's mean length (its own samples, up to 512)
+    # policy-eval's cap of each kind; 0: twice the teacher's mean length (its own samples, up to 512)
+    chat_eval_max_new_tokens: int = 0
+    text_eval_max_new_tokens: int = 0
 
 
 # `--section on-policy-converged-stronger`: a chat teacher twice the student's width, pre-trained longer
 STRONGER_CHAT_TEACHER = {"chat_teacher_hidden": 128, "chat_teacher_steps": 400}
 # `--section on-policy-converged-same`: students of the teacher's tokenizer (and the chat student its chat template)
 SAME_TOKENIZER = {"same_tokenizer": True}
-# `--section on-policy-converged --teacher real`: text prefixes of the real tier (xtcache.testing.real), the trained
-# SmolLM2-135M-Instruct teacher (49,152 ids) and a fresh 2-layer Llama on the Llama-3 vocabulary (128,256 ids); a
-# student step there costs about 3x the toy's and a teacher forward about 20x, so fewer steps to convergence (80),
-# fewer graded samples (16 held-out prompts x 12: 192) and a fixed cap of 96 tokens (continuing documentation, the
-# teacher rarely stops: its own samples would run to the 512 of the probe, and each student's to twice that)
-REAL_TEACHER = {"real_teacher": True, "converge_steps": 80, "eval_prompts": 16, "eval_max_new_tokens": 96}
+# `--section on-policy-converged --teacher real`: the real tier (xtcache.testing.real), the trained
+# SmolLM2-135M-Instruct teacher (49,152 ids) and a fresh 2-layer Llama on the Llama-3 vocabulary (128,256 ids), on
+# text prefixes of its documentation corpus and on conversations about it (real.doc_conversations); a student step
+# there costs about 3x the toy's and a teacher forward about 20x, so fewer steps to convergence (80) and fewer
+# graded samples (16 held-out prompts x 12: 192). Text prefixes: a fixed cap of 96 tokens (continuing
+# documentation, the teacher rarely stops: its own samples would run to the 512 of the probe, and each student's to
+# twice that); conversations: twice the teacher's mean answer length
+REAL_TEACHER = {"real_teacher": True, "converge_steps": 80, "eval_prompts": 16, "chat_eval_samples": 12,
+                "text_eval_max_new_tokens": 96}
 QUICK = ConvergedSettings(converge_steps=20, steps=4, prompts=6, eval_prompts=6, chat_eval_samples=1,
                           text_eval_samples=1, seeds=1, chat_train=120, chat_continue=12, text_continue=12)
-EVAL_SETTINGS = ("eval_prompts", "chat_eval_samples", "text_eval_samples", "eval_samples", "eval_max_new_tokens")  # measure, not train
+EVAL_SETTINGS = ("eval_prompts", "chat_eval_samples", "text_eval_samples", "eval_samples", "chat_eval_max_new_tokens",
+                 "text_eval_max_new_tokens", "eval_max_new_tokens")  # measure, not train (the last: both kinds' cap)
 
 # name, kind, `xtcache rounds` flags (on-policy rows; each row's flags after `--` go to train-student; its
 # --rounds, --steps-per-round and --samples-per-prompt replace the section's), the kinds it runs on. Rows are
@@ -165,7 +171,7 @@ def _setup(kind: str, work: Path, s: ConvergedSettings):
     from xtcache.testing.suite import TEST_CACHE, TEST_SPEC
 
     if s.real_teacher:
-        return _real_setup(kind, work)
+        return _real_setup(kind, work, s)
 
     base = toy.build_toy_setup(TEST_CACHE, TEST_SPEC)
     setup = base if kind == "text" else build_chat_setup(
@@ -184,14 +190,16 @@ def _setup(kind: str, work: Path, s: ConvergedSettings):
     return replace(setup, student_model=student, student_tokenizer=setup.teacher_tokenizer)
 
 
-def _real_setup(kind: str, work: Path):
-    """The real tier's text setup: its documentation corpus (train and held-out topics), the SmolLM2 teacher, and
-    the kind's fresh student (a 2-layer Llama of hidden size 64, seed 1) on the Llama-3 vocabulary, built once."""
-    from xtcache.testing import real, toy
+def _real_setup(kind: str, work: Path, s: ConvergedSettings):
+    """The real tier's setup: the SmolLM2 teacher and the kind's fresh student (a 2-layer Llama of hidden size 64,
+    seed 1) on the Llama-3 vocabulary with its Llama-3-style template, built once; text: the documentation corpus
+    (train and held-out topics); chat: conversations about it (`real.doc_conversations`), `chat_train` of the train
+    topics' and twice `eval_prompts` of the held-out topics' (a fixed shuffle)."""
+    import random
 
-    if kind != "text":
-        raise SystemExit("--teacher real: the converged section runs text prefixes only (the real tier's corpus is "
-                         "documentation text)")
+    from xtcache.testing import real, toy
+    from xtcache.testing.chat import write_chat_jsonl
+
     models = real.build_real_models()
     student = work / "student-real"
 
@@ -200,7 +208,15 @@ def _real_setup(kind: str, work: Path):
         return "llama, hidden 64, 2 layers, seed 1, the Llama-3 vocabulary"
 
     toy.build_once(student, build)
-    return toy.ToySetup(root=models.root, train_jsonl=models.train_jsonl, heldout_jsonl=models.heldout_jsonl,
+    train, heldout = models.train_jsonl, models.heldout_jsonl
+    if kind == "chat":
+        picked = []
+        for held, n in ((False, s.chat_train), (True, 2 * s.eval_prompts)):
+            rows = real.doc_conversations(heldout=held)
+            random.Random(0).shuffle(rows)
+            picked.append(write_chat_jsonl(work / f"real-chat-{'heldout' if held else 'train'}.jsonl", rows[:n]))
+        train, heldout = picked
+    return toy.ToySetup(root=models.root, train_jsonl=train, heldout_jsonl=heldout,
                         teacher_tokenizer=models.teacher, student_tokenizer=models.llama3_tokenizer,
                         teacher_model=models.teacher, student_model=student)
 
@@ -363,11 +379,17 @@ def eval_samples(kind: str, s: ConvergedSettings) -> int:
     return s.chat_eval_samples if kind == "chat" else s.text_eval_samples
 
 
+def eval_cap(kind: str, s: dict) -> int:
+    """policy-eval's cap of a kind (0: twice the teacher's mean length) from a report's settings; reports written
+    before the kinds had caps of their own give one cap for both (`eval_max_new_tokens`)."""
+    return s.get("eval_max_new_tokens") or s.get(f"{kind}_eval_max_new_tokens", 0)
+
+
 def measure(p: dict, student: Path, s: ConvergedSettings) -> dict:
     from stage1_teacher.onpolicy.policy_eval import policy_eval
 
     report, _ = policy_eval(str(student), str(p["setup"].teacher_model), str(p["eval_prompts"]),
-                            samples_per_prompt=eval_samples(p["kind"], s), max_new_tokens=s.eval_max_new_tokens,
+                            samples_per_prompt=eval_samples(p["kind"], s), max_new_tokens=eval_cap(p["kind"], asdict(s)),
                             seed=0)
     return {k: report[k] for k in ("reverse_kl_per_sequence", "reverse_kl_per_token", "teacher_nll_per_byte",
                                    "teacher_nll_per_token", "mean_student_tokens", "stopped_fraction",
@@ -399,8 +421,7 @@ def _remeasure(p: dict, row: dict, run: Path, kl_key: str, s: ConvergedSettings)
 
 
 # settings added after reports were written, with the values those reports were trained with
-LATER_SETTINGS = {"chat_teacher_hidden": 64, "chat_teacher_steps": 150, "same_tokenizer": False, "real_teacher": False,
-                  "eval_max_new_tokens": 0}
+LATER_SETTINGS = {"chat_teacher_hidden": 64, "chat_teacher_steps": 150, "same_tokenizer": False, "real_teacher": False}
 
 
 def _train_settings(settings: dict) -> dict:
@@ -527,11 +548,13 @@ def markdown(report: dict) -> str:
              f"order). {pair}; the corpus caches top-{s['top_k']}, the rounds' caches of their rollouts "
              "teacher-dump's default top-64 unless a row says otherwise, the held-out cache full-vocabulary." + (
                  " The teacher: SmolLM2-135M-Instruct (the real tier, 49,152 ids), the student a fresh 2-layer Llama "
-                 "of hidden size 64 on the Llama-3 vocabulary (128,256 ids), text prefixes of the Python language "
-                 "reference (held-out prompts from topics never trained on)." if s["real_teacher"] else "") + (
+                 "of hidden size 64 on the Llama-3 vocabulary (128,256 ids) and its Llama-3-style template; text "
+                 "prefixes of the Python language reference, conversations about it (the user asks for a topic "
+                 "explained, then 'Go on.'; the assistant's turns its paragraphs); held-out prompts from topics "
+                 "never trained on." if s["real_teacher"] else "") + (
                  f" The chat teacher: a 2-layer Qwen2 of hidden size {s['chat_teacher_hidden']} pre-trained for "
                  f"{s['chat_teacher_steps']} steps on the chat corpus (the student: a 2-layer Llama of hidden size "
-                 "64)." if "chat" in report["kinds"] else ""), ""]
+                 "64)." if "chat" in report["kinds"] and not s["real_teacher"] else ""), ""]
     for kind, rows in report["kinds"].items():
         lines += [f"**{kind}** ({'conversations, last assistant turn' if kind == 'chat' else 'text prefixes, completion'})",
                   "", "| row | teacher-scored tokens trained | held-out KL | reverse KL/sequence | teacher NLL/byte | "
@@ -554,7 +577,7 @@ def markdown(report: dict) -> str:
         lines += ["", f"policy-eval: {first['samples']} samples ({s['eval_prompts']} held-out prompts x "
                   f"{first['samples'] // s['eval_prompts']}{se}), "
                   f"cap {first['max_new_tokens']} tokens ("
-                  + ("fixed: the teacher's own samples under it average " if s["eval_max_new_tokens"] else
+                  + ("fixed: the teacher's own samples under it average " if eval_cap(kind, s) else
                      "twice the teacher's mean length, ")
                   + f"{first['teacher_mean_student_tokens']:.1f} student tokens{own}). Student NLL/token: the student's own "
                   "NLL of its samples per token (teacher NLL/token - reverse KL/token: its sampling entropy, "

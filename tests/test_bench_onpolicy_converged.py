@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 
@@ -482,12 +483,14 @@ def test_a_mixed_row_counts_its_corpus_as_teacher_scored_only_when_the_corpus_tr
     assert ROWS[13][2] == mix  # the section's row of it
 
 
-def test_the_real_teacher_section_runs_text_prefixes_of_the_real_tier_with_a_llama3_student_and_a_fixed_cap(
+def test_the_real_teacher_section_runs_both_kinds_on_the_real_tier_with_a_llama3_student(
         toy_setup, tmp_path, monkeypatch):
     """`--section on-policy-converged --teacher real`: the text kind's corpus, teacher and tokenizers are the real
     tier's (here stood in by the toy's files), the fresh student a 2-layer Llama built once on the Llama-3
-    vocabulary, a projection map between them; policy-eval runs at the fixed cap, which the table names as fixed;
-    conversations and the other sections are refused. The stages' commands are recorded, not run."""
+    vocabulary, a projection map between them; the chat kind's conversations are real.doc_conversations' (train
+    topics to train, held-out topics to grade); policy-eval grades text at the fixed cap, which the table names as
+    fixed, and conversations at twice the teacher's mean length; the other sections are refused. The stages'
+    commands are recorded, not run."""
     from xtcache.testing import real
 
     models = real.RealModels(root=tmp_path / "real", teacher=toy_setup.teacher_model,
@@ -507,24 +510,71 @@ def test_the_real_teacher_section_runs_text_prefixes_of_the_real_tier_with_a_lla
     assert "the Llama-3 vocabulary" in (setup.student_model / "DONE").read_text()
     assert calls == [(setup, ["cache-converge", "cache-continue", "cache-heldout"], p["projection"])]
     assert p["projection"] == tmp_path / "text" / "projection.safetensors"
-    with pytest.raises(SystemExit, match="text prefixes only"):
-        conv.prepare("chat", tmp_path / "chat", s, tmp_path / "log")
+
+    chat = conv.prepare("chat", tmp_path / "chat", s, tmp_path / "log")
+    read = lambda path: [json.loads(x) for x in Path(path).read_text().splitlines()]  # noqa: E731
+    train, heldout = read(chat["setup"].train_jsonl), read(chat["setup"].heldout_jsonl)
+    assert (len(train), len(heldout)) == (s.chat_train, 2 * s.eval_prompts)
+    answers = {r["messages"][-1]["content"] for r in train}
+    assert answers.isdisjoint(r["messages"][-1]["content"] for r in heldout)
+    prompts = read(chat["eval_prompts"])  # the held-out conversations up to their last user turn
+    assert [r["messages"] for r in prompts] == [r["messages"][:-1] for r in heldout[:s.eval_prompts]]
+    assert chat["setup"].student_tokenizer == models.llama3_tokenizer
     import stage1_teacher.onpolicy.policy_eval as pe
 
     graded = []
     monkeypatch.setattr(pe, "policy_eval", lambda *a, **kw: (graded.append(kw["max_new_tokens"]), ({}, None))[1])
-    with pytest.raises(KeyError):  # the report's keys: only the cap it was asked for matters here
-        conv.measure(p, setup.student_model, s)
-    assert graded == [96] and conv.ConvergedSettings().eval_max_new_tokens == 0  # the toy's: auto
+    for q in (p, chat):
+        with pytest.raises(KeyError):  # the report's keys: only the cap it was asked for matters here
+            conv.measure(q, setup.student_model, s)
+    assert graded == [96, 0]  # text: fixed; conversations: twice the teacher's mean length
+    assert conv.eval_cap("text", asdict(conv.ConvergedSettings())) == 0  # the toy's: auto
     runs = [{"seed": 0, "reverse_kl_per_sequence": 1.0, "teacher_nll_per_byte": 1.0, "reverse_kl_per_token": 0.1,
              "teacher_nll_per_token": 2.5, "mean_student_tokens": 9.0, "stopped_fraction": 0.1, "samples": 6,
              "max_new_tokens": 96, "teacher_mean_student_tokens": 90.0}]
-    text = conv.markdown({"settings": asdict(s), "kinds": {"text": {"converged student": runs, OFF: runs}}})
-    assert "The teacher: SmolLM2-135M-Instruct" in text and "cap 96 tokens (fixed:" in text
-    older = conv.markdown({"settings": {k: v for k, v in asdict(conv.QUICK).items() if k not in conv.LATER_SETTINGS},
+    text = conv.markdown({"settings": asdict(s), "kinds": {"chat": {"converged student": runs, OFF: runs},
+                                                           "text": {"converged student": runs, OFF: runs}}})
+    assert "The teacher: SmolLM2-135M-Instruct" in text and "The chat teacher" not in text
+    chat_part, text_part = text.split("**text**")
+    assert "twice the teacher's mean length" in chat_part and "cap 96 tokens (fixed:" in text_part
+    # a report written when one cap served both kinds
+    before = {k: v for k, v in asdict(s).items() if not k.endswith("eval_max_new_tokens")}
+    assert "cap 96 tokens (fixed:" in conv.markdown({"settings": {**before, "eval_max_new_tokens": 96},
+                                                     "kinds": {"text": {"converged student": runs, OFF: runs}}})
+    older = conv.markdown({"settings": {k: v for k, v in asdict(conv.QUICK).items() if k not in conv.LATER_SETTINGS
+                                        and not k.endswith("eval_max_new_tokens")},
                            "kinds": {"text": {"converged student": runs, OFF: runs}}})
     assert "SmolLM2" not in older and "twice the teacher's mean length" in older
     from bench.quality import main
 
     with pytest.raises(SystemExit):
         main(["--section", "on-policy-converged-same", "--teacher", "real"])
+
+
+def test_the_real_tiers_conversations_answer_with_their_topics_paragraphs():
+    """real.doc_conversations: each assistant turn is a paragraph of its topic's documentation (prose unwrapped:
+    whitespace and rule lines aside the same characters), within the length bounds; a later answer's conversation carries the
+    answer before it and "Go on."; the train and held-out conversations come from disjoint topics."""
+    import re
+
+    from xtcache.testing import real
+
+    topics = real.doc_topics()
+    squash = lambda t: re.sub(r"\s+", "", t)  # noqa: E731
+    rules = re.compile(r"^[*=-]+$", re.M)  # a heading's underline, a section rule: not an answer's text
+    by_title = {t.split("\n", 1)[0].strip(): squash(rules.sub("", t)) for _, t in topics}
+    titles = {}
+    for heldout in (False, True):
+        rows = real.doc_conversations(heldout=heldout)
+        titles[heldout] = set()
+        for r in rows:
+            m = r["messages"]
+            title = re.fullmatch(r"Explain (.*) in Python\.", m[0]["content"]).group(1)
+            titles[heldout].add(title)
+            answer = m[-1]["content"]
+            assert squash(answer) in by_title[title] and 120 <= len(answer) <= 400
+            assert [x["role"] for x in m] in (["user", "assistant"], ["user", "assistant", "user", "assistant"])
+            if len(m) == 4:
+                assert m[2]["content"] == "Go on." and squash(m[1]["content"]) in by_title[title]
+    assert titles[False] and titles[True] and titles[False].isdisjoint(titles[True])
+    assert len(titles[True]) == len(real.held_topics(len(topics)))

@@ -215,10 +215,14 @@ def doc_topics() -> list[tuple[str, str]]:
     return sorted(topics.items())
 
 
+def held_topics(n: int) -> set[int]:
+    """The indices of the held-out topics among `n` (one in ten, a fixed draw)."""
+    return set(random.Random(0).sample(range(n), k=max(1, n // 10)))
+
+
 def _build_corpus(models: RealModels, doc_chars: int) -> str:
     topics = doc_topics()
-    rng = random.Random(0)
-    held = set(rng.sample(range(len(topics)), k=max(1, len(topics) // 10)))
+    held = held_topics(len(topics))
     models.train_jsonl.parent.mkdir(parents=True, exist_ok=True)
     counts = {}
     for path, pick in ((models.train_jsonl, lambda i: i not in held), (models.heldout_jsonl, lambda i: i in held)):
@@ -241,6 +245,51 @@ def _pieces(text: str, doc_chars: int) -> list[str]:
     if len(piece) > doc_chars // 4:
         out.append(piece)
     return out
+
+
+def _answers(text: str, *, min_chars: int, max_chars: int) -> list[str]:
+    """A topic's paragraphs after its heading as answers: prose unwrapped onto one line, indented blocks (grammar,
+    code) kept as written, headings (a line underlined) and rules left out; a paragraph over `max_chars` cut after
+    its last sentence that fits, one under `min_chars` joined to the next (dropped before a heading)."""
+    out, pending = [], ""
+    for para in text.split("\n\n")[1:]:
+        lines = [line.rstrip() for line in para.split("\n") if line.strip()]
+        if not lines or any(set(line.strip()) <= set("*=-") for line in lines):
+            pending = ""  # a short paragraph before a heading is not joined across it
+            continue
+        para = "\n".join(lines) if lines[0].startswith(" ") else " ".join(line.strip() for line in lines)
+        para = f"{pending}\n\n{para}" if pending else para
+        if len(para) < min_chars:
+            pending = para
+            continue
+        if len(para) > max_chars:
+            cut = para.rfind(". ", 0, max_chars)
+            para = para[:cut + 1] if cut >= min_chars else para[:para.rfind(" ", 0, max_chars)]
+        out.append(para)
+        pending = ""
+    return out
+
+
+def doc_conversations(*, heldout: bool, min_chars: int = 120, max_chars: int = 400) -> list[dict]:
+    """Conversations about the Python language reference, from the train topics or the held-out ones (the
+    documents' split): for each answer of a topic (`_answers`), the user asks to have the topic explained and the
+    assistant answers with it; after a topic's first answer the conversation holds the answer before it and the
+    user's "Go on." So a prompt (the messages up to the last user turn) asks for the next paragraph of a
+    documentation topic, with the paragraph before it in context."""
+    topics = doc_topics()
+    held = held_topics(len(topics))
+    rows = []
+    for i, (_, text) in enumerate(topics):
+        if (i in held) != heldout:
+            continue
+        title = text.split("\n", 1)[0].strip()
+        ask = {"role": "user", "content": f"Explain {title} in Python."}
+        answers = _answers(text, min_chars=min_chars, max_chars=max_chars)
+        for k, answer in enumerate(answers):
+            before = [] if k == 0 else [{"role": "assistant", "content": answers[k - 1]},
+                                        {"role": "user", "content": "Go on."}]
+            rows.append({"messages": [ask, *before, {"role": "assistant", "content": answer}]})
+    return rows
 
 
 if __name__ == "__main__":
