@@ -13,6 +13,9 @@ Two setups, each cross-tokenizer, each stage an `xtcache` subprocess as a user r
 - text: the tests' toy teacher and student (`xtcache.testing.suite`: Python sources, two BPE tokenizers);
   prompts are text prefixes (a document's first lines), the off-policy rows are prefix + the document's next
   lines (`prefix_chars`), and only the completion trains (`--train-on last-assistant`).
+With `--teacher real` (REAL_TEACHER) both kinds run on the real tier: the SmolLM2-135M-Instruct teacher, a fresh
+student on the Llama-3 vocabulary, text prefixes of its documentation corpus and conversations about it
+(`xtcache.testing.real.doc_conversations`).
 
 Per seed: off-policy KD (`--loss auto`, the defaults) for `converge_steps` on the converge cache to the end
 of its cosine schedule: the converged student. From it, each row trains `steps` more optimizer steps, a
