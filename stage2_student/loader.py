@@ -83,13 +83,14 @@ def student_fingerprint(tokenizer_or_path, *, chat: bool = False) -> str:
 
 
 def check_token_roles(reader: CacheReader, fingerprint: str, *, conversation: bool, train_on: str | None, name: str,
-                      identity: bool | None = None) -> None:
+                      identity: bool | None = None, parts: set[str] | None = None) -> None:
     """Refuse `--train-on assistant|last-assistant` on a plain-text cache with a part that keeps no token roles:
     only text rollouts of `xtcache generate` record them, in their alignment parts (`student_role`); a cache read by
     identity (`identity`, else looked up: `CacheReader.student_group`) holds none. Conversation caches, and plain
     text trained on every token (`train_on` None or all), pass. `fingerprint`: the student tokenizer's, as the
-    cache's groups key it; `name` begins the refusal ("the cache URL", or the flag and the store). Parts without
-    this student's alignment are not read (the loader refuses or, with --allow-incomplete, skips them)."""
+    cache's groups key it; `name` begins the refusal ("the cache URL", or the flag and the store). `parts`: the
+    part ids that will be read (the loader's usable parts; None: every part). Parts without this student's
+    alignment are not read (the loader refuses or, with --allow-incomplete, skips them)."""
     if conversation or train_on in (None, "all"):
         return
     if identity is None:
@@ -99,6 +100,8 @@ def check_token_roles(reader: CacheReader, fingerprint: str, *, conversation: bo
     else:
         bare = sorted(sid for sid, part in reader.alignment_parts(fingerprint).items()
                       if "student_role" not in part.arrays)
+    if parts is not None:
+        bare = [sid for sid in bare if sid in parts]
     if bare:
         raise ConfigError(f"--train-on {train_on}: {name} holds plain text whose part {bare[0]} keeps no token roles "
                           "(text rollouts of `xtcache generate` keep them); --train-on applies to conversation caches "
@@ -285,7 +288,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
         # allow_incomplete, read as far as it is committed: usable_parts logs "N of M parts")
         usable = set(reader.usable_parts(None if identity else self.fingerprint, allow_incomplete=allow_incomplete))
         check_token_roles(reader, self.fingerprint, conversation=self.conversation, train_on=self.train_on,
-                          name=f"the cache {url}", identity=identity)
+                          name=f"the cache {url}", identity=identity, parts=usable)
         return TeacherCache(url=url, mode=m.mode, k=m.k, teacher_vocab_size=m.teacher_vocab_size,
                             teacher_fingerprint=teacher_fp, identity=identity,
                             student_vocab_size=m.teacher_vocab_size if identity else group.vocab_size,
