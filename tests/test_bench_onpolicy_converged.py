@@ -125,11 +125,13 @@ def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
     """A row's own --prompts, --rounds, --steps-per-round and --samples-per-prompt replace the section's (a value
     in braces names a file of the kind's); every row keeps the equal-cost rule: rounds x steps = the section's
     steps, rounds x prompts x samples = 2 rounds' worth (a row mixed 1:1 with a corpus cache's KD: half of it, unless
-    the corpus is the converge cache, whose teacher values were paid for before the rows)."""
+    the corpus is the converge cache, whose teacher values were paid for before the rows; a row from 7/8 of the
+    prompts: 7/8 of it, sized to continued KD's teacher tokens where the samples run to the cap)."""
     s = ConvergedSettings()
-    p = {"train_prompts": "train.jsonl", "wide_prompts": "wide.jsonl", "continue_cache": "c", "continue_half_cache": "h",
-         "converge_cache": "v"}
-    prompts = {"train.jsonl": s.prompts, "wide.jsonl": 2 * s.prompts}  # what prepare writes (test below)
+    p = {"train_prompts": "train.jsonl", "wide_prompts": "wide.jsonl", "fewer_prompts": "fewer.jsonl",
+         "continue_cache": "c", "continue_half_cache": "h", "converge_cache": "v"}
+    # what prepare writes (tests below)
+    prompts = {"train.jsonl": s.prompts, "wide.jsonl": 2 * s.prompts, "fewer.jsonl": s.prompts * 7 // 8}
     assert rounds_plan(p, s, []) == ["--prompts", "train.jsonl", "--rounds", "2", "--steps-per-round", "8",
                                      "--samples-per-prompt", "2"]
     assert rounds_plan(p, s, ["--loss", "auto", "--rounds", "4"])[2:4] == ["--rounds", "4"]
@@ -146,6 +148,7 @@ def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
             kd_corpus = ("--corpus-cache" in own and mix["--corpus-loss"] == "kd"
                          and own[own.index("--corpus-cache") + 1] != "{converge_cache}")
             share = float(mix["--rollout-fraction"]) if kd_corpus else 1.0
+            share *= (s.prompts * 7 // 8) / s.prompts if "{fewer_prompts}" in own else 1.0
             assert rounds * int(plan["--steps-per-round"]) == s.steps
             assert (rounds * prompts[plan["--prompts"]] * int(plan["--samples-per-prompt"])
                     == 2 * s.prompts * s.samples_per_prompt * share)
@@ -158,15 +161,16 @@ def test_every_on_policy_rows_flags_are_ones_xtcache_rounds_takes(tmp_path):
     from xtcache.cliconfig import config_of
 
     s = ConvergedSettings()
-    p = {key: str(tmp_path / key) for key in ("train_prompts", "wide_prompts", "continue_cache", "continue_half_cache",
-                                                         "converge_cache")}
+    p = {key: str(tmp_path / key) for key in ("train_prompts", "wide_prompts", "fewer_prompts", "continue_cache",
+                                                         "continue_half_cache", "converge_cache")}
     for name, how, flags, _ in ROWS:
         if how == "on":
             own, train = split_row_flags(flags)
             train = [filled(p, a) for a in train]
             cfg, _ = config_of(rounds, ["--student", "S", "--teacher", "T", "--workdir", str(tmp_path / "w"),
                                         *rounds_plan(p, s, own), "--", *train])
-            assert cfg.prompts == [p["wide_prompts"] if "{wide_prompts}" in own else p["train_prompts"]], name
+            named = [key for key in ("wide_prompts", "fewer_prompts") if f"{{{key}}}" in own]
+            assert cfg.prompts == [p[named[0]] if named else p["train_prompts"]], name
 
 
 def test_the_wide_rows_prompts_are_the_rounds_and_continuation_prompts_never_a_converged_conversation():
@@ -225,14 +229,15 @@ def test_adding_rows_keeps_a_reports_runs_measures_them_again_at_a_new_sample_co
     measured = [c[1] for c in calls if c[0] == "measure"]
     assert measured[:4] == [str(tmp_path / "w/chat/converged-s0/hf"), str(tmp_path / "w/chat/runs/row0-seed0/hf"),
                             "/students/chat1", "/students/chat2"]  # each earlier chat run, graded at 384
-    new_text = [i for i in range(3, len(ROWS)) if "text" in ROWS[i][3]]  # rows the earlier report lacks, by kind
-    assert [c[1] for c in calls if c[0] == "train"] == [f"row{i}-seed0" for i in [*range(3, len(ROWS)), *new_text]]
+    new_chat, new_text = ([i for i in range(3, len(ROWS)) if kind in ROWS[i][3]]  # rows the earlier report lacks
+                          for kind in ("chat", "text"))
+    assert [c[1] for c in calls if c[0] == "train"] == [f"row{i}-seed0" for i in [*new_chat, *new_text]]
     # text: its earlier rows already at their 96 samples, kept as they were; only its new rows measured
     assert [m for m in measured if "text" in m] == [str(tmp_path / f"w/text/runs/row{i}-seed0/hf") for i in new_text]
     assert {k: v for k, v in report["kinds"]["text"].items() if k in base_rows["text"]} == base_rows["text"]
     assert report["kinds"]["chat"][ROWS[1][0]][0]["heldout_kl"] == 2.5  # the earlier figures kept beside the new
     assert all(r[0]["samples"] == 384 for r in report["kinds"]["chat"].values())
-    assert set(report["kinds"]["chat"]) == {"converged student", *(name for name, *_ in ROWS)}
+    assert set(report["kinds"]["chat"]) == {"converged student", *(ROWS[i][0] for i in [0, 1, 2, *new_chat])}
     assert report["runs_s"][0] == 60.0 and len(report["runs_s"]) == 2  # the earlier run's wall time, then this one's
     assert report["measured"] == [run_record()]  # the earlier report records no run: this one's date and machine
     dated = conv.run_converged(tmp_path / "w", s, base={**base, "measured": [{"date": "2026-11-25", "machine": "M"}]})
@@ -510,6 +515,8 @@ def test_the_real_teacher_section_runs_both_kinds_on_the_real_tier_with_a_llama3
     assert "the Llama-3 vocabulary" in (setup.student_model / "DONE").read_text()
     assert calls == [(setup, ["cache-converge", "cache-continue", "cache-heldout"], p["projection"])]
     assert p["projection"] == tmp_path / "text" / "projection.safetensors"
+    fewer, prompts = (Path(p[key]).read_text().splitlines() for key in ("fewer_prompts", "train_prompts"))
+    assert len(prompts) == s.prompts and fewer == prompts[:s.prompts * 7 // 8] and len(fewer) < len(prompts)
 
     chat = conv.prepare("chat", tmp_path / "chat", s, tmp_path / "log")
     read = lambda path: [json.loads(x) for x in Path(path).read_text().splitlines()]  # noqa: E731
