@@ -305,6 +305,55 @@ def _offset_rows(docs: list[dict], P: int) -> list[tuple[str, str, float, float]
             ("doc text", "UTF-8, zstd 9", compressed_bytes(text, level=9) / P, 0.0)]
 
 
+def kl_dropped(lp: np.ndarray, decoded: np.ndarray, keep: np.ndarray, vocab: int) -> float:
+    """Mean KL(p || q) over rows on the stored top-k's own partition (its k ids and the rest): p the teacher's
+    probabilities, q what a reader of a ragged row knows, the kept entries' `decoded` log-probs and, for each
+    dropped entry and the ids beyond the top k, the mass the writer stores as the rest (the teacher's rest plus
+    the dropped entries') spread evenly over every id the row does not store; float64."""
+    p = np.exp(lp.astype(np.float64))
+    p_rest = np.clip(1 - p.sum(1), 0, None)
+    kept = keep.sum(1)
+    q_rest = p_rest + np.where(keep, 0.0, p).sum(1)  # [P]: the row's stored rest
+    each = q_rest / (vocab - kept)  # the reader's share of it for every id it does not store
+    q = np.where(keep, np.exp(decoded.astype(np.float64)), each[:, None])
+    pf = np.concatenate([p, p_rest[:, None]], 1)
+    qf = np.concatenate([q, (each * (vocab - lp.shape[1]))[:, None]], 1)
+    pf /= pf.sum(1, keepdims=True)
+    qf /= qf.sum(1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(pf > 0, pf * (np.log(pf) - np.log(np.maximum(qf, 1e-300))), 0.0)
+    return float(terms.sum(1).mean())
+
+
+def ragged_rows(ids: np.ndarray, lp: np.ndarray, P: int, dtype: str, vocab: int) -> list[tuple[str, str, float, float]]:
+    """(piece, candidate, B/position, KL) of rows that keep only their entries of probability >= tau, the rest
+    folded into the row's rest mass (a ragged top-k: a count per row, then the kept entries' code deltas and
+    values in code order, codec v3's coding otherwise); KL on the top-k's own partition (`kl_dropped`)."""
+    dictionary = group_dictionary(ids)
+    codes = code_table(dictionary)[ids]
+    values = codecs.SqrtProbs(127)
+    vals = values.encode(lp)
+    rows = []
+    for tau, name in ((1 / 254 ** 2, "the sqrt code's floor, 1.55e-5"), (1e-4, "1e-4")):
+        keep = lp >= np.log(tau)
+        keep[:, 0] = True  # every row keeps its most likely entry
+        big = np.iinfo(np.int64).max
+        kept_codes = np.sort(np.where(keep, codes, big), axis=1)
+        order = np.argsort(np.where(keep, codes, big), axis=1, kind="stable")
+        d = kept_codes.copy()
+        d[:, 1:] = kept_codes[:, 1:] - kept_codes[:, :-1]
+        mask = np.sort(~keep, axis=1)  # the kept entries first in each sorted row
+        flat_deltas = d[~mask].astype(dtype)[:, None]
+        flat_vals = np.take_along_axis(vals, order, 1)[~mask][:, None]
+        counts = keep.sum(1).astype(np.uint8)[:, None]
+        b = (compressed_bytes(flat_deltas, "byte", 6, CHUNK_BYTES) + dictionary_bytes(dictionary)
+             + compressed_bytes(flat_vals, level=9) + compressed_bytes(counts))
+        kl = kl_dropped(lp, values.decode(vals), keep, vocab)
+        rows.append(("ids + values", f"ragged rows: entries below {name} dropped into the rest ({keep.mean():.0%} of "
+                     f"entries kept, {(keep.sum(1) == ids.shape[1]).mean():.0%} of rows whole)", b / P, kl))
+    return rows
+
+
 def candidate_rows(docs: list[dict], ids: np.ndarray, lp: np.ndarray, realized: np.ndarray,
                    k: int, vocab: int) -> list[tuple[str, str, float, float]]:
     """Every candidate row at `k`: (piece, candidate, B/position, mean KL error in nats). `ids` and `lp` [P, k]
@@ -318,6 +367,7 @@ def candidate_rows(docs: list[dict], ids: np.ndarray, lp: np.ndarray, realized: 
     dtype = "uint16" if vocab <= 65_536 else "uint32"  # the store's id dtype
     return [*_value_rows(lp_sorted, P), *_id_rows(ids_k, P, dtype), *_dictionary_rows(ids_k, P, dtype),
             *_code_order_rows(ids_k, lp_k, P, dtype), *_joint_rows(ids_k, lp_k, P, dtype),
+            *ragged_rows(ids_k, lp_k, P, dtype, vocab),
             *reference_rows(docs, ids_k, lp_k), *_side_rows(lp_k, realized, P), *_offset_rows(docs, P)]
 
 
