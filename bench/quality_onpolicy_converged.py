@@ -162,8 +162,8 @@ ROWS = [
     ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, mixed 1:1 with KD on the converge cache "
      "(`--corpus-loss kd`)", "on",
      ["--loss", "jsd", "--corpus-cache", "{converge_cache}", "--", "--corpus-loss", "kd"], ("chat",)),
-    # row 8 from the first 7/8 of the prompts (21 of 24): on the real teacher's text prefixes, whose samples rarely
-    # stop, 24 prompts' rollouts are 12% more teacher-scored tokens than continued KD's cache, 21 prompts' about as many
+    # row 8 from the first 7/8 of the kind's prompts: on the real teacher's text prefixes, whose samples run to the
+    # cap, the rounds' 21 prompts' rollouts are 12% more teacher-scored tokens than continued KD's cache, 18's 4% fewer
     ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, 7/8 of the prompts", "on",
      ["--loss", "jsd", "--prompts", "{fewer_prompts}"], ("text",)),
 ]
@@ -291,8 +291,8 @@ def prepare(kind: str, work: Path, s: ConvergedSettings, log_file: Path) -> dict
         converge = write_chat_jsonl(work / "converge.jsonl", [{"text": d} for d in docs[first:len(docs) - 40]])
         cont = write_chat_jsonl(work / "continue.jsonl", cont_rows)
         heldout = write_chat_jsonl(work / "heldout.jsonl", held[:s.eval_prompts])
-    p["fewer_prompts"] = write_chat_jsonl(work / "prompts-train-fewer.jsonl", [
-        json.loads(x) for x in Path(p["train_prompts"]).read_text().splitlines()[:s.prompts * 7 // 8]])
+    prompts = [json.loads(x) for x in Path(p["train_prompts"]).read_text().splitlines()]
+    p["fewer_prompts"] = write_chat_jsonl(work / "prompts-train-fewer.jsonl", prompts[:len(prompts) * 7 // 8])
     topk = ["--mode", "topk", "--top-k", str(s.top_k)]
     dumps = [(converge, p["converge_cache"], topk), (cont, p["continue_cache"], topk),
              (heldout, p["eval_cache"], ["--mode", "full"])]
@@ -459,6 +459,8 @@ def run_converged(work: Path, s: ConvergedSettings, kinds=KINDS, *, base: dict |
         kw.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
         p = prepare(kind, kw, s, log_file)
+        # the rounds' prompts as written (text: the prefixes of the first documents, fewer where pieces are too short)
+        report.setdefault("train_prompts", {})[kind] = len(Path(p["train_prompts"]).read_text().splitlines())
         n = eval_samples(kind, s) * s.eval_prompts
         had = earlier.get(kind, {})
         chosen = [i for i, (name, _, _, on) in enumerate(ROWS)
@@ -542,6 +544,16 @@ def complete_seeds(report: dict) -> dict:
     return {**report, "kinds": kinds}
 
 
+def _prompt_counts(report: dict, s: dict) -> str:
+    """The rounds' training prompts of each kind as the run wrote them ('24 training prompts', or 'training prompts
+    (chat 24, text 21)' where they differ); reports from before they were recorded: the settings' count, which
+    every kind had then."""
+    counts = {kind: (report.get("train_prompts") or {}).get(kind, s["prompts"]) for kind in report["kinds"]}
+    if len(set(counts.values())) <= 1:
+        return f"{next(iter(counts.values()), s['prompts'])} training prompts"
+    return "training prompts (" + ", ".join(f"{kind} {n}" for kind, n in counts.items()) + ")"
+
+
 def markdown(report: dict) -> str:
     report = complete_seeds(report)
     s = {**LATER_SETTINGS, **report["settings"]}
@@ -550,7 +562,7 @@ def markdown(report: dict) -> str:
     lines = [f"From a converged off-policy student ({s['converge_steps']} steps of `--loss auto` at lr "
              f"{s['converge_lr']}, cosine to 0.1), each row {s['steps']} more optimizer steps at a constant lr {s['lr']} "
              f"(a fresh optimizer, 2 warmup steps), micro-batch 4 x 256; on-policy: `xtcache rounds --engine hf`, 2 rounds "
-             f"of {s['steps'] // 2} steps on {s['prompts']} training prompts x {s['samples_per_prompt']} samples of up to "
+             f"of {s['steps'] // 2} steps on {_prompt_counts(report, s)} x {s['samples_per_prompt']} samples of up to "
              f"{s['max_new_tokens']} tokens. Seeds: " + ", ".join(
                  f"{kind} {len(rows[ROWS[0][0]])}" for kind, rows in report["kinds"].items()) +
              f" of {s['seeds']} (mean ± sd; the seed sets the converged student, the rounds' samples and the data "

@@ -181,11 +181,18 @@ def test_the_wide_rows_prompts_are_the_rounds_and_continuation_prompts_never_a_c
     assert wide[:s.prompts] == list(range(s.prompts))
 
 
+FIGURES = {"reverse_kl_per_sequence": 20.0, "reverse_kl_per_token": 0.5, "teacher_nll_per_byte": 1.2,
+           "teacher_nll_per_token": 2.5, "mean_student_tokens": 40.0, "stopped_fraction": 1.0, "max_new_tokens": 100,
+           "teacher_mean_student_tokens": 50.0}  # a measure's figures
+
+
 def _fake_stages(monkeypatch, calls):
     """The section's stages replaced: prepare and converge read nothing, a trained run writes its held-out KL
     where train-student and rounds write it, and a measure records which student it graded."""
-    def prepare(kind, work, s, log_file):
-        return {"kind": kind}
+    def prepare(kind, work, s, log_file):  # the text kind's documents give three prompts fewer than asked
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "prompts.jsonl").write_text("{}\n" * (s.prompts - 3 * (kind == "text")))
+        return {"kind": kind, "train_prompts": work / "prompts.jsonl"}
 
     def converge(p, out, s, seed, log_file):
         out.mkdir(parents=True, exist_ok=True)
@@ -198,7 +205,7 @@ def _fake_stages(monkeypatch, calls):
 
     def measure(p, student, s):
         calls.append(("measure", str(student)))
-        return {"samples": conv.eval_samples(p["kind"], s) * s.eval_prompts}
+        return {"samples": conv.eval_samples(p["kind"], s) * s.eval_prompts, **FIGURES}
 
     monkeypatch.setattr(conv, "prepare", prepare)
     monkeypatch.setattr(conv, "converge", converge)
@@ -239,6 +246,8 @@ def test_adding_rows_keeps_a_reports_runs_measures_them_again_at_a_new_sample_co
     assert all(r[0]["samples"] == 384 for r in report["kinds"]["chat"].values())
     assert set(report["kinds"]["chat"]) == {"converged student", *(ROWS[i][0] for i in [0, 1, 2, *new_chat])}
     assert report["runs_s"][0] == 60.0 and len(report["runs_s"]) == 2  # the earlier run's wall time, then this one's
+    # the prompts each kind's rounds sampled, as prepare wrote them, in the report and its block
+    assert report["train_prompts"] == {"chat": s.prompts, "text": s.prompts - 3}
     assert report["measured"] == [run_record()]  # the earlier report records no run: this one's date and machine
     dated = conv.run_converged(tmp_path / "w", s, base={**base, "measured": [{"date": "2026-11-25", "machine": "M"}]})
     assert dated["measured"] == [{"date": "2026-11-25", "machine": "M"}, run_record()]
@@ -516,7 +525,7 @@ def test_the_real_teacher_section_runs_both_kinds_on_the_real_tier_with_a_llama3
     assert calls == [(setup, ["cache-converge", "cache-continue", "cache-heldout"], p["projection"])]
     assert p["projection"] == tmp_path / "text" / "projection.safetensors"
     fewer, prompts = (Path(p[key]).read_text().splitlines() for key in ("fewer_prompts", "train_prompts"))
-    assert len(prompts) == s.prompts and fewer == prompts[:s.prompts * 7 // 8] and len(fewer) < len(prompts)
+    assert fewer == prompts[:len(prompts) * 7 // 8] and 0 < len(fewer) < len(prompts)
 
     chat = conv.prepare("chat", tmp_path / "chat", s, tmp_path / "log")
     read = lambda path: [json.loads(x) for x in Path(path).read_text().splitlines()]  # noqa: E731
@@ -585,3 +594,12 @@ def test_the_real_tiers_conversations_answer_with_their_topics_paragraphs():
                 assert m[2]["content"] == "Go on." and squash(m[1]["content"]) in by_title[title]
     assert titles[False] and titles[True] and titles[False].isdisjoint(titles[True])
     assert len(titles[True]) == len(real.held_topics(len(topics)))
+
+
+def test_the_block_gives_each_kinds_prompts_as_the_run_wrote_them():
+    s = ConvergedSettings(seeds=1)
+    runs = [{"seed": 0, "heldout_kl": 1.0, "samples": 96, **FIGURES}]
+    report = {"settings": asdict(s), "kinds": {kind: {"converged student": runs, OFF: runs} for kind in conv.KINDS}}
+    assert "on 24 training prompts x 2 samples" in conv.markdown(report)  # reports from before the counts
+    report["train_prompts"] = {"chat": 24, "text": 21}  # the real tier's text: 8 documents gave 21 prefixes
+    assert "on training prompts (chat 24, text 21) x 2 samples" in conv.markdown(report)
