@@ -58,8 +58,11 @@ def kl_top_rest(lp: np.ndarray, decoded: np.ndarray, rest: np.ndarray | None = N
     p = np.exp(lp.astype(np.float64))
     p_rest = np.clip(1 - p.sum(1, keepdims=True), 0, None)
     q_rest = p_rest if rest is None else np.clip(rest.astype(np.float64), 0, None)[:, None]
-    pf = np.concatenate([p, p_rest], 1)
-    qf = np.concatenate([np.exp(decoded.astype(np.float64)), q_rest], 1)
+    return _mean_kl(np.concatenate([p, p_rest], 1), np.concatenate([np.exp(decoded.astype(np.float64)), q_rest], 1))
+
+
+def _mean_kl(pf: np.ndarray, qf: np.ndarray) -> float:
+    """Mean KL(p || q) over rows of two [P, n] float64 mass arrays, each row renormalised (in place)."""
     pf /= pf.sum(1, keepdims=True)
     qf /= qf.sum(1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -316,13 +319,8 @@ def kl_dropped(lp: np.ndarray, decoded: np.ndarray, keep: np.ndarray, vocab: int
     q_rest = p_rest + np.where(keep, 0.0, p).sum(1)  # [P]: the row's stored rest
     each = q_rest / (vocab - kept)  # the reader's share of it for every id it does not store
     q = np.where(keep, np.exp(decoded.astype(np.float64)), each[:, None])
-    pf = np.concatenate([p, p_rest[:, None]], 1)
-    qf = np.concatenate([q, (each * (vocab - lp.shape[1]))[:, None]], 1)
-    pf /= pf.sum(1, keepdims=True)
-    qf /= qf.sum(1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        terms = np.where(pf > 0, pf * (np.log(pf) - np.log(np.maximum(qf, 1e-300))), 0.0)
-    return float(terms.sum(1).mean())
+    return _mean_kl(np.concatenate([p, p_rest[:, None]], 1),
+                    np.concatenate([q, (each * (vocab - lp.shape[1]))[:, None]], 1))
 
 
 def ragged_rows(ids: np.ndarray, lp: np.ndarray, P: int, dtype: str, vocab: int) -> list[tuple[str, str, float, float]]:
@@ -333,22 +331,21 @@ def ragged_rows(ids: np.ndarray, lp: np.ndarray, P: int, dtype: str, vocab: int)
     codes = code_table(dictionary)[ids]
     values = codecs.SqrtProbs(127)
     vals = values.encode(lp)
+    decoded = values.decode(vals)
     rows = []
     for tau, name in ((1 / 254 ** 2, "the sqrt code's floor, 1.55e-5"), (1e-4, "1e-4")):
         keep = lp >= np.log(tau)
         keep[:, 0] = True  # every row keeps its most likely entry
-        big = np.iinfo(np.int64).max
-        kept_codes = np.sort(np.where(keep, codes, big), axis=1)
-        order = np.argsort(np.where(keep, codes, big), axis=1, kind="stable")
-        d = kept_codes.copy()
-        d[:, 1:] = kept_codes[:, 1:] - kept_codes[:, :-1]
+        kept_codes = np.where(keep, codes, np.iinfo(np.int64).max)  # dropped entries sort last
+        d = _sorted_code_deltas(kept_codes)
+        order = np.argsort(kept_codes, axis=1, kind="stable")
         mask = np.sort(~keep, axis=1)  # the kept entries first in each sorted row
         flat_deltas = d[~mask].astype(dtype)[:, None]
         flat_vals = np.take_along_axis(vals, order, 1)[~mask][:, None]
         counts = keep.sum(1).astype(np.uint8)[:, None]
         b = (compressed_bytes(flat_deltas, "byte", 6, CHUNK_BYTES) + dictionary_bytes(dictionary)
              + compressed_bytes(flat_vals, level=9) + compressed_bytes(counts))
-        kl = kl_dropped(lp, values.decode(vals), keep, vocab)
+        kl = kl_dropped(lp, decoded, keep, vocab)
         rows.append(("ids + values", f"ragged rows: entries below {name} dropped into the rest ({keep.mean():.0%} of "
                      f"entries kept, {(keep.sum(1) == ids.shape[1]).mean():.0%} of rows whole)", b / P, kl))
     return rows
