@@ -181,8 +181,8 @@ def test_the_wide_rows_prompts_are_the_rounds_and_continuation_prompts_never_a_c
     assert wide[:s.prompts] == list(range(s.prompts))
 
 
-FIGURES = {"reverse_kl_per_sequence": 20.0, "reverse_kl_per_token": 0.5, "teacher_nll_per_byte": 1.2,
-           "teacher_nll_per_token": 2.5, "mean_student_tokens": 40.0, "stopped_fraction": 1.0, "max_new_tokens": 100,
+FIGURES = {"reverse_kl_per_sequence": 1.0, "teacher_nll_per_byte": 1.0, "reverse_kl_per_token": 0.1,
+           "teacher_nll_per_token": 2.5, "mean_student_tokens": 9.0, "stopped_fraction": 1.0, "max_new_tokens": 100,
            "teacher_mean_student_tokens": 50.0}  # a measure's figures
 
 
@@ -338,10 +338,7 @@ def test_a_report_from_before_the_chat_teacher_settings_counts_as_trained_with_t
     assert (stronger.chat_teacher_hidden, stronger.chat_teacher_steps) != (s.chat_teacher_hidden, s.chat_teacher_steps)
     with pytest.raises(SystemExit, match="trained with other settings"):
         conv.run_converged(tmp_path / "w2", stronger, kinds=("chat",), base=base, only=set())
-    runs = [{"seed": 0, "reverse_kl_per_sequence": 1.0, "teacher_nll_per_byte": 1.0, "reverse_kl_per_token": 0.1,
-             "teacher_nll_per_token": 2.5,
-             "mean_student_tokens": 9.0, "stopped_fraction": 1.0, "samples": 384, "max_new_tokens": 100,
-             "teacher_mean_student_tokens": 50.0}]
+    runs = [{"seed": 0, **FIGURES, "samples": 384}]
     text = conv.markdown({"settings": asdict(stronger), "kinds": {"chat": {"converged student": runs, OFF: runs}}})
     assert "a 2-layer Qwen2 of hidden size 128 pre-trained for 400 steps" in text
     assert "the corpus caches top-16, the rounds' caches of their rollouts teacher-dump's default top-64" in text
@@ -390,9 +387,7 @@ def test_the_same_tokenizer_section_trains_a_student_of_the_teachers_tokenizer_w
     cross = conv.prepare("chat", tmp_path / "cross", replace(conv.QUICK, chat_teacher_steps=0), tmp_path / "log")
     assert cross["projection"] == tmp_path / "cross" / "projection.safetensors"
     assert conv.projection_flags(cross) == ["--projection", str(cross["projection"])]
-    runs = [{"seed": 0, "reverse_kl_per_sequence": 1.0, "teacher_nll_per_byte": 1.0, "reverse_kl_per_token": 0.1,
-             "teacher_nll_per_token": 2.5, "mean_student_tokens": 9.0, "stopped_fraction": 1.0, "samples": 6,
-             "max_new_tokens": 100, "teacher_mean_student_tokens": 50.0}]
+    runs = [{"seed": 0, **FIGURES, "samples": 6}]
     text = conv.markdown({"settings": asdict(s), "kinds": {"chat": {"converged student": runs, OFF: runs}}})
     assert "One tokenizer: the student reads the teacher's tokenizer (and the chat student its chat template" in text
     assert "Cross-tokenizer" not in text
@@ -545,9 +540,8 @@ def test_the_real_teacher_section_runs_both_kinds_on_the_real_tier_with_a_llama3
             conv.measure(q, setup.student_model, s)
     assert graded == [96, 0]  # text: fixed; conversations: twice the teacher's mean length
     assert conv.eval_cap("text", asdict(conv.ConvergedSettings())) == 0  # the toy's: auto
-    runs = [{"seed": 0, "reverse_kl_per_sequence": 1.0, "teacher_nll_per_byte": 1.0, "reverse_kl_per_token": 0.1,
-             "teacher_nll_per_token": 2.5, "mean_student_tokens": 9.0, "stopped_fraction": 0.1, "samples": 6,
-             "max_new_tokens": 96, "teacher_mean_student_tokens": 90.0}]
+    runs = [{"seed": 0, **FIGURES, "stopped_fraction": 0.1, "samples": 6, "max_new_tokens": 96,
+             "teacher_mean_student_tokens": 90.0}]
     text = conv.markdown({"settings": asdict(s), "kinds": {"chat": {"converged student": runs, OFF: runs},
                                                            "text": {"converged student": runs, OFF: runs}}})
     assert "The teacher: SmolLM2-135M-Instruct" in text and "The chat teacher" not in text
