@@ -166,6 +166,16 @@ ROWS = [
     # cap, the rounds' 21 prompts' rollouts are 12% more teacher-scored tokens than continued KD's cache, 18's 4% fewer
     ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, 7/8 of the prompts", "on",
      ["--loss", "jsd", "--prompts", "{fewer_prompts}"], ("text",)),
+    # row 15 with a quarter of the micro-batches from the rollouts, three quarters KD on the converge cache
+    ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, mixed 1:3 with KD on the converge cache "
+     "(`--corpus-loss kd`, `--rollout-fraction 0.25`)", "on",
+     ["--loss", "jsd", "--corpus-cache", "{converge_cache}", "--", "--corpus-loss", "kd", "--rollout-fraction", "0.25"],
+     ("chat",)),
+    # row 15 at train-student's cross-tokenizer CE weight (0.5, continued KD's) on both halves
+    ("on-policy rounds, generalized JSD (beta 0.5) + 0.5 CE, mixed 1:1 with KD on the converge cache "
+     "(`--corpus-loss kd`)", "on",
+     ["--loss", "jsd", "--corpus-cache", "{converge_cache}", "--", "--corpus-loss", "kd", "--ce-weight", "0.5"],
+     ("chat",)),
 ]
 # on-policy rows also compared with the continued off-policy row of their own objective
 SAME_OBJECTIVE = {ROWS[2][0]: ROWS[12][0]}
