@@ -130,6 +130,21 @@ def test_same_seed_same_rollouts_other_seed_other(chat, whole, tmp_path):
     assert sum(x != y for x, y in zip(ids(whole), ids(tmp_path / "c"))) >= len(ids(whole)) // 2
 
 
+
+def test_the_prompt_files_base_name_seeds_the_draws(chat, whole, procs, tmp_path):
+    """A prompt id is `file:row:text hash`: the same prompts copied under another base name draw other samples at the
+    same seed, and under the same base name in another directory the same ones (docs/on-policy.md)."""
+    setup, conv, _ = chat
+    (tmp_path / "elsewhere").mkdir()
+    same_name, other_name = tmp_path / "elsewhere" / conv.name, tmp_path / "renamed.jsonl"
+    for copy in (same_name, other_name):
+        copy.write_bytes(conv.read_bytes())
+    _generate(setup, same_name, tmp_path / "same", procs=procs)
+    _generate(setup, other_name, tmp_path / "other", procs=procs)
+    ids = lambda out: [r["sampled_ids"] for r in _rows(out)]  # noqa: E731
+    assert ids(tmp_path / "same") == ids(whole)
+    assert sum(x != y for x, y in zip(ids(whole), ids(tmp_path / "other"))) >= len(ids(whole)) // 2
+
 KILLER = r"""
 import os, signal, sys
 import stage1_teacher.onpolicy.generate as g

@@ -29,7 +29,7 @@ class SamplingConfig:
     max_new_tokens: int = 256
     """Most tokens generated per completion (stop reason 'length' when reached)."""
     seed: int = 0
-    """Seed of the draws; each (prompt id, sample index) draws from its own seed derived from it (hf, vLLM on CUDA)."""
+    """Seed of the draws; each (prompt id, sample index) draws from its own seed derived from it (hf, vLLM on CUDA). A prompt id is the file's base name, row and text hash: the same prompts in a file of another name draw other samples."""
 
 
 @dataclass(kw_only=True)

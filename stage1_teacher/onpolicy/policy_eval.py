@@ -90,7 +90,7 @@ class PolicyEvalConfig:
     max_new_tokens: int = 0
     """Most tokens sampled per completion; 0: twice the teacher's mean completion length in student tokens (its own samples, drawn first with a cap of 512), so the cap rarely decides where a student stops."""
     seed: int = 0
-    """Seed of the draws; each (prompt id, sample index) draws from its own seed derived from it."""
+    """Seed of the draws; each (prompt id, sample index) draws from its own seed derived from it. A prompt id is the file's base name, row and text hash: the same prompts in a file of another name draw other samples."""
     teacher_samples: bool = True
     """Also sample the teacher on the same prompts, as the student is sampled, and report its completions' mean length and stop fraction beside the student's (a per-token measure favours a student that stops early)."""
     out: str | None = None
