@@ -322,9 +322,9 @@ def train(cfg: TrainConfig, make_data: Callable[[TrainConfig, object, int, int],
     try:
         if rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        if checked is not None and checked.config != cfg:
-            checked = None  # a check of another config: load the tokenizer and check the stores anew
-        tokenizer = checked.tokenizer if checked is not None else load_tokenizer(cfg.student)
+        # a check of another config: load the tokenizer anew (open_stage_data then checks the stores again)
+        reuse = checked is not None and checked.covers(cfg, checked.tokenizer)
+        tokenizer = checked.tokenizer if reuse else load_tokenizer(cfg.student)
         data = (make_data(cfg, tokenizer, rank, world) if make_data
                 else open_stage_data(cfg, tokenizer, rank, world, checked=checked))
         return Trainer(cfg, data, rank=rank, world=world).run()
