@@ -176,6 +176,15 @@ ROWS = [
      "(`--corpus-loss kd`)", "on",
      ["--loss", "jsd", "--corpus-cache", "{converge_cache}", "--", "--corpus-loss", "kd", "--ce-weight", "0.5"],
      ("chat",)),
+    # rows 17 and 15 with the converge cache's micro-batches on train-student's off-policy defaults (the objective
+    # the students converged on and continued KD trains), the rollouts' on the JSD + 0.1 CE
+    ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, mixed 1:3 with train-student's defaults on the converge "
+     "cache (`--corpus-loss auto`, `--rollout-fraction 0.25`)", "on",
+     ["--loss", "jsd", "--corpus-cache", "{converge_cache}", "--", "--corpus-loss", "auto", "--rollout-fraction",
+      "0.25"], ("chat",)),
+    ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, mixed 1:1 with train-student's defaults on the converge "
+     "cache (`--corpus-loss auto`)", "on",
+     ["--loss", "jsd", "--corpus-cache", "{converge_cache}", "--", "--corpus-loss", "auto"], ("chat",)),
 ]
 # on-policy rows also compared with the continued off-policy row of their own objective
 SAME_OBJECTIVE = {ROWS[2][0]: ROWS[12][0]}
@@ -376,9 +385,9 @@ def on_policy(p: dict, start: Path, out: Path, s: ConvergedSettings, seed: int, 
     shutil.rmtree(out, ignore_errors=True)
     own, train = split_row_flags(flags)
     # its corpus (rounds' --corpus-cache: a cache of the section's, named by its key in braces) counts when its teacher
-    # values train (rounds mixes it with --corpus-loss ce unless the train-student flags say kd)
+    # values train (rounds mixes it with --corpus-loss ce unless the train-student flags say kd or auto)
     corpus = filled(p, own[own.index("--corpus-cache") + 1]) if "--corpus-cache" in own else None
-    mixed = corpus is not None and "kd" == (train[train.index("--corpus-loss") + 1] if "--corpus-loss" in train else "ce")
+    mixed = corpus is not None and "ce" != (train[train.index("--corpus-loss") + 1] if "--corpus-loss" in train else "ce")
     train = [filled(p, a) for a in train]
     run_xtcache("rounds", "--student", str(start), "--teacher", str(p["setup"].teacher_model),
                 "--workdir", str(out), "--engine", "hf", *rounds_plan(p, s, own),

@@ -28,6 +28,8 @@ PKL_DIVERGENCES = ("forward", "reverse", "jsd", "forward-reverse")
 LOSSES = ("auto", "pkl", "kl", "rkl", "jsd", "sampled", "alm", "rkl-pg", "ce")
 """`--loss` choices. auto: pkl for cross-tokenizer caches (sampled ones too), sampled for same-tokenizer sampled and headtail caches, kl otherwise;
 rkl-pg: the reverse-KL policy gradient on rollouts (docs/on-policy.md); ce: next-token cross entropy only (no teacher term)."""
+CORPUS_LOSSES = ("kd", "auto", "ce")
+"""`--corpus-loss` choices: the run's objective, train-student's off-policy defaults for the corpus cache, CE alone."""
 
 
 @dataclass(kw_only=True)
@@ -53,7 +55,7 @@ class LoaderConfig:
     rollout_fraction: float = 1.0
     """With --corpus-cache: the fraction lambda of the micro-batches read from --cache (the rollouts), on a stratified schedule (any n consecutive micro-batches hold lambda n of them, rounded; --seed sets its phase)."""
     corpus_loss: str = "kd"
-    """With --corpus-cache: what its micro-batches train: kd (the run's objective, GKD's lambda) or ce (cross-entropy on the corpus text alone, at weight 1 as with --loss ce; its teacher values unused: docs/on-policy.md)."""
+    """With --corpus-cache: what its micro-batches train: kd (the run's objective, GKD's lambda), auto (train-student's off-policy defaults for that cache, --loss auto at its default divergence and CE weight, whatever the run's loss flags: the rollouts' objective on the rollouts, the corpus's on the corpus) or ce (cross-entropy on the corpus text alone, at weight 1 as with --loss ce; its teacher values unused: docs/on-policy.md)."""
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
@@ -247,8 +249,8 @@ class TrainConfig:
                                  "sampled; mix with a distribution loss (kl, jsd, pkl, auto)")
         elif lo.rollout_fraction != 1.0:
             raise ValueError(f"--rollout-fraction {lo.rollout_fraction} needs --corpus-cache (the corpus to mix in)")
-        if lo.corpus_loss not in ("kd", "ce"):
-            raise ValueError(f"--corpus-loss {lo.corpus_loss!r}: choose kd or ce")
+        if lo.corpus_loss not in CORPUS_LOSSES:
+            raise ValueError(f"--corpus-loss {lo.corpus_loss!r}: choose kd, auto or ce")
         if lo.corpus_loss != "kd" and lo.corpus_cache is None:
             raise ValueError(f"--corpus-loss {lo.corpus_loss} needs --corpus-cache (the corpus it trains on)")
         if loss.teacher_combine not in ("sum", "dynamic", "select", "mean-probs"):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from stage2_student.config import TrainConfig
+from stage2_student.config import LossConfig, TrainConfig
 from stage2_student.loader import CacheDataset, CacheLoader, student_fingerprint
 from stage2_student.losses import ProjectionOperator
 from stage2_student.mix import TeacherMix
@@ -46,6 +46,8 @@ class StageData:
     cross-tokenizer cache without a projection map), defined by `measure_definition`;
     `mixture_measure` the KL to the teachers' mixture (teachers sharing a vocabulary, else None).
     `tokenizer` is the student tokenizer the caches were opened for (the export saves it beside the weights).
+    `corpus_objective`: with `--corpus-loss auto`, the objective of the --corpus-cache's micro-batches (those the
+    mixed stream marks, `rollout_mix.CORPUS_OBJECTIVE_KEY`); else None (they train `objective`, or CE alone).
     """
 
     train: Any
@@ -56,6 +58,7 @@ class StageData:
     measure_definition: str | None = None
     mixture_measure: Objective | None = None
     info: dict = field(default_factory=dict)
+    corpus_objective: TeacherMix | None = None
 
     @property
     def measure(self) -> Objective | None:
@@ -130,8 +133,11 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int, *,
             raise ConfigError("--teacher-combine mean-probs mixes distributions over one vocabulary, and the caches' "
                               "teachers have different tokenizers: use --teacher-combine sum, dynamic or select")
     names, projections, maps = _kinds_and_projections(cfg, manifests, caps, tokenizer, student_fp, combine)
+    corpus = None
     if cfg.loader.corpus_cache:
-        _check_corpus(cfg, manifests[0], names[0], student_fp)
+        corpus_caps = _check_corpus(cfg, manifests[0], names[0], student_fp)
+        if cfg.loader.corpus_loss == "auto":
+            corpus = corpus_objective(cfg, corpus_caps, projections[0])
     if "rkl-pg" in names and (foreign := train.dataset.foreign_rows()):  # --corpus-cache is refused with rkl-pg
         raise ConfigError(f"--loss rkl-pg trains the student on its own samples, and the cache {foreign} are no "
                           "rollouts of it (corpus rows, or samples of another policy): keep them in a cache of their "
@@ -153,6 +159,9 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int, *,
     info = _run_info(cfg, manifests, caps, names, objective, weights, combine, student_fp, train.dataset)
     if maps:  # which projection each cross-tokenizer cache was read through: a summary names its map by content
         info["projections"] = maps
+    if corpus is not None:
+        info["corpus_objective"] = corpus.describe()
+        log.info("--corpus-loss auto: the corpus cache's micro-batches train %s", corpus.describe())
     # held-out batches from --eval-cache are measured over what that store holds (e.g. a full cache: exact)
     eval_caps = caps[0]
     if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
@@ -160,7 +169,7 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int, *,
         eval_caps = Capabilities(same_tokenizer=caps[0].same_tokenizer, mode=eval_mode)
     return StageData(train=train, objective=objective, tokenizer=tokenizer, make_eval=make_eval, measures=measures,
                      measure_definition=measure_definition(eval_caps) if measures[0] is not None else None,
-                     mixture_measure=mixture, info=info)
+                     mixture_measure=mixture, info=info, corpus_objective=corpus)
 
 
 @dataclass(frozen=True)
@@ -330,15 +339,29 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
     return train, lambda: CacheLoader(eval_ds, num_workers=0)
 
 
-def _check_corpus(cfg: TrainConfig, rollouts, kind: str, student_fp: str) -> None:
-    """--corpus-cache trains under the rollouts' objective: same teacher tokenizer, same KD kind."""
+def _check_corpus(cfg: TrainConfig, rollouts, kind: str, student_fp: str) -> Capabilities:
+    """--corpus-cache: the same teacher tokenizer as the rollouts and, unless --corpus-loss auto gives it an
+    objective of its own, the same KD kind. Returns the corpus cache's capabilities."""
     corpus = CacheReader(cfg.loader.corpus_cache, storage_options=cfg.loader.storage_options).manifest
     fp = corpus.fingerprints.get("teacher_tokenizer")
     if fp != rollouts.fingerprints.get("teacher_tokenizer"):
         raise ConfigError(f"--corpus-cache {cfg.loader.corpus_cache}: its teacher tokenizer differs from the rollout "
                           "cache's; mix caches scored by one teacher tokenizer")
-    corpus_kind = resolve_kind(cfg.loss.loss, Capabilities(same_tokenizer=student_fp == fp, mode=corpus.mode))
-    if corpus_kind != kind:
+    caps = Capabilities(same_tokenizer=student_fp == fp, mode=corpus.mode)
+    corpus_kind = resolve_kind(cfg.loss.loss, caps)
+    if corpus_kind != kind and cfg.loader.corpus_loss != "auto":
         raise ConfigError(f"--corpus-cache {cfg.loader.corpus_cache}: --loss {cfg.loss.loss} gives {corpus_kind} on it "
                           f"(mode {corpus.mode}) and {kind} on the rollouts; give --loss explicitly, or mix caches of "
                           "one mode")
+    return caps
+
+
+def corpus_objective(cfg: TrainConfig, caps: Capabilities, projection: ProjectionOperator | None) -> TeacherMix:
+    """--corpus-loss auto: the corpus cache's objective, train-student's off-policy defaults for it (`--loss auto`
+    at the default divergence, weights and CE weight, whatever the run's loss flags), read through the rollouts'
+    projection (both caches hold one teacher tokenizer)."""
+    loss = LossConfig(projection=list(cfg.loss.projection))
+    if resolve_kind(loss.loss, caps) == "pkl" and projection is None:
+        raise ConfigError(f"--corpus-loss auto: the corpus cache {cfg.loader.corpus_cache} trains the projected KL, "
+                          "and the run has no projection map; give --projection")
+    return TeacherMix([Objective.from_config(loss, caps, projection)])

@@ -15,7 +15,10 @@ that read the same corpus cache on the same ranks (the next round of `xtcache ro
 where that run left it (`continue_corpus`): rounds do not train the corpus's first micro-batches over and over.
 With `--corpus-loss ce` each corpus
 micro-batch leaves its teacher keys behind (`ce_only`): the objective trains cross-entropy on its text
-alone, at `CORPUS_CE_WEIGHT`, and the step's KD is normalised by the rollouts' chunks only.
+alone, at `CORPUS_CE_WEIGHT`, and the step's KD is normalised by the rollouts' chunks only. With
+`--corpus-loss auto` each corpus micro-batch carries `CORPUS_OBJECTIVE_KEY`, and the trainer trains it with
+the corpus's own objective (`StageData.corpus_objective`: `--loss auto` at train-student's defaults) where the
+rollouts train the run's; the step's KD sums both over all the chunks.
 
     train = MixedLoader(CacheLoader(rollouts), CacheLoader(corpus), fraction=0.5, seed=0)
 """
@@ -39,6 +42,17 @@ def ce_only(batch: dict) -> dict:
     A joined batch's teacher count and chunk groups go too (`TeacherMix.counts` would read its groups)."""
     student = {k: v for k, v in student_view(batch).items() if k not in ("num_groups", "num_teachers")}
     return {**student, "num_chunks": 0, CE_ONLY_KEY: CORPUS_CE_WEIGHT}
+
+
+CORPUS_OBJECTIVE_KEY = "corpus_objective"  # --corpus-loss auto: the micro-batch trains StageData.corpus_objective
+
+
+def corpus_batch(batch: dict, corpus_loss: str) -> dict:
+    """A corpus micro-batch as `--corpus-loss` trains it: as it is (kd), marked for the corpus objective (auto), or
+    without its teacher (ce)."""
+    if corpus_loss == "ce":
+        return ce_only(batch)
+    return {**batch, CORPUS_OBJECTIVE_KEY: True} if corpus_loss == "auto" else batch
 
 
 SCHEDULE = "stratified"  # recorded in a mixed stream's state: a checkpoint of another schedule does not resume
@@ -72,7 +86,7 @@ class MixedLoader:
         if not 0.0 < fraction <= 1.0:
             raise ConfigError(f"--rollout-fraction {fraction}: must lie in (0, 1]")
         self.rollouts, self.corpus, self.fraction, self.seed = rollouts, corpus, float(fraction), int(seed)
-        self.corpus_loss = corpus_loss  # --corpus-loss: kd (the run's objective) or ce (its micro-batches CE alone)
+        self.corpus_loss = corpus_loss  # --corpus-loss: kd (the run's objective), auto (the corpus's) or ce
         self.consumed = 0
 
     @property
@@ -101,7 +115,7 @@ class MixedLoader:
             except StopIteration:
                 return
             self.consumed += 1
-            yield ce_only(batch) if name == "corpus" and self.corpus_loss == "ce" else batch
+            yield corpus_batch(batch, self.corpus_loss) if name == "corpus" else batch
 
     def state_dict(self) -> dict:
         return {"mixture": {"consumed": self.consumed, "fraction": self.fraction, "seed": self.seed,

@@ -31,6 +31,7 @@ from stage2_student.export import export_hf
 from stage2_student.join import CE_ONLY_KEY
 from stage2_student.losses import NoValidChunksError
 from stage2_student.onpolicy import staleness
+from stage2_student.rollout_mix import CORPUS_OBJECTIVE_KEY
 from stage2_student.student import (  # noqa: F401
     count_parameters,
     load_student,
@@ -87,7 +88,7 @@ class Trainer:
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=self.ds_config, lr_scheduler=scheduler)
         self.device = self.engine.device
-        for measure in (data.objective, *data.measures, data.mixture_measure):  # the projections W
+        for measure in (data.objective, data.corpus_objective, *data.measures, data.mixture_measure):  # the Ws
             if measure is not None:
                 measure.to(self.device)
         self.metrics_path = self.out / METRICS_FILE
@@ -162,7 +163,7 @@ class Trainer:
         its valid positions). Reads nothing back from the device."""
         import torch
 
-        obj = self.data.objective
+        obj = self.data.corpus_objective if batch.get(CORPUS_OBJECTIVE_KEY) else self.data.objective
         logits = self.engine(**model_inputs(to_device(batch, self.device))).logits
         prep = obj.prepare(batch, vocab=logits.shape[-1]).to(self.device)  # host work while the GPU runs
         loss, m = obj(logits, prep, chunks_total=chunks, tokens_total=tokens)
@@ -269,6 +270,7 @@ class Trainer:
             "final_eval_top1_agree": final["top1_agree"] if final else None,
             "first_eval": evals[0] if evals else None,
             "kd_loss": self.data.objective.kind, "objective": self.data.objective.describe(),
+            "corpus_objective": None if self.data.corpus_objective is None else self.data.corpus_objective.describe(),
             "metrics": str(self.metrics_path.resolve()),
             "teachers": self._teacher_summary(evals, final),
             "hf_dir": str(hf_dir.resolve()), "checkpoints": str((self.out / checkpoint.CKPT_DIR).resolve()),

@@ -142,10 +142,10 @@ def test_every_on_policy_row_trains_the_sections_steps_on_as_many_rollouts():
             own, train = split_row_flags(flags)
             plan = dict(zip(rounds_plan(p, s, own)[::2], rounds_plan(p, s, own)[1::2], strict=True))
             rounds = int(plan["--rounds"])
-            # a corpus whose teacher values train (rounds' --corpus-cache with `-- --corpus-loss kd`) takes the place
+            # a corpus whose teacher values train (rounds' --corpus-cache with `-- --corpus-loss kd|auto`) takes the place
             # of rollouts; rounds' default, `--corpus-loss ce`, reads its text only
             mix = {**CORPUS_MIX, **dict(zip(train[::2], train[1::2], strict=True))}
-            kd_corpus = ("--corpus-cache" in own and mix["--corpus-loss"] == "kd"
+            kd_corpus = ("--corpus-cache" in own and mix["--corpus-loss"] != "ce"
                          and own[own.index("--corpus-cache") + 1] != "{converge_cache}")
             share = float(mix["--rollout-fraction"]) if kd_corpus else 1.0
             share *= (s.prompts * 7 // 8) / s.prompts if "{fewer_prompts}" in own else 1.0

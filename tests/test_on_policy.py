@@ -239,7 +239,7 @@ def test_mixture_flags_are_checked_against_each_other():
                          ({"corpus_cache": "corpus", "rollout_fraction": 0.5, "loss": "rkl-pg"}, "sampled"),
                          ({"corpus_cache": "corpus", "rollout_fraction": 0.5, "cache": ["a", "b"]}, "one --cache"),
                          ({"corpus_loss": "ce"}, "--corpus-loss ce needs --corpus-cache"),
-                         ({"corpus_cache": "corpus", "rollout_fraction": 0.5, "corpus_loss": "sft"}, "choose kd or ce")]:
+                         ({"corpus_cache": "corpus", "rollout_fraction": 0.5, "corpus_loss": "sft"}, "choose kd, auto or ce")]:
         with pytest.raises(ValueError, match=match):
             TrainConfig.from_flat({**base, **extra})
     assert TrainConfig.from_flat({**base, "corpus_cache": "c", "rollout_fraction": 0.5}).loader.corpus_loss == "kd"

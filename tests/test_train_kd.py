@@ -115,3 +115,31 @@ def test_the_next_round_continues_the_corpus_stream_where_init_from_left_it(tmp_
         assert first["corpus"]["consumed"] == corpus_batches
         assert second["corpus"]["consumed"] == 2 * corpus_batches, rank  # continued: not corpus_batches again
         assert second["rollouts"]["consumed"] == 6 - corpus_batches  # the new run's own rollouts from their start
+
+
+def test_corpus_loss_auto_trains_the_corpus_micro_batches_with_train_students_defaults(tmp_path, toy_setup, kd_caches,
+                                                                                       procs):
+    """--corpus-loss auto: a corpus micro-batch trains train-student's off-policy defaults for that cache (across
+    tokenizers the forward-reverse P-KL + 0.5 CE), whatever the run's loss flags, and a rollout micro-batch the
+    run's objective. One micro-batch a step, the first from the corpus: from the same student, that step's loss
+    under a JSD run equals the loss of a run whose own objective is the defaults, and differs under
+    --corpus-loss kd (the JSD on the corpus too). The summary records both objectives."""
+    from stage2_student.rollout_mix import draws_rollout
+
+    train, held = kd_caches
+    seed = next(s for s in range(64) if not draws_rollout(s, 0, 0.5))  # micro-batch 0 reads the corpus
+    mix = ["--cache", held, "--corpus-cache", train, "--rollout-fraction", "0.5", "--student",
+           str(toy_setup.student_model), "--seq-len", "64", "--micro-batch-size", "1", "--max-steps", "1",
+           "--lr", "1e-3", "--zero-stage", "1", "--seed", str(seed)]
+    jsd = ["--loss", "pkl", "--pkl-divergence", "jsd", "--ce-weight", "0.1"]
+    auto = procs.run(tmp_path / "auto", *mix, *jsd, "--corpus-loss", "auto")
+    kd = procs.run(tmp_path / "kd", *mix, *jsd, "--corpus-loss", "kd")
+    defaults = procs.run(tmp_path / "defaults", *mix, "--corpus-loss", "kd")
+    loss = {name: run["train"][0]["loss"] for name, run in (("auto", auto), ("kd", kd), ("defaults", defaults))}
+    assert loss["auto"] == pytest.approx(loss["defaults"], rel=1e-6), loss
+    assert abs(loss["auto"] - loss["kd"]) > 1e-3 * abs(loss["kd"]), loss
+    corpus = auto["summary"]["corpus_objective"]
+    assert {k: corpus.get(k) for k in ("kind", "ce_weight", "pkl_divergence", "pkl_reverse_weight")} == {
+        "kind": "pkl", "ce_weight": 0.5, "pkl_divergence": "forward-reverse", "pkl_reverse_weight": 0.5}
+    assert auto["summary"]["objective"]["pkl_divergence"] == "jsd" and auto["summary"]["objective"]["ce_weight"] == 0.1
+    assert auto["summary"]["data"]["corpus_objective"] == corpus and kd["summary"]["corpus_objective"] is None
