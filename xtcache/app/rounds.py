@@ -132,7 +132,7 @@ class RoundsConfig:
     eval_cache: str | None = None
     """train-student --eval-cache: a held-out store, for the table's final eval KL."""
     corpus_cache: str | None = None
-    """A corpus cache (same teacher tokenizer, aligned for the student) mixed into every round's training: train-student --corpus-cache, with --rollout-fraction 0.5 and --corpus-loss ce unless given after `--` (half the micro-batches CE alone on its text, its teacher values unread; with --loss jsd the mix that beat continued off-policy KD on conversations across tokenizers: docs/on-policy.md)."""
+    """A corpus cache (same teacher tokenizer, aligned for the student) mixed into every round's training: train-student --corpus-cache, with --rollout-fraction 0.5 and --corpus-loss ce unless given after `--` (half the micro-batches CE alone on its text, its teacher values unread; with --loss jsd the mix that beat continued off-policy KD on the toy conversations across tokenizers). On the cache the student was distilled from, `-- --corpus-loss auto --rollout-fraction 0.25` (a quarter rollouts, the rest that cache under train-student's defaults) beat it on the real teacher's conversations: docs/on-policy.md."""
     generate_args: str = ""
     """Extra generate flags of every round, one shell-quoted string (e.g. '--top-p 0.95 --dtype bfloat16 --gpu-memory-utilization 0.5')."""
     dump_args: str = ""
