@@ -568,41 +568,42 @@ def test_init_from_continues_the_corpus_stream_of_the_same_cache_and_starts_any_
     assert fresh.corpus.consumed == 0 and fresh.corpus.epoch == 0
 
 
-def test_corpus_loss_auto_marks_the_corpus_micro_batches_for_their_own_objective_and_leaves_them_whole(
-        store, tmp_path, toy_setup, teacher_tokenizer, student_tokenizer):
-    from stage2_student.rollout_mix import CORPUS_OBJECTIVE_KEY, MixedLoader
-
-    corpus, fp = store
-    rollouts, _ = _write_store(tmp_path / "rollouts", toy_setup, teacher_tokenizer, student_tokenizer, n_docs=6,
-                               parts=2)
-    loader = MixedLoader(L.CacheLoader(_dataset(rollouts, fp)), L.CacheLoader(_dataset(corpus, fp)), fraction=0.4,
-                         seed=3, corpus_loss="auto")
-    it = iter(loader)
-    alone = {"rollouts": iter(L.CacheLoader(_dataset(rollouts, fp))), "corpus": iter(L.CacheLoader(_dataset(corpus, fp)))}
-    names = []
-    for j in range(12):
-        batch, name = next(it), loader.source(j)
-        names.append(name)
-        assert bool(batch.pop(CORPUS_OBJECTIVE_KEY, False)) == (name == "corpus")
-        _same(batch, next(alone[name]))  # teacher values and all
-    assert set(names) == {"rollouts", "corpus"}
-
-
-def test_corpus_loss_ce_gives_the_corpus_micro_batches_without_their_teacher_and_the_rollouts_as_they_are(
-        store, tmp_path, toy_setup, teacher_tokenizer, student_tokenizer):
-    from stage2_student.join import TEACHER_KEYS
+def _mixed_beside_alone(corpus_loss: str, store, tmp_path, toy_setup, teacher_tokenizer, student_tokenizer):
+    """(micro-batch j of a rollouts + corpus MixedLoader under `corpus_loss`, its stream's name, that stream's own
+    next micro-batch read alone) for j = 0..11."""
     from stage2_student.rollout_mix import MixedLoader
 
     corpus, fp = store
     rollouts, _ = _write_store(tmp_path / "rollouts", toy_setup, teacher_tokenizer, student_tokenizer, n_docs=6,
                                parts=2)
     loader = MixedLoader(L.CacheLoader(_dataset(rollouts, fp)), L.CacheLoader(_dataset(corpus, fp)), fraction=0.4,
-                         seed=3, corpus_loss="ce")
+                         seed=3, corpus_loss=corpus_loss)
     it = iter(loader)
     alone = {"rollouts": iter(L.CacheLoader(_dataset(rollouts, fp))), "corpus": iter(L.CacheLoader(_dataset(corpus, fp)))}
     for j in range(12):
-        batch, name = next(it), loader.source(j)
-        want = next(alone[name])
+        name = loader.source(j)
+        yield next(it), name, next(alone[name])
+
+
+def test_corpus_loss_auto_marks_the_corpus_micro_batches_for_their_own_objective_and_leaves_them_whole(
+        store, tmp_path, toy_setup, teacher_tokenizer, student_tokenizer):
+    from stage2_student.rollout_mix import CORPUS_OBJECTIVE_KEY
+
+    names = []
+    for batch, name, want in _mixed_beside_alone("auto", store, tmp_path, toy_setup, teacher_tokenizer,
+                                                 student_tokenizer):
+        names.append(name)
+        assert bool(batch.pop(CORPUS_OBJECTIVE_KEY, False)) == (name == "corpus")
+        _same(batch, want)  # teacher values and all
+    assert set(names) == {"rollouts", "corpus"}
+
+
+def test_corpus_loss_ce_gives_the_corpus_micro_batches_without_their_teacher_and_the_rollouts_as_they_are(
+        store, tmp_path, toy_setup, teacher_tokenizer, student_tokenizer):
+    from stage2_student.join import TEACHER_KEYS
+
+    for batch, name, want in _mixed_beside_alone("ce", store, tmp_path, toy_setup, teacher_tokenizer,
+                                                 student_tokenizer):
         if name == "rollouts":
             _same(batch, want)
             continue
