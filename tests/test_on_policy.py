@@ -318,3 +318,16 @@ def test_staleness_reads_at_most_its_row_cap_evenly_spaced(monkeypatch):
     want = sum(abs(float(torch.log_softmax(logits[0, i], -1)[0])) for i in rows)
     assert got[2].item() == 3 and got[3].item() == 8 and got[1].item() == 0  # log p_s - 0 <= 0: no ratio over 2
     assert got[0].item() == pytest.approx(want, rel=1e-6)
+
+
+def test_corpus_loss_auto_builds_the_corpus_caches_defaults_whatever_the_runs_loss_flags():
+    """`data.corpus_objective`: train-student's defaults for the corpus cache, not the run's loss flags (here the
+    JSD at CE 0.3): with one tokenizer the KL + 0.1 CE; across tokenizers P-KL needs the run's projection map."""
+    from stage2_student.data import corpus_objective
+
+    cfg = TrainConfig.from_flat({"cache": ["rollouts"], "student": "s", "out": "o", "corpus_cache": "corpus",
+                                 "rollout_fraction": 0.25, "corpus_loss": "auto", "loss": "jsd", "ce_weight": 0.3})
+    same = corpus_objective(cfg, Capabilities(same_tokenizer=True, mode="topk"), None).describe()
+    assert (same["kind"], same["ce_weight"]) == ("kl", 0.1)
+    with pytest.raises(ConfigError, match="--corpus-loss auto: the corpus cache corpus trains the projected KL"):
+        corpus_objective(cfg, Capabilities(same_tokenizer=False, mode="topk"), None)
