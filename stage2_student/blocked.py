@@ -75,10 +75,9 @@ class Prepared:
     """A micro-batch planned for the objective: blocks, teacher tensors and host-side counts."""
 
     def __init__(self, blocks: list[Block], teacher: dict, agree: dict | None, *, chunks: int, tokens: int,
-                 valid_pos: int, ce_weight: float | None = None):
+                 valid_pos: int):
         self.blocks, self.teacher, self.agree = blocks, teacher, agree
         self.chunks, self.tokens, self.valid_pos = chunks, tokens, valid_pos
-        self.ce_weight = ce_weight  # a CE-only micro-batch's CE weight (`rollout_mix.ce_only`); None: the objective's
 
     def to(self, device) -> "Prepared":
         for b in self.blocks:

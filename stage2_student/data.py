@@ -32,6 +32,8 @@ from xtcache.store.tokenizer import TOKENIZER_DIR, load_store_tokenizer
 
 log = logging.getLogger(__name__)
 
+CORPUS_CE_WEIGHT = 1.0  # --corpus-loss ce: the weight of CE on the corpus text, as `--loss ce` trains it
+
 
 @dataclass
 class StageData:
@@ -46,8 +48,8 @@ class StageData:
     cross-tokenizer cache without a projection map), defined by `measure_definition`;
     `mixture_measure` the KL to the teachers' mixture (teachers sharing a vocabulary, else None).
     `tokenizer` is the student tokenizer the caches were opened for (the export saves it beside the weights).
-    `corpus_objective`: with `--corpus-loss auto`, the objective of the --corpus-cache's micro-batches (those the
-    mixed stream marks, `rollout_mix.CORPUS_OBJECTIVE_KEY`); else None (they train `objective`, or CE alone).
+    `corpus_objective`: with `--corpus-loss ce` or `auto`, the objective of the --corpus-cache's micro-batches (those
+    the mixed stream marks, `rollout_mix.CORPUS_OBJECTIVE_KEY`); else None (they train `objective`).
     """
 
     train: Any
@@ -135,9 +137,7 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int, *,
     names, projections, maps = _kinds_and_projections(cfg, manifests, caps, tokenizer, student_fp, combine)
     corpus = None
     if cfg.loader.corpus_cache:
-        corpus_caps = _check_corpus(cfg, manifests[0], names[0], student_fp)
-        if cfg.loader.corpus_loss == "auto":
-            corpus = corpus_objective(cfg, corpus_caps, projections[0])
+        corpus = corpus_objective(cfg, check_corpus(cfg, manifests[0], names[0], student_fp), projections[0])
     if "rkl-pg" in names and (foreign := train.dataset.foreign_rows()):  # --corpus-cache is refused with rkl-pg
         raise ConfigError(f"--loss rkl-pg trains the student on its own samples, and the cache {foreign} are no "
                           "rollouts of it (corpus rows, or samples of another policy): keep them in a cache of their "
@@ -160,8 +160,8 @@ def open_stage_data(cfg: TrainConfig, tokenizer, rank: int, world: int, *,
     if maps:  # which projection each cross-tokenizer cache was read through: a summary names its map by content
         info["projections"] = maps
     if corpus is not None:
-        info["corpus_objective"] = corpus.describe()
-        log.info("--corpus-loss auto: the corpus cache's micro-batches train %s", corpus.describe())
+        log.info("--corpus-loss %s: the corpus cache's micro-batches train %s", cfg.loader.corpus_loss,
+                 corpus.describe())
     # held-out batches from --eval-cache are measured over what that store holds (e.g. a full cache: exact)
     eval_caps = caps[0]
     if cfg.eval.eval_fraction <= 0 and cfg.eval.eval_cache:
@@ -339,27 +339,35 @@ def make_loaders(cfg: TrainConfig, tokenizer, rank: int, world: int):
     return train, lambda: CacheLoader(eval_ds, num_workers=0)
 
 
-def _check_corpus(cfg: TrainConfig, rollouts, kind: str, student_fp: str) -> Capabilities:
-    """--corpus-cache: the same teacher tokenizer as the rollouts and, unless --corpus-loss auto gives it an
-    objective of its own, the same KD kind. Returns the corpus cache's capabilities."""
+def check_corpus(cfg: TrainConfig, rollouts, kind: str, student_fp: str) -> Capabilities:
+    """--corpus-cache: the same teacher tokenizer as the rollouts and, where it trains the run's objective
+    (--corpus-loss kd), the same KD kind. Returns the corpus cache's capabilities."""
     corpus = CacheReader(cfg.loader.corpus_cache, storage_options=cfg.loader.storage_options).manifest
     fp = corpus.fingerprints.get("teacher_tokenizer")
     if fp != rollouts.fingerprints.get("teacher_tokenizer"):
         raise ConfigError(f"--corpus-cache {cfg.loader.corpus_cache}: its teacher tokenizer differs from the rollout "
                           "cache's; mix caches scored by one teacher tokenizer")
     caps = Capabilities(same_tokenizer=student_fp == fp, mode=corpus.mode)
+    if cfg.loader.corpus_loss != "kd":
+        return caps
     corpus_kind = resolve_kind(cfg.loss.loss, caps)
-    if corpus_kind != kind and cfg.loader.corpus_loss != "auto":
+    if corpus_kind != kind:
         raise ConfigError(f"--corpus-cache {cfg.loader.corpus_cache}: --loss {cfg.loss.loss} gives {corpus_kind} on it "
                           f"(mode {corpus.mode}) and {kind} on the rollouts; give --loss explicitly, or mix caches of "
                           "one mode")
     return caps
 
 
-def corpus_objective(cfg: TrainConfig, caps: Capabilities, projection: ProjectionOperator | None) -> TeacherMix:
-    """--corpus-loss auto: the corpus cache's objective, train-student's off-policy defaults for it (`--loss auto`
-    at the default divergence, weights and CE weight, whatever the run's loss flags), read through the rollouts'
-    projection (both caches hold one teacher tokenizer)."""
+def corpus_objective(cfg: TrainConfig, caps: Capabilities, projection: ProjectionOperator | None
+                     ) -> TeacherMix | None:
+    """The objective of the corpus cache's micro-batches under --corpus-loss, whatever the run's loss flags: None
+    (kd: the run's own), cross-entropy alone at CORPUS_CE_WEIGHT (ce: as `--loss ce` trains, its teacher values
+    unread), or train-student's off-policy defaults for the cache (auto: `--loss auto` at the default divergence,
+    weights and CE weight, read through the rollouts' projection; both caches hold one teacher tokenizer)."""
+    if cfg.loader.corpus_loss == "kd":
+        return None
+    if cfg.loader.corpus_loss == "ce":
+        return TeacherMix([Objective(None, ce_weight=CORPUS_CE_WEIGHT)])
     loss = LossConfig(projection=list(cfg.loss.projection))
     if resolve_kind(loss.loss, caps) == "pkl" and projection is None:
         raise ConfigError(f"--corpus-loss auto: the corpus cache {cfg.loader.corpus_cache} trains the projected KL, "

@@ -24,8 +24,6 @@ from xtcache.packing import common_boundaries, group_trained
 TEACHER_KEYS = ("student_chunk", "teacher_ids", "teacher_logprobs", "teacher_counts", "teacher_residual",
                 "teacher_realized", "teacher_chunk", "num_chunks", "chunk_exact", "chunk_group")
 """The keys of a micro-batch that belong to one teacher; teacher i > 0 holds them as `t{i}/KEY`."""
-CE_ONLY_KEY = "ce_only_weight"
-"""A micro-batch without a teacher that trains CE alone at this key's weight (`rollout_mix.ce_only`)."""
 
 
 def num_teachers(batch: dict) -> int:

@@ -34,7 +34,6 @@ class MixPrepared:
         self.preps, self.chunk_group, self.row_group = preps, chunk_group, row_group
         self.present, self.group_rows = present, group_rows  # bool [N, G], float [N, G] rows per group
         self.chunks, self.tokens, self.valid_pos = chunks, tokens, valid_pos
-        self.ce_weight = preps[0].ce_weight  # a CE-only micro-batch's (every view carries the batch's)
 
     def to(self, device) -> "MixPrepared":
         for p in self.preps:
@@ -222,7 +221,7 @@ class TeacherMix:
         w = self.weights(prep)
         kd_sum = (w.to(kd.dtype) * kd).sum()
         loss = self.objectives[0].loss(kd_sum, ce_sum, chunks=prep.chunks, tokens=prep.tokens,
-                                       chunks_total=chunks_total, tokens_total=tokens_total, ce_weight=prep.ce_weight)
+                                       chunks_total=chunks_total, tokens_total=tokens_total)
         agree = [o.agreement(logits, p, max_chunks=TRAIN_AGREEMENT_CHUNKS) for o, p in zip(self.objectives, prep.preps)]
         pres = prep.present.to(kd.dtype)
         return loss, {"kd_sum": kd_sum.detach(), "ce_sum": ce_sum.detach(), "agree": agree[0][0],

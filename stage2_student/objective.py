@@ -35,7 +35,6 @@ from torch import Tensor
 
 from schemas.models import DRAWN_MODES
 from stage2_student.blocked import Block, Prepared, TermSpec, blocked_terms
-from stage2_student.join import CE_ONLY_KEY
 from stage2_student.losses import EmptyMappedSupportError, NoValidChunksError, ProjectionOperator
 from stage2_student.onpolicy import behaviour_rows
 from xtcache.errors import ConfigError, ProjectionError, XtcacheError
@@ -265,7 +264,7 @@ class Objective:
             plan = self._plan_ce_only(ce_pos, labels, vocab)
         agree = self._plan_agreement(batch, sc, n_chunks) if kd and self.measure_agreement else None
         return Prepared(plan, teacher, agree, chunks=n_chunks, tokens=int(labelled.size),
-                        valid_pos=int(((sc >= 0) & (labels != -100)).sum()), ce_weight=batch.get(CE_ONLY_KEY))
+                        valid_pos=int(((sc >= 0) & (labels != -100)).sum()))
 
     def _budget(self, vocab: int) -> float:
         return 2.0 * self.row_chunk * vocab * 4
@@ -409,10 +408,9 @@ class Objective:
         return kd.sum(), ce
 
     def loss(self, kd_sum: Tensor, ce_sum: Tensor, *, chunks: int, tokens: int, chunks_total: float,
-             tokens_total: float, ce_weight: float | None = None) -> Tensor:
-        """kd_weight * s * kd_sum / chunks_total + ce_weight * ce_sum / tokens_total (module docstring); `ce_weight`:
-        a CE-only micro-batch's own (it has no chunks, so no KD)."""
-        loss = ce_sum * ((self.ce_weight if ce_weight is None else ce_weight) / max(tokens_total, 1.0))
+             tokens_total: float) -> Tensor:
+        """kd_weight * s * kd_sum / chunks_total + ce_weight * ce_sum / tokens_total (module docstring)."""
+        loss = ce_sum * (self.ce_weight / max(tokens_total, 1.0))
         if self.kind is not None and chunks:
             w = self.kd_weight
             if self.dynamic_scaling:  # w = sg(|CE| / |KD|), both as this micro-batch's means
@@ -426,7 +424,7 @@ class Objective:
         """(loss to backpropagate, on-device metric sums) of one micro-batch."""
         kd_sum, ce_sum = self.sums(logits, prep)
         loss = self.loss(kd_sum, ce_sum, chunks=prep.chunks, tokens=prep.tokens, chunks_total=chunks_total,
-                         tokens_total=tokens_total, ce_weight=prep.ce_weight)
+                         tokens_total=tokens_total)
         agree, agree_n = self.agreement(logits, prep, max_chunks=TRAIN_AGREEMENT_CHUNKS)
         return loss, {"kd_sum": kd_sum.detach(), "ce_sum": ce_sum.detach(), "agree": agree, "agree_n": agree_n}
 

@@ -13,12 +13,11 @@ whatever the number of DataLoader workers, and a resumed run reads exactly the m
 one would have (each stream keeps its own `CacheLoader` position). A run started with `--init-from` a checkpoint
 that read the same corpus cache on the same ranks (the next round of `xtcache rounds`) continues the corpus stream
 where that run left it (`continue_corpus`): rounds do not train the corpus's first micro-batches over and over.
-With `--corpus-loss ce` each corpus
-micro-batch leaves its teacher keys behind (`ce_only`): the objective trains cross-entropy on its text
-alone, at `CORPUS_CE_WEIGHT`, and the step's KD is normalised by the rollouts' chunks only. With
-`--corpus-loss auto` each corpus micro-batch carries `CORPUS_OBJECTIVE_KEY`, and the trainer trains it with
-the corpus's own objective (`StageData.corpus_objective`: `--loss auto` at train-student's defaults) where the
-rollouts train the run's; the step's KD sums both over all the chunks.
+With `--corpus-loss ce` or `auto` each corpus micro-batch carries `CORPUS_OBJECTIVE_KEY`, and the trainer trains it
+with the corpus objective (`StageData.corpus_objective`) where the rollouts train the run's: CE alone at weight 1
+(ce: the micro-batch comes without its teacher keys, so it counts no chunk and the step's KD is normalised by the
+rollouts' chunks alone), or train-student's defaults for the corpus cache (auto: the step's KD sums both over all
+the chunks).
 
     train = MixedLoader(CacheLoader(rollouts), CacheLoader(corpus), fraction=0.5, seed=0)
 """
@@ -29,30 +28,23 @@ import hashlib
 import logging
 import math
 
-from stage2_student.join import CE_ONLY_KEY, student_view
+from stage2_student.join import student_view
 from xtcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-CORPUS_CE_WEIGHT = 1.0  # --corpus-loss ce: the weight of CE on the corpus text, as `--loss ce` trains it
-
-
-def ce_only(batch: dict) -> dict:
-    """A micro-batch without its teacher: CE on its labelled tokens at CORPUS_CE_WEIGHT (`Prepared.ce_weight`).
-    A joined batch's teacher count and chunk groups go too (`TeacherMix.counts` would read its groups)."""
-    student = {k: v for k, v in student_view(batch).items() if k not in ("num_groups", "num_teachers")}
-    return {**student, "num_chunks": 0, CE_ONLY_KEY: CORPUS_CE_WEIGHT}
-
-
-CORPUS_OBJECTIVE_KEY = "corpus_objective"  # --corpus-loss auto: the micro-batch trains StageData.corpus_objective
+CORPUS_OBJECTIVE_KEY = "corpus_objective"  # the micro-batch trains StageData.corpus_objective (--corpus-loss ce, auto)
 
 
 def corpus_batch(batch: dict, corpus_loss: str) -> dict:
-    """A corpus micro-batch as `--corpus-loss` trains it: as it is (kd), marked for the corpus objective (auto), or
-    without its teacher (ce)."""
+    """A corpus micro-batch as `--corpus-loss` trains it: as it is, on the run's objective (kd), or marked for the
+    corpus objective (auto; ce also drops the teacher keys, which its CE-only objective does not read, a joined
+    batch's teacher count and chunk groups with them)."""
+    if corpus_loss == "kd":
+        return batch
     if corpus_loss == "ce":
-        return ce_only(batch)
-    return {**batch, CORPUS_OBJECTIVE_KEY: True} if corpus_loss == "auto" else batch
+        batch = {k: v for k, v in student_view(batch).items() if k not in ("num_groups", "num_teachers")}
+    return {**batch, CORPUS_OBJECTIVE_KEY: True}
 
 
 SCHEDULE = "stratified"  # recorded in a mixed stream's state: a checkpoint of another schedule does not resume

@@ -28,7 +28,6 @@ from stage2_student.config import TrainConfig, deepspeed_config, lr_lambda
 from stage2_student.data import CheckedStores, StageData, open_stage_data
 from stage2_student.evaluation import evaluate
 from stage2_student.export import export_hf
-from stage2_student.join import CE_ONLY_KEY
 from stage2_student.losses import NoValidChunksError
 from stage2_student.onpolicy import staleness
 from stage2_student.rollout_mix import CORPUS_OBJECTIVE_KEY
@@ -111,10 +110,10 @@ class Trainer:
         t0 = time.perf_counter()
         obj = self.data.objective
         local = [obj.counts(b) for b in batches]
-        kd_batches = float(sum(CE_ONLY_KEY not in b for b in batches))  # --corpus-loss ce: CE-only ones
+        kd_batches = float(sum(self.objective_of(b).kind is not None for b in batches))  # not --corpus-loss ce's
         chunks, tokens, kd_batches = self.all_reduce([float(sum(c for c, _ in local)),
                                                       float(sum(t for _, t in local)), kd_batches])
-        if chunks == 0 and obj.kind is not None and kd_batches:
+        if chunks == 0 and kd_batches:
             # every rank sees the same all-reduced count, so every rank raises here together
             raise NoValidChunksError(
                 f"optimizer step {self.step + 1}: no valid chunk in the whole accumulated batch on any rank, so "
@@ -157,13 +156,18 @@ class Trainer:
                 row[f"teacher{i}_top1_agree"] = t_agree / t_agree_n if t_agree_n else None
         return row
 
+    def objective_of(self, batch: dict):
+        """The objective a micro-batch trains: the corpus objective where the mixed stream marked it (--corpus-loss
+        ce or auto), else the run's."""
+        return self.data.corpus_objective if batch.get(CORPUS_OBJECTIVE_KEY) else self.data.objective
+
     def micro_step(self, batch: dict, chunks: float, tokens: float) -> tuple:
         """Forward, loss and backward of one CPU micro-batch, moved to the device here (the batch for
         the model, the objective's plan for the loss); returns (its metric sums on the device [5 + 5N + 4],
         its valid positions). Reads nothing back from the device."""
         import torch
 
-        obj = self.data.corpus_objective if batch.get(CORPUS_OBJECTIVE_KEY) else self.data.objective
+        obj = self.objective_of(batch)
         logits = self.engine(**model_inputs(to_device(batch, self.device))).logits
         prep = obj.prepare(batch, vocab=logits.shape[-1]).to(self.device)  # host work while the GPU runs
         loss, m = obj(logits, prep, chunks_total=chunks, tokens_total=tokens)

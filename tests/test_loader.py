@@ -601,14 +601,15 @@ def test_corpus_loss_auto_marks_the_corpus_micro_batches_for_their_own_objective
 def test_corpus_loss_ce_gives_the_corpus_micro_batches_without_their_teacher_and_the_rollouts_as_they_are(
         store, tmp_path, toy_setup, teacher_tokenizer, student_tokenizer):
     from stage2_student.join import TEACHER_KEYS
+    from stage2_student.rollout_mix import CORPUS_OBJECTIVE_KEY
 
     for batch, name, want in _mixed_beside_alone("ce", store, tmp_path, toy_setup, teacher_tokenizer,
                                                  student_tokenizer):
         if name == "rollouts":
             _same(batch, want)
             continue
-        assert batch["ce_only_weight"] == 1.0 and batch["num_chunks"] == 0 and want["num_chunks"] > 0
-        assert not set(TEACHER_KEYS) - {"num_chunks"} & set(batch)  # no teacher key is left to read
-        teacher = {*TEACHER_KEYS, "num_groups", "num_teachers", "ce_only_weight"}
+        assert batch[CORPUS_OBJECTIVE_KEY] and want["num_chunks"] > 0
+        assert not set(TEACHER_KEYS) & set(batch)  # no teacher key is left to read, no chunk to count
+        teacher = {*TEACHER_KEYS, "num_groups", "num_teachers", CORPUS_OBJECTIVE_KEY}
         _same({k: v for k, v in batch.items() if k not in teacher},
               {k: v for k, v in want.items() if k not in teacher})  # the same text, labels and masks

@@ -247,26 +247,32 @@ def test_mixture_flags_are_checked_against_each_other():
 
 @pytest.mark.parametrize("kind", ["kl", "rkl", "jsd"])
 def test_a_corpus_micro_batch_under_corpus_loss_ce_trains_cross_entropy_alone_at_weight_one(kind):
-    """`rollout_mix.ce_only` drops the teacher: whatever the run's loss and CE weight, the micro-batch's loss and
-    gradient are those of CE at 1.0 over its labelled tokens (a second construction: torch's cross_entropy), and it
-    counts no chunk toward the step's KD normalisation."""
-    from stage2_student.config import LossConfig
+    """--corpus-loss ce: the mixed stream marks a corpus micro-batch for the corpus objective and drops its teacher
+    keys, and that objective, whatever the run's loss and CE weight, gives the loss and gradient of CE at 1.0 over
+    its labelled tokens (a second construction: torch's cross_entropy) and counts no chunk toward the step's KD
+    normalisation."""
+    from stage2_student.data import CORPUS_CE_WEIGHT, corpus_objective
     from stage2_student.mix import TeacherMix
-    from stage2_student.rollout_mix import CORPUS_CE_WEIGHT, ce_only
+    from stage2_student.rollout_mix import CORPUS_OBJECTIVE_KEY, corpus_batch
 
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, V, (6,), generator=g)
     batch = _sample_batch(y, torch.log_softmax(torch.randn(V, generator=g), -1))
     batch["labels"][0, 2] = -100  # a position that trains nothing
     batch["input_ids"] = torch.zeros_like(batch["labels"])
-    plain = ce_only(batch)
-    assert not {"teacher_ids", "teacher_logprobs", "student_chunk", "teacher_chunk"} & set(plain)
-    assert plain["num_chunks"] == 0 and torch.equal(plain["labels"], batch["labels"])
-    obj = Objective.from_config(LossConfig(loss=kind, ce_weight=0.1), Capabilities(same_tokenizer=True, mode="topk"))
-    mix = TeacherMix([obj])
-    assert mix.counts(plain) == (0, 5) and mix.counts(batch) == (6, 5)
+    plain = corpus_batch(batch, "ce")
+    assert plain[CORPUS_OBJECTIVE_KEY] and corpus_batch(batch, "kd") is batch
+    assert not {"teacher_ids", "teacher_logprobs", "student_chunk", "teacher_chunk", "num_chunks"} & set(plain)
+    assert torch.equal(plain["labels"], batch["labels"])
+    cfg = TrainConfig.from_flat({"cache": ["rollouts"], "student": "s", "out": "o", "corpus_cache": "corpus",
+                                 "rollout_fraction": 0.5, "corpus_loss": "ce", "loss": kind, "ce_weight": 0.1})
+    caps = Capabilities(same_tokenizer=True, mode="topk")
+    ce = corpus_objective(cfg, caps, None)
+    assert ce.describe() == {"kind": None, "ce_weight": 1.0}
+    run = TeacherMix([Objective.from_config(cfg.loss, caps)])
+    assert ce.counts(plain) == (0, 5) and run.counts(batch) == (6, 5)
     z = torch.randn((1, 6, V), generator=g, requires_grad=True)
-    loss, m = mix(z, mix.prepare(plain, vocab=V), chunks_total=6.0, tokens_total=8.0)
+    loss, m = ce(z, ce.prepare(plain, vocab=V), chunks_total=6.0, tokens_total=8.0)
     loss.backward()
     want_z = z.detach().clone().requires_grad_(True)
     keep = batch["labels"][0] != -100
@@ -275,8 +281,34 @@ def test_a_corpus_micro_batch_under_corpus_loss_ce_trains_cross_entropy_alone_at
     want.backward()
     assert CORPUS_CE_WEIGHT == 1.0 and float(m["kd_sum"]) == 0.0
     assert torch.allclose(loss, want.to(loss.dtype), atol=1e-6) and torch.allclose(z.grad, want_z.grad, atol=1e-6)
-    kd_loss, _ = mix(z, mix.prepare(batch, vocab=V), chunks_total=6.0, tokens_total=8.0)
-    assert not torch.allclose(kd_loss, loss)  # the same batch with its teacher: KD + 0.1 CE
+    kd_loss, _ = run(z, run.prepare(batch, vocab=V), chunks_total=6.0, tokens_total=8.0)
+    assert not torch.allclose(kd_loss, loss)  # the same batch with its teacher, on the run's objective: KD + 0.1 CE
+
+
+@pytest.mark.parametrize("corpus_loss", ["kd", "ce", "auto"])
+def test_a_corpus_cache_of_another_kd_kind_is_refused_only_where_it_would_train_the_runs_objective(
+        corpus_loss, manifest_only, tmp_path):
+    """Rollouts of top-k targets (KL) beside a corpus cache of sampled ones: --corpus-loss kd would train the run's
+    KL on draws, and is refused naming both kinds; ce reads no teacher value and auto trains the corpus cache's own
+    defaults, so both take it."""
+    import json
+
+    from stage2_student.data import check_corpus
+    from xtcache.store import CacheReader
+
+    rollouts = CacheReader(str(manifest_only)).manifest
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text(json.dumps({**json.loads((manifest_only / "manifest.json").read_text()),
+                                                      "mode": "sampled"}))
+    cfg = TrainConfig.from_flat({"cache": [str(manifest_only)], "student": "s", "out": "o", "corpus_cache": str(corpus),
+                                 "rollout_fraction": 0.5, "corpus_loss": corpus_loss})
+    fp = rollouts.fingerprints["teacher_tokenizer"]  # a student of the teacher's tokenizer
+    if corpus_loss == "kd":
+        with pytest.raises(ConfigError, match=r"--loss auto gives sampled on it \(mode sampled\) and kl on the rollouts"):
+            check_corpus(cfg, rollouts, "kl", fp)
+    else:
+        assert check_corpus(cfg, rollouts, "kl", fp) == Capabilities(same_tokenizer=True, mode="sampled")
 
 
 def test_staleness_counts_log_ratios_at_sampled_labels_only():

@@ -142,4 +142,22 @@ def test_corpus_loss_auto_trains_the_corpus_micro_batches_with_train_students_de
     assert {k: corpus.get(k) for k in ("kind", "ce_weight", "pkl_divergence", "pkl_reverse_weight")} == {
         "kind": "pkl", "ce_weight": 0.5, "pkl_divergence": "forward-reverse", "pkl_reverse_weight": 0.5}
     assert auto["summary"]["objective"]["pkl_divergence"] == "jsd" and auto["summary"]["objective"]["ce_weight"] == 0.1
-    assert auto["summary"]["data"]["corpus_objective"] == corpus and kd["summary"]["corpus_objective"] is None
+    assert "corpus_objective" not in auto["summary"]["data"] and kd["summary"]["corpus_objective"] is None
+
+
+def test_corpus_loss_ce_trains_the_corpus_micro_batches_as_loss_ce_trains_the_corpus_alone(tmp_path, toy_setup,
+                                                                                          kd_caches, procs):
+    """--corpus-loss ce: a corpus micro-batch trains CE alone at weight 1, whatever the run's loss flags. One
+    micro-batch a step, the first from the corpus: that step's loss under a JSD + 0.1 CE run equals the first step
+    of `--loss ce --ce-weight 1` on the corpus cache alone (a second construction: a run that never mixes)."""
+    from stage2_student.rollout_mix import draws_rollout
+
+    train, held = kd_caches
+    seed = next(s for s in range(64) if not draws_rollout(s, 0, 0.5))  # micro-batch 0 reads the corpus
+    run = ["--student", str(toy_setup.student_model), "--seq-len", "64", "--micro-batch-size", "1", "--max-steps",
+           "1", "--lr", "1e-3", "--zero-stage", "1", "--seed", str(seed)]
+    mixed = procs.run(tmp_path / "mixed", "--cache", held, "--corpus-cache", train, "--rollout-fraction", "0.5", *run,
+                      "--loss", "pkl", "--pkl-divergence", "jsd", "--ce-weight", "0.1", "--corpus-loss", "ce")
+    alone = procs.run(tmp_path / "alone", "--cache", train, *run, "--loss", "ce", "--ce-weight", "1")
+    assert mixed["train"][0]["loss"] == pytest.approx(alone["train"][0]["loss"], rel=1e-6)
+    assert mixed["summary"]["corpus_objective"] == {"kind": None, "ce_weight": 1.0}
