@@ -185,6 +185,12 @@ ROWS = [
     ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, mixed 1:1 with train-student's defaults on the converge "
      "cache (`--corpus-loss auto`)", "on",
      ["--loss", "jsd", "--corpus-cache", "{converge_cache}", "--", "--corpus-loss", "auto"], ("chat",)),
+    # the batch of an optimizer step, at the same rollouts and steps (so the same teacher-scored tokens): row 8 with
+    # 2 windows a step (each rollout read about half as often) and with 8 (--grad-accum 2: twice as often)
+    ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, 2 windows a step", "on",
+     ["--loss", "jsd", "--", "--micro-batch-size", "2"], KINDS),
+    ("on-policy rounds, generalized JSD (beta 0.5) + 0.1 CE, 8 windows a step (`--grad-accum 2`)", "on",
+     ["--loss", "jsd", "--", "--grad-accum", "2"], KINDS),
 ]
 # on-policy rows also compared with the continued off-policy row of their own objective
 SAME_OBJECTIVE = {ROWS[2][0]: ROWS[12][0]}
