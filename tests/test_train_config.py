@@ -122,15 +122,19 @@ def test_a_step_without_valid_chunks_raises_instead_of_a_silent_zero_kd():
 
     from stage2_student.losses import NoValidChunksError
     from stage2_student.objective import Objective
+    from stage2_student.rollout_mix import CORPUS_OBJECTIVE_KEY
     from stage2_student.trainer import Trainer
 
     batch = {"num_chunks": 0, "labels": torch.tensor([[5, 6, -100]]), "input_ids": torch.tensor([[1, 5, 6]])}
-    stub = types.SimpleNamespace(step=3, data=types.SimpleNamespace(objective=Objective("kl")),
+    corpus = {**batch, CORPUS_OBJECTIVE_KEY: True}  # --corpus-loss ce: its objective is CE alone
+    stub = types.SimpleNamespace(step=3, data=types.SimpleNamespace(objective=Objective("kl"),
+                                                                    corpus_objective=Objective(None, ce_weight=1.0)),
                                  all_reduce=lambda values: [float(v) for v in values])
+    stub.objective_of = lambda b: Trainer.objective_of(stub, b)
     with pytest.raises(NoValidChunksError, match="optimizer step 4.*--seq-len"):
         Trainer.train_step(stub, [batch, dict(batch)])
     with pytest.raises(NoValidChunksError):  # a KD micro-batch beside a CE-only one: still no chunk to train
-        Trainer.train_step(stub, [batch, {**batch, "ce_only_weight": 1.0}])
+        Trainer.train_step(stub, [batch, corpus])
 
     class Passed(Exception):
         pass
@@ -139,7 +143,7 @@ def test_a_step_without_valid_chunks_raises_instead_of_a_silent_zero_kd():
         raise Passed
     stub.engine = types.SimpleNamespace(get_lr=get_lr)  # the step goes on past the guard
     with pytest.raises(Passed):  # every micro-batch CE-only (--corpus-loss ce): no KD was asked for
-        Trainer.train_step(stub, [{**batch, "ce_only_weight": 1.0}])
+        Trainer.train_step(stub, [corpus])
 
 
 def test_trainer_state_of_the_previous_version_loads_and_a_newer_one_is_refused(tmp_path):
