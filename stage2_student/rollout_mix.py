@@ -16,8 +16,8 @@ where that run left it (`continue_corpus`): rounds do not train the corpus's fir
 With `--corpus-loss ce` or `auto` each corpus micro-batch carries `CORPUS_OBJECTIVE_KEY`, and the trainer trains it
 with the corpus objective (`StageData.corpus_objective`) where the rollouts train the run's: CE alone at weight 1
 (ce: the micro-batch comes without its teacher keys, so it counts no chunk and the step's KD is normalised by the
-rollouts' chunks alone), or train-student's defaults for the corpus cache (auto: the step's KD sums both over all
-the chunks).
+rollouts' chunks alone), or train-student's defaults for the corpus cache (auto: the loss divides both KD sums by
+all the step's chunks; the step's metrics report them apart, `kd` and `corpus_kd`).
 
     train = MixedLoader(CacheLoader(rollouts), CacheLoader(corpus), fraction=0.5, seed=0)
 """

@@ -122,15 +122,20 @@ class Trainer:
         self.engine.train()
         n = obj.num_teachers
         sums = torch.zeros(5 + 5 * n + 4, dtype=torch.float64, device=self.device)
-        valid_pos = 0
-        for batch in batches:
+        corpus_kd = torch.zeros((), dtype=torch.float64, device=self.device)  # the corpus objective's KD sum
+        valid_pos, corpus_chunks = 0, 0.0
+        for batch, (c, _) in zip(batches, local):
             row, n_valid = self.micro_step(batch, chunks, tokens)
             sums += row
             valid_pos += n_valid
+            if batch.get(CORPUS_OBJECTIVE_KEY):
+                corpus_kd += row[1]
+                corpus_chunks += c
         seq_tokens = float(sum(int(b["attention_mask"].sum()) for b in batches))
-        reduced = self.all_reduce(sums.tolist() + [float(valid_pos), seq_tokens])  # the step's one device read
+        reduced = self.all_reduce(torch.cat([sums, corpus_kd.reshape(1)]).tolist()  # the step's one device read
+                                  + [corpus_chunks, float(valid_pos), seq_tokens])
         loss, kd, ce, agree, agree_n = reduced[:5]
-        valid_pos, seq_tokens = reduced[-2:]
+        corpus_kd, corpus_chunks, valid_pos, seq_tokens = reduced[-4:]
         per = [reduced[5 + j * n:5 + (j + 1) * n] for j in range(5)]
         stale_abs, stale_over, stale_read, sampled = reduced[5 + 5 * n:9 + 5 * n]
         self.step += 1
@@ -141,8 +146,13 @@ class Trainer:
                "tokens_per_s": seq_tokens / dt, "step_s": dt, "chunks": chunks,
                "valid_share": valid_pos / tokens if tokens else None,
                "top1_agree": agree / agree_n if agree_n else None}
-        if obj.kind is not None:  # a step of CE-only micro-batches (--corpus-loss ce) has no KD
-            row["kd"], row["kd_name"] = kd / chunks if chunks else None, obj.kind
+        if obj.kind is not None:  # the run's objective over its chunks (a step of --corpus-loss ce's alone: none)
+            own = chunks - corpus_chunks
+            row["kd"], row["kd_name"] = (kd - corpus_kd) / own if own else None, obj.kind
+        corpus = self.data.corpus_objective
+        if corpus is not None and corpus.kind is not None:  # --corpus-loss auto: the corpus objective's, apart
+            row["corpus_kd"] = corpus_kd / corpus_chunks if corpus_chunks else None
+            row["corpus_kd_name"] = corpus.kind
         if sampled:  # rollouts: how stale the samples are for the student at this step (onpolicy.staleness)
             row.update(sampled_labels=sampled, stale_mean_abs_log_ratio=stale_abs / stale_read,
                        stale_share_over_cap=stale_over / stale_read)

@@ -123,7 +123,8 @@ def test_corpus_loss_auto_trains_the_corpus_micro_batches_with_train_students_de
     tokenizers the forward-reverse P-KL + 0.5 CE), whatever the run's loss flags, and a rollout micro-batch the
     run's objective. One micro-batch a step, the first from the corpus: from the same student, that step's loss
     under a JSD run equals the loss of a run whose own objective is the defaults, and differs under
-    --corpus-loss kd (the JSD on the corpus too). The summary records both objectives."""
+    --corpus-loss kd (the JSD on the corpus too); its `corpus_kd` metric is that run's `kd`, and its `kd` (the
+    rollouts', none this step) is not mixed with it. The summary records both objectives."""
     from stage2_student.rollout_mix import draws_rollout
 
     train, held = kd_caches
@@ -138,6 +139,11 @@ def test_corpus_loss_auto_trains_the_corpus_micro_batches_with_train_students_de
     loss = {name: run["train"][0]["loss"] for name, run in (("auto", auto), ("kd", kd), ("defaults", defaults))}
     assert loss["auto"] == pytest.approx(loss["defaults"], rel=1e-6), loss
     assert abs(loss["auto"] - loss["kd"]) > 1e-3 * abs(loss["kd"]), loss
+    # the step's metrics keep the objectives apart: its one micro-batch trained the corpus objective alone
+    step = auto["train"][0]
+    assert step["kd"] is None and step["kd_name"] == "pkl" and step["corpus_kd_name"] == "pkl"
+    assert step["corpus_kd"] == pytest.approx(defaults["train"][0]["kd"], rel=1e-6)
+    assert "corpus_kd" not in kd["train"][0] and kd["train"][0]["kd"] is not None
     corpus = auto["summary"]["corpus_objective"]
     assert {k: corpus.get(k) for k in ("kind", "ce_weight", "pkl_divergence", "pkl_reverse_weight")} == {
         "kind": "pkl", "ce_weight": 0.5, "pkl_divergence": "forward-reverse", "pkl_reverse_weight": 0.5}
