@@ -110,10 +110,17 @@ class Trainer:
         t0 = time.perf_counter()
         obj = self.data.objective
         local = [obj.counts(b) for b in batches]
-        kd_batches = float(sum(self.objective_of(b).kind is not None for b in batches))  # not --corpus-loss ce's
-        chunks, tokens, kd_batches = self.all_reduce([float(sum(c for c, _ in local)),
-                                                      float(sum(t for _, t in local)), kd_batches])
-        if chunks == 0 and kd_batches:
+        # each micro-batch's chunks by the objective it trains: the run's (0), the corpus's (1, --corpus-loss ce or
+        # auto), or KD at all (2: the normaliser of every KD term; a CE-only objective's chunks train no KD)
+        side = [1 if b.get(CORPUS_OBJECTIVE_KEY) else 0 for b in batches]
+        trains_kd = [self.objective_of(b).kind is not None for b in batches]
+        counts = [0.0] * 3
+        for (c, _), k, kd_on in zip(local, side, trains_kd):
+            counts[k] += c
+            counts[2] += c if kd_on else 0
+        chunks, own_chunks, corpus_chunks, kd_chunks, tokens, kd_batches = self.all_reduce(
+            [float(sum(c for c, _ in local)), *counts, float(sum(t for _, t in local)), float(sum(trains_kd))])
+        if kd_chunks == 0 and kd_batches:
             # every rank sees the same all-reduced count, so every rank raises here together
             raise NoValidChunksError(
                 f"optimizer step {self.step + 1}: no valid chunk in the whole accumulated batch on any rank, so "
@@ -122,20 +129,18 @@ class Trainer:
         self.engine.train()
         n = obj.num_teachers
         sums = torch.zeros(5 + 5 * n + 4, dtype=torch.float64, device=self.device)
-        corpus_kd = torch.zeros((), dtype=torch.float64, device=self.device)  # the corpus objective's KD sum
-        valid_pos, corpus_chunks = 0, 0.0
-        for batch, (c, _) in zip(batches, local):
-            row, n_valid = self.micro_step(batch, chunks, tokens)
+        kd_by_side = torch.zeros(2, dtype=torch.float64, device=self.device)  # KD sums: the run's, the corpus's
+        valid_pos = 0
+        for batch, k in zip(batches, side):
+            row, n_valid = self.micro_step(batch, kd_chunks, tokens)
             sums += row
+            kd_by_side[k] += row[1]
             valid_pos += n_valid
-            if batch.get(CORPUS_OBJECTIVE_KEY):
-                corpus_kd += row[1]
-                corpus_chunks += c
         seq_tokens = float(sum(int(b["attention_mask"].sum()) for b in batches))
-        reduced = self.all_reduce(torch.cat([sums, corpus_kd.reshape(1)]).tolist()  # the step's one device read
-                                  + [corpus_chunks, float(valid_pos), seq_tokens])
-        loss, kd, ce, agree, agree_n = reduced[:5]
-        corpus_kd, corpus_chunks, valid_pos, seq_tokens = reduced[-4:]
+        reduced = self.all_reduce(torch.cat([sums, kd_by_side]).tolist()  # the step's one device read
+                                  + [float(valid_pos), seq_tokens])
+        loss, _, ce, agree, agree_n = reduced[:5]
+        own_kd, corpus_kd, valid_pos, seq_tokens = reduced[-4:]
         per = [reduced[5 + j * n:5 + (j + 1) * n] for j in range(5)]
         stale_abs, stale_over, stale_read, sampled = reduced[5 + 5 * n:9 + 5 * n]
         self.step += 1
@@ -147,8 +152,7 @@ class Trainer:
                "valid_share": valid_pos / tokens if tokens else None,
                "top1_agree": agree / agree_n if agree_n else None}
         if obj.kind is not None:  # the run's objective over its chunks (a step of --corpus-loss ce's alone: none)
-            own = chunks - corpus_chunks
-            row["kd"], row["kd_name"] = (kd - corpus_kd) / own if own else None, obj.kind
+            row["kd"], row["kd_name"] = own_kd / own_chunks if own_chunks else None, obj.kind
         corpus = self.data.corpus_objective
         if corpus is not None and corpus.kind is not None:  # --corpus-loss auto: the corpus objective's, apart
             row["corpus_kd"] = corpus_kd / corpus_chunks if corpus_chunks else None

@@ -146,6 +146,48 @@ def test_a_step_without_valid_chunks_raises_instead_of_a_silent_zero_kd():
         Trainer.train_step(stub, [corpus])
 
 
+@pytest.mark.parametrize("run_loss", ["kl", None])
+def test_a_mixed_steps_kd_metrics_keep_the_objectives_apart_and_the_normaliser_counts_kd_chunks_only(run_loss):
+    """Trainer.train_step over rollout, corpus (--corpus-loss auto) and rollout micro-batches of 3, 5 and 2 chunks
+    whose KD sums are 1.5, 10 and 0.5: `kd` is the rollouts' 2.0 / 5, `corpus_kd` the corpus's 10 / 5, and every
+    KD term is divided by the chunks of the micro-batches that train KD (10; 5 when the run itself trains CE alone,
+    `--loss ce`, and only the corpus objective has a KD term)."""
+    import types
+
+    import torch
+
+    from stage2_student.mix import TeacherMix
+    from stage2_student.objective import Objective
+    from stage2_student.rollout_mix import CORPUS_OBJECTIVE_KEY
+    from stage2_student.trainer import Trainer
+
+    def batch(chunks: int, corpus: bool = False) -> dict:
+        b = {"num_chunks": chunks, "labels": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3)}
+        return {**b, CORPUS_OBJECTIVE_KEY: True} if corpus else b
+
+    normalisers = []
+
+    def micro_step(b, chunks_total, tokens_total):
+        normalisers.append(chunks_total)
+        row = torch.zeros(5 + 5 + 4, dtype=torch.float64)
+        row[1] = {3: 1.5, 5: 10.0, 2: 0.5}[b["num_chunks"]]
+        return row, 0
+
+    run = TeacherMix([Objective(run_loss, ce_weight=1.0 if run_loss is None else 0.1)])
+    stub = types.SimpleNamespace(step=0, device="cpu", all_reduce=lambda values: [float(v) for v in values],
+                                 micro_step=micro_step,
+                                 data=types.SimpleNamespace(objective=run, corpus_objective=TeacherMix([Objective("kl")])),
+                                 engine=types.SimpleNamespace(get_lr=lambda: [1e-3], train=lambda: None,
+                                                              get_global_grad_norm=lambda: 1.0))
+    stub.objective_of = lambda b: Trainer.objective_of(stub, b)
+    row = Trainer.train_step(stub, [batch(3), batch(5, corpus=True), batch(2)])
+    assert row["corpus_kd"] == pytest.approx(2.0) and row["corpus_kd_name"] == "kl" and row["chunks"] == 10
+    if run_loss is None:
+        assert "kd" not in row and normalisers == [5.0] * 3
+    else:
+        assert row["kd"] == pytest.approx(0.4) and row["kd_name"] == "kl" and normalisers == [10.0] * 3
+
+
 def test_trainer_state_of_the_previous_version_loads_and_a_newer_one_is_refused(tmp_path):
     """Version 1 records (written before the objective was recorded) and version 2 (its kind alone) still
     resume; unknown versions are refused with the version needed."""
