@@ -238,6 +238,45 @@ def test_each_round_cache_of_the_killed_run_is_aligned_and_trains_exactly_the_ge
     _assert_rounds_aligned(killed_run[0], chat[0], rollouts=6)
 
 
+def test_rounds_on_text_prefixes_with_its_defaults_train_each_completion_and_no_prompt_token(chat, tmp_path):
+    """`xtcache rounds` on text prefixes with no loss or --train-on flag: two rounds run end to end, each trains
+    the cross-tokenizer default (the generalized JSD + 0.1 CE), and in each round's cache the trained tokens of
+    every document are one run after its prefix, spelling the completion that generate wrote (prefix_chars)."""
+    from xtcache.chat.render import trained_roles
+    from xtcache.fingerprint import tokenizer_fingerprint
+    from xtcache.store import CacheReader
+    from xtcache.tokenizer import load_tokenizer
+
+    setup, _ = chat
+    prompts = tmp_path / "prefixes.jsonl"
+    prompts.write_text("".join(json.dumps({"text": f"The cache stores {w} and"}) + "\n" for w in ("ids", "values")))
+    workdir = tmp_path / "w"
+    _run(_cmd(setup, prompts, workdir, steps=1))
+    tok = load_tokenizer(str(setup.student_model))
+    fp = tokenizer_fingerprint(tok)  # text: aligned for the tokenizer, not a chat template
+    for r in (0, 1):
+        done = json.loads((workdir / f"round-{r:03d}" / "done" / "train-student.json").read_text())
+        assert done["command"][done["command"].index("--train-on") + 1] == "last-assistant"
+        objective = done["objective"]
+        assert (objective["kind"], objective["pkl_divergence"], objective["ce_weight"]) == ("pkl", "jsd", 0.1)
+        rows = [json.loads(x) for f in sorted((workdir / f"round-{r:03d}" / "rollouts" / "parts").glob("*.jsonl"))
+                for x in f.read_text().splitlines() if x.strip()]
+        completions = {x["text"]: x["text"][x["prefix_chars"]:] for x in rows}
+        reader = CacheReader(str(workdir / f"round-{r:03d}" / "cache"))
+        seen = 0
+        for shard in reader.shards:
+            al = reader.read_alignment(fp, shard.shard_id)
+            for d, text in enumerate(reader.read_shard(shard.shard_id).texts):
+                a, b = int(al.doc_student_offsets[d]), int(al.doc_student_offsets[d + 1])
+                ids, trained = al.student_ids[a:b], trained_roles(al.student_role[a:b], "last-assistant")
+                first = int(np.argmax(trained))
+                assert trained.any() and np.all(trained[first:]), (r, d)  # one run, to the end of the document
+                assert tok.decode(ids[first:], skip_special_tokens=True) == completions[text], (r, d)
+                assert completions[text] and text.endswith(completions[text])
+                seen += 1
+        assert seen == len(rows) == 4
+
+
 def _cfg(tmp_path, **kw):
     from xtcache.app.rounds import RoundsConfig
 
