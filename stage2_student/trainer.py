@@ -110,16 +110,14 @@ class Trainer:
         t0 = time.perf_counter()
         obj = self.data.objective
         local = [obj.counts(b) for b in batches]
-        # each micro-batch's chunks by the objective it trains: the run's (0), the corpus's (1, --corpus-loss ce or
-        # auto), or KD at all (2: the normaliser of every KD term; a CE-only objective's chunks train no KD)
-        side = [1 if b.get(CORPUS_OBJECTIVE_KEY) else 0 for b in batches]
-        trains_kd = [self.objective_of(b).kind is not None for b in batches]
-        counts = [0.0] * 3
-        for (c, _), k, kd_on in zip(local, side, trains_kd):
-            counts[k] += c
-            counts[2] += c if kd_on else 0
-        chunks, own_chunks, corpus_chunks, kd_chunks, tokens, kd_batches = self.all_reduce(
-            [float(sum(c for c, _ in local)), *counts, float(sum(t for _, t in local)), float(sum(trains_kd))])
+        side = [1 if b.get(CORPUS_OBJECTIVE_KEY) else 0 for b in batches]  # the run's objective (0) or the corpus's
+        trains_kd = [self.objective_of(b).kind is not None for b in batches]  # not a CE-only objective's
+        own_chunks, corpus_chunks, kd_chunks, tokens, kd_batches = self.all_reduce([
+            float(sum(c for (c, _), k in zip(local, side) if k == 0)),
+            float(sum(c for (c, _), k in zip(local, side) if k == 1)),
+            float(sum(c for (c, _), kd in zip(local, trains_kd) if kd)),  # the normaliser of every KD term
+            float(sum(t for _, t in local)), float(sum(trains_kd))])
+        chunks = own_chunks + corpus_chunks
         if kd_chunks == 0 and kd_batches:
             # every rank sees the same all-reduced count, so every rank raises here together
             raise NoValidChunksError(

@@ -117,6 +117,16 @@ def test_the_next_round_continues_the_corpus_stream_where_init_from_left_it(tmp_
         assert second["rollouts"]["consumed"] == 6 - corpus_batches  # the new run's own rollouts from their start
 
 
+def _first_step_on_the_corpus(toy_setup) -> list[str]:
+    """train-student flags of one optimizer step of one micro-batch, at a seed whose mixed stream (rollout fraction
+    0.5) reads that micro-batch from the corpus cache."""
+    from stage2_student.rollout_mix import draws_rollout
+
+    seed = next(s for s in range(64) if not draws_rollout(s, 0, 0.5))
+    return ["--student", str(toy_setup.student_model), "--seq-len", "64", "--micro-batch-size", "1", "--max-steps",
+            "1", "--lr", "1e-3", "--zero-stage", "1", "--seed", str(seed)]
+
+
 def test_corpus_loss_auto_trains_the_corpus_micro_batches_with_train_students_defaults(tmp_path, toy_setup, kd_caches,
                                                                                        procs):
     """--corpus-loss auto: a corpus micro-batch trains train-student's off-policy defaults for that cache (across
@@ -125,13 +135,8 @@ def test_corpus_loss_auto_trains_the_corpus_micro_batches_with_train_students_de
     under a JSD run equals the loss of a run whose own objective is the defaults, and differs under
     --corpus-loss kd (the JSD on the corpus too); its `corpus_kd` metric is that run's `kd`, and its `kd` (the
     rollouts', none this step) is not mixed with it. The summary records both objectives."""
-    from stage2_student.rollout_mix import draws_rollout
-
     train, held = kd_caches
-    seed = next(s for s in range(64) if not draws_rollout(s, 0, 0.5))  # micro-batch 0 reads the corpus
-    mix = ["--cache", held, "--corpus-cache", train, "--rollout-fraction", "0.5", "--student",
-           str(toy_setup.student_model), "--seq-len", "64", "--micro-batch-size", "1", "--max-steps", "1",
-           "--lr", "1e-3", "--zero-stage", "1", "--seed", str(seed)]
+    mix = ["--cache", held, "--corpus-cache", train, "--rollout-fraction", "0.5", *_first_step_on_the_corpus(toy_setup)]
     jsd = ["--loss", "pkl", "--pkl-divergence", "jsd", "--ce-weight", "0.1"]
     auto = procs.run(tmp_path / "auto", *mix, *jsd, "--corpus-loss", "auto")
     kd = procs.run(tmp_path / "kd", *mix, *jsd, "--corpus-loss", "kd")
@@ -156,12 +161,8 @@ def test_corpus_loss_ce_trains_the_corpus_micro_batches_as_loss_ce_trains_the_co
     """--corpus-loss ce: a corpus micro-batch trains CE alone at weight 1, whatever the run's loss flags. One
     micro-batch a step, the first from the corpus: that step's loss under a JSD + 0.1 CE run equals the first step
     of `--loss ce --ce-weight 1` on the corpus cache alone (a second construction: a run that never mixes)."""
-    from stage2_student.rollout_mix import draws_rollout
-
     train, held = kd_caches
-    seed = next(s for s in range(64) if not draws_rollout(s, 0, 0.5))  # micro-batch 0 reads the corpus
-    run = ["--student", str(toy_setup.student_model), "--seq-len", "64", "--micro-batch-size", "1", "--max-steps",
-           "1", "--lr", "1e-3", "--zero-stage", "1", "--seed", str(seed)]
+    run = _first_step_on_the_corpus(toy_setup)
     mixed = procs.run(tmp_path / "mixed", "--cache", held, "--corpus-cache", train, "--rollout-fraction", "0.5", *run,
                       "--loss", "pkl", "--pkl-divergence", "jsd", "--ce-weight", "0.1", "--corpus-loss", "ce")
     alone = procs.run(tmp_path / "alone", "--cache", train, *run, "--loss", "ce", "--ce-weight", "1")
