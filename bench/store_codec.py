@@ -6,7 +6,7 @@
 a byte-level BPE tokenizer with a vocabulary above 65,536 (ids need 17 bits, as for Qwen3 or Llama-3)
 trained on the standard library's source plus 30 MB of installed site-packages source (the stdlib alone
 stops near 61k BPE tokens), and a tiny Qwen2 teacher trained on that text for a fixed number of steps (the
-same teacher on any machine). Then takes the teacher's real T=1 distributions on held-out documents and,
+same recipe on any machine, not the same weights: see `bench/store_codec_teachers.py`). Then takes the teacher's real T=1 distributions on held-out documents and,
 for k in {8, 64, 256}, prints for each codec variant: bytes/position (ids, values, total with residual +
 realized log-prob), mean KL(original top-k+rest || decoded), encode/decode positions/s on one core, and
 the ratio against raw fp32 values + int32 ids. The process pins itself to one CPU core; speeds are the
@@ -18,7 +18,7 @@ xtcache.testing.real) run with transformers on the real tier's held-out document
 tokens each), and measures k=64 only, printing `real k=64 v<N> (format <F>): <B> B/position` per codec.
 
 Both teachers: the candidates for each piece of a position at k=64 (`bench/store_codec_candidates.py`,
-`bench/store_codec_refs.py`), then the whole store written and read through `CacheWriter` and
+`bench/store_codec_refs.py`, the ideal coder with context of `bench/store_codec_bounds.py`), then the whole store written and read through `CacheWriter` and
 `CacheReader` with each codec version (v1: format 2, v2: format 3, v3: format 4) side by side, in the same run.
 
 `--write-docs` also writes, for the toy teacher, docs/benchmarks.md's `store-codec` block (the default codecs' row

@@ -359,13 +359,17 @@ def candidate_rows(docs: list[dict], ids: np.ndarray, lp: np.ndarray, realized: 
     P = len(ids_k)
     order = np.argsort(ids_k, axis=1, kind="stable")
     lp_sorted = np.take_along_axis(lp_k, order, 1)
+    from bench.store_codec_bounds import context_bound_rows
     from bench.store_codec_refs import reference_rows
 
+    sqrt = codecs.SqrtProbs(127)
+    vals = sqrt.encode(lp_k)
     dtype = "uint16" if vocab <= 65_536 else "uint32"  # the store's id dtype
     return [*_value_rows(lp_sorted, P), *_id_rows(ids_k, P, dtype), *_dictionary_rows(ids_k, P, dtype),
             *_code_order_rows(ids_k, lp_k, P, dtype), *_joint_rows(ids_k, lp_k, P, dtype),
             *ragged_rows(ids_k, lp_k, P, dtype, vocab),
-            *reference_rows(docs, ids_k, lp_k), *_side_rows(lp_k, realized, P), *_offset_rows(docs, P)]
+            *reference_rows(docs, ids_k, lp_k),
+            *context_bound_rows(docs, ids_k, vals, kl_top_rest(lp_k, sqrt.decode(vals)), vocab), *_side_rows(lp_k, realized, P), *_offset_rows(docs, P)]
 
 
 def candidate_table(rows: list[tuple[str, str, float, float]], k: int) -> list[str]:

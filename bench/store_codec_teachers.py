@@ -2,7 +2,9 @@
 
 - the toy teacher (`build_teacher`): a byte-level BPE tokenizer with a vocabulary above 65,536 trained on
   the standard library's source plus 30 MB of installed site-packages source, and a tiny Qwen2 trained on
-  that text for a fixed number of steps (the same teacher on any machine);
+  that text for a fixed number of steps (a fixed recipe, not a fixed teacher: the installed sources and the
+  CPU's float arithmetic differ between machines; its final loss was 5.85 on an Intel Xeon on 2026-11-28 and
+  5.91 on an AMD EPYC on 2026-12-01, the stamp of each docs block says which);
 - the real teacher (`real_teacher`): SmolLM2-135M-Instruct of the real tier (xtcache.testing.real) and its
   held-out documentation topics.
 

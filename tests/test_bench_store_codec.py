@@ -1,4 +1,5 @@
-"""bench/store_codec_candidates.py's KL of ragged rows (entries dropped into the rest), against a hand count."""
+"""bench/store_codec_candidates.py's KL of ragged rows (entries dropped into the rest), and the code lengths of
+bench/store_codec_bounds.py, against hand counts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from bench.store_codec_bounds import MIXES, context_code_lengths, multinomial_pairing_bits, rank_order_value_bits
 from bench.store_codec_candidates import kl_dropped, kl_top_rest, ragged_rows
 
 
@@ -34,3 +36,31 @@ def test_ragged_rows_keep_every_row_whole_when_no_entry_is_below_the_floor():
     for _, name, size, kl in ragged_rows(ids, lp, len(ids), "uint16", 16):
         assert "100% of entries kept, 100% of rows whole" in name and size > 0
         assert kl < 1e-3  # the values' sqrt code alone
+
+
+def test_pairing_with_no_model_is_the_multinomial_of_the_value_codes():
+    vals = np.array([[3, 3, 1, 1], [5, 4, 2, 1]])
+    assert multinomial_pairing_bits(vals) == pytest.approx(math.log2(6) + math.log2(24), rel=1e-12)
+
+
+def test_rank_order_values_cost_the_first_code_and_each_code_given_the_one_before():
+    # first codes 9, 9, 8, 8 (1 bit each); the second is the first minus 1 every time (0 bits given it)
+    vals = np.array([[9, 8], [9, 8], [8, 7], [8, 7]])
+    assert rank_order_value_bits(vals) == pytest.approx(4.0, abs=1e-12)
+
+
+def test_the_first_row_costs_a_uniform_set_and_a_row_seen_before_in_the_same_context_costs_less():
+    vocab, k = 1000, 4
+    ids = np.array([[5, 9, 200, 7], [5, 9, 200, 7], [11, 12, 13, 14]])
+    vals = np.array([[9, 5, 5, 1], [9, 5, 5, 1], [4, 3, 2, 1]])
+    inputs, before = np.array([42, 42, 43]), np.array([-1, 42, 42])
+    first, _ = context_code_lengths(ids[:1], vals[:1], inputs[:1], before[:1], vocab)
+    # every model is uniform before any row: the set code plus the pick of a mix that uses no reference row
+    assert first == pytest.approx(k * math.log2(vocab) - math.log2(24) + math.log2(len(MIXES)), rel=1e-12)
+    # with nothing known every order is as likely: the pairing is the multinomial (24 / 2! for the two 5s)
+    _, pairing = context_code_lengths(ids[:1], vals[:1], inputs[:1], before[:1], vocab)
+    assert all(bits == pytest.approx(math.log2(12), rel=1e-12) for bits in pairing.values())
+    two, _ = context_code_lengths(ids[:2], vals[:2], inputs[:2], before[:2], vocab)
+    three, _ = context_code_lengths(ids, vals, inputs, before, vocab)
+    assert two - first < first / 3  # the repeated row: its context and the previous row both hold its ids
+    assert three - two > 2 * (two - first)  # unseen ids cost far more than a repeated row
