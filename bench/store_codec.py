@@ -15,7 +15,9 @@ does not count as codec time.
 
 `--teacher real` takes the distributions of a trained teacher instead: SmolLM2-135M-Instruct (49,152 ids,
 xtcache.testing.real) run with transformers on the real tier's held-out documentation topics (up to 2,048
-tokens each), and measures k=64 only, printing `real k=64 v<N> (format <F>): <B> B/position` per codec.
+tokens each), and measures k=64 only, printing `real k=64 v<N> (format <F>): <B> B/position` per codec; its
+candidates add the ideal coder with context on the real tier's training documents too (about 88k positions,
+one store part's worth: the teacher runs over them once, cached beside the held-out distributions).
 
 Both teachers: the candidates for each piece of a position at k=64 (`bench/store_codec_candidates.py`,
 `bench/store_codec_refs.py`, the ideal coder with context of `bench/store_codec_bounds.py`), then the whole store written and read through `CacheWriter` and
@@ -42,8 +44,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.store_codec_candidates import candidate_rows, candidate_table, chunk_blobs  # noqa: E402
-from bench.store_codec_teachers import build_teacher, real_teacher, teacher_documents  # noqa: E402
+from bench.store_codec_bounds import context_bound_rows  # noqa: E402
+from bench.store_codec_candidates import candidate_rows, candidate_table, chunk_blobs, kl_top_rest  # noqa: E402
+from bench.store_codec_teachers import (  # noqa: E402
+    build_teacher,
+    real_teacher,
+    real_training_texts,
+    teacher_documents,
+)
 from xtcache.store import codecs  # noqa: E402
 from xtcache.store.arrays import default_compression  # noqa: E402
 
@@ -254,6 +262,8 @@ def main() -> None:
     else:  # k_max of the toy's largest k: one cache of distributions serves any k
         model_dir, held, cache_dir = real_teacher()
         docs = teacher_documents(model_dir, held, args.positions, max(TOY_KS), cache_dir=cache_dir, max_tokens=2048)
+        train = teacher_documents(model_dir, real_training_texts(), 100_000, 64, cache_dir=cache_dir, max_tokens=2048,
+                                  corpus="train")
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -278,7 +288,8 @@ def main() -> None:
                     f"({int((ids[:, :max(ks)] >= 65536).sum())} ids >= 65536); one core")
     print(teacher_line)
     default_rows = variant_table(ids, lp, realized, ks, vocab) if args.teacher == "toy" else []
-    candidates = candidate_table(candidate_rows(docs, ids, lp, realized, 64, vocab), 64)
+    more = training_context_rows(train, vocab) if args.teacher == "real" else []
+    candidates = candidate_table(candidate_rows(docs, ids, lp, realized, 64, vocab) + more, 64)
     print("codec candidates (each piece of a position encoded one way; same distributions, one core):")
     print("\n".join(candidates))
     print()
@@ -294,6 +305,17 @@ def main() -> None:
                     "\n".join([teacher_line, "", *codec_table(default_rows)]))
         write_block(REPO / DOC_BLOCKS["checked-reads"], "checked-reads", "\n".join(checked_reads_table(rows)))
         write_block(REPO / "docs/store.md", "store-codec-toy", store_block)
+
+
+def training_context_rows(train: list[dict], vocab: int) -> list[tuple[str, str, float, float]]:
+    """The ideal coder with context on the real tier's training documents: one store part's worth of positions,
+    four times the held-out documents', to show what the context models gain from more rows."""
+    ids = np.concatenate([d["topk_ids"][1:, :64] for d in train])
+    lp = np.concatenate([d["topk_logprobs"][1:, :64] for d in train])
+    sqrt = codecs.SqrtProbs(127)
+    vals = sqrt.encode(lp)
+    return context_bound_rows(train, ids, vals, kl_top_rest(lp, sqrt.decode(vals)), vocab,
+                              where=f"; the training documents, {len(ids):,} positions")
 
 
 def variant_table(ids: np.ndarray, lp: np.ndarray, realized: np.ndarray, ks, vocab: int) -> list:

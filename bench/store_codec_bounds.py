@@ -118,10 +118,11 @@ def multinomial_pairing_bits(vals: np.ndarray) -> float:
     return sum(_log2_factorial(k) - sum(_log2_factorial(m) for m in Counter(row.tolist()).values()) for row in vals)
 
 
-def context_bound_rows(docs: list[dict], ids: np.ndarray, vals: np.ndarray, kl: float,
-                       vocab: int) -> list[tuple[str, str, float, float]]:
+def context_bound_rows(docs: list[dict], ids: np.ndarray, vals: np.ndarray, kl: float, vocab: int,
+                       where: str = "") -> list[tuple[str, str, float, float]]:
     """(piece, candidate, B/position, KL) of the ideal coder with context, for `ids` [P, k] in rank order and their
-    sqrt codes `vals`: the rows of `docs` after each document's first (as `reference_rows`)."""
+    sqrt codes `vals`: the rows of `docs` after each document's first (as `reference_rows`); `where` is added
+    to each candidate's name."""
     P, k = ids.shape
     inputs = np.concatenate([d["ids"][:-1] for d in docs]).astype(np.int64)
     before = np.concatenate([np.concatenate([[-1], d["ids"][:-2]]) for d in docs]).astype(np.int64)
@@ -130,7 +131,7 @@ def context_bound_rows(docs: list[dict], ids: np.ndarray, vals: np.ndarray, kl: 
     multinomial = multinomial_pairing_bits(vals)
     value_b, set_b = rank_order_value_bits(vals) / 8 / P, set_bits / 8 / P
     pair_b = min(best, multinomial) / 8 / P
-    return [
+    rows = [
         ("ids", f"ideal coder with context: each row's set under the best of {len(MIXES)} mixes of adaptive part-wide, "
          "same input token, same two input tokens, previous row's and best of the previous 1,024 rows' ids (the "
          "pick and the reference paid; ideal arithmetic code, one entry at a time)", set_b, 0.0),
@@ -141,3 +142,4 @@ def context_bound_rows(docs: list[dict], ids: np.ndarray, vals: np.ndarray, kl: 
         ("ids + values", "ideal coder with context: the three above together (adaptive: read one entry at a time)",
          set_b + value_b + pair_b, kl),
     ]
+    return [(piece, name + where, b, error) for piece, name, b, error in rows]

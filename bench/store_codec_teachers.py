@@ -99,18 +99,27 @@ def real_teacher() -> tuple[Path, list[str], Path]:
     return models.teacher, held, CACHE / "real-smollm2"
 
 
+def real_training_texts() -> list[str]:
+    """The real tier's training documents (about 88k positions of the real teacher: one store part's worth)."""
+    from xtcache.testing.real import build_real_models
+
+    path = build_real_models().train_jsonl
+    return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
+
+
 def teacher_documents(model_dir: Path, held: list[str], positions: int, k_max: int, *, cache_dir: Path | None = None,
-                      max_tokens: int = 256) -> list[dict]:
+                      max_tokens: int = 256, corpus: str = "heldout") -> list[dict]:
     """Held-out documents with the teacher's real T=1 top-k_max distributions (cached as .npz in `cache_dir`,
-    default beside the model), each cut to its first `max_tokens` tokens.
+    default beside the model), each cut to its first `max_tokens` tokens. `corpus` names the documents in
+    the cache's file name when they are not the held-out ones.
 
     Each dict: text, ids int32 [T], offsets int32 [T, 2], topk_ids int32 [T, k_max],
     topk_logprobs float32 [T, k_max], realized float32 [T]; row 0 has no prediction (zeros / NaN).
     """
     cache_dir = cache_dir or model_dir.parent
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cache = cache_dir / (f"dists-{positions}-{k_max}.npz" if max_tokens == 256 else
-                         f"dists-{positions}-{k_max}-t{max_tokens}.npz")
+    name = f"dists-{positions}-{k_max}" if corpus == "heldout" else f"dists-{corpus}-{positions}-{k_max}"
+    cache = cache_dir / (f"{name}.npz" if max_tokens == 256 else f"{name}-t{max_tokens}.npz")
     if not cache.exists():
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
