@@ -360,7 +360,7 @@ def candidate_rows(docs: list[dict], ids: np.ndarray, lp: np.ndarray, realized: 
     order = np.argsort(ids_k, axis=1, kind="stable")
     lp_sorted = np.take_along_axis(lp_k, order, 1)
     from bench.store_codec_bounds import context_bound_rows
-    from bench.store_codec_refs import reference_rows
+    from bench.store_codec_refs import reference_rows, shallow_rows
 
     sqrt = codecs.SqrtProbs(127)
     vals = sqrt.encode(lp_k)
@@ -368,7 +368,7 @@ def candidate_rows(docs: list[dict], ids: np.ndarray, lp: np.ndarray, realized: 
     return [*_value_rows(lp_sorted, P), *_id_rows(ids_k, P, dtype), *_dictionary_rows(ids_k, P, dtype),
             *_code_order_rows(ids_k, lp_k, P, dtype), *_joint_rows(ids_k, lp_k, P, dtype),
             *ragged_rows(ids_k, lp_k, P, dtype, vocab),
-            *reference_rows(docs, ids_k, lp_k),
+            *reference_rows(docs, ids_k, lp_k), *shallow_rows(ids_k, lp_k),
             *context_bound_rows(docs, ids_k, vals, kl_top_rest(lp_k, sqrt.decode(vals)), vocab), *_side_rows(lp_k, realized, P), *_offset_rows(docs, P)]
 
 

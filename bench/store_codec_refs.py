@@ -5,7 +5,9 @@ one, the last one after the same input token, the best match among the last W ro
 that row's ids it keeps (a bit per entry), the kept ids' value codes as differences from that row's, and
 its other ids as sorted dictionary-code deltas with their values. Sizes only: a reader would rebuild each
 row from a row it has already decoded, a chain of dependent steps that numpy cannot run as a few passes
-over a part, which is why the store does not code ids this way (see docs/store.md).
+over a part, which is why the store does not code ids this way (see docs/store.md). The "at depth" rows
+bound that chain (`shallow_refs`): a reader decodes them level by level (`shallow_decode`, checked against
+the rows coded and timed).
 
     .venv/bin/python bench/store_codec.py --teacher real      # the "vs ..." rows of "codec candidates"
 """
@@ -99,4 +101,112 @@ def reference_rows(docs: list[dict], ids: np.ndarray, lp: np.ndarray) -> list[tu
         id_b, val_b, shared = reference_bytes(codes, vals, ref)
         rows.append(("ids + values", f"vs {name} ({shared:.0f} of {ids.shape[1]} ids kept): ids {id_b + extra:.1f} "
                      f"+ values {val_b:.1f}", id_b + extra + val_b, kl))
+    return rows
+
+
+def shallow_refs(codes: np.ndarray, window: int, depth: int, min_shared: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """(ref, level) int64 [P]: for each row the earlier row among the `window` before it that shares most of its
+    codes and sits at a level below `depth`, its level one more than that row's; -1 and level 0 (a row coded
+    alone) where no such row shares `min_shared` codes. A reader then decodes level by level: `depth` + 1
+    passes over the part, each a few numpy operations, instead of a step per row."""
+    P, _ = codes.shape
+    member = np.zeros(int(codes.max(initial=0)) + 1, bool)
+    ref = np.full(P, -1, np.int64)
+    level = np.zeros(P, np.int64)
+    for t in range(1, P):
+        member[codes[t]] = True
+        lo = max(0, t - window)
+        shared = np.where(level[lo:t] < depth, member[codes[lo:t]].sum(axis=1), -1)
+        best = t - 1 - int(np.argmax(shared[::-1]))  # the nearest of the best
+        if shared[best - lo] >= min_shared:
+            ref[t], level[t] = best, level[best] + 1
+        member[codes[t]] = False
+    return ref, level
+
+
+def shallow_encode(codes: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(kept [P, k] bool over each reference row's codes in ascending order, new code deltas [n] int64): a row's
+    codes are the kept ones of its reference and its new ones, sorted and delta coded (the first absolute)."""
+    rows = np.sort(codes, axis=1)
+    P, k = rows.shape
+    kept = np.zeros((P, k), bool)
+    new = []
+    for t in range(P):
+        fresh = rows[t]
+        if ref[t] >= 0:
+            kept[t] = np.isin(rows[ref[t]], rows[t])
+            fresh = rows[t][~np.isin(rows[t], rows[ref[t]])]
+        d = fresh.astype(np.int64)
+        d[1:] -= fresh[:-1]
+        new.append(d)
+    return kept, np.concatenate(new)
+
+
+def shallow_decode(ref: np.ndarray, level: np.ndarray, kept: np.ndarray, new_deltas: np.ndarray) -> np.ndarray:
+    """Every row's codes [P, k] in ascending order, decoded level by level (numpy, no step per row)."""
+    P, k = kept.shape
+    counts = k - kept.sum(axis=1)  # new codes per row
+    starts = np.cumsum(counts) - counts
+    summed = np.cumsum(new_deltas)
+    before = np.where(starts > 0, summed[np.maximum(starts - 1, 0)], 0)  # each row's running sum before it
+    new = summed - np.repeat(before, counts)  # absolute codes, each row's run restarted
+    out = np.empty((P, k), new.dtype)
+    for lvl in range(int(level.max(initial=0)) + 1):
+        rows = np.flatnonzero(level == lvl)
+        n_new = counts[rows]
+        at = np.repeat(starts[rows] - (np.cumsum(n_new) - n_new), n_new) + np.arange(int(n_new.sum()))
+        if lvl == 0:
+            out[rows] = new[at].reshape(len(rows), k)
+            continue
+        keep = kept[rows]
+        row = np.empty((len(rows), k), new.dtype)
+        first = np.arange(k)[None, :] < (k - n_new)[:, None]  # the kept codes first, then the new ones
+        row[first] = out[ref[rows]][keep]
+        row[~first] = new[at]
+        out[rows] = np.sort(row, axis=1)
+    return out
+
+
+def shallow_rows(ids: np.ndarray, lp: np.ndarray) -> list[tuple[str, str, float, float]]:
+    """(piece, candidate, B/position, KL) of ids coded against the best earlier row at a bounded depth (kept bits,
+    the distance, the new codes' deltas at blosc 6; values in code order at zstd 9, as codec v3), with the
+    rate of `shallow_decode` after decompression against codec v3's (a cumulative sum per row), in CPU time."""
+    import time
+
+    dictionary = group_dictionary(ids)
+    codes = code_table(dictionary)[ids]
+    sqrt = codecs.SqrtProbs(127)
+    vals = sqrt.encode(lp)
+    kl = kl_top_rest(lp, sqrt.decode(vals))
+    order = np.argsort(codes, axis=1, kind="stable")
+    val_b = compressed_bytes(np.take_along_axis(vals, order, 1), level=9) / len(ids)
+    sorted_codes = np.sort(codes, axis=1)
+    v3_deltas = sorted_codes.copy()
+    v3_deltas[:, 1:] -= sorted_codes[:, :-1]
+
+    def rate(fn, *args) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            fn(*args)
+            best = min(best, time.process_time() - t0)
+        return len(ids) / max(best, 1e-9)
+
+    v3_rate = rate(np.cumsum, v3_deltas, 1)
+    rows = []
+    for depth in (1, 3):
+        ref, level = shallow_refs(codes, 1024, depth)
+        kept, new = shallow_encode(codes, ref)
+        decoded = shallow_decode(ref, level, kept, new)
+        if not np.array_equal(decoded, sorted_codes):
+            raise AssertionError(f"shallow reference coding at depth {depth} does not decode to the rows it coded")
+        dist = np.where(ref >= 0, np.arange(len(ids)) - ref, 0).astype(np.uint16)[:, None]
+        id_b = (compressed_bytes(np.packbits(kept, axis=1)) + compressed_bytes(dist, "byte", 6, CHUNK_BYTES)
+                + compressed_bytes(new.astype(np.uint16)[:, None], "byte", 6, CHUNK_BYTES)
+                + dictionary_bytes(dictionary)) / len(ids)
+        r = rate(shallow_decode, ref, level, kept, new)
+        rows.append(("ids + values", f"vs the best of the previous 1,024 positions at depth <= {depth} "
+                     f"({kept.sum(axis=1).mean():.0f} of {ids.shape[1]} ids kept, {(ref < 0).mean():.0%} of rows "
+                     f"alone): ids {id_b:.1f} + values {val_b:.1f}; ids decoded {r / 1e6:.2f}M positions/s after "
+                     f"decompression against v3's {v3_rate / 1e6:.1f}M", id_b + val_b, kl))
     return rows

@@ -64,3 +64,24 @@ def test_the_first_row_costs_a_uniform_set_and_a_row_seen_before_in_the_same_con
     three, _ = context_code_lengths(ids, vals, inputs, before, vocab)
     assert two - first < first / 3  # the repeated row: its context and the previous row both hold its ids
     assert three - two > 2 * (two - first)  # unseen ids cost far more than a repeated row
+
+
+def test_rows_coded_against_earlier_rows_at_a_bounded_depth_decode_level_by_level_to_themselves():
+    from bench.store_codec_refs import shallow_decode, shallow_encode, shallow_refs
+
+    rng = np.random.default_rng(0)
+    rows = [rng.choice(500, 16, replace=False)]
+    for _ in range(199):  # each row keeps 12 of an earlier row's codes, or is new
+        if rng.random() < 0.8:
+            base = rows[int(rng.integers(max(0, len(rows) - 50), len(rows)))]
+            fresh = np.setdiff1d(rng.choice(500, 40, replace=False), base)[:4]
+            rows.append(np.concatenate([rng.choice(base, 12, replace=False), fresh]))
+        else:
+            rows.append(rng.choice(500, 16, replace=False))
+    codes = np.stack(rows)
+    ref, level = shallow_refs(codes, 64, depth=2, min_shared=8)
+    assert level.max() == 2 and (ref < np.arange(len(codes))).all()
+    assert (level[ref >= 0] == level[ref[ref >= 0]] + 1).all() and (level[ref < 0] == 0).all()
+    kept, new = shallow_encode(codes, ref)
+    assert kept.sum() > 0.5 * codes.size  # most codes come from the reference rows
+    np.testing.assert_array_equal(shallow_decode(ref, level, kept, new), np.sort(codes, axis=1))
