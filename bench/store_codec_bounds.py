@@ -51,7 +51,8 @@ def context_code_lengths(ids: np.ndarray, vals: np.ndarray, inputs: np.ndarray, 
     q, a valid code length over sets (loose where q puts most of its mass on k ids: a row that repeats an
     earlier one). Each row picks the mix of MIXES that codes it shortest. Its pairing costs the
     Plackett-Luce code of its rank order under that mix, minus what equal values leave free (log2 of the
-    factorials of their counts).
+    factorials of their counts: exact when the mix is uniform over the row, as for the first row, an
+    approximation otherwise; the pairing row takes the smaller of this and the exact multinomial).
     """
     from bench.store_codec_refs import best_recent
 
