@@ -142,12 +142,20 @@ def shallow_encode(codes: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.n
     return kept, np.concatenate(new)
 
 
-def shallow_decode(ref: np.ndarray, level: np.ndarray, kept: np.ndarray, new_deltas: np.ndarray) -> np.ndarray:
-    """Every row's codes [P, k] in ascending order, decoded level by level (numpy, no step per row)."""
-    P, k = kept.shape
+def shallow_decode(dist: np.ndarray, kept_bits: np.ndarray, new_deltas: np.ndarray, k: int, depth: int) -> np.ndarray:
+    """Every row's codes [P, k] in ascending order from what a part would store: each row's distance to its
+    reference (0: coded alone), its packed kept bits and the new codes' deltas. Numpy, no step per row: the
+    levels in `depth` passes over the distances, then the rows level by level."""
+    P = len(dist)
+    kept = np.unpackbits(kept_bits, axis=1, count=k).astype(bool)
+    ref = np.where(dist > 0, np.arange(P) - dist.astype(np.int64), -1)
+    level = np.zeros(P, np.int64)
+    has_ref = ref >= 0
+    for _ in range(depth):
+        level[has_ref] = level[ref[has_ref]] + 1
     counts = k - kept.sum(axis=1)  # new codes per row
     starts = np.cumsum(counts) - counts
-    summed = np.cumsum(new_deltas)
+    summed = np.cumsum(new_deltas, dtype=np.int64)
     before = np.where(starts > 0, summed[np.maximum(starts - 1, 0)], 0)  # each row's running sum before it
     new = summed - np.repeat(before, counts)  # absolute codes, each row's run restarted
     out = np.empty((P, k), new.dtype)
@@ -195,16 +203,17 @@ def shallow_rows(ids: np.ndarray, lp: np.ndarray) -> list[tuple[str, str, float,
     v3_rate = rate(np.cumsum, v3_deltas, 1)
     rows = []
     for depth in (1, 3):
-        ref, level = shallow_refs(codes, 1024, depth)
+        ref, _ = shallow_refs(codes, 1024, depth)
         kept, new = shallow_encode(codes, ref)
-        decoded = shallow_decode(ref, level, kept, new)
+        dist = np.where(ref >= 0, np.arange(len(ids)) - ref, 0).astype(np.uint16)  # < 1,024
+        bits = np.packbits(kept, axis=1)
+        new = new.astype(np.uint16 if len(dictionary) <= 65_536 else np.uint32)  # the store's code dtype
+        decoded = shallow_decode(dist, bits, new, ids.shape[1], depth)
         if not np.array_equal(decoded, sorted_codes):
             raise AssertionError(f"shallow reference coding at depth {depth} does not decode to the rows it coded")
-        dist = np.where(ref >= 0, np.arange(len(ids)) - ref, 0).astype(np.uint16)[:, None]
-        id_b = (compressed_bytes(np.packbits(kept, axis=1)) + compressed_bytes(dist, "byte", 6, CHUNK_BYTES)
-                + compressed_bytes(new.astype(np.uint16)[:, None], "byte", 6, CHUNK_BYTES)
-                + dictionary_bytes(dictionary)) / len(ids)
-        r = rate(shallow_decode, ref, level, kept, new)
+        id_b = (compressed_bytes(bits) + compressed_bytes(dist[:, None], "byte", 6, CHUNK_BYTES)
+                + compressed_bytes(new[:, None], "byte", 6, CHUNK_BYTES) + dictionary_bytes(dictionary)) / len(ids)
+        r = rate(shallow_decode, dist, bits, new, ids.shape[1], depth)
         rows.append(("ids + values", f"vs the best of the previous 1,024 positions at depth <= {depth} "
                      f"({kept.sum(axis=1).mean():.0f} of {ids.shape[1]} ids kept, {(ref < 0).mean():.0%} of rows "
                      f"alone): ids {id_b:.1f} + values {val_b:.1f}; ids decoded {r / 1e6:.2f}M positions/s after "

@@ -84,4 +84,65 @@ def test_rows_coded_against_earlier_rows_at_a_bounded_depth_decode_level_by_leve
     assert (level[ref >= 0] == level[ref[ref >= 0]] + 1).all() and (level[ref < 0] == 0).all()
     kept, new = shallow_encode(codes, ref)
     assert kept.sum() > 0.5 * codes.size  # most codes come from the reference rows
-    np.testing.assert_array_equal(shallow_decode(ref, level, kept, new), np.sort(codes, axis=1))
+    dist = np.where(ref >= 0, np.arange(len(codes)) - ref, 0).astype(np.uint16)
+    decoded = shallow_decode(dist, np.packbits(kept, axis=1), new.astype(np.uint16), 16, depth=2)
+    np.testing.assert_array_equal(decoded, np.sort(codes, axis=1))
+
+
+def test_a_row_that_keeps_nothing_of_its_reference_decodes_from_its_new_codes_alone():
+    from bench.store_codec_refs import shallow_decode, shallow_encode
+
+    codes = np.array([[1, 5, 9, 70_000], [2, 3, 4, 8], [9, 1, 66_000, 6]])  # codes above 16 bits too
+    ref = np.array([-1, 0, 1])  # row 1 shares nothing with row 0; row 2 nothing with row 1
+    kept, new = shallow_encode(codes, ref)
+    assert not kept.any()
+    dist = np.array([0, 1, 1], np.uint16)
+    decoded = shallow_decode(dist, np.packbits(kept, axis=1), new.astype(np.uint32), 4, depth=2)
+    np.testing.assert_array_equal(decoded, np.sort(codes, axis=1))
+
+
+def _mix_cost(q_models: np.ndarray, k: int) -> tuple[float, np.ndarray]:
+    """A second construction of a row's set code under the best mix: (bits, the picked mix's q)."""
+    costs = [-np.log2(w @ q_models).sum() - math.log2(math.factorial(k)) + math.log2(len(MIXES))
+             + (10.0 if w[4] > 0 else 0.0) for w in MIXES]
+    pick = int(np.argmin(costs))
+    return costs[pick], MIXES[pick] @ q_models
+
+
+def test_the_second_row_costs_its_hand_counted_mix_and_its_pairing_its_plackett_luce_code():
+    vocab, k = 10, 2
+    ids = np.array([[1, 2], [3, 1]])  # row 1 in rank order: id 3 first
+    vals = np.array([[9, 4], [8, 2]])
+    inputs, before = np.array([5, 5]), np.array([-1, 5])  # two-token contexts (-1, 5), then (5, 5): unseen
+    first, _ = context_code_lengths(ids[:1], vals[:1], inputs[:1], before[:1], vocab)
+    both, pairing = context_code_lengths(ids, vals, inputs, before, vocab)
+    # after row 0 (ids 1, 2 after token 5): part-wide counts {1: 1, 2: 1} of 2 entries
+    q_part = (np.array([0.0, 1.0]) + 0.5) / (2 + 0.5 * vocab)  # ids 3, 1
+    q_one = (np.array([0.0, 1.0]) + 8.0 * q_part) / (k * 1 + 8.0)  # one row after token 5 so far
+    q_two = q_one  # (5, 5) never seen: falls back on the one-token model
+    q_prev = np.array([0.0, 0.5])  # row 0 holds id 1, not id 3
+    q_ref = q_prev  # the best earlier row is row 0
+    bits, q = _mix_cost(np.stack([q_part, q_one, q_two, q_prev, q_ref]), k)
+    assert both - first == pytest.approx(bits, rel=1e-9)
+    _, first_pairing = context_code_lengths(ids[:1], vals[:1], inputs[:1], before[:1], vocab)
+    for g, total in pairing.items():
+        w = q ** g  # id 3 ranks first: chosen among both ids, then id 1 alone
+        assert total - first_pairing[g] == pytest.approx(-math.log2(w[0] / w.sum()), rel=1e-9)
+
+
+def test_the_rows_of_documents_are_coded_after_the_token_before_their_target():
+    from bench.store_codec_bounds import context_bound_rows
+
+    rng = np.random.default_rng(1)
+    docs = [{"ids": rng.integers(0, 50, size=n)} for n in (7, 5)]
+    P = sum(len(d["ids"]) - 1 for d in docs)
+    ids = np.stack([rng.choice(300, 8, replace=False) for _ in range(P)])
+    vals = -np.sort(-rng.integers(0, 128, size=(P, 8)), axis=1)
+    # row t of a document predicts its token t: the input is token t - 1 and the one before it token t - 2
+    inputs = np.concatenate([d["ids"][:-1] for d in docs])
+    before = np.concatenate([[-1, *d["ids"][:-2]] for d in docs])
+    set_bits, _ = context_code_lengths(ids, vals, inputs, before, 300)
+    rows = context_bound_rows(docs, ids, vals, 0.0, 300)
+    assert rows[0][2] == pytest.approx(set_bits / 8 / P, rel=1e-12)
+    leaked, _ = context_code_lengths(ids, vals, np.concatenate([d["ids"][1:] for d in docs]), before, 300)
+    assert leaked != pytest.approx(set_bits, rel=1e-6)  # the alignment matters to the number
