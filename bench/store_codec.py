@@ -45,7 +45,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.store_codec_bounds import context_bound_rows  # noqa: E402
-from bench.store_codec_candidates import candidate_rows, candidate_table, chunk_blobs, kl_top_rest  # noqa: E402
+from bench.store_codec_candidates import (  # noqa: E402
+    best_rate,
+    candidate_rows,
+    candidate_table,
+    chunk_blobs,
+    kl_top_rest,
+)
 from bench.store_codec_teachers import (  # noqa: E402
     build_teacher,
     real_teacher,
@@ -183,15 +189,6 @@ def _zarr_decode(url: str, meta) -> None:
             codec.decode(values[name])
 
 
-def _best_rate(fn, positions: int, repeat: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t0)
-    return positions / best
-
-
 def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 256, format_version: int = 3) -> dict:
     """Write through CacheWriter (default codecs) and read back, checked and unchecked side by side.
 
@@ -225,10 +222,10 @@ def store_round_trip(docs: list[dict], k: int, vocab: int, docs_per_part: int = 
         reader = CacheReader(f"{tmp}/speed")
         n = meta.num_positions
         reads = {
-            "zarr, no crc32c": _best_rate(lambda: _zarr_decode(f"{tmp}/speed-unchecked", meta), n),
-            "zarr + crc32c": _best_rate(lambda: _zarr_decode(f"{tmp}/speed", meta), n),
-            "read_shard": _best_rate(lambda: reader.read_shard(meta.shard_id), n),
-            "read_shard verify": _best_rate(lambda: reader.read_shard(meta.shard_id, verify=True), n),
+            "zarr, no crc32c": best_rate(lambda: _zarr_decode(f"{tmp}/speed-unchecked", meta), n, repeat=5),
+            "zarr + crc32c": best_rate(lambda: _zarr_decode(f"{tmp}/speed", meta), n, repeat=5),
+            "read_shard": best_rate(lambda: reader.read_shard(meta.shard_id), n, repeat=5),
+            "read_shard verify": best_rate(lambda: reader.read_shard(meta.shard_id, verify=True), n, repeat=5),
         }
     P = summary.positions
     return {"part_positions": n, "write": n / write_s, "reads": reads, "kl": kl,
@@ -262,8 +259,9 @@ def main() -> None:
     else:  # k_max of the toy's largest k: one cache of distributions serves any k
         model_dir, held, cache_dir = real_teacher()
         docs = teacher_documents(model_dir, held, args.positions, max(TOY_KS), cache_dir=cache_dir, max_tokens=2048)
-        train = teacher_documents(model_dir, real_training_texts(), 100_000, 64, cache_dir=cache_dir, max_tokens=2048,
-                                  corpus="train")
+        if not args.reads:  # before the pinning below: the teacher's first run over them uses every core
+            train = teacher_documents(model_dir, real_training_texts(), 100_000, 64, cache_dir=cache_dir,
+                                      max_tokens=2048, corpus="train")
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})

@@ -41,6 +41,19 @@ def _log2_factorial(m: int) -> float:
     return math.lgamma(m + 1) / math.log(2)
 
 
+def _tie_bits(values: np.ndarray) -> float:
+    """log2 of the orders of a row's entries that equal values leave free: the product of their counts' factorials."""
+    return sum(_log2_factorial(m) for m in Counter(values.tolist()).values())
+
+
+def _escaped(counts: Counter, rows: int, row: np.ndarray, coarser: np.ndarray, k: int) -> np.ndarray:
+    """A context's probabilities of `row`'s ids: its counts over its `rows` rows of k ids, falling back on the
+    coarser model's with ESCAPE pseudo-counts; the coarser model's alone where the context has no row yet."""
+    if not rows:
+        return coarser
+    return (np.array([counts[a] for a in row.tolist()], float) + ESCAPE * coarser) / (k * rows + ESCAPE)
+
+
 def context_code_lengths(ids: np.ndarray, vals: np.ndarray, inputs: np.ndarray, before: np.ndarray,
                          vocab: int) -> tuple[float, dict[float, float]]:
     """(bits of the rows' id sets, {sharpness: bits of the pairing}) summed over rows, under the adaptive models.
@@ -72,19 +85,15 @@ def context_code_lengths(ids: np.ndarray, vals: np.ndarray, inputs: np.ndarray, 
         row = ids[t]
         q_part = (seen[row] + 0.5) / (total + 0.5 * vocab)
         one, two = int(inputs[t]), (int(before[t]), int(inputs[t]))
-        q_one = q_part
-        if rows_one[one]:
-            q_one = (np.array([by_one[one][a] for a in row.tolist()], float) + ESCAPE * q_part) / (k * rows_one[one] + ESCAPE)
-        q_two = q_one
-        if rows_two[two]:
-            q_two = (np.array([by_two[two][a] for a in row.tolist()], float) + ESCAPE * q_one) / (k * rows_two[two] + ESCAPE)
+        q_one = _escaped(by_one[one], rows_one[one], row, q_part, k)
+        q_two = _escaped(by_two[two], rows_two[two], row, q_one, k)
         q_prev = np.isin(row, ids[t - 1]) / k if t else q_part
         q_ref = np.isin(row, ids[ref[t]]) / k if ref[t] >= 0 else q_part
         q_mixes = MIXES @ np.stack([q_part, q_one, q_two, q_prev, q_ref])  # [mixes, k]
         costs = -np.log2(q_mixes).sum(1) - set_free + overhead
         pick = int(np.argmin(costs))
         set_bits += float(costs[pick])
-        ties = sum(_log2_factorial(m) for m in Counter(vals[t].tolist()).values())
+        ties = _tie_bits(vals[t])
         for g in SHARPNESS:
             w = q_mixes[pick] ** g
             remaining = np.cumsum(w[::-1])[::-1]  # each rank's choice among the ids not yet placed
@@ -116,7 +125,7 @@ def rank_order_value_bits(vals: np.ndarray) -> float:
 def multinomial_pairing_bits(vals: np.ndarray) -> float:
     """Bits (summed over rows) of the pairing with no model: log2 of each row's multinomial of value codes."""
     k = vals.shape[1]
-    return sum(_log2_factorial(k) - sum(_log2_factorial(m) for m in Counter(row.tolist()).values()) for row in vals)
+    return sum(_log2_factorial(k) - _tie_bits(row) for row in vals)
 
 
 def context_bound_rows(docs: list[dict], ids: np.ndarray, vals: np.ndarray, kl: float, vocab: int,

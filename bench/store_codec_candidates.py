@@ -40,16 +40,21 @@ def compressed_bytes(values: np.ndarray, shuffle: str = "none", level: int = 3, 
     return sum(map(len, chunk_blobs(values, codecs.Compression(level, shuffle, blocksize))[0]))
 
 
-def compress_rate(values: np.ndarray, shuffle: str = "none", level: int = 3, blocksize: int = 0) -> float:
-    """Rows of `values` compressed per CPU second (best of 3), as `compressed_bytes` compresses them."""
+def best_rate(fn, rows: int, *args, repeat: int = 3) -> float:
+    """`rows` per CPU second of `fn(*args)` (`time.process_time`), the best of `repeat` runs."""
     import time
 
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeat):
         t0 = time.process_time()
-        compressed_bytes(values, shuffle, level, blocksize)
+        fn(*args)
         best = min(best, time.process_time() - t0)
-    return len(values) / max(best, 1e-9)
+    return rows / max(best, 1e-9)
+
+
+def compress_rate(values: np.ndarray, shuffle: str = "none", level: int = 3, blocksize: int = 0) -> float:
+    """Rows of `values` compressed per CPU second (best of 3), as `compressed_bytes` compresses them."""
+    return best_rate(lambda: compressed_bytes(values, shuffle, level, blocksize), len(values))
 
 
 def kl_top_rest(lp: np.ndarray, decoded: np.ndarray, rest: np.ndarray | None = None) -> float:
@@ -134,7 +139,7 @@ def code_table(dictionary: np.ndarray) -> np.ndarray:
     return out
 
 
-def _sorted_code_deltas(codes: np.ndarray) -> np.ndarray:
+def sorted_code_deltas(codes: np.ndarray) -> np.ndarray:
     s = np.sort(codes, axis=1)
     d = s.copy()
     d[:, 1:] = s[:, 1:] - s[:, :-1]
@@ -154,12 +159,12 @@ def _dictionary_rows(ids: np.ndarray, P: int, dtype: str) -> list[tuple[str, str
               "by log2 count group, then id (v3)": group_dictionary(ids)}
     rows = []
     for name, dictionary in orders.items():
-        d = _sorted_code_deltas(code_table(dictionary)[ids]).astype(dtype)
+        d = sorted_code_deltas(code_table(dictionary)[ids]).astype(dtype)
         rows.append(("ids", f"dictionary {name}, codes sorted, delta, byte shuffle, level 6, 1 MiB blocks",
                      (compressed_bytes(d, "byte", 6, CHUNK_BYTES) + dictionary_bytes(dictionary)) / P, 0.0))
     dictionary = orders["by log2 count group, then id (v3)"]
     codes = code_table(dictionary)[ids]  # [P, k] in rank order (ids arrive most likely first)
-    d = _sorted_code_deltas(codes)
+    d = sorted_code_deltas(codes)
     extra = dictionary_bytes(dictionary)
     slow = compress_rate(d.astype(dtype), "byte", 9, CHUNK_BYTES) / 1e3
     fast = compress_rate(d.astype(dtype), "byte", 6, CHUNK_BYTES) / 1e3
@@ -197,13 +202,13 @@ def _code_order_rows(ids: np.ndarray, lp: np.ndarray, P: int, dtype: str) -> lis
         codes = code_table(dictionary)[ids]
         by_code = np.argsort(codes, axis=1, kind="stable")
         rows.append(("ids + values", f"dictionary {name}: code deltas + values in code order",
-                     (compressed_bytes(_sorted_code_deltas(codes).astype(dtype), "byte", 6, CHUNK_BYTES)
+                     (compressed_bytes(sorted_code_deltas(codes).astype(dtype), "byte", 6, CHUNK_BYTES)
                       + dictionary_bytes(dictionary) + compressed_bytes(np.take_along_axis(vals, by_code, 1), level=9))
                      / P, kl))
     dictionary = group_dictionary(ids)
     codes = code_table(dictionary)[ids]
     by_code = np.argsort(codes, axis=1, kind="stable")
-    d = _sorted_code_deltas(codes).astype(dtype)
+    d = sorted_code_deltas(codes).astype(dtype)
     v = np.take_along_axis(vals, by_code, 1)
     for level in (5, 8):
         rows.append(("ids", f"dictionary (v3), level {level}",
@@ -239,7 +244,7 @@ def _joint_rows(ids: np.ndarray, lp: np.ndarray, P: int, dtype: str) -> list[tup
     kl = kl_top_rest(lp, values.decode(vals))
     rows = []
     order = np.argsort(codes, axis=1, kind="stable")
-    id_b = compressed_bytes(_sorted_code_deltas(codes).astype(dtype), "byte", 6, CHUNK_BYTES)
+    id_b = compressed_bytes(sorted_code_deltas(codes).astype(dtype), "byte", 6, CHUNK_BYTES)
     rows.append(("ids + values", "by code: code deltas + values in code order (v3)",
                  (id_b + extra + compressed_bytes(np.take_along_axis(vals, order, 1), level=9)) / P, kl))
     for head in (4, 8, 16):
@@ -337,7 +342,7 @@ def ragged_rows(ids: np.ndarray, lp: np.ndarray, P: int, dtype: str, vocab: int)
         keep = lp >= np.log(tau)
         keep[:, 0] = True  # every row keeps its most likely entry
         kept_codes = np.where(keep, codes, np.iinfo(np.int64).max)  # dropped entries sort last
-        d = _sorted_code_deltas(kept_codes)
+        d = sorted_code_deltas(kept_codes)
         order = np.argsort(kept_codes, axis=1, kind="stable")
         mask = np.sort(~keep, axis=1)  # the kept entries first in each sorted row
         flat_deltas = d[~mask].astype(dtype)[:, None]
@@ -364,12 +369,13 @@ def candidate_rows(docs: list[dict], ids: np.ndarray, lp: np.ndarray, realized: 
 
     sqrt = codecs.SqrtProbs(127)
     vals = sqrt.encode(lp_k)
+    kl = kl_top_rest(lp_k, sqrt.decode(vals))  # the sqrt code's, for the rows that keep every entry
     dtype = "uint16" if vocab <= 65_536 else "uint32"  # the store's id dtype
     return [*_value_rows(lp_sorted, P), *_id_rows(ids_k, P, dtype), *_dictionary_rows(ids_k, P, dtype),
             *_code_order_rows(ids_k, lp_k, P, dtype), *_joint_rows(ids_k, lp_k, P, dtype),
             *ragged_rows(ids_k, lp_k, P, dtype, vocab),
-            *reference_rows(docs, ids_k, lp_k), *shallow_rows(ids_k, lp_k),
-            *context_bound_rows(docs, ids_k, vals, kl_top_rest(lp_k, sqrt.decode(vals)), vocab), *_side_rows(lp_k, realized, P), *_offset_rows(docs, P)]
+            *reference_rows(docs, ids_k, lp_k), *shallow_rows(ids_k, vals, kl),
+            *context_bound_rows(docs, ids_k, vals, kl, vocab), *_side_rows(lp_k, realized, P), *_offset_rows(docs, P)]
 
 
 def candidate_table(rows: list[tuple[str, str, float, float]], k: int) -> list[str]:

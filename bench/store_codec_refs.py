@@ -18,11 +18,13 @@ import numpy as np
 
 from bench.store_codec_candidates import (
     CHUNK_BYTES,
+    best_rate,
     code_table,
     compressed_bytes,
     dictionary_bytes,
     group_dictionary,
     kl_top_rest,
+    sorted_code_deltas,
 )
 from xtcache.store import codecs
 
@@ -38,17 +40,9 @@ def previous_same(keys: np.ndarray) -> np.ndarray:
 
 
 def best_recent(codes: np.ndarray, window: int) -> np.ndarray:
-    """int64 [P]: among the `window` rows before each row, the one sharing most of its codes (-1 for row 0)."""
-    P, _ = codes.shape
-    member = np.zeros(int(codes.max(initial=0)) + 1, bool)
-    ref = np.full(P, -1, np.int64)
-    for t in range(1, P):
-        member[codes[t]] = True
-        lo = max(0, t - window)
-        shared = member[codes[lo:t]].sum(axis=1)  # [t - lo]
-        ref[t] = t - 1 - int(np.argmax(shared[::-1]))  # the nearest of the best
-        member[codes[t]] = False
-    return ref
+    """int64 [P]: among the `window` rows before each row, the one sharing most of its codes (-1 for row 0):
+    `shallow_refs` with no bound on the depth and no least share."""
+    return shallow_refs(codes, window, depth=len(codes), min_shared=0)[0]
 
 
 def reference_bytes(codes: np.ndarray, vals: np.ndarray, ref: np.ndarray) -> tuple[float, float, float]:
@@ -175,32 +169,18 @@ def shallow_decode(dist: np.ndarray, kept_bits: np.ndarray, new_deltas: np.ndarr
     return out
 
 
-def shallow_rows(ids: np.ndarray, lp: np.ndarray) -> list[tuple[str, str, float, float]]:
+def shallow_rows(ids: np.ndarray, vals: np.ndarray, kl: float) -> list[tuple[str, str, float, float]]:
     """(piece, candidate, B/position, KL) of ids coded against the best earlier row at a bounded depth (kept bits,
     the distance, the new codes' deltas at blosc 6; values in code order at zstd 9, as codec v3), with the
-    rate of `shallow_decode` after decompression against codec v3's (a cumulative sum per row), in CPU time."""
-    import time
-
+    rate of `shallow_decode` after decompression against codec v3's (a cumulative sum per row), in CPU time.
+    `ids` [P, k] in rank order, `vals` their sqrt codes, `kl` that code's error."""
     dictionary = group_dictionary(ids)
     codes = code_table(dictionary)[ids]
-    sqrt = codecs.SqrtProbs(127)
-    vals = sqrt.encode(lp)
-    kl = kl_top_rest(lp, sqrt.decode(vals))
     order = np.argsort(codes, axis=1, kind="stable")
     val_b = compressed_bytes(np.take_along_axis(vals, order, 1), level=9) / len(ids)
     sorted_codes = np.sort(codes, axis=1)
-    v3_deltas = sorted_codes.copy()
-    v3_deltas[:, 1:] -= sorted_codes[:, :-1]
-
-    def rate(fn, *args) -> float:
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.process_time()
-            fn(*args)
-            best = min(best, time.process_time() - t0)
-        return len(ids) / max(best, 1e-9)
-
-    v3_rate = rate(np.cumsum, v3_deltas, 1)
+    v3_deltas = sorted_code_deltas(codes)
+    v3_rate = best_rate(np.cumsum, len(ids), v3_deltas, 1)
     rows = []
     for depth in (1, 3):
         ref, _ = shallow_refs(codes, 1024, depth)
@@ -213,7 +193,7 @@ def shallow_rows(ids: np.ndarray, lp: np.ndarray) -> list[tuple[str, str, float,
             raise AssertionError(f"shallow reference coding at depth {depth} does not decode to the rows it coded")
         id_b = (compressed_bytes(bits) + compressed_bytes(dist[:, None], "byte", 6, CHUNK_BYTES)
                 + compressed_bytes(new[:, None], "byte", 6, CHUNK_BYTES) + dictionary_bytes(dictionary)) / len(ids)
-        r = rate(shallow_decode, dist, bits, new, ids.shape[1], depth)
+        r = best_rate(shallow_decode, len(ids), dist, bits, new, ids.shape[1], depth)
         rows.append(("ids + values", f"vs the best of the previous 1,024 positions at depth <= {depth} "
                      f"({kept.sum(axis=1).mean():.0f} of {ids.shape[1]} ids kept, {(ref < 0).mean():.0%} of rows "
                      f"alone): ids {id_b:.1f} + values {val_b:.1f}; ids decoded {r / 1e6:.2f}M positions/s after "

@@ -95,15 +95,18 @@ def real_teacher() -> tuple[Path, list[str], Path]:
     from xtcache.testing.real import build_real_models
 
     models = build_real_models()
-    held = [json.loads(line)["text"] for line in models.heldout_jsonl.read_text(encoding="utf-8").splitlines()]
-    return models.teacher, held, CACHE / "real-smollm2"
+    return models.teacher, _texts(models.heldout_jsonl), CACHE / "real-smollm2"
 
 
 def real_training_texts() -> list[str]:
     """The real tier's training documents (about 88k positions of the real teacher: one store part's worth)."""
     from xtcache.testing.real import build_real_models
 
-    path = build_real_models().train_jsonl
+    return _texts(build_real_models().train_jsonl)
+
+
+def _texts(path: Path) -> list[str]:
+    """The documents of a JSONL file of {"text": ...} lines."""
     return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
 
 
